@@ -1,0 +1,102 @@
+"""axondist: distributed training for any array framework.
+
+Data, sharded, pipeline and tensor parallelism over NumPy or CuPy arrays
+(other frameworks' arrays through DLPack), with user-supplied forward and
+gradient callables, on an in-process mock world, MPI or NCCL.
+
+Importing axondist imports neither mpi4py nor CuPy; a backend loads its
+library when it is created.
+"""
+
+from ._array import as_array, flatten, namespace, to_device, to_host, unflatten
+from .backends.base import Work
+from .comm import (
+    all_gather,
+    all_reduce,
+    all_reduce_max,
+    all_reduce_mean,
+    all_reduce_min,
+    all_reduce_product,
+    all_reduce_sum,
+    barrier,
+    broadcast,
+    broadcast_from,
+    gather_tensor,
+    is_main_process,
+    rank,
+    recv,
+    reduce_scatter,
+    reduce_scatter_mean,
+    reduce_scatter_sum,
+    scatter_tensor,
+    send,
+    sync_gradient,
+    sync_gradients,
+    world_size,
+)
+from .errors import (
+    AxondistError,
+    BackendUnavailableError,
+    CollectiveMismatchError,
+    CollectiveTimeoutError,
+    InvalidBufferError,
+    NotAMemberError,
+    RankError,
+    UnsupportedDTypeError,
+    WorldAbortedError,
+)
+from .launch import init, spawn
+from .ops import ReduceOp
+from .parameter import Parameter, parameters_of
+from .process_group import ProcessGroup, World, current_world
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AxondistError",
+    "BackendUnavailableError",
+    "CollectiveMismatchError",
+    "CollectiveTimeoutError",
+    "InvalidBufferError",
+    "NotAMemberError",
+    "Parameter",
+    "ProcessGroup",
+    "RankError",
+    "ReduceOp",
+    "UnsupportedDTypeError",
+    "Work",
+    "World",
+    "WorldAbortedError",
+    "all_gather",
+    "all_reduce",
+    "all_reduce_max",
+    "all_reduce_mean",
+    "all_reduce_min",
+    "all_reduce_product",
+    "all_reduce_sum",
+    "as_array",
+    "barrier",
+    "broadcast",
+    "broadcast_from",
+    "current_world",
+    "flatten",
+    "gather_tensor",
+    "init",
+    "is_main_process",
+    "namespace",
+    "parameters_of",
+    "rank",
+    "recv",
+    "reduce_scatter",
+    "reduce_scatter_mean",
+    "reduce_scatter_sum",
+    "scatter_tensor",
+    "send",
+    "spawn",
+    "sync_gradient",
+    "sync_gradients",
+    "to_device",
+    "to_host",
+    "unflatten",
+    "world_size",
+]

@@ -1,0 +1,264 @@
+"""The array layer: the only module that knows about NumPy, CuPy and DLPack.
+
+Everything else in axondist asks this module for the namespace of an array
+(``xp = namespace(x)``) and then calls only ``xp.*``. Detection never imports
+CuPy: a CuPy array can only exist if ``cupy`` is already in ``sys.modules``.
+
+Arrays of other frameworks (PyTorch, JAX, ...) come in through DLPack with
+:func:`as_array`, which shares memory with the producer where the producer
+allows it.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from math import prod
+from types import ModuleType
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+
+from .errors import InvalidBufferError, UnsupportedDTypeError
+
+try:  # bfloat16 is a NumPy extension dtype shipped by ml_dtypes.
+    from ml_dtypes import bfloat16 as _bfloat16
+
+    bfloat16: np.dtype | None = np.dtype(_bfloat16)
+except ImportError:  # pragma: no cover - ml_dtypes is a declared dependency
+    bfloat16 = None
+
+#: dtypes every backend accepts, in the order they are documented.
+SUPPORTED_DTYPES: tuple[np.dtype, ...] = tuple(
+    np.dtype(d)
+    for d in ("float16", "float32", "float64", "int8", "uint8", "int32", "int64", "bool",
+              "complex64", "complex128")
+) + ((bfloat16,) if bfloat16 is not None else ())
+
+_DLPACK_CPU = 1
+_DLPACK_CUDA = 2
+_DLPACK_CUDA_HOST = 3
+_DLPACK_CUDA_MANAGED = 13
+
+
+def _cupy() -> ModuleType | None:
+    """CuPy if the user already imported it, else None (never imports it)."""
+    return sys.modules.get("cupy")
+
+
+def is_cupy(x: Any) -> bool:
+    """True when ``x`` is a CuPy ndarray."""
+    cp = _cupy()
+    return cp is not None and isinstance(x, cp.ndarray)
+
+
+def namespace(*arrays: Any) -> ModuleType:
+    """The array module (``numpy`` or ``cupy``) of ``arrays``.
+
+    Raises:
+        TypeError: when NumPy and CuPy arrays are mixed.
+    """
+    found = {("cupy" if is_cupy(a) else "numpy") for a in arrays if a is not None}
+    if len(found) > 1:
+        raise TypeError(
+            "arrays mix NumPy (host) and CuPy (device) memory; move them to one place "
+            "first with axondist.to_host(...) or axondist.to_device(...)"
+        )
+    if found == {"cupy"}:
+        return _cupy()  # type: ignore[return-value]
+    return np
+
+
+def as_array(x: Any) -> Any:
+    """Return ``x`` as a NumPy or CuPy array, sharing memory where possible.
+
+    NumPy and CuPy arrays pass through unchanged. Objects that speak DLPack
+    (``torch.Tensor``, ``jax.Array``, ...) are imported without a copy: to NumPy
+    when they live on the CPU, to CuPy when they live on a CUDA device. Python
+    scalars and sequences become NumPy arrays.
+    """
+    if isinstance(x, np.ndarray) or is_cupy(x):
+        return x
+    if hasattr(x, "__dlpack__") and hasattr(x, "__dlpack_device__"):
+        device_type = int(x.__dlpack_device__()[0])
+        if device_type in (_DLPACK_CPU, _DLPACK_CUDA_HOST):
+            return np.from_dlpack(x)
+        if device_type in (_DLPACK_CUDA, _DLPACK_CUDA_MANAGED):
+            import cupy  # the producer is on a GPU, so CuPy is required
+
+            return cupy.from_dlpack(x)
+        raise TypeError(f"as_array: DLPack device type {device_type} is not supported "
+                        "(CPU and CUDA are)")
+    if hasattr(x, "__cuda_array_interface__"):
+        import cupy
+
+        return cupy.asarray(x)
+    return np.asarray(x)
+
+
+def to_host(x: Any) -> np.ndarray:
+    """A NumPy array with the values of ``x`` (no copy when already on the host)."""
+    x = as_array(x)
+    if is_cupy(x):
+        return x.get()
+    return x
+
+
+def to_device(x: Any, device: int | None = None) -> Any:
+    """A CuPy array on ``device`` (the current device when None) with the values of ``x``."""
+    try:
+        import cupy
+    except ImportError as exc:  # pragma: no cover - depends on the machine
+        raise ImportError(
+            "to_device needs CuPy: pip install 'axondist[gpu]' (cupy-cuda12x)"
+        ) from exc
+    x = as_array(x)
+    if device is None:
+        return cupy.asarray(x)
+    with cupy.cuda.Device(device):
+        return cupy.asarray(x)
+
+
+def is_floating(dtype: Any) -> bool:
+    """True for float16/32/64 and bfloat16."""
+    dtype = np.dtype(dtype)
+    return dtype.kind == "f" or (bfloat16 is not None and dtype == bfloat16)
+
+
+def check_dtype(dtype: Any, where: str) -> np.dtype:
+    """The dtype as ``np.dtype`` if axondist can communicate it, else a clear error."""
+    dtype = np.dtype(dtype)
+    if dtype not in SUPPORTED_DTYPES:
+        names = ", ".join(str(d) for d in SUPPORTED_DTYPES)
+        raise UnsupportedDTypeError(f"{where}: dtype {dtype} is not supported; use one of {names}")
+    return dtype
+
+
+def check_writable(x: Any, where: str) -> None:
+    """Refuse a buffer that a collective must write in place but cannot."""
+    if isinstance(x, np.ndarray) and not x.flags.writeable:
+        raise InvalidBufferError(
+            f"{where}: the array is read-only; pass a writable array (e.g. x.copy())"
+        )
+    if not x.flags.c_contiguous:
+        raise InvalidBufferError(
+            f"{where}: the array of shape {tuple(x.shape)} is not C-contiguous, so it cannot "
+            "be written in place; pass xp.ascontiguousarray(x) and use the returned array"
+        )
+
+
+def contiguous(x: Any) -> Any:
+    """``x`` itself when C-contiguous, else a contiguous copy (for read-only inputs)."""
+    if x.flags.c_contiguous:
+        return x
+    return namespace(x).ascontiguousarray(x)
+
+
+def flat_view(x: Any) -> Any:
+    """A 1-D view of a C-contiguous array (0-d arrays give one element)."""
+    return x.reshape(-1)
+
+
+@dataclass(frozen=True)
+class FlatLayout:
+    """Where each of several arrays lives inside one flat buffer.
+
+    Attributes:
+        shapes: the arrays' shapes, in buffer order.
+        offsets: start element of each array in the buffer.
+        dtype: the buffer's dtype.
+    """
+
+    shapes: tuple[tuple[int, ...], ...]
+    offsets: tuple[int, ...]
+    dtype: np.dtype
+
+    @classmethod
+    def of(cls, shapes: Iterable[Sequence[int]], dtype: Any) -> FlatLayout:
+        shapes_t = tuple(tuple(int(d) for d in s) for s in shapes)
+        offsets, total = [], 0
+        for shape in shapes_t:
+            offsets.append(total)
+            total += prod(shape)
+        return cls(shapes_t, tuple(offsets), np.dtype(dtype))
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        return tuple(prod(s) for s in self.shapes)
+
+    @property
+    def numel(self) -> int:
+        """Total number of elements in the buffer."""
+        return sum(self.sizes)
+
+    def views(self, buffer: Any) -> list[Any]:
+        """The arrays as views into ``buffer`` (no copies)."""
+        if buffer.size != self.numel:
+            raise InvalidBufferError(
+                f"FlatLayout.views: buffer has {buffer.size} elements, layout needs {self.numel}"
+            )
+        flat = buffer.reshape(-1)
+        return [
+            flat[off : off + n].reshape(shape)
+            for off, n, shape in zip(self.offsets, self.sizes, self.shapes)
+        ]
+
+    def pack(self, arrays: Sequence[Any], out: Any = None) -> Any:
+        """Copy ``arrays`` into ``out`` (allocated when None) and return it."""
+        if len(arrays) != len(self.shapes):
+            raise ValueError(f"FlatLayout.pack: got {len(arrays)} arrays, layout has "
+                             f"{len(self.shapes)}")
+        if out is None:
+            out = namespace(*arrays).empty(self.numel, dtype=self.dtype)
+        for view, a in zip(self.views(out), arrays):
+            if tuple(a.shape) != view.shape:
+                raise ValueError(f"FlatLayout.pack: array of shape {tuple(a.shape)} where the "
+                                 f"layout has {view.shape}")
+            view[...] = a
+        return out
+
+
+def flatten(arrays: Sequence[Any], dtype: Any = None) -> tuple[Any, FlatLayout]:
+    """Copy ``arrays`` into one contiguous 1-D buffer; return it and its layout.
+
+    Args:
+        arrays: NumPy or CuPy arrays (not mixed).
+        dtype: the buffer's dtype; the arrays' common result type when None.
+    """
+    arrays = [as_array(a) for a in arrays]
+    xp = namespace(*arrays)
+    if dtype is None:
+        dtype = np.result_type(*arrays) if arrays else np.float32
+    layout = FlatLayout.of((a.shape for a in arrays), dtype)
+    return layout.pack(arrays, out=xp.empty(layout.numel, dtype=layout.dtype)), layout
+
+
+def unflatten(buffer: Any, layout: FlatLayout) -> list[Any]:
+    """Views of ``buffer`` with the shapes of ``layout`` (the inverse of :func:`flatten`)."""
+    return layout.views(buffer)
+
+
+def library_name(x: Any) -> str:
+    """``"cupy"`` for CuPy arrays, ``"numpy"`` otherwise (travels in message headers)."""
+    return "cupy" if is_cupy(x) else "numpy"
+
+
+def module_named(lib: str) -> ModuleType:
+    """The array module for a :func:`library_name` (imports CuPy only when asked for)."""
+    if lib == "cupy":
+        import cupy
+
+        return cupy
+    return np
+
+
+def dtype_named(name: str) -> np.dtype:
+    """``np.dtype`` for a dtype's ``str()``, bfloat16 included."""
+    if name == "bfloat16" and bfloat16 is not None:
+        return bfloat16
+    return np.dtype(name)
+
+
+def describe(x: Any) -> str:
+    """Short text for error messages: ``float32[3, 4] (numpy)``."""
+    return f"{x.dtype}{list(x.shape)} ({library_name(x)})"

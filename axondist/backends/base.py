@@ -1,0 +1,181 @@
+"""The backend contract: what every communication backend implements.
+
+A backend object is one rank's endpoint in one communicator (the world, or a
+sub-group). It moves bytes between C-contiguous NumPy/CuPy buffers; shapes,
+uneven splits and argument checks live one level up, in :mod:`axondist.comm`.
+
+Conventions for every method:
+
+* ranks (``root``, ``src``, ``dst``) are ranks *inside this communicator*;
+* ``counts`` lists, per rank, how many elements of the flattened buffers
+  belong to that rank, in rank order;
+* ``signature`` is what every rank must agree on (op, dtype, shape...), as a
+  tuple of ``(field, value)`` pairs; a backend compares it across ranks when
+  that is free (the mock world sees every rank) or when debugging is on
+  (``AXONDIST_DEBUG=1``), and raises :class:`CollectiveMismatchError`;
+* ``async_op=True`` returns a :class:`Work` at once; otherwise the operation
+  has completed when the method returns (a completed Work is returned).
+"""
+
+from __future__ import annotations
+
+import abc
+import concurrent.futures
+import os
+from typing import Any, Callable, ClassVar, Sequence
+
+from ..ops import ReduceOp
+
+Signature = tuple[tuple[str, Any], ...]
+
+
+def debug_enabled() -> bool:
+    """True when ``AXONDIST_DEBUG`` asks for cross-rank argument checks."""
+    return os.environ.get("AXONDIST_DEBUG", "0").lower() not in ("", "0", "false", "no")
+
+
+def default_timeout() -> float:
+    """Seconds a collective may wait for peers (``AXONDIST_TIMEOUT``, default 300)."""
+    return float(os.environ.get("AXONDIST_TIMEOUT", "300"))
+
+
+class Work:
+    """Handle of an operation started with ``async_op=True``.
+
+    ``wait()`` blocks until the operation finished and returns its result
+    (the output array, or None); it re-raises the operation's error. Calling
+    it again returns the same result.
+    """
+
+    def wait(self, timeout: float | None = None) -> Any:
+        raise NotImplementedError
+
+    def is_completed(self) -> bool:
+        raise NotImplementedError
+
+
+class CompletedWork(Work):
+    """A Work whose operation already finished (what blocking calls return)."""
+
+    __slots__ = ("_result",)
+
+    def __init__(self, result: Any = None) -> None:
+        self._result = result
+
+    def wait(self, timeout: float | None = None) -> Any:
+        return self._result
+
+    def is_completed(self) -> bool:
+        return True
+
+
+class FutureWork(Work):
+    """A Work backed by a ``concurrent.futures.Future``; ``then`` maps its result."""
+
+    __slots__ = ("_future", "_then", "_done", "_result")
+
+    def __init__(self, future: concurrent.futures.Future, then: Callable[[Any], Any] | None = None):
+        self._future = future
+        self._then = then
+        self._done = False
+        self._result: Any = None
+
+    def wait(self, timeout: float | None = None) -> Any:
+        if not self._done:
+            value = self._future.result(timeout)
+            self._result = self._then(value) if self._then else value
+            self._done = True
+        return self._result
+
+    def is_completed(self) -> bool:
+        return self._future.done()
+
+
+class Backend(abc.ABC):
+    """One rank's endpoint in one communicator.
+
+    Attributes:
+        name: registry name (``"mock"``, ``"mpi"``, ``"nccl"``).
+        rank: this process's rank in the communicator.
+        world_size: number of ranks in the communicator.
+    """
+
+    name: ClassVar[str]
+    rank: int
+    world_size: int
+
+    # --- collectives on buffers -------------------------------------------------
+    @abc.abstractmethod
+    def all_reduce(self, buf: Any, op: ReduceOp, *, signature: Signature = (),
+                   async_op: bool = False) -> Work:
+        """Reduce ``buf`` over all ranks, in place."""
+
+    @abc.abstractmethod
+    def broadcast(self, buf: Any, root: int, *, signature: Signature = (),
+                  async_op: bool = False) -> Work:
+        """Copy root's ``buf`` into every rank's ``buf``."""
+
+    @abc.abstractmethod
+    def all_gather(self, send: Any, recv: Any, counts: Sequence[int], *,
+                   signature: Signature = (), async_op: bool = False) -> Work:
+        """Concatenate every rank's ``send`` into each rank's ``recv`` (rank order)."""
+
+    @abc.abstractmethod
+    def reduce_scatter(self, send: Any, recv: Any, counts: Sequence[int], op: ReduceOp, *,
+                       signature: Signature = (), async_op: bool = False) -> Work:
+        """Reduce ``send`` over ranks; rank r receives elements of block r into ``recv``."""
+
+    @abc.abstractmethod
+    def gather(self, send: Any, recv: Any | None, counts: Sequence[int], root: int, *,
+               signature: Signature = (), async_op: bool = False) -> Work:
+        """Concatenate every rank's ``send`` into root's ``recv`` (None elsewhere)."""
+
+    @abc.abstractmethod
+    def scatter(self, send: Any | None, recv: Any, counts: Sequence[int], root: int, *,
+                signature: Signature = (), async_op: bool = False) -> Work:
+        """Block r of root's ``send`` goes to rank r's ``recv``."""
+
+    @abc.abstractmethod
+    def barrier(self) -> None:
+        """Return once every rank has entered the barrier."""
+
+    # --- point to point -----------------------------------------------------------
+    @abc.abstractmethod
+    def send(self, buf: Any, dst: int, tag: int = 0) -> None:
+        """Send ``buf`` to ``dst``; returns once ``buf`` may be reused."""
+
+    @abc.abstractmethod
+    def recv(self, buf: Any, src: int, tag: int = 0) -> None:
+        """Receive a message from ``src`` into ``buf`` (whose size must match)."""
+
+    # --- small Python objects (metadata) ------------------------------------------
+    @abc.abstractmethod
+    def allgather_object(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, in rank order (for metadata, not bulk data)."""
+
+    @abc.abstractmethod
+    def broadcast_object(self, obj: Any, root: int) -> Any:
+        """Root's ``obj`` on every rank."""
+
+    @abc.abstractmethod
+    def send_object(self, obj: Any, dst: int, tag: int = 0) -> None:
+        """Send a small picklable object."""
+
+    @abc.abstractmethod
+    def recv_object(self, src: int, tag: int = 0) -> Any:
+        """Receive a small picklable object."""
+
+    # --- groups and life cycle ------------------------------------------------------
+    @abc.abstractmethod
+    def new_group(self, ranks: Sequence[int]) -> Backend | None:
+        """A communicator over ``ranks`` (of this one); every rank must call it.
+
+        Returns None on ranks that are not members.
+        """
+
+    def node_info(self) -> tuple[int, int, int]:
+        """``(node_id, local_rank, local_size)``: which machine this rank is on."""
+        return 0, self.rank, self.world_size
+
+    def close(self) -> None:
+        """Release resources (idempotent)."""

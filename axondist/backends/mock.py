@@ -1,0 +1,393 @@
+"""An in-process world: N ranks on N threads of one process.
+
+Each collective is a *round*: every rank deposits its buffers, the last one to
+arrive checks that all ranks agree on the arguments, then every rank computes
+its own share of the result from all inputs (a reduction is split into
+slices, one per rank, so the work runs in parallel where NumPy releases the
+GIL) and a second barrier keeps input buffers alive until everyone has read
+them. Reductions combine values in rank order, so a float sum gives the same
+bits on every run.
+
+A rank that never joins a round makes the others fail after ``timeout``
+seconds with an error naming the operation and the missing ranks; a rank
+that raises (under :func:`axondist.spawn`) aborts the world, which wakes
+every waiting rank with :class:`WorldAbortedError`.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import copy
+import threading
+import time
+from typing import Any, Callable, Sequence
+
+from .. import _array
+from ..errors import (
+    CollectiveMismatchError,
+    CollectiveTimeoutError,
+    RankError,
+    WorldAbortedError,
+)
+from ..ops import ReduceOp, combine_into
+from .base import Backend, CompletedWork, FutureWork, Signature, Work, default_timeout
+
+# Below this many elements one rank reduces everything: slicing costs more
+# than it saves.
+_PARALLEL_REDUCE_MIN = 1 << 16
+
+
+class _Round:
+    """One collective call, shared by the ranks of a group."""
+
+    __slots__ = ("op_name", "payloads", "signatures", "arrived", "departed", "error", "scratch")
+
+    def __init__(self, op_name: str, size: int) -> None:
+        self.op_name = op_name
+        self.payloads: list[Any] = [None] * size
+        self.signatures: list[Signature | None] = [None] * size
+        self.arrived = 0
+        self.departed = 0
+        self.error: BaseException | None = None
+        self.scratch: dict[str, Any] = {}
+
+
+class MockWorld:
+    """State shared by every rank of one in-process world."""
+
+    def __init__(self, world_size: int, timeout: float | None = None) -> None:
+        if world_size < 1:
+            raise ValueError(f"MockWorld: world_size must be >= 1, got {world_size}")
+        self.world_size = world_size
+        self.timeout = default_timeout() if timeout is None else float(timeout)
+        self.cond = threading.Condition()
+        self.rounds: dict[tuple[Any, int], _Round] = {}
+        self.mailboxes: dict[tuple[Any, int, int, int], collections.deque] = (
+            collections.defaultdict(collections.deque)
+        )
+        self.abort_reason: str | None = None
+
+    def abort(self, rank: int, exc: BaseException) -> None:
+        """Mark the world failed and wake every waiting rank."""
+        with self.cond:
+            if self.abort_reason is None:
+                self.abort_reason = f"rank {rank} failed with {type(exc).__name__}: {exc}"
+            self.cond.notify_all()
+
+    def _check_abort(self, what: str) -> None:
+        if self.abort_reason is not None:
+            raise WorldAbortedError(f"{what} cancelled: {self.abort_reason}")
+
+    def wait_for(self, ready: Callable[[], bool], what: str,
+                 missing: Callable[[], str]) -> None:
+        """Wait (holding ``cond``) until ``ready()``; abort/timeout become errors."""
+        deadline = time.monotonic() + self.timeout
+        while not ready():
+            self._check_abort(what)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise CollectiveTimeoutError(
+                    f"{what}: {missing()} within {self.timeout:g} s; every rank of the group "
+                    "must make the same collective calls in the same order"
+                )
+            self.cond.wait(min(remaining, 1.0))
+
+
+class MockBackend(Backend):
+    """One rank's endpoint in a :class:`MockWorld` communicator.
+
+    Create a world with :meth:`create_world`, which returns one backend per
+    rank; each must be used from its own thread (see :func:`axondist.spawn`).
+    """
+
+    name = "mock"
+
+    def __init__(self, world: MockWorld, group_key: Any, ranks: Sequence[int], rank: int) -> None:
+        self.world = world
+        self.group_key = group_key
+        self.global_ranks = tuple(ranks)
+        self.rank = rank
+        self.world_size = len(ranks)
+        self._seq = 0
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+
+    @classmethod
+    def create_world(cls, world_size: int, timeout: float | None = None) -> list[MockBackend]:
+        """One backend per rank of a new in-process world of ``world_size`` ranks."""
+        world = MockWorld(world_size, timeout)
+        ranks = tuple(range(world_size))
+        return [cls(world, ("world",), ranks, r) for r in range(world_size)]
+
+    # --- the round machinery -------------------------------------------------------
+    def _describe(self, op_name: str, seq: int) -> str:
+        return f"{op_name} (call #{seq} on group of ranks {list(self.global_ranks)})"
+
+    def _arrive(self, op_name: str, seq: int, payload: Any, signature: Signature) -> _Round:
+        """Deposit this rank's payload and wait for every rank of the group."""
+        w, n = self.world, self.world_size
+        what = self._describe(op_name, seq)
+        with w.cond:
+            w._check_abort(what)
+            key = (self.group_key, seq)
+            rnd = w.rounds.get(key)
+            if rnd is None:
+                rnd = w.rounds[key] = _Round(op_name, n)
+            rnd.payloads[self.rank] = payload
+            rnd.signatures[self.rank] = (("op", op_name),) + tuple(signature)
+            rnd.arrived += 1
+            if rnd.arrived == n:
+                rnd.error = _compare_signatures(op_name, rnd.signatures)
+                w.cond.notify_all()
+            else:
+                def missing() -> str:
+                    gone = [r for r in range(n) if rnd.signatures[r] is None]
+                    return f"ranks {gone} of {n} did not join"
+
+                try:
+                    w.wait_for(lambda: rnd.arrived == n, what, missing)
+                except BaseException:
+                    w.rounds.pop(key, None)
+                    raise
+            if rnd.error is not None:
+                self._leave(key, rnd)
+                raise rnd.error
+        return rnd
+
+    def _depart(self, seq: int, rnd: _Round, wait: bool) -> None:
+        """Leave the round; with ``wait``, only once every rank finished reading inputs."""
+        w, n = self.world, self.world_size
+        key = (self.group_key, seq)
+        with w.cond:
+            self._leave(key, rnd)
+            if wait and rnd.departed < n:
+                w.wait_for(lambda: rnd.departed >= n, self._describe(rnd.op_name, seq),
+                           lambda: "some ranks did not finish")
+
+    def _leave(self, key: Any, rnd: _Round) -> None:
+        rnd.departed += 1
+        if rnd.departed == self.world_size:
+            self.world.rounds.pop(key, None)
+        self.world.cond.notify_all()
+
+    def _run(self, op_name: str, payload: Any, signature: Signature,
+             compute: Callable[[_Round], Any], async_op: bool, wait_all: bool = True) -> Work:
+        seq = self._seq
+        self._seq += 1
+
+        def execute() -> Any:
+            rnd = self._arrive(op_name, seq, payload, signature)
+            try:
+                result = compute(rnd)
+            finally:
+                self._depart(seq, rnd, wait_all)
+            return result
+
+        if not async_op:
+            return CompletedWork(execute())
+        if self._executor is None:
+            self._executor = concurrent.futures.ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix=f"axondist-mock-r{self.rank}")
+        return FutureWork(self._executor.submit(execute))
+
+    # --- collectives -----------------------------------------------------------------
+    def all_reduce(self, buf: Any, op: ReduceOp, *, signature: Signature = (),
+                   async_op: bool = False) -> Work:
+        def compute(rnd: _Round) -> Any:
+            self._reduce_share(rnd, op, rnd.payloads, buf.size)
+            return buf
+
+        return self._run("all_reduce", buf, signature + (("reduce_op", op.name),),
+                         compute, async_op)
+
+    def _reduce_share(self, rnd: _Round, op: ReduceOp, inputs: Sequence[Any], numel: int) -> None:
+        """All-reduce in two phases: each rank reduces a slice, then copies the result.
+
+        Between the phases a barrier makes sure every slice is reduced before
+        anyone overwrites its own input buffer with the result.
+        """
+        n, r = self.world_size, self.rank
+        flats = [x.reshape(-1) for x in inputs]
+        w = self.world
+        with w.cond:
+            if "out" not in rnd.scratch:
+                rnd.scratch["out"] = _array.namespace(flats[0]).empty_like(flats[0])
+                rnd.scratch["reduced"] = 0
+            out = rnd.scratch["out"]
+        if numel >= _PARALLEL_REDUCE_MIN:
+            lo, hi = r * numel // n, (r + 1) * numel // n
+        else:
+            lo, hi = (0, numel) if r == 0 else (0, 0)
+        if hi > lo:
+            combine_into(out[lo:hi], [f[lo:hi] for f in flats], op)
+        with w.cond:
+            rnd.scratch["reduced"] += 1
+            w.cond.notify_all()
+            w.wait_for(lambda: rnd.scratch["reduced"] >= n, self._describe("all_reduce", -1),
+                       lambda: "some ranks did not finish reducing")
+        flats[r][...] = out
+
+    def broadcast(self, buf: Any, root: int, *, signature: Signature = (),
+                  async_op: bool = False) -> Work:
+        self._check_rank(root, "broadcast", "root")
+
+        def compute(rnd: _Round) -> Any:
+            if self.rank != root:
+                buf[...] = rnd.payloads[root]
+            return buf
+
+        return self._run("broadcast", buf, signature + (("root", root),), compute, async_op)
+
+    def all_gather(self, send: Any, recv: Any, counts: Sequence[int], *,
+                   signature: Signature = (), async_op: bool = False) -> Work:
+        def compute(rnd: _Round) -> Any:
+            flat, off = recv.reshape(-1), 0
+            for k, c in enumerate(counts):
+                flat[off:off + c] = rnd.payloads[k].reshape(-1)
+                off += c
+            return recv
+
+        return self._run("all_gather", send, signature + (("counts", tuple(counts)),),
+                         compute, async_op)
+
+    def reduce_scatter(self, send: Any, recv: Any, counts: Sequence[int], op: ReduceOp, *,
+                       signature: Signature = (), async_op: bool = False) -> Work:
+        def compute(rnd: _Round) -> Any:
+            lo = sum(counts[: self.rank])
+            hi = lo + counts[self.rank]
+            combine_into(recv.reshape(-1), [p.reshape(-1)[lo:hi] for p in rnd.payloads], op)
+            return recv
+
+        return self._run("reduce_scatter", send,
+                         signature + (("counts", tuple(counts)), ("reduce_op", op.name)),
+                         compute, async_op)
+
+    def gather(self, send: Any, recv: Any | None, counts: Sequence[int], root: int, *,
+               signature: Signature = (), async_op: bool = False) -> Work:
+        self._check_rank(root, "gather", "root")
+
+        def compute(rnd: _Round) -> Any:
+            if self.rank != root:
+                return None
+            flat, off = recv.reshape(-1), 0
+            for k, c in enumerate(counts):
+                flat[off:off + c] = rnd.payloads[k].reshape(-1)
+                off += c
+            return recv
+
+        return self._run("gather", send,
+                         signature + (("root", root), ("counts", tuple(counts))),
+                         compute, async_op)
+
+    def scatter(self, send: Any | None, recv: Any, counts: Sequence[int], root: int, *,
+                signature: Signature = (), async_op: bool = False) -> Work:
+        self._check_rank(root, "scatter", "root")
+
+        def compute(rnd: _Round) -> Any:
+            lo = sum(counts[: self.rank])
+            recv.reshape(-1)[...] = rnd.payloads[root].reshape(-1)[lo:lo + counts[self.rank]]
+            return recv
+
+        return self._run("scatter", send,
+                         signature + (("root", root), ("counts", tuple(counts))),
+                         compute, async_op)
+
+    def barrier(self) -> None:
+        self._run("barrier", None, (), lambda rnd: None, False, wait_all=False)
+
+    # --- objects -----------------------------------------------------------------------
+    def allgather_object(self, obj: Any) -> list[Any]:
+        return self._run("allgather_object", obj, (),
+                         lambda rnd: list(rnd.payloads), False, wait_all=False).wait()
+
+    def broadcast_object(self, obj: Any, root: int) -> Any:
+        self._check_rank(root, "broadcast_object", "root")
+        return self._run("broadcast_object", obj, (("root", root),),
+                         lambda rnd: rnd.payloads[root], False, wait_all=False).wait()
+
+    # --- point to point ----------------------------------------------------------------
+    def _mailbox(self, src: int, dst: int, tag: int) -> collections.deque:
+        return self.world.mailboxes[(self.group_key, src, dst, tag)]
+
+    def send(self, buf: Any, dst: int, tag: int = 0) -> None:
+        self._post(_array.namespace(buf).array(buf, copy=True), dst, tag, "send")
+
+    def send_object(self, obj: Any, dst: int, tag: int = 0) -> None:
+        self._post(copy.deepcopy(obj), dst, tag, "send_object")
+
+    def _post(self, item: Any, dst: int, tag: int, what: str) -> None:
+        self._check_rank(dst, what, "dst")
+        with self.world.cond:
+            self.world._check_abort(what)
+            self._mailbox(self.rank, dst, tag).append(item)
+            self.world.cond.notify_all()
+
+    def _take(self, src: int, tag: int, what: str) -> Any:
+        self._check_rank(src, what, "src")
+        w = self.world
+        box = self._mailbox(src, self.rank, tag)
+        with w.cond:
+            w.wait_for(lambda: len(box) > 0,
+                       f"{what} on rank {self.global_ranks[self.rank]} from group rank {src} "
+                       f"(tag {tag})",
+                       lambda: f"rank {self.global_ranks[src]} sent nothing")
+            return box.popleft()
+
+    def recv(self, buf: Any, src: int, tag: int = 0) -> None:
+        data = self._take(src, tag, "recv")
+        if data.size != buf.size or data.dtype != buf.dtype:
+            raise CollectiveMismatchError(
+                f"recv from rank {src} (tag {tag}): message is {_array.describe(data)} but the "
+                f"receive buffer is {_array.describe(buf)}"
+            )
+        buf.reshape(-1)[...] = data.reshape(-1)
+
+    def recv_object(self, src: int, tag: int = 0) -> Any:
+        return self._take(src, tag, "recv_object")
+
+    # --- groups ------------------------------------------------------------------------
+    def new_group(self, ranks: Sequence[int]) -> MockBackend | None:
+        ranks = tuple(int(r) for r in ranks)
+        seq = self._seq  # the key of the group, identical on every rank
+        all_ranks = self.allgather_object(ranks)
+        if any(r != ranks for r in all_ranks):
+            raise CollectiveMismatchError(
+                "new_group: ranks disagree on the members: "
+                + ", ".join(f"rank {k} passed {list(r)}" for k, r in enumerate(all_ranks))
+            )
+        if self.rank not in ranks:
+            return None
+        global_ranks = tuple(self.global_ranks[r] for r in ranks)
+        return MockBackend(self.world, (self.group_key, seq), global_ranks, ranks.index(self.rank))
+
+    def _check_rank(self, r: int, what: str, arg: str) -> None:
+        if not 0 <= r < self.world_size:
+            raise RankError(f"{what}: {arg}={r} is outside the group of {self.world_size} ranks "
+                            f"(valid: 0..{self.world_size - 1})")
+
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=False)
+            self._executor = None
+
+
+def _compare_signatures(op_name: str, signatures: list[Signature | None]) -> BaseException | None:
+    """The error to raise on every rank when ranks disagree on a collective's arguments."""
+    first = signatures[0]
+    if all(s == first for s in signatures):
+        return None
+    fields: dict[str, list[Any]] = {}
+    for sig in signatures:
+        for name, value in sig or ():
+            fields.setdefault(name, [])
+    for name in fields:
+        fields[name] = [dict(sig or ()).get(name) for sig in signatures]
+    differing = [name for name, vals in fields.items() if any(v != vals[0] for v in vals)]
+    if "op" in differing:
+        detail = ", ".join(f"rank {k} called {v}" for k, v in enumerate(fields["op"]))
+        return CollectiveMismatchError(
+            f"{op_name}: ranks called different collectives at the same point ({detail}); "
+            "every rank must make the same collective calls in the same order")
+    name = differing[0]
+    detail = ", ".join(f"rank {k}: {v}" for k, v in enumerate(fields[name]))
+    return CollectiveMismatchError(f"{op_name}: ranks disagree on {name} ({detail})")

@@ -1,0 +1,367 @@
+"""Collectives over a process group, for arrays of any shape.
+
+Every function takes an optional ``group`` (the current world when None) and
+works on NumPy or CuPy arrays (other frameworks' arrays through DLPack).
+Ops named for an in-place effect (``all_reduce*``, ``broadcast*``) write into
+the array passed, which must be writable and C-contiguous, and return it.
+Ops that make a new array (``all_gather``, ``reduce_scatter*``, ``gather_tensor``,
+``scatter_tensor``, ``recv``) return it. With ``async_op=True`` they return a
+:class:`~axondist.backends.Work` whose ``wait()`` gives that result.
+
+Splits along axis 0 follow :func:`numpy.array_split`: with ``L`` rows over
+``n`` ranks, the first ``L % n`` ranks get one row more.
+"""
+
+from __future__ import annotations
+
+from math import prod
+from typing import Any, Sequence
+
+from . import _array
+from .backends.base import Backend, CompletedWork, Work
+from .errors import CollectiveMismatchError, InvalidBufferError, RankError
+from .ops import ReduceOp, check_op_dtype
+from .process_group import ProcessGroup, resolve_group
+
+
+def _member(group: ProcessGroup | None, what: str) -> tuple[ProcessGroup, Backend]:
+    g = resolve_group(group)
+    return g, g.backend_for(what)
+
+
+def _check_rank(g: ProcessGroup, r: int, what: str, arg: str) -> int:
+    if not isinstance(r, (int,)) or isinstance(r, bool) or not 0 <= r < g.world_size:
+        raise RankError(f"{what}: {arg}={r!r} is not a rank of the group of {g.world_size} ranks "
+                        f"(valid: 0..{g.world_size - 1}, ranks within the group)")
+    return r
+
+
+def split_sizes(length: int, parts: int) -> list[int]:
+    """Rows per part when ``length`` rows split over ``parts`` (numpy.array_split rule)."""
+    base, extra = divmod(length, parts)
+    return [base + (1 if i < extra else 0) for i in range(parts)]
+
+
+def _finish(work: Work, async_op: bool) -> Any:
+    return work if async_op else work.wait()
+
+
+def _with_result(work: Work, result: Any) -> Work:
+    """A Work whose wait() returns ``result`` once ``work`` completed."""
+    if isinstance(work, CompletedWork):
+        return CompletedWork(result)
+    return _MappedWork(work, result)
+
+
+class _MappedWork(Work):
+    __slots__ = ("_inner", "_result")
+
+    def __init__(self, inner: Work, result: Any) -> None:
+        self._inner, self._result = inner, result
+
+    def wait(self, timeout: float | None = None) -> Any:
+        self._inner.wait(timeout)
+        return self._result
+
+    def is_completed(self) -> bool:
+        return self._inner.is_completed()
+
+
+# --- reductions ----------------------------------------------------------------------
+
+def all_reduce(x: Any, op: ReduceOp | str = ReduceOp.SUM, group: ProcessGroup | None = None,
+               async_op: bool = False) -> Any:
+    """Reduce ``x`` over the group, in place, and return it.
+
+    Args:
+        x: writable, C-contiguous array; every rank passes the same shape and dtype.
+        op: a :class:`ReduceOp` (or its name).
+        group: the group (current world when None).
+        async_op: return a Work instead of waiting.
+
+    Raises:
+        CollectiveMismatchError: ranks passed different shapes, dtypes or ops.
+        InvalidBufferError: ``x`` is read-only or not contiguous.
+        UnsupportedDTypeError: MIN/MAX on complex, AVERAGE on integers, unknown dtype.
+    """
+    g, b = _member(group, "all_reduce")
+    x = _array.as_array(x)
+    op = ReduceOp.parse(op)
+    check_op_dtype(op, x.dtype, "all_reduce")
+    _array.check_writable(x, "all_reduce")
+    sig = (("dtype", str(x.dtype)), ("shape", tuple(x.shape)))
+    return _finish(b.all_reduce(x, op, signature=sig, async_op=async_op), async_op)
+
+
+def all_reduce_sum(x: Any, group: ProcessGroup | None = None, async_op: bool = False) -> Any:
+    """Sum ``x`` over the group in place (see :func:`all_reduce`)."""
+    return all_reduce(x, ReduceOp.SUM, group, async_op)
+
+
+def all_reduce_mean(x: Any, group: ProcessGroup | None = None, async_op: bool = False) -> Any:
+    """Average ``x`` over the group in place (see :func:`all_reduce`)."""
+    return all_reduce(x, ReduceOp.AVERAGE, group, async_op)
+
+
+def all_reduce_min(x: Any, group: ProcessGroup | None = None, async_op: bool = False) -> Any:
+    """Element-wise minimum over the group, in place."""
+    return all_reduce(x, ReduceOp.MIN, group, async_op)
+
+
+def all_reduce_max(x: Any, group: ProcessGroup | None = None, async_op: bool = False) -> Any:
+    """Element-wise maximum over the group, in place."""
+    return all_reduce(x, ReduceOp.MAX, group, async_op)
+
+
+def all_reduce_product(x: Any, group: ProcessGroup | None = None, async_op: bool = False) -> Any:
+    """Element-wise product over the group, in place."""
+    return all_reduce(x, ReduceOp.PRODUCT, group, async_op)
+
+
+def reduce_scatter(x: Any, op: ReduceOp | str = ReduceOp.SUM, group: ProcessGroup | None = None,
+                   async_op: bool = False) -> Any:
+    """Reduce ``x`` over the group and return this rank's block of rows.
+
+    ``x`` (same shape on every rank, at least 1-D) is split along axis 0 as
+    :func:`numpy.array_split` would; rank r gets the reduced block r.
+    """
+    g, b = _member(group, "reduce_scatter")
+    x = _array.contiguous(_array.as_array(x))
+    op = ReduceOp.parse(op)
+    check_op_dtype(op, x.dtype, "reduce_scatter")
+    if x.ndim == 0:
+        raise InvalidBufferError("reduce_scatter: a 0-d array has no axis to split; pass x[None]")
+    rows = split_sizes(x.shape[0], g.world_size)
+    row_size = prod(x.shape[1:])
+    out = _array.namespace(x).empty((rows[g.rank],) + tuple(x.shape[1:]), dtype=x.dtype)
+    sig = (("dtype", str(x.dtype)), ("shape", tuple(x.shape)))
+    work = b.reduce_scatter(x, out, [r * row_size for r in rows], op, signature=sig,
+                            async_op=async_op)
+    return _finish(_with_result(work, out), async_op)
+
+
+def reduce_scatter_sum(x: Any, group: ProcessGroup | None = None, async_op: bool = False) -> Any:
+    """Sum over the group, then keep this rank's block of rows (see :func:`reduce_scatter`)."""
+    return reduce_scatter(x, ReduceOp.SUM, group, async_op)
+
+
+def reduce_scatter_mean(x: Any, group: ProcessGroup | None = None, async_op: bool = False) -> Any:
+    """Average over the group, then keep this rank's block of rows."""
+    return reduce_scatter(x, ReduceOp.AVERAGE, group, async_op)
+
+
+# --- broadcast and gathers ---------------------------------------------------------------
+
+def broadcast(x: Any, group: ProcessGroup | None = None, *, src: int = 0,
+              async_op: bool = False) -> Any:
+    """Copy group rank ``src``'s ``x`` into every rank's ``x`` (in place) and return it."""
+    g, b = _member(group, "broadcast")
+    _check_rank(g, src, "broadcast", "src")
+    x = _array.as_array(x)
+    _array.check_dtype(x.dtype, "broadcast")
+    _array.check_writable(x, "broadcast")
+    sig = (("dtype", str(x.dtype)), ("shape", tuple(x.shape)))
+    return _finish(b.broadcast(x, src, signature=sig, async_op=async_op), async_op)
+
+
+def broadcast_from(x: Any, group: ProcessGroup | None = None, src: int = 0,
+                   async_op: bool = False) -> Any:
+    """:func:`broadcast` with the source rank as a positional argument."""
+    return broadcast(x, group, src=src, async_op=async_op)
+
+
+def _gather_counts(g: ProcessGroup, b: Backend, x: Any, what: str,
+                   sizes: Sequence[int] | None) -> list[int]:
+    """Rows each rank contributes, checking that dtype and trailing shape agree."""
+    trailing = tuple(x.shape[1:])
+    if sizes is not None:
+        sizes = [int(s) for s in sizes]
+        if len(sizes) != g.world_size or sizes[g.rank] != x.shape[0]:
+            raise CollectiveMismatchError(
+                f"{what}: sizes={sizes} must list {g.world_size} row counts with this rank's "
+                f"({x.shape[0]}) at index {g.rank}")
+        return sizes
+    metas = b.allgather_object((x.shape[0], trailing, str(x.dtype)))
+    for field, idx in (("dtype", 2), ("trailing shape", 1)):
+        values = [m[idx] for m in metas]
+        if any(v != values[0] for v in values):
+            detail = ", ".join(f"rank {k}: {v}" for k, v in enumerate(values))
+            raise CollectiveMismatchError(f"{what}: ranks disagree on {field} ({detail})")
+    return [m[0] for m in metas]
+
+
+def _as_rows(x: Any) -> Any:
+    """0-d arrays take part in gathers as one row."""
+    return x.reshape(1) if x.ndim == 0 else x
+
+
+def all_gather(x: Any, group: ProcessGroup | None = None, *, sizes: Sequence[int] | None = None,
+               async_op: bool = False) -> Any:
+    """Concatenate every rank's ``x`` along axis 0, in rank order, on every rank.
+
+    Leading sizes may differ between ranks (trailing shape and dtype must
+    not); 0-d inputs are stacked. Passing ``sizes`` (every rank's leading
+    size, the same list on every rank) skips the exchange of sizes.
+    """
+    g, b = _member(group, "all_gather")
+    x = _as_rows(_array.contiguous(_array.as_array(x)))
+    _array.check_dtype(x.dtype, "all_gather")
+    rows = _gather_counts(g, b, x, "all_gather", sizes)
+    row_size = prod(x.shape[1:])
+    out = _array.namespace(x).empty((sum(rows),) + tuple(x.shape[1:]), dtype=x.dtype)
+    sig = (("dtype", str(x.dtype)),)
+    work = b.all_gather(x, out, [r * row_size for r in rows], signature=sig, async_op=async_op)
+    return _finish(_with_result(work, out), async_op)
+
+
+def gather_tensor(x: Any, group: ProcessGroup | None = None, dst: int = 0,
+                  async_op: bool = False) -> Any:
+    """Concatenate every rank's ``x`` along axis 0 on group rank ``dst``; None elsewhere."""
+    g, b = _member(group, "gather_tensor")
+    _check_rank(g, dst, "gather_tensor", "dst")
+    x = _as_rows(_array.contiguous(_array.as_array(x)))
+    _array.check_dtype(x.dtype, "gather_tensor")
+    rows = _gather_counts(g, b, x, "gather_tensor", None)
+    row_size = prod(x.shape[1:])
+    out = None
+    if g.rank == dst:
+        out = _array.namespace(x).empty((sum(rows),) + tuple(x.shape[1:]), dtype=x.dtype)
+    work = b.gather(x, out, [r * row_size for r in rows], dst,
+                    signature=(("dtype", str(x.dtype)),), async_op=async_op)
+    return _finish(_with_result(work, out), async_op)
+
+
+def scatter_tensor(x: Any, group: ProcessGroup | None = None, src: int = 0,
+                   async_op: bool = False) -> Any:
+    """Split ``x`` (given on group rank ``src``, ignored elsewhere) along axis 0; return this
+    rank's block (split as :func:`numpy.array_split`)."""
+    g, b = _member(group, "scatter_tensor")
+    _check_rank(g, src, "scatter_tensor", "src")
+    send = None
+    meta = None
+    if g.rank == src:
+        if x is None:
+            raise InvalidBufferError(f"scatter_tensor: the source rank {src} must pass an array")
+        send = _array.contiguous(_array.as_array(x))
+        _array.check_dtype(send.dtype, "scatter_tensor")
+        if send.ndim == 0:
+            raise InvalidBufferError("scatter_tensor: a 0-d array has no axis to split; pass x[None]")
+        lib = _array.library_name(send)
+        meta = (tuple(send.shape), str(send.dtype), lib)
+    shape, dtype, lib = b.broadcast_object(meta, src)
+    rows = split_sizes(shape[0], g.world_size)
+    row_size = prod(shape[1:])
+    xp = _array.namespace(send) if send is not None else _array.module_named(lib)
+    out = xp.empty((rows[g.rank],) + tuple(shape[1:]), dtype=_array.dtype_named(dtype))
+    work = b.scatter(send, out, [r * row_size for r in rows], src,
+                     signature=(("dtype", dtype), ("shape", shape)), async_op=async_op)
+    return _finish(_with_result(work, out), async_op)
+
+
+def barrier(group: ProcessGroup | None = None) -> None:
+    """Return once every rank of the group has called barrier."""
+    _, b = _member(group, "barrier")
+    b.barrier()
+
+
+# --- point to point --------------------------------------------------------------------
+
+def send(x: Any, dst: int, group: ProcessGroup | None = None, tag: int = 0) -> None:
+    """Send ``x`` (any shape; shape and dtype travel with it) to group rank ``dst``."""
+    g, b = _member(group, "send")
+    _check_rank(g, dst, "send", "dst")
+    if dst == g.rank:
+        raise RankError(f"send: dst={dst} is this rank; a rank cannot send to itself")
+    x = _array.contiguous(_array.as_array(x))
+    _array.check_dtype(x.dtype, "send")
+    lib = _array.library_name(x)
+    b.send_object((tuple(x.shape), str(x.dtype), lib), dst, tag)
+    b.send(x, dst, tag)
+
+
+def recv(src: int, group: ProcessGroup | None = None, tag: int = 0, *, out: Any = None) -> Any:
+    """Receive the array group rank ``src`` sent with :func:`send` and return it.
+
+    Args:
+        out: optional array to receive into (its shape and dtype must match
+            the message's); a new array is allocated when None.
+    """
+    g, b = _member(group, "recv")
+    _check_rank(g, src, "recv", "src")
+    if src == g.rank:
+        raise RankError(f"recv: src={src} is this rank; a rank cannot receive from itself")
+    shape, dtype, lib = b.recv_object(src, tag)
+    if out is None:
+        out = _array.module_named(lib).empty(shape, dtype=_array.dtype_named(dtype))
+    else:
+        _array.check_writable(out, "recv")
+        if tuple(out.shape) != tuple(shape) or str(out.dtype) != dtype:
+            raise CollectiveMismatchError(
+                f"recv: rank {src} sent {dtype}{list(shape)} but out is {_array.describe(out)}")
+    b.recv(out, src, tag)
+    return out
+
+
+# --- gradients and queries ----------------------------------------------------------
+
+def sync_gradient(grad: Any, group: ProcessGroup | None = None) -> Any:
+    """Average one gradient over the group, in place, and return it."""
+    return all_reduce(grad, ReduceOp.AVERAGE, group)
+
+
+def sync_gradients(grads: Sequence[Any], group: ProcessGroup | None = None) -> list[Any]:
+    """Average many gradients with one all-reduce per dtype; write back and return them."""
+    grads = [_array.as_array(gr) for gr in grads]
+    by_dtype: dict[str, list[int]] = {}
+    for i, gr in enumerate(grads):
+        by_dtype.setdefault(str(gr.dtype), []).append(i)
+    for idx in by_dtype.values():
+        group_grads = [grads[i] for i in idx]
+        buffer, layout = _array.flatten(group_grads)
+        all_reduce(buffer, ReduceOp.AVERAGE, group)
+        for gr, view in zip(group_grads, layout.views(buffer)):
+            _array.check_writable(gr, "sync_gradients")
+            gr[...] = view
+    return grads
+
+
+def rank(group: ProcessGroup | None = None) -> int:
+    """This process's rank in the group (-1 when not a member)."""
+    return resolve_group(group).rank
+
+
+def world_size(group: ProcessGroup | None = None) -> int:
+    """Number of ranks in the group."""
+    return resolve_group(group).world_size
+
+
+def is_main_process(group: ProcessGroup | None = None) -> bool:
+    """True on group rank 0."""
+    return resolve_group(group).rank == 0
+
+
+__all__ = [
+    "all_gather",
+    "all_reduce",
+    "all_reduce_max",
+    "all_reduce_mean",
+    "all_reduce_min",
+    "all_reduce_product",
+    "all_reduce_sum",
+    "barrier",
+    "broadcast",
+    "broadcast_from",
+    "gather_tensor",
+    "is_main_process",
+    "rank",
+    "recv",
+    "reduce_scatter",
+    "reduce_scatter_mean",
+    "reduce_scatter_sum",
+    "scatter_tensor",
+    "send",
+    "split_sizes",
+    "sync_gradient",
+    "sync_gradients",
+    "world_size",
+]

@@ -1,0 +1,91 @@
+"""Parameter: an array with an optional gradient, and what counts as a model."""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Mapping
+
+from . import _array
+
+
+class Parameter:
+    """A named array of model weights and its gradient, without autograd.
+
+    Args:
+        data: a NumPy or CuPy array (other frameworks' arrays come in through
+            DLPack, sharing memory where possible).
+        name: optional name, used in error messages and checkpoints.
+
+    Attributes:
+        data: the values. Wrappers write into it in place when they can, so
+            views a user holds stay valid.
+        grad: ``None`` or an array of ``data``'s shape set by the user's
+            gradient callable (DDP may make it a view into a bucket).
+    """
+
+    __slots__ = ("data", "grad", "name")
+
+    def __init__(self, data: Any, name: str | None = None) -> None:
+        self.data = _array.as_array(data)
+        self.grad: Any = None
+        self.name = name
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.data.shape)
+
+    @property
+    def dtype(self) -> Any:
+        return self.data.dtype
+
+    @property
+    def size(self) -> int:
+        return int(self.data.size)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.nbytes)
+
+    def zero_grad(self) -> None:
+        """Drop the gradient (``grad = None``)."""
+        self.grad = None
+
+    def __repr__(self) -> str:
+        name = f"{self.name!r}, " if self.name else ""
+        return f"Parameter({name}{_array.describe(self.data)})"
+
+
+def parameters_of(model: Any) -> list[Parameter]:
+    """The Parameters of ``model``, in a stable order.
+
+    A model is any object with a ``.parameters()`` method returning
+    Parameters, a list/tuple of Parameters, or a dict of them (values in
+    insertion order; unnamed Parameters take their key as name).
+
+    Raises:
+        TypeError: naming the first item that is not a Parameter.
+    """
+    if hasattr(model, "parameters") and callable(model.parameters):
+        items: Iterable[Any] = model.parameters()
+    elif isinstance(model, Mapping):
+        items = []
+        for key, p in model.items():
+            if isinstance(p, Parameter) and p.name is None:
+                p.name = str(key)
+            items.append(p)
+    elif isinstance(model, (list, tuple)):
+        items = model
+    elif isinstance(model, Parameter):
+        items = [model]
+    else:
+        raise TypeError(
+            f"expected a model (an object with .parameters(), or a list/dict of Parameters), "
+            f"got {type(model).__name__}"
+        )
+    params = list(items)
+    for i, p in enumerate(params):
+        if not isinstance(p, Parameter):
+            raise TypeError(
+                f"model item {i} is a {type(p).__name__}, not an axondist.Parameter; wrap arrays "
+                "with axondist.Parameter(array)"
+            )
+    return params

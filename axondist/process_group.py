@@ -1,0 +1,188 @@
+"""Process groups, the World, and which group a call uses by default."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Sequence
+
+from .backends.base import Backend
+from .errors import NotAMemberError, RankError
+
+
+class ProcessGroup:
+    """A set of ranks that communicate together, and this process's place in it.
+
+    Args:
+        backend: this rank's endpoint in the group's communicator, or None on
+            a process that is not a member (it can inspect the group but any
+            communication raises :class:`NotAMemberError`).
+        ranks: the members' ranks in the world, in group-rank order
+            (``range(backend.world_size)`` when omitted).
+
+    Ranks passed to collectives (``src``, ``dst``) are ranks *in this group*
+    (0 .. ``size - 1``), as in MPI; ``ranks[i]`` is group rank i's world rank.
+    """
+
+    def __init__(self, backend: Backend | None, ranks: Sequence[int] | None = None,
+                 *, world_rank: int | None = None) -> None:
+        if backend is None and ranks is None:
+            raise ValueError("ProcessGroup: a non-member group needs its ranks")
+        self._backend = backend
+        self._ranks = tuple(ranks) if ranks is not None else tuple(range(backend.world_size))
+        if backend is not None and len(self._ranks) != backend.world_size:
+            raise ValueError(f"ProcessGroup: {len(self._ranks)} ranks given for a backend of "
+                             f"{backend.world_size}")
+        self._world_rank = world_rank
+
+    @property
+    def backend(self) -> Backend | None:
+        """The backend endpoint (None on non-members)."""
+        return self._backend
+
+    @property
+    def rank(self) -> int:
+        """This process's rank in the group, or -1 when it is not a member."""
+        return self._backend.rank if self._backend is not None else -1
+
+    @property
+    def world_size(self) -> int:
+        """Number of ranks in the group."""
+        return len(self._ranks)
+
+    size = world_size
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        """World ranks of the members, in group-rank order."""
+        return self._ranks
+
+    @property
+    def is_member(self) -> bool:
+        return self._backend is not None
+
+    def contains(self, world_rank: int) -> bool:
+        """True when ``world_rank`` is a member."""
+        return world_rank in self._ranks
+
+    def backend_for(self, what: str) -> Backend:
+        """The backend, or a clear error when this process is not a member."""
+        if self._backend is None:
+            who = f"rank {self._world_rank}" if self._world_rank is not None else "this process"
+            raise NotAMemberError(
+                f"{what}: {who} is not a member of the group of ranks {list(self._ranks)}; "
+                "only members may communicate on it (check group.is_member first)"
+            )
+        return self._backend
+
+    def new_group(self, ranks: Sequence[int]) -> ProcessGroup:
+        """A sub-group of the members at group ranks ``ranks``; every member must call it.
+
+        Non-members of the new group get a ProcessGroup they can inspect but
+        not communicate on.
+
+        Raises:
+            RankError: a rank outside this group, or a repeated rank.
+        """
+        ranks = [int(r) for r in ranks]
+        for r in ranks:
+            if not 0 <= r < self.world_size:
+                raise RankError(f"new_group: rank {r} is outside the group of {self.world_size} "
+                                f"ranks (valid: 0..{self.world_size - 1})")
+        if len(set(ranks)) != len(ranks):
+            raise RankError(f"new_group: ranks {ranks} contain duplicates")
+        if not ranks:
+            raise RankError("new_group: ranks must not be empty")
+        backend = self.backend_for("new_group").new_group(ranks)
+        world_ranks = [self._ranks[r] for r in ranks]
+        return ProcessGroup(backend, world_ranks, world_rank=self._ranks[self.rank])
+
+    def node_info(self) -> tuple[int, int, int]:
+        """``(node_id, local_rank, local_size)`` of this rank (for hybrid sharding)."""
+        return self.backend_for("node_info").node_info()
+
+    def __repr__(self) -> str:
+        name = self._backend.name if self._backend is not None else "non-member"
+        return f"ProcessGroup({name}, rank={self.rank}, ranks={list(self._ranks)})"
+
+
+class World(ProcessGroup):
+    """The group of all ranks of a job, plus the way to make sub-groups.
+
+    A World is itself a ProcessGroup (the default group), so it can be passed
+    wherever a group is expected. Make one with :func:`axondist.init` (the
+    backend the launch asks for), :meth:`mock` (one rank, in process) or
+    :func:`axondist.spawn` (N ranks on threads).
+    """
+
+    def __init__(self, backend: Backend) -> None:
+        super().__init__(backend, range(backend.world_size), world_rank=backend.rank)
+
+    @property
+    def default_group(self) -> ProcessGroup:
+        """The group of every rank: the World itself."""
+        return self
+
+    @classmethod
+    def mock(cls, timeout: float | None = None) -> World:
+        """A one-rank in-process world (collectives are identities)."""
+        from .backends.mock import MockBackend
+
+        return cls(MockBackend.create_world(1, timeout)[0])
+
+    def __repr__(self) -> str:
+        return f"World({self.backend.name}, rank={self.rank}, world_size={self.world_size})"
+
+
+_state = threading.local()
+_process_world: World | None = None
+_process_lock = threading.Lock()
+
+
+def set_process_world(world: World | None) -> None:
+    """Make ``world`` the default for every thread without one of its own."""
+    global _process_world
+    with _process_lock:
+        _process_world = world
+
+
+def current_world() -> World:
+    """The world collectives use when no group is passed.
+
+    The thread's world under :func:`axondist.spawn`, else the one made by
+    :func:`axondist.init`, else (first use) ``init()`` is called.
+    """
+    world = getattr(_state, "world", None)
+    if world is not None:
+        return world
+    if _process_world is None:
+        from .launch import init
+
+        init()
+    assert _process_world is not None
+    return _process_world
+
+
+class use_world:
+    """Context manager making ``world`` the current thread's default world."""
+
+    def __init__(self, world: World) -> None:
+        self._world = world
+        self._saved: World | None = None
+
+    def __enter__(self) -> World:
+        self._saved = getattr(_state, "world", None)
+        _state.world = self._world
+        return self._world
+
+    def __exit__(self, *exc: Any) -> None:
+        _state.world = self._saved
+
+
+def resolve_group(group: ProcessGroup | None) -> ProcessGroup:
+    """``group``, or the current world when None."""
+    if group is None:
+        return current_world()
+    if not isinstance(group, ProcessGroup):
+        raise TypeError(f"expected an axondist ProcessGroup or World, got {type(group).__name__}")
+    return group
+

@@ -1,0 +1,33 @@
+"""Shared test settings: seeded randomness, hypothesis profiles, rank in the header."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, settings
+
+settings.register_profile(
+    "default",
+    deadline=None,
+    max_examples=int(os.environ.get("AXONDIST_TEST_EXAMPLES", "40")),
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    derandomize=True,
+)
+settings.load_profile("default")
+
+# Short collective timeout: a test that would hang fails quickly instead.
+os.environ.setdefault("AXONDIST_TIMEOUT", "60")
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    rank = os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK"))
+    size = os.environ.get("PMI_SIZE", os.environ.get("OMPI_COMM_WORLD_SIZE"))
+    where = f"MPI rank {rank} of {size}" if rank is not None else "single process"
+    return f"axondist tests: {where}, numpy {np.__version__}"
+
+
+@pytest.fixture
+def rng() -> np.random.Generator:
+    return np.random.default_rng(12345)
