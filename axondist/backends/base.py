@@ -24,6 +24,7 @@ import concurrent.futures
 import os
 from typing import Any, Callable, ClassVar, Sequence
 
+from ..errors import CollectiveMismatchError
 from ..ops import ReduceOp
 
 Signature = tuple[tuple[str, Any], ...]
@@ -179,3 +180,32 @@ class Backend(abc.ABC):
 
     def close(self) -> None:
         """Release resources (idempotent)."""
+
+
+def compare_signatures(op_name: str,
+                       signatures: Sequence[Signature | None]) -> CollectiveMismatchError | None:
+    """The error every rank raises when ranks disagree on a collective's arguments.
+
+    ``signatures`` holds each rank's signature in rank order, each starting
+    with ``("op", name_of_the_collective)``; None when they all agree.
+    Backends call it on the gathered signatures (the mock world always, MPI
+    under ``AXONDIST_DEBUG=1``) so every rank raises the same message.
+    """
+    first = signatures[0]
+    if all(s == first for s in signatures):
+        return None
+    fields: dict[str, list[Any]] = {}
+    for sig in signatures:
+        for name, value in sig or ():
+            fields.setdefault(name, [])
+    for name in fields:
+        fields[name] = [dict(sig or ()).get(name) for sig in signatures]
+    differing = [name for name, vals in fields.items() if any(v != vals[0] for v in vals)]
+    if "op" in differing:
+        detail = ", ".join(f"rank {k} called {v}" for k, v in enumerate(fields["op"]))
+        return CollectiveMismatchError(
+            f"{op_name}: ranks called different collectives at the same point ({detail}); "
+            "every rank must make the same collective calls in the same order")
+    name = differing[0]
+    detail = ", ".join(f"rank {k}: {v}" for k, v in enumerate(fields[name]))
+    return CollectiveMismatchError(f"{op_name}: ranks disagree on {name} ({detail})")

@@ -31,11 +31,19 @@ from ..errors import (
     WorldAbortedError,
 )
 from ..ops import ReduceOp, combine_into
-from .base import Backend, CompletedWork, FutureWork, Signature, Work, default_timeout
+from .base import (
+    Backend,
+    CompletedWork,
+    FutureWork,
+    Signature,
+    Work,
+    compare_signatures,
+    default_timeout,
+)
 
 # Below this many elements one rank reduces everything: slicing costs more
 # than it saves.
-_PARALLEL_REDUCE_MIN = 1 << 16
+_PARALLEL_REDUCE_MIN = 1 << 20
 
 
 class _Round:
@@ -137,7 +145,7 @@ class MockBackend(Backend):
             rnd.signatures[self.rank] = (("op", op_name),) + tuple(signature)
             rnd.arrived += 1
             if rnd.arrived == n:
-                rnd.error = _compare_signatures(op_name, rnd.signatures)
+                rnd.error = compare_signatures(op_name, rnd.signatures)
                 w.cond.notify_all()
             else:
                 def missing() -> str:
@@ -201,31 +209,33 @@ class MockBackend(Backend):
                          compute, async_op)
 
     def _reduce_share(self, rnd: _Round, op: ReduceOp, inputs: Sequence[Any], numel: int) -> None:
-        """All-reduce in two phases: each rank reduces a slice, then copies the result.
+        """This rank's part of an all-reduce, once every rank's input has arrived.
 
-        Between the phases a barrier makes sure every slice is reduced before
-        anyone overwrites its own input buffer with the result.
+        The result is accumulated in place in rank 0's buffer (so no temporary
+        is allocated), in rank order. Small buffers: the first rank here does
+        all of it under the lock. Large buffers: each rank reduces one slice in
+        parallel and a barrier waits for every slice. Then every other rank
+        copies rank 0's buffer; the departure barrier in :meth:`_run` keeps
+        rank 0 from returning (and reusing its buffer) before they are done.
         """
-        n, r = self.world_size, self.rank
+        n, r, w = self.world_size, self.rank, self.world
         flats = [x.reshape(-1) for x in inputs]
-        w = self.world
-        with w.cond:
-            if "out" not in rnd.scratch:
-                rnd.scratch["out"] = _array.namespace(flats[0]).empty_like(flats[0])
-                rnd.scratch["reduced"] = 0
-            out = rnd.scratch["out"]
-        if numel >= _PARALLEL_REDUCE_MIN:
-            lo, hi = r * numel // n, (r + 1) * numel // n
+        if numel < _PARALLEL_REDUCE_MIN:
+            with w.cond:
+                if not rnd.scratch.get("reduced"):
+                    combine_into(flats[0], flats, op)
+                    rnd.scratch["reduced"] = True
         else:
-            lo, hi = (0, numel) if r == 0 else (0, 0)
-        if hi > lo:
-            combine_into(out[lo:hi], [f[lo:hi] for f in flats], op)
-        with w.cond:
-            rnd.scratch["reduced"] += 1
-            w.cond.notify_all()
-            w.wait_for(lambda: rnd.scratch["reduced"] >= n, self._describe("all_reduce", -1),
-                       lambda: "some ranks did not finish reducing")
-        flats[r][...] = out
+            lo, hi = r * numel // n, (r + 1) * numel // n
+            if hi > lo:
+                combine_into(flats[0][lo:hi], [f[lo:hi] for f in flats], op)
+            with w.cond:
+                rnd.scratch["slices"] = rnd.scratch.get("slices", 0) + 1
+                w.cond.notify_all()
+                w.wait_for(lambda: rnd.scratch["slices"] >= n, f"{rnd.op_name} (reducing slices)",
+                           lambda: "some ranks did not finish reducing")
+        if r != 0:
+            flats[r][...] = flats[0]
 
     def broadcast(self, buf: Any, root: int, *, signature: Signature = (),
                   async_op: bool = False) -> Work:
@@ -370,24 +380,3 @@ class MockBackend(Backend):
             self._executor.shutdown(wait=False)
             self._executor = None
 
-
-def _compare_signatures(op_name: str, signatures: list[Signature | None]) -> BaseException | None:
-    """The error to raise on every rank when ranks disagree on a collective's arguments."""
-    first = signatures[0]
-    if all(s == first for s in signatures):
-        return None
-    fields: dict[str, list[Any]] = {}
-    for sig in signatures:
-        for name, value in sig or ():
-            fields.setdefault(name, [])
-    for name in fields:
-        fields[name] = [dict(sig or ()).get(name) for sig in signatures]
-    differing = [name for name, vals in fields.items() if any(v != vals[0] for v in vals)]
-    if "op" in differing:
-        detail = ", ".join(f"rank {k} called {v}" for k, v in enumerate(fields["op"]))
-        return CollectiveMismatchError(
-            f"{op_name}: ranks called different collectives at the same point ({detail}); "
-            "every rank must make the same collective calls in the same order")
-    name = differing[0]
-    detail = ", ".join(f"rank {k}: {v}" for k, v in enumerate(fields[name]))
-    return CollectiveMismatchError(f"{op_name}: ranks disagree on {name} ({detail})")

@@ -98,7 +98,7 @@ class ActionKind(enum.Enum):
 
     F = "F"
     B = "B"
-    I = "I"  # noqa: E741 - the letter is the established name in the literature
+    I = "I"  # the letter is the established name in the literature
     W = "W"
 
     @property
@@ -308,38 +308,43 @@ def _one_f_one_b(p: int, m: int, rank: int) -> list[tuple[ActionKind, int, int]]
     return order
 
 
-def _interleaved_table(p: int, m: int, v: int) -> list[tuple[int, int]]:
-    """Forward order of (microbatch, chunk) pairs shared by every rank.
-
-    Microbatches go in groups of ``p``; within a group all microbatches run
-    chunk 0, then chunk 1, ... (Narayanan et al. 2021).  When ``m`` is not a
-    multiple of ``p`` the last group is simply smaller (as in current
-    Megatron-LM), which keeps the order valid for every ``m >= 1``.
-    """
-    table = []
-    for start in range(0, m, p):
-        group = range(start, min(start + p, m))
-        table += [(mb, c) for c in range(v) for mb in group]
-    return table
-
-
 def _interleaved(p: int, m: int, v: int, rank: int) -> list[tuple[ActionKind, int, int]]:
+    """Megatron's interleaved 1F1B order for any ``m``.
+
+    Megatron's construction (Narayanan et al. 2021) needs ``m % p == 0``: the
+    forward order is a table of (microbatch, chunk) pairs taken in groups of
+    ``p`` microbatches -- chunk 0 of the group, then chunk 1, ... -- and the
+    backward order is the same table with the chunk order mirrored; rank ``r``
+    runs ``2 * (p - r - 1) + (v - 1) * p`` warm-up forwards, then alternates
+    one forward and one backward, then drains the backwards.
+
+    For other ``m`` we build that order for ``m`` rounded up to a multiple of
+    ``p`` and delete the actions of the padding microbatches.  Deleting
+    actions keeps the schedule deadlock-free (every remaining wait was
+    already implied, transitively, by the padded schedule) and keeps the
+    send/recv sequences of every rank pair equal (a padding microbatch's
+    messages disappear at both ends).  The padding slots turn into idle time,
+    so such ``m`` get a somewhat larger bubble than a multiple of ``p`` would.
+    """
     if v == 1:
         return _one_f_one_b(p, m, rank)
-    table = _interleaved_table(p, m, v)
+    padded = -(-m // p) * p
+    table = [
+        (mb, c)
+        for start in range(0, padded, p)
+        for c in range(v)
+        for mb in range(start, start + p)
+    ]
     total = len(table)
     forwards = [(ActionKind.F, mb, c) for mb, c in table]
-    # Backward order: the same table with the chunk order mirrored.
     backwards = [(ActionKind.B, mb, v - 1 - c) for mb, c in table]
-    # Megatron's warm-up: enough forwards that rank `rank`'s first backward
-    # (last chunk) has been reached by the wave going down and coming back up.
     warmup = min((p - rank - 1) * 2 + (v - 1) * p, total)
     order = forwards[:warmup]
     for i in range(total - warmup):
         order.append(forwards[warmup + i])
         order.append(backwards[i])
     order += backwards[total - warmup:]
-    return order
+    return [item for item in order if item[1] < m]
 
 
 def _zero_bubble_h1(p: int, m: int, rank: int) -> list[tuple[ActionKind, int, int]]:
@@ -378,10 +383,12 @@ def build_schedule(
     * ``GPIPE``: all forwards, then all backwards in the same microbatch order
       (chunk by chunk, last chunk's backwards first, when ``chunks > 1``).
     * ``ONE_F_ONE_B``: PipeDream-flush; needs ``chunks == 1``.
-    * ``INTERLEAVED_ONE_F_ONE_B``: Megatron's interleaved order with
-      microbatch groups of ``num_ranks`` (the last group may be smaller) and
-      warm-up ``2 * (p - rank - 1) + (chunks - 1) * p`` forwards (capped).
-      With ``chunks == 1`` it is exactly ``ONE_F_ONE_B``.
+    * ``INTERLEAVED_ONE_F_ONE_B``: Megatron's interleaved order (microbatch
+      groups of ``num_ranks``, warm-up ``2 * (p - rank - 1) + (chunks - 1) * p``
+      forwards); when ``num_microbatches`` is not a multiple of ``num_ranks``
+      it is built for the next multiple and the padding microbatches are
+      deleted (see ``_interleaved``).  With ``chunks == 1`` it is exactly
+      ``ONE_F_ONE_B``.
     * ``ZERO_BUBBLE_H1``: 1F1B with B split into I and W, W deferred by
       ``rank`` microbatches; needs ``chunks == 1``.
 
@@ -424,17 +431,19 @@ def _check_structure(schedule: Schedule) -> None:
         raise ScheduleError(f"expected action lists for {p} ranks, got {len(schedule.actions)}")
     for r, row in enumerate(schedule.actions):
         for k, a in enumerate(row):
-            where = {"rank": r, "step": k, "action": a}
             if not isinstance(a, Action) or not isinstance(a.kind, ActionKind):
                 raise ScheduleError(f"expected an Action, got {a!r}", rank=r, step=k)
+            reason = None
             if a.rank != r:
-                raise ScheduleError(f"is listed for rank {r} but says rank {a.rank}", **where)
-            if a.step != k:
-                raise ScheduleError(f"is at index {k} but says step {a.step}", **where)
-            if not 0 <= a.microbatch < m:
-                raise ScheduleError(f"microbatch must be in [0, {m}), got {a.microbatch}", **where)
-            if not 0 <= a.chunk < v:
-                raise ScheduleError(f"chunk must be in [0, {v}), got {a.chunk}", **where)
+                reason = f"is listed for rank {r} but says rank {a.rank}"
+            elif a.step != k:
+                reason = f"is at index {k} but says step {a.step}"
+            elif not 0 <= a.microbatch < m:
+                reason = f"microbatch must be in [0, {m}), got {a.microbatch}"
+            elif not 0 <= a.chunk < v:
+                reason = f"chunk must be in [0, {v}), got {a.chunk}"
+            if reason is not None:
+                raise ScheduleError(reason, rank=r, step=k, action=a)
 
 
 def _check_completeness(schedule: Schedule) -> None:

@@ -1,0 +1,381 @@
+"""Every collective and ReduceOp against a NumPy reference, on random worlds.
+
+Each rank derives every rank's input from (seed, rank), so it can compute the
+expected result locally and check its own output; the same bodies run on the
+mock world and, under ``mpiexec``, on MPI.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from harness import run_world, world_sizes
+
+import axondist as ad
+from axondist import ReduceOp
+from axondist._array import bfloat16
+
+DTYPES = ["float16", "float32", "float64", "int32", "int64", "bool", "bfloat16"]
+FLOAT_TOL = {"float16": 2e-2, "bfloat16": 5e-2, "float32": 1e-5, "float64": 1e-12}
+
+
+def _dtype(name: str) -> np.dtype:
+    return bfloat16 if name == "bfloat16" else np.dtype(name)
+
+
+def make_input(seed: int, rank: int, shape: tuple[int, ...], dtype: str,
+               op: ReduceOp = ReduceOp.SUM) -> np.ndarray:
+    """Rank ``rank``'s input: small values, so integer sums never overflow."""
+    rng = np.random.default_rng([seed, rank])
+    if dtype == "bool":
+        return np.asarray(rng.random(shape) < 0.5)
+    if op is ReduceOp.PRODUCT:
+        values = rng.choice([-1.0, 1.0, 2.0, 0.5], size=shape)
+        if dtype.startswith("int"):
+            values = rng.choice([-1, 1, 2], size=shape)
+    elif dtype.startswith("int"):
+        values = rng.integers(-50, 50, size=shape)
+    else:
+        values = rng.standard_normal(shape)
+    return np.asarray(values).astype(_dtype(dtype))
+
+
+def reference_reduce(inputs: list[np.ndarray], op: ReduceOp) -> np.ndarray:
+    """The expected reduction, computed in float64 (or exactly, for ints and bools)."""
+    stack = np.stack([np.asarray(x) for x in inputs])
+    dtype = inputs[0].dtype
+    if dtype == bool:
+        fn = {ReduceOp.SUM: np.any, ReduceOp.MAX: np.any,
+              ReduceOp.PRODUCT: np.all, ReduceOp.MIN: np.all}[op]
+        return fn(stack, axis=0)
+    wide = stack.astype(np.float64) if dtype.kind == "f" or dtype == bfloat16 else stack
+    out = {
+        ReduceOp.SUM: lambda: wide.sum(axis=0),
+        ReduceOp.AVERAGE: lambda: wide.mean(axis=0),
+        ReduceOp.PRODUCT: lambda: wide.prod(axis=0),
+        ReduceOp.MIN: lambda: wide.min(axis=0),
+        ReduceOp.MAX: lambda: wide.max(axis=0),
+    }[op]()
+    return np.asarray(out)
+
+
+def assert_matches(got: np.ndarray, want: np.ndarray, dtype: str, n_terms: int = 1) -> None:
+    assert got.shape == want.shape, (got.shape, want.shape)
+    if dtype in FLOAT_TOL:
+        tol = FLOAT_TOL[dtype] * max(1, n_terms)
+        np.testing.assert_allclose(got.astype(np.float64), want.astype(np.float64),
+                                   rtol=tol, atol=tol)
+    else:
+        np.testing.assert_array_equal(got, want)
+
+
+shapes = st.lists(st.integers(0, 5), min_size=0, max_size=3).map(tuple)
+seeds = st.integers(0, 2**31 - 1)
+
+
+def pick_members(seed: int, n: int, use_subgroup: bool) -> list[int]:
+    """A seeded non-empty subset of 0..n-1 (every rank draws the same one)."""
+    if not use_subgroup:
+        return list(range(n))
+    rng = np.random.default_rng([seed, 999])
+    k = int(rng.integers(1, n + 1))
+    return sorted(int(r) for r in rng.choice(n, size=k, replace=False))
+
+
+def on_group(world: ad.World, members: list[int]) -> ad.ProcessGroup | None:
+    """The sub-group of ``members`` (None on ranks outside it); every rank calls this."""
+    if members == list(range(world.world_size)):
+        return world
+    group = world.new_group(members)
+    return group if group.is_member else None
+
+
+# --- all_reduce ---------------------------------------------------------------------
+
+def _body_all_reduce(world, seed, shape, dtype, op, use_subgroup):
+    members = pick_members(seed, world.world_size, use_subgroup)
+    group = on_group(world, members)
+    if group is None:
+        return None
+    x = make_input(seed, world.rank, shape, dtype, op)
+    out = ad.all_reduce(x, op, group)
+    assert out is x, "all_reduce must work in place and return its input"
+    want = reference_reduce([make_input(seed, r, shape, dtype, op) for r in members], op)
+    assert_matches(x, want, dtype, len(members))
+    return x
+
+
+def _valid(op: ReduceOp, dtype: str) -> bool:
+    return not (op is ReduceOp.AVERAGE and dtype in ("int32", "int64", "bool"))
+
+
+@given(n=world_sizes(), seed=seeds, shape=shapes, dtype=st.sampled_from(DTYPES),
+       op=st.sampled_from(list(ReduceOp)), use_subgroup=st.booleans())
+def test_all_reduce_matches_numpy(n, seed, shape, dtype, op, use_subgroup):
+    if not _valid(op, dtype):
+        op = ReduceOp.SUM
+    run_world(_body_all_reduce, n, seed, shape, dtype, op, use_subgroup)
+
+
+def _body_named_reductions(world, seed):
+    x = make_input(seed, world.rank, (3, 2), "float64")
+    inputs = [make_input(seed, r, (3, 2), "float64") for r in range(world.world_size)]
+    for fn, op in [(ad.all_reduce_sum, ReduceOp.SUM), (ad.all_reduce_mean, ReduceOp.AVERAGE),
+                   (ad.all_reduce_min, ReduceOp.MIN), (ad.all_reduce_max, ReduceOp.MAX),
+                   (ad.all_reduce_product, ReduceOp.PRODUCT)]:
+        y = fn(x.copy())
+        np.testing.assert_allclose(y, reference_reduce(inputs, op), rtol=1e-12)
+    # names are accepted too, and a default group
+    y = ad.all_reduce(x.copy(), "mean")
+    np.testing.assert_allclose(y, reference_reduce(inputs, ReduceOp.AVERAGE), rtol=1e-12)
+
+
+@given(n=world_sizes(), seed=seeds)
+def test_named_reductions_use_the_default_group(n, seed):
+    run_world(_body_named_reductions, n, seed)
+
+
+def _body_deterministic(world, seed):
+    x = make_input(seed, world.rank, (70_000,), "float32")
+    a = ad.all_reduce(x.copy())
+    b = ad.all_reduce(x.copy())
+    np.testing.assert_array_equal(a, b)
+    want = make_input(seed, 0, (70_000,), "float32")
+    for r in range(1, world.world_size):
+        want = want + make_input(seed, r, (70_000,), "float32")
+    if world.backend.name == "mock":
+        # rank-order summation: bit-identical to a sequential float32 sum over ranks
+        np.testing.assert_array_equal(a, want)
+    else:
+        np.testing.assert_allclose(a, want, rtol=1e-4, atol=1e-5)
+
+
+@given(n=world_sizes(2, 6), seed=seeds)
+def test_float_sums_are_reproducible(n, seed):
+    run_world(_body_deterministic, n, seed)
+
+
+# --- broadcast ----------------------------------------------------------------------
+
+def _body_broadcast(world, seed, shape, dtype, src_pick, use_subgroup):
+    members = pick_members(seed, world.world_size, use_subgroup)
+    group = on_group(world, members)
+    if group is None:
+        return
+    src = src_pick % len(members)
+    x = make_input(seed, world.rank, shape, dtype)
+    out = ad.broadcast(x, group, src=src)
+    assert out is x
+    assert_matches(x, make_input(seed, members[src], shape, dtype), dtype)
+    y = ad.broadcast_from(make_input(seed, world.rank, shape, dtype), group, src)
+    assert_matches(y, make_input(seed, members[src], shape, dtype), dtype)
+
+
+@given(n=world_sizes(), seed=seeds, shape=shapes, dtype=st.sampled_from(DTYPES),
+       src_pick=st.integers(0, 7), use_subgroup=st.booleans())
+def test_broadcast_copies_the_source(n, seed, shape, dtype, src_pick, use_subgroup):
+    run_world(_body_broadcast, n, seed, shape, dtype, src_pick, use_subgroup)
+
+
+# --- all_gather / gather / scatter / reduce_scatter -------------------------------
+
+def _rows(seed: int, rank: int, max_rows: int) -> int:
+    return int(np.random.default_rng([seed, rank, 7]).integers(0, max_rows + 1))
+
+
+def _body_all_gather(world, seed, trailing, dtype, use_subgroup, zero_d):
+    members = pick_members(seed, world.world_size, use_subgroup)
+    group = on_group(world, members)
+    if group is None:
+        return
+    def local(r):
+        shape = () if zero_d else (_rows(seed, r, 4),) + trailing
+        return make_input(seed, r, shape, dtype)
+
+    got = ad.all_gather(local(world.rank), group)
+    want = np.stack([local(r) for r in members]) if zero_d else np.concatenate(
+        [local(r) for r in members])
+    assert_matches(got, want, dtype)
+    sizes = [1 if zero_d else _rows(seed, r, 4) for r in members]
+    got2 = ad.all_gather(local(world.rank), group, sizes=sizes)
+    assert_matches(got2, want, dtype)
+
+
+@given(n=world_sizes(), seed=seeds, trailing=st.lists(st.integers(0, 3), max_size=2).map(tuple),
+       dtype=st.sampled_from(DTYPES), use_subgroup=st.booleans(), zero_d=st.booleans())
+def test_all_gather_concatenates_uneven_rows(n, seed, trailing, dtype, use_subgroup, zero_d):
+    run_world(_body_all_gather, n, seed, trailing, dtype, use_subgroup, zero_d)
+
+
+def _body_gather(world, seed, dtype, dst_pick):
+    n = world.world_size
+    dst = dst_pick % n
+
+    def local(r):
+        return make_input(seed, r, (_rows(seed, r, 3), 2), dtype)
+
+    got = ad.gather_tensor(local(world.rank), world, dst)
+    if world.rank == dst:
+        assert_matches(got, np.concatenate([local(r) for r in range(n)]), dtype)
+    else:
+        assert got is None
+
+
+@given(n=world_sizes(), seed=seeds, dtype=st.sampled_from(DTYPES), dst_pick=st.integers(0, 7))
+def test_gather_tensor_lands_on_dst_only(n, seed, dtype, dst_pick):
+    run_world(_body_gather, n, seed, dtype, dst_pick)
+
+
+def _body_scatter(world, seed, rows, dtype, src_pick, use_subgroup):
+    members = pick_members(seed, world.world_size, use_subgroup)
+    group = on_group(world, members)
+    if group is None:
+        return
+    src = src_pick % len(members)
+    full = make_input(seed, 1000, (rows, 3), dtype)
+    got = ad.scatter_tensor(full if group.rank == src else None, group, src)
+    assert_matches(got, np.array_split(full, len(members))[group.rank], dtype)
+
+
+@given(n=world_sizes(), seed=seeds, rows=st.integers(0, 11), dtype=st.sampled_from(DTYPES),
+       src_pick=st.integers(0, 7), use_subgroup=st.booleans())
+def test_scatter_tensor_splits_like_array_split(n, seed, rows, dtype, src_pick, use_subgroup):
+    run_world(_body_scatter, n, seed, rows, dtype, src_pick, use_subgroup)
+
+
+def _body_reduce_scatter(world, seed, rows, dtype, mean, use_subgroup):
+    members = pick_members(seed, world.world_size, use_subgroup)
+    group = on_group(world, members)
+    if group is None:
+        return
+    shape = (rows, 2)
+    x = make_input(seed, world.rank, shape, dtype)
+    got = (ad.reduce_scatter_mean if mean else ad.reduce_scatter_sum)(x, group)
+    op = ReduceOp.AVERAGE if mean else ReduceOp.SUM
+    full = reference_reduce([make_input(seed, r, shape, dtype) for r in members], op)
+    assert_matches(got, np.array_split(full, len(members))[group.rank], dtype, len(members))
+
+
+@given(n=world_sizes(), seed=seeds, rows=st.integers(0, 13),
+       dtype=st.sampled_from(["float32", "float64", "int64", "bfloat16"]), mean=st.booleans(),
+       use_subgroup=st.booleans())
+def test_reduce_scatter_matches_numpy(n, seed, rows, dtype, mean, use_subgroup):
+    if mean and dtype == "int64":
+        mean = False
+    run_world(_body_reduce_scatter, n, seed, rows, dtype, mean, use_subgroup)
+
+
+# --- point to point, barrier, async -------------------------------------------------
+
+def _body_ring(world, seed, shape, dtype):
+    n, r = world.world_size, world.rank
+    if n == 1:
+        return
+    # Even ranks send first, odd ranks receive first: no rank waits on itself.
+    right, left = (r + 1) % n, (r - 1) % n
+    mine = make_input(seed, r, shape, dtype)
+    if r % 2 == 0:
+        ad.send(mine, right, tag=3)
+        got = ad.recv(left, tag=3)
+    else:
+        got = ad.recv(left, tag=3)
+        ad.send(mine, right, tag=3)
+    assert_matches(got, make_input(seed, left, shape, dtype), dtype)
+    # receive into a preallocated array
+    out = np.empty(shape, dtype=_dtype(dtype))
+    if r == 0:
+        ad.send(mine, n - 1)
+    if r == n - 1:
+        ad.recv(0, out=out)
+        assert_matches(out, make_input(seed, 0, shape, dtype), dtype)
+
+
+@given(n=world_sizes(), seed=seeds, shape=shapes, dtype=st.sampled_from(DTYPES))
+def test_send_recv_carries_shape_and_dtype(n, seed, shape, dtype):
+    run_world(_body_ring, n, seed, shape, dtype)
+
+
+def _body_async(world, seed):
+    n = world.world_size
+    xs = [make_input(seed, world.rank, (100 + i,), "float64") for i in range(3)]
+    works = [ad.all_reduce(x, ReduceOp.SUM, async_op=True) for x in xs]
+    gathered = ad.all_gather(np.array([world.rank]), async_op=True)
+    for i, (w, x) in enumerate(zip(works, xs)):
+        assert w.wait() is x
+        assert w.is_completed()
+        want = reference_reduce([make_input(seed, r, (100 + i,), "float64") for r in range(n)],
+                                ReduceOp.SUM)
+        np.testing.assert_allclose(x, want, rtol=1e-12)
+    np.testing.assert_array_equal(gathered.wait(), np.arange(n))
+    rs = ad.reduce_scatter_sum(np.ones((n * 2,)), async_op=True).wait()
+    np.testing.assert_array_equal(rs, np.full(2, float(n)))
+    ad.barrier()
+
+
+@given(n=world_sizes(), seed=seeds)
+def test_async_handles_complete_with_results(n, seed):
+    run_world(_body_async, n, seed)
+
+
+def _body_queries(world):
+    assert ad.rank() == world.rank and ad.world_size() == world.world_size
+    assert ad.is_main_process() == (world.rank == 0)
+    grads = [make_input(5, world.rank, (3,), "float64"), make_input(6, world.rank, (2, 2),
+                                                                    "float32")]
+    ad.sync_gradients(grads)
+    for seed, g, shape, dt in [(5, grads[0], (3,), "float64"), (6, grads[1], (2, 2), "float32")]:
+        want = np.mean([make_input(seed, r, shape, dt) for r in range(world.world_size)], axis=0)
+        np.testing.assert_allclose(g, want, rtol=1e-5)
+    g = make_input(7, world.rank, (4,), "float64")
+    ad.sync_gradient(g)
+    np.testing.assert_allclose(
+        g, np.mean([make_input(7, r, (4,), "float64") for r in range(world.world_size)], axis=0))
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_queries_and_gradient_sync(n):
+    run_world(_body_queries, n)
+
+
+# --- bad input that every backend must refuse locally ------------------------------
+
+def _body_bad_local_input(world):
+    n = world.world_size
+    with pytest.raises(ad.InvalidBufferError, match="read-only"):
+        x = np.ones(3)
+        x.flags.writeable = False
+        ad.all_reduce(x)
+    with pytest.raises(ad.InvalidBufferError, match="not C-contiguous"):
+        ad.broadcast(np.ones((4, 4))[:, ::2])
+    with pytest.raises(ad.UnsupportedDTypeError, match="MIN is not defined for complex"):
+        ad.all_reduce(np.ones(2, dtype=complex), ReduceOp.MIN)
+    with pytest.raises(ad.UnsupportedDTypeError, match="AVERAGE is not defined for int64"):
+        ad.all_reduce_mean(np.ones(2, dtype=np.int64))
+    with pytest.raises(ad.UnsupportedDTypeError, match="not supported"):
+        ad.all_reduce(np.array(["a"]))
+    with pytest.raises(ad.RankError, match=f"src={n}"):
+        ad.broadcast(np.ones(2), src=n)
+    with pytest.raises(ad.RankError, match="dst=-1"):
+        ad.gather_tensor(np.ones(2), dst=-1)
+    with pytest.raises(ValueError, match="unknown reduce op"):
+        ad.all_reduce(np.ones(2), "median")
+    with pytest.raises(ad.InvalidBufferError, match="0-d"):
+        ad.reduce_scatter_sum(np.ones(()))
+    with pytest.raises(ad.RankError, match="itself"):
+        ad.send(np.ones(1), world.rank)
+    if n >= 2:
+        group = world.new_group([0])
+        if world.rank != 0:
+            assert not group.is_member and group.rank == -1
+            with pytest.raises(ad.NotAMemberError, match=r"not a member of the group of ranks \[0\]"):
+                ad.all_reduce(np.ones(1), group=group)
+    with pytest.raises(ad.RankError, match="outside the group"):
+        world.new_group([n])
+    ad.barrier()
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_bad_local_input_gets_clear_errors(n):
+    run_world(_body_bad_local_input, n)
