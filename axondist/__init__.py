@@ -52,7 +52,43 @@ from .process_group import ProcessGroup, World, current_world
 
 __version__ = "0.1.0"
 
+# Wrappers load on first use (PEP 562), so `import axondist` stays as light as
+# the collectives: an MPI job's start-up pays only for what it uses.
+_LAZY = {
+    "DistributedDataParallel": "ddp", "DDP": "ddp",
+    "GradSyncStrategy": "bucketing", "GradientBucket": "bucketing",
+    "GradientSynchronizer": "bucketing",
+    "SGD": "optim", "Adam": "optim", "AdamW": "optim", "Optimizer": "optim",
+    "FullyShardedDataParallel": "fsdp", "FSDP": "fsdp", "ShardingStrategy": "fsdp",
+    "CPUOffload": "fsdp", "MixedPrecision": "fsdp", "FSDPMemoryStats": "fsdp",
+    "save_full_checkpoint": "checkpoint", "load_full_checkpoint": "checkpoint",
+    "save_sharded_checkpoint": "checkpoint", "load_sharded_checkpoint": "checkpoint",
+    "CheckpointReader": "checkpoint", "CheckpointError": "checkpoint",
+    "Pipeline": "pipeline", "PipelineStage": "pipeline", "PipelineSchedule": "pipeline",
+    "PipelineMemoryStats": "pipeline",
+    "ColumnParallelLinear": "tensor_parallel", "RowParallelLinear": "tensor_parallel",
+    "TensorParallelMLP": "tensor_parallel",
+    "DeviceMesh": "mesh", "make_mesh": "mesh",
+    "DistributedSampler": "data",
+}
+
+
+def __getattr__(name: str) -> object:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'axondist' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 __all__ = [
+    *_LAZY,
     "AxondistError",
     "BackendUnavailableError",
     "CollectiveMismatchError",

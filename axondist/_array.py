@@ -35,6 +35,10 @@ SUPPORTED_DTYPES: tuple[np.dtype, ...] = tuple(
               "complex64", "complex128")
 ) + ((bfloat16,) if bfloat16 is not None else ())
 
+# np.dtype instances have one class per dtype (numpy.dtypes.Float32DType, ...), so
+# checking the class is a cheap exact test on the per-call hot path.
+_SUPPORTED_DTYPE_CLASSES = frozenset(type(d) for d in SUPPORTED_DTYPES)
+
 _DLPACK_CPU = 1
 _DLPACK_CUDA = 2
 _DLPACK_CUDA_HOST = 3
@@ -58,6 +62,8 @@ def namespace(*arrays: Any) -> ModuleType:
     Raises:
         TypeError: when NumPy and CuPy arrays are mixed.
     """
+    if len(arrays) == 1 and type(arrays[0]) is np.ndarray:  # the common case, kept cheap
+        return np
     found = {("cupy" if is_cupy(a) else "numpy") for a in arrays if a is not None}
     if len(found) > 1:
         raise TypeError(
@@ -127,6 +133,8 @@ def is_floating(dtype: Any) -> bool:
 
 def check_dtype(dtype: Any, where: str) -> np.dtype:
     """The dtype as ``np.dtype`` if axondist can communicate it, else a clear error."""
+    if type(dtype) in _SUPPORTED_DTYPE_CLASSES and dtype.isnative:  # a supported np.dtype
+        return dtype
     dtype = np.dtype(dtype)
     if dtype not in SUPPORTED_DTYPES:
         names = ", ".join(str(d) for d in SUPPORTED_DTYPES)

@@ -1,28 +1,628 @@
-"""The demo behind ``python -m axondist demo``."""
+"""The demo behind ``python -m axondist demo``: train a small MLP, then check it.
+
+A NumPy MLP (``depth`` linear layers, tanh between them, hand-written forward
+and backward) learns a synthetic regression task (targets from a random
+"teacher" MLP plus noise, all seeded) with one of the parallel strategies.
+The same number of steps of plain single-process training on the same
+global batches gives the reference; the demo reports the largest absolute
+difference between the two runs' parameters and fails when it exceeds the
+tolerance. Data parallelism does not change the maths, only where it runs,
+so the two must agree to rounding.
+
+* ``ddp``: every rank holds the model and trains on its share of each
+  global batch (a :class:`~axondist.data.DistributedSampler`);
+  DistributedDataParallel averages the gradients.
+* ``fsdp``: as ddp, but each rank keeps only a shard of the parameters,
+  gradients and optimizer state (FullyShardedDataParallel).
+* ``pipeline``: the layers are split into one stage per rank; the global
+  batch runs through them as micro-batches on a pipeline schedule.
+* ``tp``: every linear layer is split across the ranks (column-parallel and
+  row-parallel layers in turn); every rank sees the whole batch.
+
+On the mock world the ranks are threads of this process
+(:func:`axondist.spawn`); under ``mpiexec -n K`` each process is one rank of
+the MPI world (:func:`axondist.init`) and only rank 0 prints.
+"""
 
 from __future__ import annotations
+
+import importlib
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, TextIO
 
 import numpy as np
 
 from . import comm
-from .launch import spawn
-from .process_group import World
+from .comm import split_sizes
+from .data import DistributedSampler
+from .optim import SGD
+from .parameter import Parameter
+from .process_group import ProcessGroup
+
+STRATEGIES = ("ddp", "fsdp", "pipeline", "tp")
+
+#: exit status when a strategy's module is not part of this installation.
+EXIT_UNAVAILABLE = 2
 
 
-def _rank_gradient(world: World) -> np.ndarray:
-    rng = np.random.default_rng(world.rank)
-    grad = rng.standard_normal(4).astype(np.float32)
-    local = grad.copy()
-    comm.all_reduce_mean(grad)
-    return np.stack([local, grad])
+class StrategyUnavailable(RuntimeError):
+    """The module a strategy needs is missing from this installation."""
 
 
-def run_demo(world_size: int = 4) -> int:
-    """Average per-rank gradients on a mock world and check them against NumPy."""
-    results = spawn(_rank_gradient, world_size)
-    for r, pair in enumerate(results):
-        print(f"rank {r}: local grad {np.round(pair[0], 4)} -> averaged {np.round(pair[1], 4)}")
-    expected = np.mean([pair[0] for pair in results], axis=0)
-    ok = all(np.allclose(pair[1], expected, rtol=1e-6) for pair in results)
-    print("all ranks agree with numpy.mean:", "yes" if ok else "NO")
-    return 0 if ok else 1
+# --- configuration -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    """What the demo trains, and how."""
+
+    strategy: str = "ddp"
+    """One of :data:`STRATEGIES`."""
+    world_size: int = 4
+    """Ranks taking part (the MPI world's size under mpiexec)."""
+    steps: int = 40
+    """Optimizer steps."""
+    batch_size: int = 16
+    """Samples per rank and step; the global batch is ``batch_size * world_size``."""
+    in_features: int = 8
+    """Input width of the MLP."""
+    hidden: int = 32
+    """Width of every hidden layer."""
+    out_features: int = 4
+    """Output width (regression targets per sample)."""
+    depth: int = 4
+    """Linear layers (the pipeline strategy needs at least one per rank)."""
+    samples: int = 512
+    """Size of the synthetic data set."""
+    lr: float = 0.05
+    """SGD learning rate."""
+    momentum: float = 0.9
+    """SGD momentum."""
+    seed: int = 0
+    """Seed of the data, the teacher and the initial weights."""
+    dtype: str = "float32"
+    """``"float32"`` or ``"float64"``: parameters, data and communication."""
+    schedule: str = "1f1b"
+    """The pipeline schedule (pipeline strategy only)."""
+    tol: float | None = None
+    """Largest accepted parameter difference (None: 1e-4 for float32, 1e-10 for float64)."""
+
+    @property
+    def tolerance(self) -> float:
+        """``tol``, or the default for ``dtype``."""
+        if self.tol is not None:
+            return self.tol
+        return 1e-10 if np.dtype(self.dtype) == np.float64 else 1e-4
+
+    def sizes(self) -> list[int]:
+        """Feature widths, input to output: ``depth + 1`` numbers."""
+        return [self.in_features] + [self.hidden] * (self.depth - 1) + [self.out_features]
+
+    def describe(self) -> str:
+        """One line: the model's shape and size, dtype and optimizer."""
+        s = self.sizes()
+        n = sum(s[i + 1] * s[i] + s[i + 1] for i in range(self.depth))
+        return (f"MLP {'-'.join(map(str, s))} (tanh), {n} parameters, {self.dtype}; "
+                f"SGD(lr={self.lr}, momentum={self.momentum})")
+
+
+# --- the model, written out by hand --------------------------------------------------
+
+
+def init_weights(cfg: DemoConfig) -> list[tuple[np.ndarray, np.ndarray]]:
+    """The seeded initial ``(W, b)`` of every layer, ``W`` of shape (out, in): the same on
+    every rank and in the reference."""
+    rng = np.random.default_rng([cfg.seed, 1])
+    sizes = cfg.sizes()
+    layers = []
+    for fan_in, fan_out in zip(sizes[:-1], sizes[1:]):
+        bound = 1.0 / np.sqrt(fan_in)
+        w = (rng.standard_normal((fan_out, fan_in)) * bound).astype(cfg.dtype)  # LeCun normal
+        b = rng.uniform(-bound, bound, fan_out).astype(cfg.dtype)
+        layers.append((w, b))
+    return layers
+
+
+def make_data(cfg: DemoConfig) -> tuple[np.ndarray, np.ndarray]:
+    """The data set: inputs (samples, in) and targets (samples, out) of a random teacher."""
+    rng = np.random.default_rng([cfg.seed, 2])
+    x = rng.standard_normal((cfg.samples, cfg.in_features))
+    w1 = rng.standard_normal((cfg.in_features, cfg.hidden)) / np.sqrt(cfg.in_features)
+    w2 = rng.standard_normal((cfg.hidden, cfg.out_features)) / np.sqrt(cfg.hidden)
+    y = np.tanh(x @ w1) @ w2 + 0.05 * rng.standard_normal((cfg.samples, cfg.out_features))
+    return x.astype(cfg.dtype), y.astype(cfg.dtype)
+
+
+def layers_forward(arrays: list[np.ndarray], x: np.ndarray,
+                   output: bool) -> tuple[np.ndarray, list[np.ndarray]]:
+    """Consecutive layers ``h = tanh(h W^T + b)``; ``arrays`` is ``[W0, b0, W1, b1, ...]``.
+
+    With ``output`` the last layer is the model's output layer (no tanh).
+    Returns the output and what :func:`layers_backward` needs (each layer's
+    input and output): the ``forward`` of a :class:`~axondist.pipeline.PipelineStage`.
+    """
+    saved = []
+    n = len(arrays) // 2
+    for i in range(n):
+        w, b = arrays[2 * i], arrays[2 * i + 1]
+        saved.append(x)
+        x = x @ w.T + b
+        if i < n - 1 or not output:
+            x = np.tanh(x)
+        saved.append(x)
+    return x, saved + [output]
+
+
+def layers_backward(arrays: list[np.ndarray], saved: list[Any],
+                    grad: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
+    """The input gradient and ``[dW0, db0, dW1, db1, ...]`` from the output gradient."""
+    output = saved[-1]
+    n = len(arrays) // 2
+    grads: list[np.ndarray] = [np.empty(0)] * len(arrays)
+    for i in reversed(range(n)):
+        x, y = saved[2 * i], saved[2 * i + 1]
+        if i < n - 1 or not output:
+            grad = grad * (1 - y * y)  # tanh' from tanh's output
+        w = arrays[2 * i]
+        grads[2 * i] = grad.T @ x
+        grads[2 * i + 1] = grad.sum(axis=0)
+        grad = grad @ w
+    return grad, grads
+
+
+def as_parameters(weights: list[tuple[np.ndarray, np.ndarray]], first: int = 0) -> list[Parameter]:
+    """``[W0, b0, W1, b1, ...]`` as named Parameters (copies)."""
+    params = []
+    for i, (w, b) in enumerate(weights):
+        params += [Parameter(w.copy(), f"layer{first + i}.weight"),
+                   Parameter(b.copy(), f"layer{first + i}.bias")]
+    return params
+
+
+def mse(y: np.ndarray, target: np.ndarray, count: int) -> tuple[float, np.ndarray]:
+    """``0.5 * sum((y - t)^2) / (count * out)`` and its gradient in ``y``.
+
+    ``count`` is the number of samples the loss is a mean over, so the parts
+    of a batch (micro-batches, ranks' shares) add up to the batch's mean.
+    """
+    diff = y - target
+    scale = 1.0 / (count * y.shape[-1])
+    return float(0.5 * np.sum(diff * diff) * scale), (diff * scale).astype(y.dtype)
+
+
+def mse_grad_fn(arrays: list[np.ndarray], x: np.ndarray,
+                y: np.ndarray) -> tuple[float, list[np.ndarray]]:
+    """``(loss, grads)`` of the whole MLP on a batch: the ``grad_fn`` DDP and FSDP call."""
+    out, saved = layers_forward(arrays, x, output=True)
+    loss, grad = mse(out, y, len(x))
+    return loss, layers_backward(arrays, saved, grad)[1]
+
+
+def batch_indices(cfg: DemoConfig, step: int, rank: int, ranks: int) -> np.ndarray:
+    """Rank ``rank``'s samples of ``step`` when the batch is shared by ``ranks`` ranks.
+
+    Each rank's :class:`DistributedSampler` walks its share of every epoch's
+    shuffle, ``batch_size * world_size / ranks`` samples a step.
+    """
+    per_rank = cfg.batch_size * cfg.world_size // ranks
+    sampler = DistributedSampler(cfg.samples, num_replicas=ranks, rank=rank, seed=cfg.seed)
+    per_epoch = len(sampler) // per_rank
+    if per_epoch == 0:
+        raise ValueError(f"demo: {cfg.samples} samples are too few for a global batch of "
+                         f"{per_rank * ranks}")
+    epoch, k = divmod(step, per_epoch)
+    sampler.set_epoch(epoch)
+    return sampler.indices()[k * per_rank:(k + 1) * per_rank]
+
+
+def global_batch(cfg: DemoConfig, step: int, ranks: int) -> np.ndarray:
+    """Every rank's samples of ``step``, concatenated in rank order."""
+    return np.concatenate([batch_indices(cfg, step, r, ranks) for r in range(ranks)])
+
+
+# --- the reference ---------------------------------------------------------------------
+
+
+@dataclass
+class Reference:
+    """Single-process training on the full global batches."""
+
+    weights: list[tuple[np.ndarray, np.ndarray]]
+    losses: list[float]
+
+
+def train_reference(cfg: DemoConfig) -> Reference:
+    """Plain training: the whole global batch of each step in one process."""
+    ranks_sharing_data = data_ranks(cfg.strategy, cfg.world_size)
+    x, y = make_data(cfg)
+    params = as_parameters(init_weights(cfg))
+    opt = SGD(params, lr=cfg.lr, momentum=cfg.momentum)
+    losses = []
+    for step in range(cfg.steps):
+        idx = global_batch(cfg, step, ranks_sharing_data)
+        loss, grads = mse_grad_fn([p.data for p in params], x[idx], y[idx])
+        for p, g in zip(params, grads):
+            p.grad = g
+        opt.step()
+        losses.append(loss)
+    return Reference([(params[i].data, params[i + 1].data) for i in range(0, len(params), 2)],
+                     losses)
+
+
+# --- progress ------------------------------------------------------------------------
+
+
+class ProgressBar:
+    """``[#####-----] 12/40  loss 0.1234`` rewritten in place on a terminal."""
+
+    def __init__(self, total: int, stream: TextIO, enabled: bool, width: int = 30) -> None:
+        self.total, self.stream, self.enabled, self.width = total, stream, enabled, width
+
+    def update(self, step: int, loss: float) -> None:
+        if not self.enabled:
+            return
+        filled = self.width * step // max(1, self.total)
+        bar = "#" * filled + "-" * (self.width - filled)
+        self.stream.write(f"\r[{bar}] {step}/{self.total}  loss {loss:.5f}")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+def _no_progress(step: int, loss: float) -> None:
+    pass
+
+
+# --- strategies ------------------------------------------------------------------------
+
+
+@dataclass
+class RankResult:
+    """What one rank reports after training."""
+
+    losses: list[float]
+    """The global loss of each step (the same on every rank)."""
+    max_diff: float
+    """Largest |parameter - reference| over every rank (the same on every rank)."""
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+Progress = Callable[[int, float], None]
+StrategyFn = Callable[[ProcessGroup, DemoConfig, Reference, Progress], RankResult]
+
+
+def _require(module: str, names: tuple[str, ...], strategy: str) -> Any:
+    """Import ``axondist.<module>`` and check it has ``names``; else StrategyUnavailable."""
+    try:
+        mod = importlib.import_module(f"axondist.{module}")
+    except ModuleNotFoundError as exc:
+        if exc.name and exc.name.startswith("axondist"):
+            raise StrategyUnavailable(
+                f"the {strategy} strategy needs axondist.{module}, which this installation does "
+                "not have yet") from exc
+        raise
+    missing = [n for n in names if not hasattr(mod, n)]
+    if missing:
+        raise StrategyUnavailable(f"the {strategy} strategy needs axondist.{module}."
+                                  f"{', '.join(missing)}, which this installation does not have")
+    return mod
+
+
+def _global_max(value: float, group: ProcessGroup) -> float:
+    buf = np.array([value], dtype=np.float64)
+    comm.all_reduce_max(buf, group)
+    return float(buf[0])
+
+
+def _diff(params: list[np.ndarray], reference: list[np.ndarray]) -> float:
+    return max((float(np.max(np.abs(np.asarray(p, np.float64) - r))) if np.size(r) else 0.0)
+               for p, r in zip(params, reference))
+
+
+def _flat_reference(ref: Reference) -> list[np.ndarray]:
+    return [a.astype(np.float64) for wb in ref.weights for a in wb]
+
+
+def run_tp(group: ProcessGroup, cfg: DemoConfig, ref: Reference, progress: Progress) -> RankResult:
+    """Every linear layer split across the group; every rank sees the whole batch."""
+    tp = _require("tensor_parallel", ("ColumnParallelLinear", "RowParallelLinear"), "tp")
+    x, y = make_data(cfg)
+    layers: list[Any] = []
+    for i, (w, b) in enumerate(init_weights(cfg)):
+        if i % 2 == 0:  # column-parallel: output features split; gathered only at the end
+            layers.append(tp.ColumnParallelLinear.from_dense(
+                w, b, group, gather_output=(i == cfg.depth - 1)))
+        else:  # row-parallel: consumes the column layer's split output, returns the full sum
+            layers.append(tp.RowParallelLinear.from_dense(w, b, group, input_is_parallel=True))
+    params = [p for layer in layers for p in layer.parameters()]
+    opt = SGD(params, lr=cfg.lr, momentum=cfg.momentum)
+    losses = []
+    for step in range(cfg.steps):
+        idx = global_batch(cfg, step, 1)
+        opt.zero_grad()
+        h, outs = x[idx], []
+        for i, layer in enumerate(layers):
+            h = layer.forward(h)
+            if i < cfg.depth - 1:
+                h = np.tanh(h)  # element-wise: works on a split activation as on a full one
+            outs.append(h)
+        loss, grad = mse(h, y[idx], len(idx))
+        for i in reversed(range(cfg.depth)):
+            if i < cfg.depth - 1:
+                grad = grad * (1 - outs[i] * outs[i])
+            grad = layers[i].backward(grad)
+        opt.step()
+        losses.append(loss)  # the output is full and replicated: every rank has the loss
+        progress(step + 1, loss)
+    full = [a for layer in layers for a in layer.full_weights()]
+    diff = _global_max(_diff(full, _flat_reference(ref)), group)
+    return RankResult(losses, diff, {"layers": [repr(layer) for layer in layers]})
+
+
+def _data_parallel_loss(loss: float, group: ProcessGroup) -> float:
+    """The global batch's loss from each rank's loss over its share (a mean of means)."""
+    buf = np.array([loss], dtype=np.float64)
+    comm.all_reduce_mean(buf, group)
+    return float(buf[0])
+
+
+def run_ddp(group: ProcessGroup, cfg: DemoConfig, ref: Reference,
+            progress: Progress) -> RankResult:
+    """Every rank holds the model and trains on its share; DDP averages the gradients."""
+    ddp_mod = _require("ddp", ("DistributedDataParallel",), "ddp")
+    x, y = make_data(cfg)
+    params = as_parameters(init_weights(cfg))
+    ddp = ddp_mod.DistributedDataParallel(params, group, grad_fn=mse_grad_fn)
+    opt = SGD(ddp.parameters(), lr=cfg.lr, momentum=cfg.momentum)
+    losses = []
+    for step in range(cfg.steps):
+        idx = batch_indices(cfg, step, group.rank, group.world_size)
+        opt.zero_grad(set_to_none=False)  # keep .grad as views into DDP's buckets
+        local = ddp.backward(x[idx], y[idx])  # this rank's loss; the gradients are averaged
+        opt.step()
+        losses.append(_data_parallel_loss(local, group))
+        progress(step + 1, losses[-1])
+    diff = _global_max(_diff([p.data for p in params], _flat_reference(ref)), group)
+    return RankResult(losses, diff, {"wrapper": repr(ddp)})
+
+
+def run_fsdp(group: ProcessGroup, cfg: DemoConfig, ref: Reference,
+             progress: Progress) -> RankResult:
+    """As ddp, with parameters, gradients and optimizer state sharded (one unit per layer)."""
+    fsdp_mod = _require("fsdp", ("FullyShardedDataParallel",), "fsdp")
+    x, y = make_data(cfg)
+    params = as_parameters(init_weights(cfg))
+    units = [[2 * i, 2 * i + 1] for i in range(cfg.depth)]
+    fsdp = fsdp_mod.FullyShardedDataParallel(params, group, units=units)
+    opt = SGD(fsdp.sharded_parameters(), lr=cfg.lr, momentum=cfg.momentum)
+    losses = []
+    for step in range(cfg.steps):
+        idx = batch_indices(cfg, step, group.rank, group.world_size)
+        local = fsdp.step(mse_grad_fn, x[idx], y[idx], optimizer=opt)
+        losses.append(_data_parallel_loss(local, group))
+        progress(step + 1, losses[-1])
+    fsdp.gather_parameters()
+    full = [p.data for p in fsdp.full_parameters()]
+    diff = _global_max(_diff(full, _flat_reference(ref)), group)
+    shard = sum(p.size for p in fsdp.sharded_parameters())
+    return RankResult(losses, diff, {"wrapper": f"{shard} of {sum(a.size for a in full)} "
+                                                "parameters held per rank"})
+
+
+def stage_layers(depth: int, stages: int) -> list[range]:
+    """The layers of each pipeline stage (numpy.array_split rule)."""
+    bounds = np.cumsum([0] + split_sizes(depth, stages))
+    return [range(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+def run_pipeline(group: ProcessGroup, cfg: DemoConfig, ref: Reference,
+                 progress: Progress) -> RankResult:
+    """One stage (consecutive layers) per rank; the batch flows through as micro-batches."""
+    pipe_mod = _require("pipeline", ("Pipeline", "PipelineStage"), "pipeline")
+    x, y = make_data(cfg)
+    chunks = pipeline_chunks(cfg.schedule)
+    stages_total = group.world_size * chunks
+    layout = stage_layers(cfg.depth, stages_total)
+    weights = init_weights(cfg)
+    mine = []
+    for c in range(chunks):  # this rank holds virtual stages rank, rank + p, ...
+        s = c * group.world_size + group.rank
+        params = as_parameters([weights[i] for i in layout[s]], first=layout[s][0])
+        last = s == stages_total - 1
+
+        def forward(arrays: list[np.ndarray], h: np.ndarray, last: bool = last) -> Any:
+            return layers_forward(arrays, h, output=last)
+
+        mine.append((s, pipe_mod.PipelineStage(forward, layers_backward, params,
+                                               name=f"layers {layout[s][0]}..{layout[s][-1]}")))
+    pipe = pipe_mod.Pipeline([st for _, st in mine], group, num_microbatches=2 * group.world_size,
+                             schedule=cfg.schedule, chunks=chunks)
+    opt = SGD(pipe.parameters(), lr=cfg.lr, momentum=cfg.momentum)
+
+    def loss_fn(out: np.ndarray, target: np.ndarray) -> tuple[float, np.ndarray]:
+        return mse(out, target, len(out))  # the mean over the micro-batch's rows
+
+    losses = []
+    try:
+        for step in range(cfg.steps):
+            idx = global_batch(cfg, step, 1)
+            opt.zero_grad()
+            loss = pipe.train_step(x[idx] if pipe.holds_first_stage else None,
+                                   y[idx] if pipe.holds_last_stage else None, loss_fn)
+            opt.step()
+            losses.append(loss)
+            progress(step + 1, loss)
+    finally:
+        pipe.close()
+    reference = _flat_reference(ref)
+    diffs = [_diff([p.data for p in st.params],
+                   reference[2 * layout[s][0]:2 * (layout[s][-1] + 1)]) for s, st in mine]
+    diff = _global_max(max(diffs), group)
+    return RankResult(losses, diff, {"schedule": pipe.schedule_text()})
+
+
+def pipeline_chunks(schedule: str) -> int:
+    """Stages per rank a schedule runs in the demo (2 for the interleaved one)."""
+    return 2 if schedule == "interleaved_1f1b" else 1
+
+
+STRATEGY_FNS: dict[str, StrategyFn] = {"ddp": run_ddp, "fsdp": run_fsdp,
+                                       "pipeline": run_pipeline, "tp": run_tp}
+
+
+def data_ranks(strategy: str, world_size: int) -> int:
+    """How many ranks share each global batch (the others see all of it)."""
+    return world_size if strategy in ("ddp", "fsdp") else 1
+
+
+def check_available(strategy: str) -> None:
+    """Raise StrategyUnavailable when ``strategy`` cannot run in this installation."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"demo: unknown strategy {strategy!r}; choose one of {STRATEGIES}")
+    if strategy not in STRATEGY_FNS:
+        raise StrategyUnavailable(f"the {strategy} strategy is not available in this version")
+    requirements = {"ddp": ("ddp", ("DistributedDataParallel",)),
+                    "fsdp": ("fsdp", ("FullyShardedDataParallel",)),
+                    "pipeline": ("pipeline", ("Pipeline",)),
+                    "tp": ("tensor_parallel", ("ColumnParallelLinear", "RowParallelLinear"))}
+    module, names = requirements[strategy]
+    _require(module, names, strategy)
+
+
+def check_config(cfg: DemoConfig) -> None:
+    """Refuse settings the chosen strategy cannot run with, saying what to change."""
+    world_size = cfg.world_size
+    if world_size < 1:
+        raise ValueError(f"demo: world_size must be >= 1, got {world_size}")
+    if cfg.steps < 1 or cfg.batch_size < 1:
+        raise ValueError(f"demo: --steps ({cfg.steps}) and --batch-size ({cfg.batch_size}) must "
+                         "be >= 1")
+    if cfg.depth < 1:
+        raise ValueError(f"demo: depth must be >= 1, got {cfg.depth}")
+    if cfg.strategy == "pipeline":
+        stages = world_size * pipeline_chunks(cfg.schedule)
+        if cfg.depth < stages:
+            raise ValueError(f"demo: the pipeline needs a layer per stage: {cfg.depth} layers "
+                             f"for {stages} stages")
+    if cfg.strategy == "tp" and world_size > cfg.hidden:
+        raise ValueError(f"demo: {world_size} ranks cannot split {cfg.hidden} hidden features; "
+                         "use fewer ranks")
+    if cfg.batch_size * world_size > cfg.samples:
+        raise ValueError(f"demo: a global batch of {cfg.batch_size * world_size} exceeds the "
+                         f"{cfg.samples} samples; lower --batch-size")
+
+
+# --- running ---------------------------------------------------------------------------
+
+
+def report(cfg: DemoConfig, result: RankResult, ref: Reference, where: str, seconds: float,
+           out: TextIO) -> bool:
+    """Print the loss curve and the check; True when the check passed."""
+    n = len(result.losses)
+    marks = sorted({1, *(max(1, round(n * k / 4)) for k in (1, 2, 3)), n})
+    print("step   loss (distributed)   loss (single process)", file=out)
+    for s in marks:
+        print(f"{s:4d}   {result.losses[s - 1]:18.6f}   {ref.losses[s - 1]:21.6f}", file=out)
+    if "schedule" in result.details:
+        print(f"pipeline schedule ({cfg.schedule}, one step; F/B: forward/backward of a "
+              f"micro-batch, I/W: a backward's input/weight halves, '.': idle):", file=out)
+        grid = result.details["schedule"].splitlines()
+        if max(len(line) for line in grid) > 160:  # too wide for a terminal: the summary only
+            grid = grid[-1:]
+        print("\n".join(grid), file=out)
+    if "wrapper" in result.details:
+        print(f"rank 0: {result.details['wrapper']}", file=out)
+    ok = bool(result.max_diff <= cfg.tolerance)
+    print(f"trained {n} steps on {where} in {seconds:.2f} s", file=out)
+    print(f"check against single-process training on the full batch: max abs parameter "
+          f"difference {result.max_diff:.3g} (tolerance {cfg.tolerance:.0e}): "
+          f"{'OK' if ok else 'FAILED'}", file=out)
+    return ok
+
+
+def run_demo(world_size: int = 4, strategy: str = "ddp", steps: int = 40, *,
+             backend: str = "auto", progress: bool | None = None, out: TextIO | None = None,
+             err: TextIO | None = None, **options: Any) -> int:
+    """Run the demo and return the process exit status.
+
+    Args:
+        world_size: ranks of the mock world (ignored under MPI: the launch decides).
+        strategy: one of :data:`STRATEGIES`.
+        steps: optimizer steps.
+        backend: ``"mock"`` (threads), ``"mpi"`` (this process is one rank of an
+            ``mpiexec`` launch) or ``"auto"`` (mpi when launched by mpiexec).
+        progress: draw a progress bar on ``err`` (default: when it is a terminal).
+        out, err: where the report and the progress bar go (stdout, stderr).
+        **options: other :class:`DemoConfig` fields (``batch_size``, ``lr``, ...).
+
+    Returns:
+        0 when the check passed, 1 when the parameters differ by more than the
+        tolerance, 2 when the strategy is not available.
+
+    Raises:
+        ValueError: settings the strategy cannot run with (the message says
+            what to change).
+    """
+    from .launch import init, launched_by_mpi, spawn
+
+    out = out or sys.stdout
+    err = err or sys.stderr
+    if backend not in ("auto", "mock", "mpi"):
+        raise ValueError(f"demo: backend must be auto, mock or mpi, got {backend!r}")
+    world = init("mpi") if backend == "mpi" or (backend == "auto" and launched_by_mpi()) else None
+    if world is not None:
+        world_size = world.world_size
+    speaks = world is None or world.rank == 0
+    try:
+        check_available(strategy)
+    except StrategyUnavailable as exc:
+        if speaks:
+            usable = " or ".join(s for s in STRATEGIES if _available(s))
+            print(f"axondist demo: {exc}" + (f"; try --strategy {usable}" if usable else ""),
+                  file=err)
+        return EXIT_UNAVAILABLE
+    if strategy == "pipeline" and "depth" not in options:  # a layer per stage at least
+        stages = world_size * pipeline_chunks(options.get("schedule", DemoConfig.schedule))
+        options["depth"] = max(DemoConfig.depth, stages)
+    cfg = DemoConfig(strategy=strategy, world_size=world_size, steps=steps, **options)
+    check_config(cfg)
+    if progress is None:
+        progress = bool(getattr(err, "isatty", lambda: False)())
+    where = (f"an MPI world of {world_size} processes" if world is not None
+             else f"a mock world of {world_size} ranks (threads)")
+    if speaks:
+        print(f"axondist demo: {strategy} on {where}", file=out)
+        print(f"model: {cfg.describe()}; data: {cfg.samples} samples, global batch "
+              f"{cfg.batch_size * world_size}", file=out)
+        out.flush()
+    ref = train_reference(cfg)  # every MPI rank makes its own: cheaper than sending it
+    bar = ProgressBar(cfg.steps, err, progress and speaks)
+    run = STRATEGY_FNS[strategy]
+    start = time.perf_counter()
+    if world is None:
+        results = spawn(lambda w: run(w, cfg, ref, bar.update if w.rank == 0 else _no_progress),
+                        world_size)
+        result = results[0]
+    else:
+        result = run(world, cfg, ref, bar.update if speaks else _no_progress)
+    seconds = time.perf_counter() - start
+    bar.close()
+    if not speaks:
+        return 0 if result.max_diff <= cfg.tolerance else 1
+    return 0 if report(cfg, result, ref, where, seconds, out) else 1
+
+
+def _available(strategy: str) -> bool:
+    try:
+        check_available(strategy)
+    except StrategyUnavailable:
+        return False
+    return True
+
+
+__all__ = ["DemoConfig", "STRATEGIES", "run_demo"]

@@ -133,7 +133,13 @@ class World(ProcessGroup):
         return f"World({self.backend.name}, rank={self.rank}, world_size={self.world_size})"
 
 
-_state = threading.local()
+class _ThreadState(threading.local):
+    # A class-level default: reading a missing attribute of a plain
+    # threading.local raises and catches AttributeError (~0.4 us per collective).
+    world: World | None = None
+
+
+_state = _ThreadState()
 _process_world: World | None = None
 _process_lock = threading.Lock()
 
@@ -151,7 +157,7 @@ def current_world() -> World:
     The thread's world under :func:`axondist.spawn`, else the one made by
     :func:`axondist.init`, else (first use) ``init()`` is called.
     """
-    world = getattr(_state, "world", None)
+    world = _state.world
     if world is not None:
         return world
     if _process_world is None:
@@ -170,7 +176,7 @@ class use_world:
         self._saved: World | None = None
 
     def __enter__(self) -> World:
-        self._saved = getattr(_state, "world", None)
+        self._saved = _state.world
         _state.world = self._world
         return self._world
 

@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import os
 
-import numpy as np
-import pytest
-from hypothesis import HealthCheck, settings
+# Many mock-world ranks on threads each calling BLAS would oversubscribe the
+# cores with BLAS threads; one BLAS thread per rank, set before NumPy loads.
+for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_var, "1")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
 
 settings.register_profile(
     "default",

@@ -1,8 +1,11 @@
-"""Pipeline parallelism: schedule generation, validation, dry-run simulation and rendering.
+"""Pipeline parallelism: schedules as data, and the runtime that executes them.
 
-Everything here is pure (no communication); an executor consumes
-:class:`Schedule` (per-rank action order) and :class:`CommunicationPlan`
-(per-rank send/recv order).
+The schedule layer (``schedules``, ``communication``, ``simulate``, ``render``)
+is pure: it builds, validates, dry-runs and draws the per-rank action lists
+(:class:`Schedule`) and their send/recv order (:class:`CommunicationPlan`).
+The runtime (``stage``, ``runtime``, ``executor``, ``transport``) runs those
+lists with the user's :class:`PipelineStage` callables, in one process or one
+stage (chunk) per rank over send/recv.
 """
 
 from axondist.pipeline.communication import (
@@ -26,6 +29,9 @@ from axondist.pipeline.schedules import (
     validate,
 )
 from axondist.pipeline.simulate import DEFAULT_COSTS, SimulationResult, TimedAction, simulate
+from axondist.pipeline.memory import PipelineRunStats
+from axondist.pipeline.runtime import LossFn, Pipeline
+from axondist.pipeline.stage import PipelineStage
 
 __all__ = [
     "DEFAULT_COSTS",
@@ -49,4 +55,9 @@ __all__ = [
     "render_text",
     "simulate",
     "validate",
+    # runtime
+    "LossFn",
+    "Pipeline",
+    "PipelineRunStats",
+    "PipelineStage",
 ]

@@ -1,0 +1,318 @@
+"""What the MPI backend needs besides the backend class itself.
+
+Loading mpi4py (which initializes MPI) with a clear error when it is
+missing; the table from each supported dtype to its MPI datatype and
+reduction ops (float16/bfloat16 through user-defined ops, see
+:mod:`axondist.backends.mpi`); the backend's options; the Work handles of
+non-blocking calls; and pure helpers (piece sizes, displacements, tags,
+host staging) that are tested without MPI.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, fields, replace
+from typing import Any, Callable, NoReturn, Sequence
+
+import numpy as np
+
+from .. import _array
+from ..errors import (
+    BackendUnavailableError,
+    CollectiveMismatchError,
+    CollectiveTimeoutError,
+    UnsupportedDTypeError,
+)
+from ..ops import ReduceOp
+from .base import Work, debug_enabled
+
+#: mpi4py's ``MPI`` module once :func:`load_mpi` ran (importing it initializes MPI).
+MPI: Any = None
+
+# dtype name -> mpi4py datatype attribute; float16/bfloat16 use TypeTable.half.
+_NATIVE_TYPES = {
+    "float32": "FLOAT", "float64": "DOUBLE", "int8": "INT8_T", "uint8": "UINT8_T",
+    "int32": "INT32_T", "int64": "INT64_T", "bool": "C_BOOL",
+    "complex64": "C_FLOAT_COMPLEX", "complex128": "C_DOUBLE_COMPLEX",
+}
+HALF_VIEW = np.dtype(np.uint16)
+BYTES = np.dtype(np.uint8)
+_STAGING_MODES = ("auto", "always", "never")
+
+
+@dataclass(frozen=True)
+class MPIOptions:
+    """How the MPI backend moves data (``create_world_backend(**fields)``)."""
+
+    chunk_bytes: int = 16 << 20
+    """All-reduces and broadcasts bigger than this run in pieces of at most
+    this many bytes; 0 never splits. Env: ``AXONDIST_MPI_CHUNK_BYTES``."""
+
+    host_staging: str = "auto"
+    """How CuPy arrays reach MPI: ``"auto"`` (directly when MPI is CUDA-aware,
+    else through host copies), ``"never"`` (always directly: you know MPI is
+    CUDA-aware), ``"always"`` (every buffer, NumPy included, goes through a
+    host copy: tests that path without a GPU). Env: ``AXONDIST_MPI_HOST_STAGING``."""
+
+    debug: bool = False
+    """Compare every collective's arguments across ranks (one small extra
+    allgather per call). Env: ``AXONDIST_DEBUG=1``."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.chunk_bytes, int) or self.chunk_bytes < 0:
+            raise ValueError(
+                f"MPIOptions: chunk_bytes must be an int >= 0, got {self.chunk_bytes!r}")
+        if self.host_staging not in _STAGING_MODES:
+            raise ValueError(f"MPIOptions: host_staging must be one of {_STAGING_MODES}, "
+                             f"got {self.host_staging!r}")
+
+    @classmethod
+    def from_env(cls, **overrides: Any) -> MPIOptions:
+        """Defaults, then the environment, then ``overrides`` (unknown names: TypeError)."""
+        valid = [f.name for f in fields(cls)]
+        unknown = sorted(set(overrides) - set(valid))
+        if unknown:
+            raise TypeError(f"mpi backend: unknown option(s) {unknown}; valid options are "
+                            f"{valid + ['comm', 'abort_on_exception', 'timeout']}")
+        env = os.environ
+        opts = cls(debug=debug_enabled())
+        if "AXONDIST_MPI_CHUNK_BYTES" in env:
+            opts = replace(opts, chunk_bytes=int(env["AXONDIST_MPI_CHUNK_BYTES"]))
+        if "AXONDIST_MPI_HOST_STAGING" in env:
+            opts = replace(opts, host_staging=env["AXONDIST_MPI_HOST_STAGING"].lower())
+        return replace(opts, **overrides)
+
+
+# --- pure helpers (tested without MPI) ----------------------------------------------------
+
+def piece_bounds(numel: int, itemsize: int, chunk_bytes: int) -> list[tuple[int, int]]:
+    """``[lo, hi)`` element ranges cutting ``numel`` elements into the fewest
+    near-equal pieces of at most ``chunk_bytes`` bytes (at least one element each)."""
+    per = max(1, chunk_bytes // itemsize)
+    pieces = max(1, -(-numel // per))
+    return [(k * numel // pieces, (k + 1) * numel // pieces) for k in range(pieces)]
+
+
+def displacements(counts: Sequence[int]) -> list[int]:
+    """Start offset of each rank's block for ``counts`` (the v-collectives' displs)."""
+    displs, total = [], 0
+    for c in counts:
+        displs.append(total)
+        total += c
+    return displs
+
+
+def cuda_aware_from_alloc_kinds(kinds: str) -> bool:
+    """True when an MPI 4.1 ``mpi_memory_alloc_kinds`` value lists CUDA memory."""
+    return any(k.split(":")[0].strip().lower() == "cuda" for k in kinds.split(","))
+
+
+def split_tag(tag: int, tag_ub: int) -> tuple[int, int]:
+    """The MPI tags ``(data, header)`` for a user tag: two disjoint tag spaces, so
+    an object header never matches an array receive of the same user tag."""
+    limit = (tag_ub - 1) // 2
+    if isinstance(tag, bool) or not isinstance(tag, (int, np.integer)) or not 0 <= tag <= limit:
+        raise ValueError(f"mpi backend: tag={tag!r} must be an int in 0..{limit} "
+                         f"(this MPI's tag limit {tag_ub}, halved for headers)")
+    return 2 * int(tag), 2 * int(tag) + 1
+
+
+def half_reducer(dtype: np.dtype, ufunc: Callable[..., Any]) -> Callable[[Any, Any, Any], None]:
+    """An MPI user-op callback combining two buffers of ``dtype`` with ``ufunc``
+    (MPI's rule: ``inout = in (op) inout``, in NumPy, in ``dtype`` itself)."""
+    def reduce(inbuf: Any, inoutbuf: Any, datatype: Any) -> None:
+        acc = np.frombuffer(inoutbuf, dtype=dtype)
+        ufunc(np.frombuffer(inbuf, dtype=dtype), acc, out=acc)
+    return reduce
+
+
+def host_copy(x: Any) -> np.ndarray:
+    """A host array holding ``x``'s values that communication may overwrite."""
+    host = _array.to_host(x)
+    return host.copy() if host is x else host
+
+
+def copy_back(dst: Any, host: np.ndarray) -> None:
+    """Write host values into ``dst`` (a NumPy or CuPy array) in place."""
+    dst[...] = _array.namespace(dst).asarray(host)
+
+
+# --- MPI loading, types, errors ------------------------------------------------------------
+
+def load_mpi() -> Any:
+    """mpi4py's MPI module, imported once (which initializes MPI); a clear error when missing."""
+    global MPI
+    if MPI is None:
+        try:
+            from mpi4py import MPI as mpi
+        except ImportError as exc:
+            raise BackendUnavailableError(
+                "the mpi backend needs mpi4py and an MPI library: pip install 'axondist[mpi]' "
+                f"(installs mpi4py and the mpich wheel); import failed with: {exc}") from exc
+        except RuntimeError as exc:  # mpi4py present but no loadable MPI library
+            raise BackendUnavailableError(
+                f"the mpi backend could not start MPI ({exc}); pip install 'axondist[mpi]' "
+                "for a bundled MPICH, or check your MPI installation") from exc
+        MPI = mpi
+    return MPI
+
+
+class TypeTable:
+    """MPI datatypes and ops per dtype, built once per process.
+
+    ``transfer[dtype] = (view, datatype)``: send ``buf.view(view)`` (``buf``
+    when view is None) as ``datatype``. ``reduce[op][dtype] = (view,
+    datatype, mpi_op, average)``; a missing key means the pair is unsupported.
+    Keyed op first, then dtype: two plain dict lookups are the cheapest on
+    the all-reduce hot path (a (dtype, op) tuple key costs more to hash).
+    """
+
+    def __init__(self) -> None:
+        self.half = MPI.BYTE.Create_contiguous(2).Commit()
+        self.transfer: dict[np.dtype, tuple[np.dtype | None, Any]] = {}
+        self.reduce: dict[ReduceOp, dict[np.dtype, tuple[np.dtype | None, Any, Any, bool]]] = {
+            op: {} for op in ReduceOp}
+        self._user_ops: list[Any] = []  # keep the callbacks' Op objects alive
+        for dtype in _array.SUPPORTED_DTYPES:
+            native = _NATIVE_TYPES.get(dtype.name)
+            if native is not None:
+                self.transfer[dtype] = (None, getattr(MPI, native))
+                self._add_native_reductions(dtype, getattr(MPI, native))
+            else:
+                self.transfer[dtype] = (HALF_VIEW, self.half)
+                self._add_half_reductions(dtype)
+
+    def _add_native_reductions(self, dtype: np.dtype, mtype: Any) -> None:
+        if dtype == np.bool_:
+            ops = {ReduceOp.SUM: MPI.LOR, ReduceOp.MAX: MPI.LOR,
+                   ReduceOp.PRODUCT: MPI.LAND, ReduceOp.MIN: MPI.LAND}
+        else:
+            ops = {ReduceOp.SUM: MPI.SUM, ReduceOp.PRODUCT: MPI.PROD}
+            if dtype.kind != "c":
+                ops.update({ReduceOp.MIN: MPI.MIN, ReduceOp.MAX: MPI.MAX})
+            if dtype.kind in "fc":
+                ops[ReduceOp.AVERAGE] = MPI.SUM
+        for op, mop in ops.items():
+            self.reduce[op][dtype] = (None, mtype, mop, op is ReduceOp.AVERAGE)
+
+    def _add_half_reductions(self, dtype: np.dtype) -> None:
+        ufuncs = {ReduceOp.SUM: np.add, ReduceOp.PRODUCT: np.multiply,
+                  ReduceOp.MIN: np.minimum, ReduceOp.MAX: np.maximum}
+        mops = {}
+        for op, ufunc in ufuncs.items():
+            mops[op] = MPI.Op.Create(half_reducer(dtype, ufunc), commute=True)
+            self._user_ops.append(mops[op])
+        mops[ReduceOp.AVERAGE] = mops[ReduceOp.SUM]
+        for op, mop in mops.items():
+            self.reduce[op][dtype] = (HALF_VIEW, self.half, mop, op is ReduceOp.AVERAGE)
+
+
+_TYPES: TypeTable | None = None
+
+
+def type_table() -> TypeTable:
+    """The process-wide table (MPI must be loaded)."""
+    global _TYPES
+    if _TYPES is None:
+        _TYPES = TypeTable()
+    return _TYPES
+
+
+def raise_mpi_error(exc: Exception, what: str) -> NoReturn:
+    """Re-raise an MPI error, as CollectiveMismatchError when it is a size mismatch."""
+    if exc.Get_error_class() == MPI.ERR_TRUNCATE:  # type: ignore[attr-defined]
+        first = str(exc).splitlines()[0] if str(exc) else "message truncated"
+        raise CollectiveMismatchError(
+            f"{what}: a message was larger than its receive buffer ({first}); every rank must "
+            "pass matching buffer sizes (run with AXONDIST_DEBUG=1 to see which ranks and "
+            "which argument disagree)") from exc
+    raise exc
+
+
+def unsupported(what: str, dtype: np.dtype, op: ReduceOp | None = None) -> UnsupportedDTypeError:
+    """The error for a dtype (or dtype and op) that has no entry in the type table."""
+    if op is not None and dtype in type_table().transfer:
+        return UnsupportedDTypeError(f"{what}: {op.name} is not defined for dtype {dtype}")
+    names = ", ".join(str(d) for d in _array.SUPPORTED_DTYPES)
+    return UnsupportedDTypeError(f"{what}: dtype {dtype} is not supported; use one of {names}")
+
+
+def synchronize_device(*bufs: Any) -> None:
+    """Finish pending GPU work on CuPy buffers before MPI reads or writes them directly."""
+    for b in bufs:
+        if b is not None and _array.is_cupy(b):
+            _array.namespace(b).cuda.get_current_stream().synchronize()
+            return
+
+
+# --- Work handles --------------------------------------------------------------------------
+
+class MPIWork(Work):
+    """Handle of non-blocking MPI requests; ``wait()`` also runs the finishing
+    step (AVERAGE division) once, then returns the result."""
+
+    __slots__ = ("_requests", "_finish", "_result", "_done", "_what")
+
+    def __init__(self, requests: list[Any], finish: Callable[[], None] | None, result: Any,
+                 what: str) -> None:
+        self._requests = requests
+        self._finish = finish
+        self._result = result
+        self._done = False
+        self._what = what
+
+    def _complete(self) -> None:
+        self._done = True
+        self._requests = []
+        if self._finish is not None:
+            self._finish()
+
+    def wait(self, timeout: float | None = None) -> Any:
+        if self._done:
+            return self._result
+        try:
+            if timeout is None:
+                MPI.Request.Waitall(self._requests)
+            else:
+                deadline = time.monotonic() + timeout
+                while not MPI.Request.Testall(self._requests):
+                    if time.monotonic() >= deadline:
+                        raise CollectiveTimeoutError(
+                            f"{self._what}: not finished within {timeout:g} s; MPI cannot cancel "
+                            "it, so call wait() again (a rank that never joins hangs it)")
+                    time.sleep(1e-4)
+        except MPI.Exception as exc:
+            raise_mpi_error(exc, self._what)
+        self._complete()
+        return self._result
+
+    def is_completed(self) -> bool:
+        if self._done:
+            return True
+        try:
+            if not MPI.Request.Testall(self._requests):
+                return False
+        except MPI.Exception as exc:
+            raise_mpi_error(exc, self._what)
+        self._complete()
+        return True
+
+
+class StagedWork(Work):
+    """A Work on host copies; ``wait()`` copies the results back to the device once."""
+
+    __slots__ = ("_inner", "_finish", "_result", "_done")
+
+    def __init__(self, inner: Work, finish: Callable[[], None], result: Any) -> None:
+        self._inner, self._finish, self._result, self._done = inner, finish, result, False
+
+    def wait(self, timeout: float | None = None) -> Any:
+        if not self._done:
+            self._inner.wait(timeout)
+            self._finish()
+            self._done = True
+        return self._result
+
+    def is_completed(self) -> bool:
+        return self._done or self._inner.is_completed()

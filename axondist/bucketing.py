@@ -1,0 +1,697 @@
+"""Gradient buckets: packing many gradients into few flat buffers for all-reduce.
+
+One all-reduce of a large flat buffer costs far less than one per gradient
+(a fixed latency per call), and a bucket that is complete can be sent while
+later gradients are still being computed. This module holds the pieces
+:class:`~axondist.ddp.DistributedDataParallel` is built from, usable on
+their own:
+
+* :func:`bucket_plan` — which gradients share a bucket (pure; no arrays).
+* :class:`GradientBucket` — one flat buffer with gradients packed in it.
+* :class:`GradientSynchronizer` — a fixed set of buckets for a model's
+  gradients: gradients are added by index, each bucket's all-reduce is
+  issued (asynchronously under :attr:`GradSyncStrategy.OVERLAPPED`) and
+  :meth:`GradientSynchronizer.finish` waits for all of them.
+
+How an average is formed: before its all-reduce each bucket is multiplied
+in place by this rank's weight (``1 / world_size``, or ``n_i / sum(n)`` for
+a sample-weighted average) and the ranks' buckets are then *summed*. The
+multiply is the one pass over the data a mean needs anyway; doing it before
+the sum keeps float16 values in range and lets the packing copy and the
+scaling be one operation when a gradient must be copied into its bucket.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Sequence
+from math import prod
+from typing import Any, Protocol
+
+import numpy as np
+
+from . import _array
+from .backends.base import CompletedWork, Work
+from .comm import all_reduce
+from .ops import ReduceOp
+from .parameter import Parameter
+from .process_group import ProcessGroup, resolve_group
+
+MiB = 1 << 20
+
+
+class GradSyncStrategy(enum.Enum):
+    """When gradient buckets are all-reduced."""
+
+    #: every bucket is all-reduced, one blocking call after another, at finish().
+    SYNCHRONOUS = "synchronous"
+    #: a bucket's all-reduce is issued (async_op=True) as soon as all its
+    #: gradients were added, overlapping communication with the computation of
+    #: the remaining gradients; finish() waits for every bucket.
+    OVERLAPPED = "overlapped"
+    #: no communication: gradients stay local (e.g. to accumulate over several
+    #: micro-batches before one synchronized step).
+    NO_SYNC = "no_sync"
+
+    @classmethod
+    def parse(cls, value: GradSyncStrategy | str) -> GradSyncStrategy:
+        """Accept a member or its name (``"overlapped"``, ``"OVERLAPPED"``)."""
+        if isinstance(value, cls):
+            return value
+        try:
+            return cls(str(value).lower())
+        except ValueError:
+            valid = ", ".join(m.name for m in cls)
+            raise ValueError(f"unknown gradient sync strategy {value!r}; use one of {valid}") \
+                from None
+
+
+# --- the plan ------------------------------------------------------------------------------
+
+def bucket_plan(sizes_bytes: Sequence[int], cap_bytes: int,
+                first_cap_bytes: int | None = None) -> list[list[int]]:
+    """Split items, in the order given, into consecutive buckets of bounded size.
+
+    Greedy: items join the current bucket while its total stays within the
+    cap; the item that would overflow it starts the next bucket. The first
+    bucket's cap is ``first_cap_bytes`` (a small first bucket lets
+    communication start early), later ones ``cap_bytes``. An item larger
+    than the cap gets a bucket of its own. Zero-size items join the current
+    bucket.
+
+    Args:
+        sizes_bytes: each item's size, in bucket order (DDP passes the
+            gradients in reverse parameter order, the order backward makes them).
+        cap_bytes: the cap of every bucket but the first; > 0.
+        first_cap_bytes: the first bucket's cap (``cap_bytes`` when None); > 0.
+
+    Returns:
+        Buckets as lists of positions into ``sizes_bytes``; concatenated they
+        are ``0, 1, ..., len - 1``. No items give no buckets.
+
+    Raises:
+        ValueError: a cap <= 0 or a negative size.
+    """
+    first = cap_bytes if first_cap_bytes is None else first_cap_bytes
+    if cap_bytes <= 0 or first <= 0:
+        raise ValueError(f"bucket_plan: caps must be > 0 bytes, got cap_bytes={cap_bytes}, "
+                         f"first_cap_bytes={first_cap_bytes}")
+    buckets: list[list[int]] = []
+    current: list[int] = []
+    used = 0
+    for i, size in enumerate(sizes_bytes):
+        if size < 0:
+            raise ValueError(f"bucket_plan: sizes_bytes[{i}] = {size} is negative")
+        cap = first if not buckets else cap_bytes
+        if current and used + size > cap:
+            buckets.append(current)
+            current, used = [], 0
+        current.append(i)
+        used += size
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+# --- one bucket -----------------------------------------------------------------------------
+
+class GradientBucket:
+    """A flat buffer of ``capacity`` elements that gradients are packed into.
+
+    The buffer is allocated once, at the first :meth:`add` or
+    :meth:`reserve`, in the namespace of ``like`` (or of the first array
+    added; NumPy for a bare :meth:`reserve`) and the bucket's dtype (given,
+    else the first array's). :meth:`clear` forgets the contents, not the
+    buffer.
+
+    Args:
+        capacity: number of elements the buffer holds.
+        dtype: the buffer's dtype; the first added array's when None.
+        like: an array whose namespace (NumPy/CuPy) the buffer takes.
+    """
+
+    def __init__(self, capacity: int, dtype: Any = None, *, like: Any = None) -> None:
+        if int(capacity) < 0:
+            raise ValueError(f"GradientBucket: capacity must be >= 0, got {capacity}")
+        self.capacity = int(capacity)
+        self.dtype: np.dtype | None = None if dtype is None else np.dtype(dtype)
+        self._like = like
+        self.buffer: Any = None
+        self._entries: list[tuple[int, tuple[int, ...]]] = []
+        self.size = 0
+
+    def _allocate(self, like: Any) -> None:
+        if self.dtype is None:
+            self.dtype = np.dtype(like.dtype) if like is not None else np.dtype(np.float32)
+        source = self._like if self._like is not None else like
+        xp = _array.namespace(source) if source is not None else np
+        self.buffer = xp.empty(self.capacity, dtype=self.dtype)
+
+    def reserve(self, shape: Sequence[int], *, like: Any = None) -> Any:
+        """Claim room for an array of ``shape``; return its (uninitialized) view, or None
+        when it does not fit."""
+        shape = tuple(int(d) for d in shape)
+        n = prod(shape)
+        if self.size + n > self.capacity:
+            return None
+        if self.buffer is None:
+            self._allocate(like)
+        view = self.buffer[self.size:self.size + n].reshape(shape)
+        self._entries.append((self.size, shape))
+        self.size += n
+        return view
+
+    def add(self, array: Any) -> bool:
+        """Append ``array``'s values if they fit; return whether they did.
+
+        Raises:
+            TypeError: ``array`` is not floating point, or lives in the other
+                namespace than the buffer.
+        """
+        array = _array.as_array(array)
+        if not _array.is_floating(array.dtype):
+            raise TypeError(f"GradientBucket.add: gradients must be floating point, got "
+                            f"{_array.describe(array)}")
+        if self.buffer is not None:
+            _array.namespace(self.buffer, array)  # refuses NumPy/CuPy mixes
+        view = self.reserve(array.shape, like=array)
+        if view is None:
+            return False
+        view[...] = array
+        return True
+
+    def is_full(self) -> bool:
+        return self.size == self.capacity
+
+    def is_empty(self) -> bool:
+        return self.size == 0
+
+    @property
+    def data(self) -> Any:
+        """The used part of the buffer (1-D; empty before the first add)."""
+        if self.buffer is None:
+            return np.empty(0, dtype=self.dtype or np.float32)
+        return self.buffer[:self.size]
+
+    @property
+    def shapes(self) -> list[tuple[int, ...]]:
+        """Shapes of the arrays in the bucket, in the order they were added."""
+        return [shape for _, shape in self._entries]
+
+    def extract(self) -> list[Any]:
+        """The added arrays, with their shapes, as views of the buffer (no copies)."""
+        return [self.buffer[off:off + prod(shape)].reshape(shape) for off, shape in self._entries]
+
+    def clear(self) -> None:
+        """Forget the contents; keep the buffer for the next use."""
+        self._entries.clear()
+        self.size = 0
+
+    def __repr__(self) -> str:
+        return (f"GradientBucket({len(self._entries)} arrays, {self.size}/{self.capacity} "
+                f"elements, dtype={self.dtype})")
+
+
+# --- reduction of one bucket ------------------------------------------------------------------
+
+class ReductionHook(Protocol):
+    """Sums one flat, already-weighted bucket over the group, in place.
+
+    Called as ``hook(flat, group, async_op)``; must leave in ``flat`` the
+    element-wise sum over the group's ranks once done, and return a
+    :class:`~axondist.Work` when ``async_op`` is true (None or a Work when
+    false, having finished). Every rank calls it for the same buckets in the
+    same order.
+    """
+
+    def __call__(self, flat: Any, group: ProcessGroup, async_op: bool) -> Work | None: ...
+
+
+def sum_hook(flat: Any, group: ProcessGroup, async_op: bool) -> Work | None:
+    """The default reduction: an in-place SUM all-reduce in the bucket's own dtype."""
+    result = all_reduce(flat, ReduceOp.SUM, group, async_op=async_op)
+    return result if async_op else None
+
+
+class CastCompression:
+    """All-reduce a bucket in a narrower floating dtype, then cast back.
+
+    Halves (float16/bfloat16 from float32) or quarters (from float64) the
+    bytes sent. Accuracy: each rank's weighted gradient is rounded to the
+    narrow dtype (relative error up to 2**-11 for float16, 2**-8 for
+    bfloat16), and so is every partial sum of the reduction. float16 flushes
+    magnitudes below ~6e-8 to zero and overflows above 65504 (weighting
+    before the sum keeps each value within the largest input's magnitude);
+    bfloat16 has float32's range but fewer digits. Buckets whose dtype is no
+    wider than the narrow one are reduced as they are.
+
+    Args:
+        dtype: ``"float16"`` or ``"bfloat16"``.
+    """
+
+    def __init__(self, dtype: str) -> None:
+        self.name = str(dtype)
+        self.dtype = _array.dtype_named(self.name)
+        if not _array.is_floating(self.dtype) or self.dtype.itemsize != 2:
+            raise ValueError(f"CastCompression: dtype must be float16 or bfloat16, got {dtype!r}")
+        # id(flat) -> (flat, narrow copy). The synchronizer passes the same array
+        # object for a bucket every step, so each bucket allocates its narrow copy
+        # once; holding ``flat`` keeps its id from being reused by another array.
+        self._scratch: dict[int, tuple[Any, Any]] = {}
+
+    #: arrays remembered at most (a caller passing fresh arrays each time
+    #: would otherwise grow the cache without bound).
+    max_cached = 256
+
+    def __call__(self, flat: Any, group: ProcessGroup, async_op: bool) -> Work | None:
+        if flat.dtype.itemsize <= self.dtype.itemsize:
+            return sum_hook(flat, group, async_op)
+        entry = self._scratch.get(id(flat))
+        if entry is None or entry[0] is not flat:
+            if len(self._scratch) >= self.max_cached:
+                self._scratch.clear()  # buffers in flight stay alive through their Work
+            entry = (flat, _array.namespace(flat).empty(flat.size, self.dtype))
+            self._scratch[id(flat)] = entry
+        narrow = entry[1]
+        narrow[...] = flat
+        work = all_reduce(narrow, ReduceOp.SUM, group, async_op=async_op)
+
+        def widen() -> None:
+            flat[...] = narrow
+
+        if not async_op:
+            widen()
+            return None
+        return _ThenWork(work, widen)
+
+    def __repr__(self) -> str:
+        return f"CastCompression({self.name!r})"
+
+
+class _ThenWork(Work):
+    """A Work that runs ``then`` once, after ``inner`` completed."""
+
+    __slots__ = ("_done", "_inner", "_then")
+
+    def __init__(self, inner: Work, then: Callable[[], None]) -> None:
+        self._inner, self._then, self._done = inner, then, False
+
+    def wait(self, timeout: float | None = None) -> Any:
+        result = self._inner.wait(timeout)
+        if not self._done:
+            self._then()
+            self._done = True
+        return result
+
+    def is_completed(self) -> bool:
+        return self._done or self._inner.is_completed()
+
+
+def resolve_compression(compression: str | ReductionHook | None) -> ReductionHook:
+    """``None`` -> :func:`sum_hook`; ``"fp16"``/``"bf16"`` -> :class:`CastCompression`;
+    a callable is used as it is."""
+    if compression is None:
+        return sum_hook
+    if callable(compression):
+        return compression
+    names = {"fp16": "float16", "float16": "float16", "bf16": "bfloat16", "bfloat16": "bfloat16"}
+    try:
+        return CastCompression(names[str(compression).lower()])
+    except KeyError:
+        raise ValueError(f"compression={compression!r} is not known; use None, 'fp16', 'bf16' "
+                         "or a callable hook(flat, group, async_op)") from None
+
+
+# --- the synchronizer ------------------------------------------------------------------------
+
+class _Slot:
+    __slots__ = ("bucket", "ready", "view", "weighted")
+
+    def __init__(self, bucket: int, view: Any) -> None:
+        self.bucket, self.view = bucket, view
+        self.ready = False
+        #: the slot already holds its gradient times this rank's weight
+        self.weighted = False
+
+
+class _BucketState:
+    __slots__ = ("bucket", "flat", "indices", "launched", "pending", "work")
+
+    def __init__(self, bucket: GradientBucket, indices: list[int]) -> None:
+        self.bucket, self.indices = bucket, indices
+        #: the bucket's used part, one array object for its lifetime (hooks may
+        #: key per-bucket scratch memory on it)
+        self.flat = bucket.data
+        self.pending = len(indices)
+        self.work: Work | None = None
+        self.launched = False
+
+
+def _describe_item(item: Any) -> tuple[tuple[int, ...], np.dtype, Any]:
+    """(shape, dtype, an array for the namespace or None) of a Parameter, array or shape."""
+    if isinstance(item, Parameter):
+        return item.shape, np.dtype(item.dtype), item.data
+    if hasattr(item, "shape") and hasattr(item, "dtype"):
+        return tuple(item.shape), np.dtype(item.dtype), item
+    return tuple(int(d) for d in item), None, None  # type: ignore[return-value]
+
+
+class GradientSynchronizer:
+    """Averages a fixed list of gradients over a group through persistent buckets.
+
+    Gradients are identified by index (their parameter's position). After
+    :meth:`prepare`, one step is::
+
+        sync.start(group, num_samples=None)   # optional; sync_all/add_gradient imply it
+        sync.add_gradient(i, grad)            # any order; copies into i's slot
+        grads = sync.finish()                 # averaged, as views of the buckets
+
+    or ``sync_all(group)`` once all gradients were added. Buckets group
+    gradients of one dtype in reverse index order (the order a backward pass
+    makes them), sized by :func:`bucket_plan`. Under
+    :attr:`GradSyncStrategy.OVERLAPPED` a bucket's all-reduce is issued as
+    soon as its last gradient arrives, but always in bucket order (a complete
+    bucket waits for the ones before it), so every rank issues the same
+    collectives in the same order whatever order its gradients come in.
+    Gradients never added in a step count as zeros.
+
+    Args:
+        strategy: see :class:`GradSyncStrategy`.
+        bucket_size: elements per bucket (of each gradient's own dtype), as in
+            the reference design; ignored when ``bucket_bytes`` is given.
+        first_bucket_size: elements in the first bucket of each dtype
+            (``bucket_size`` when None).
+        bucket_bytes / first_bucket_bytes: the same caps in bytes (what DDP
+            passes), overriding the element counts.
+        compression: None, ``"fp16"``, ``"bf16"`` or a :class:`ReductionHook`.
+        group: the group used when a step does not name one.
+    """
+
+    def __init__(self, strategy: GradSyncStrategy | str = GradSyncStrategy.SYNCHRONOUS,
+                 bucket_size: int = 25 * MiB // 4, *, first_bucket_size: int | None = None,
+                 bucket_bytes: int | None = None, first_bucket_bytes: int | None = None,
+                 compression: str | ReductionHook | None = None,
+                 group: ProcessGroup | None = None) -> None:
+        self.strategy = GradSyncStrategy.parse(strategy)
+        for name, value in (("bucket_size", bucket_size), ("first_bucket_size", first_bucket_size),
+                            ("bucket_bytes", bucket_bytes),
+                            ("first_bucket_bytes", first_bucket_bytes)):
+            if value is not None and value <= 0:
+                raise ValueError(f"GradientSynchronizer: {name} must be > 0, got {value}")
+        self.bucket_size = int(bucket_size)
+        self.first_bucket_size = first_bucket_size
+        self.bucket_bytes = bucket_bytes
+        self.first_bucket_bytes = first_bucket_bytes
+        self.hook = resolve_compression(compression)
+        self.group = group
+        self.buckets: list[_BucketState] = []
+        self.slots: list[_Slot] = []
+        #: gradients copied into their slot in the current/last step (0 when
+        #: every gradient already was its bucket view).
+        self.copies = 0
+        self._active = False
+        self._group: ProcessGroup | None = None
+        self._factor = 1.0
+        self._count: Any = None
+        self._count_work: Work | None = None
+        self._num_samples: float | None = None
+        self._next_launch = 0
+        self._oldest_in_flight = 0
+
+    # --- layout ----------------------------------------------------------------------------
+    def _caps(self, dtype: np.dtype) -> tuple[int, int]:
+        if self.bucket_bytes is not None:
+            cap = int(self.bucket_bytes)
+        else:
+            cap = self.bucket_size * dtype.itemsize
+        if self.first_bucket_bytes is not None:
+            first = int(self.first_bucket_bytes)
+        elif self.first_bucket_size is not None:
+            first = int(self.first_bucket_size) * dtype.itemsize
+        else:
+            first = cap
+        return cap, first
+
+    def prepare(self, shapes_or_params: Sequence[Any], *, dtype: Any = np.float32,
+                like: Any = None) -> list[list[int]]:
+        """Plan the buckets and allocate their buffers (once; reused every step).
+
+        Args:
+            shapes_or_params: per gradient, a Parameter, an array (its shape,
+                dtype and namespace are used) or a shape.
+            dtype: the dtype of gradients given as bare shapes.
+            like: an array whose namespace buffers of bare shapes take.
+
+        Returns:
+            The buckets, in communication order, as lists of gradient indices.
+        """
+        self._wait_pending()
+        items = [_describe_item(x) for x in shapes_or_params]
+        by_dtype: dict[np.dtype, list[int]] = {}
+        for i in reversed(range(len(items))):
+            shape, dt, _ = items[i]
+            dt = np.dtype(dtype) if dt is None else dt
+            if not _array.is_floating(dt):
+                raise TypeError(f"GradientSynchronizer.prepare: gradient {i} has dtype {dt}; "
+                                "only floating-point gradients can be averaged")
+            items[i] = (shape, dt, items[i][2])
+            by_dtype.setdefault(dt, []).append(i)
+        planned: list[list[int]] = []
+        for dt, order in by_dtype.items():
+            cap, first = self._caps(dt)
+            sizes = [prod(items[i][0]) * dt.itemsize for i in order]
+            planned += [[order[k] for k in b] for b in bucket_plan(sizes, cap, first)]
+        # Communication order: by when a backward pass (reverse index order) starts a bucket.
+        planned.sort(key=lambda b: -b[0])
+        self.slots = [None] * len(items)  # type: ignore[list-item]
+        self.buckets = []
+        for b, indices in enumerate(planned):
+            dt = items[indices[0]][1]
+            source = next((items[i][2] for i in indices if items[i][2] is not None), like)
+            bucket = GradientBucket(sum(prod(items[i][0]) for i in indices), dt, like=source)
+            for i in indices:
+                self.slots[i] = _Slot(b, bucket.reserve(items[i][0], like=source))
+            self.buckets.append(_BucketState(bucket, indices))
+        self._active = False
+        return [list(s.indices) for s in self.buckets]
+
+    @property
+    def plan(self) -> list[list[int]]:
+        """The buckets, in communication order, as lists of gradient indices."""
+        return [list(s.indices) for s in self.buckets]
+
+    def slot(self, index: int) -> Any:
+        """Gradient ``index``'s view into its bucket (the array DDP hands out as ``.grad``)."""
+        self._check_index(index, "slot")
+        return self.slots[index].view
+
+    def _check_index(self, index: int, where: str) -> None:
+        if not self.slots:
+            raise RuntimeError(f"GradientSynchronizer.{where}: call prepare(...) first")
+        if not isinstance(index, (int, np.integer)) or not 0 <= index < len(self.slots):
+            raise IndexError(f"GradientSynchronizer.{where}: gradient index {index!r} is out of "
+                             f"range 0..{len(self.slots) - 1}")
+
+    # --- one step --------------------------------------------------------------------------
+    def start(self, group: ProcessGroup | None = None, num_samples: float | None = None) -> None:
+        """Begin a step: forget which gradients arrived and fix the group and weights.
+
+        With ``num_samples`` this rank's gradients are weighted by
+        ``num_samples / (sum over ranks)``; the total is all-reduced here
+        (asynchronously under OVERLAPPED, waited for before the first bucket
+        leaves). Every rank must pass a count, or none.
+        """
+        if not self.slots and not self.buckets:
+            raise RuntimeError("GradientSynchronizer.start: call prepare(...) first")
+        self._wait_pending()
+        for s in self.slots:
+            s.ready = s.weighted = False
+        for b in self.buckets:
+            b.pending, b.work, b.launched = len(b.indices), None, False
+        self.copies = 0
+        self._next_launch = 0
+        self._oldest_in_flight = 0
+        self._group = resolve_group(group if group is not None else self.group)
+        self._count_work = None
+        self._num_samples = None
+        if num_samples is not None:
+            n = float(num_samples)
+            if not n >= 0:  # also refuses NaN
+                raise ValueError(f"GradientSynchronizer.start: num_samples must be >= 0, got "
+                                 f"{num_samples!r}")
+            self._num_samples = n
+            if self.strategy is not GradSyncStrategy.NO_SYNC:
+                self._count = np.array([n], dtype=np.float64)
+                overlapped = self.strategy is GradSyncStrategy.OVERLAPPED
+                work = all_reduce(self._count, ReduceOp.SUM, self._group, async_op=overlapped)
+                self._count_work = work if overlapped else CompletedWork(work)
+        self._factor = 1.0 / self._group.world_size if num_samples is None else 0.0
+        self._active = True
+
+    def add_gradient(self, index: int, grad: Any) -> None:
+        """Put gradient ``index`` into its slot (no copy when ``grad`` is that slot).
+
+        Under OVERLAPPED, issues the all-reduce of every bucket that is now
+        complete and whose predecessors have been issued.
+
+        Raises:
+            ValueError: wrong shape, or the gradient was already added this step.
+        """
+        self._check_index(index, "add_gradient")
+        if not self._active:
+            self.start()
+        slot = self.slots[index]
+        if slot.ready:
+            raise ValueError(f"GradientSynchronizer.add_gradient: gradient {index} was already "
+                             "added in this step (accumulate into .grad before adding it)")
+        if grad is not slot.view:
+            grad = _array.as_array(grad)
+            if tuple(grad.shape) != slot.view.shape:
+                raise ValueError(f"GradientSynchronizer.add_gradient: gradient {index} has shape "
+                                 f"{tuple(grad.shape)}, its parameter has {slot.view.shape}")
+            if self.strategy is GradSyncStrategy.NO_SYNC:
+                slot.view[...] = grad
+            else:
+                # The packing copy applies the weight too: no separate pass for this slot.
+                _array.namespace(slot.view).multiply(grad, self._weight(), out=slot.view,
+                                                     casting="unsafe")
+                slot.weighted = True
+            self.copies += 1
+        slot.ready = True
+        state = self.buckets[slot.bucket]
+        state.pending -= 1
+        if self.strategy is GradSyncStrategy.OVERLAPPED:
+            if state.pending == 0:
+                self._launch_ready()
+            self._progress()
+
+    def _weight(self) -> float:
+        """This rank's weight; waits for the sample total the first time it is needed."""
+        if self._count_work is not None:
+            self._count_work.wait()
+            self._count_work = None
+            total = float(self._count[0])
+            if total <= 0:
+                raise ValueError("GradientSynchronizer: num_samples add up to 0 over the group; "
+                                 "at least one rank must have samples")
+            self._factor = self._num_samples / total  # type: ignore[operator]
+        return self._factor
+
+    def _launch(self, state: _BucketState, async_op: bool) -> None:
+        data = state.flat
+        factor = self._weight()
+        if factor != 1.0:
+            xp = _array.namespace(data)
+            unweighted = [i for i in state.indices if not self.slots[i].weighted]
+            if len(unweighted) == len(state.indices):
+                xp.multiply(data, factor, out=data, casting="unsafe")
+            else:
+                for i in unweighted:
+                    view = self.slots[i].view
+                    xp.multiply(view, factor, out=view, casting="unsafe")
+        work = self.hook(data, self._group, async_op)  # type: ignore[arg-type]
+        state.work = work if isinstance(work, Work) else None
+        state.launched = True
+
+    def _progress(self) -> None:
+        """Test the oldest bucket in flight.
+
+        MPI advances a non-blocking collective only inside MPI calls (unless
+        the library runs a progress thread); a test between two gradients
+        lets the all-reduces move on while the gradients are being computed.
+        """
+        while self._oldest_in_flight < self._next_launch:
+            work = self.buckets[self._oldest_in_flight].work
+            if work is not None and not work.is_completed():
+                return
+            self._oldest_in_flight += 1
+
+    def _launch_ready(self) -> None:
+        while (self._next_launch < len(self.buckets)
+               and self.buckets[self._next_launch].pending == 0):
+            self._launch(self.buckets[self._next_launch], async_op=True)
+            self._next_launch += 1
+
+    def finish(self) -> list[Any]:
+        """Complete the step: zero missing gradients, reduce what is left, wait for all.
+
+        Returns:
+            Per index, the averaged gradient as a view of its bucket (under
+            NO_SYNC: this rank's gradient, unscaled).
+        """
+        if not self._active:
+            raise RuntimeError("GradientSynchronizer.finish: no step in progress; add gradients "
+                               "or call start() first")
+        for s in self.slots:
+            if not s.ready:
+                s.view[...] = 0
+                s.weighted = True
+        try:
+            if self.strategy is not GradSyncStrategy.NO_SYNC:
+                overlapped = self.strategy is GradSyncStrategy.OVERLAPPED
+                for state in self.buckets[self._next_launch:]:
+                    self._launch(state, async_op=overlapped)
+                self._next_launch = len(self.buckets)
+        finally:
+            self._wait_pending()
+            self._active = False
+        return [s.view for s in self.slots]
+
+    def sync_all(self, group: ProcessGroup | None = None,
+                 num_samples: float | None = None) -> list[Any]:
+        """Average every gradient added since the step began (see :meth:`finish`).
+
+        ``group`` and ``num_samples`` apply when the step was not started yet
+        (no gradient added and no :meth:`start`).
+        """
+        if not self._active:
+            self.start(group, num_samples)
+        elif group is not None and resolve_group(group) is not self._group:
+            raise ValueError("GradientSynchronizer.sync_all: the step was started on another "
+                             "group; pass the group to start() instead")
+        return self.finish()
+
+    def missing(self) -> list[int]:
+        """Indices not added in the current step."""
+        return [i for i, s in enumerate(self.slots) if not s.ready]
+
+    def _wait_pending(self) -> None:
+        first_error: BaseException | None = None
+        for state in self.buckets:
+            work, state.work = state.work, None
+            if work is not None:
+                try:
+                    work.wait()
+                except BaseException as exc:  # noqa: BLE001 - wait for the rest, then raise
+                    first_error = first_error or exc
+        if self._count_work is not None:
+            work, self._count_work = self._count_work, None
+            try:
+                work.wait()
+            except BaseException as exc:  # noqa: BLE001
+                first_error = first_error or exc
+        if first_error is not None:
+            raise first_error
+
+    def clear(self) -> None:
+        """Abandon the current step (waiting for any all-reduce in flight); keep the buffers."""
+        self._wait_pending()
+        for s in self.slots:
+            s.ready = False
+        self._active = False
+
+    def __repr__(self) -> str:
+        sizes = ", ".join(str(s.bucket.capacity) for s in self.buckets)
+        return (f"GradientSynchronizer({self.strategy.name}, {len(self.slots)} gradients, "
+                f"buckets of [{sizes}] elements)")
+
+
+__all__ = [
+    "CastCompression",
+    "GradSyncStrategy",
+    "GradientBucket",
+    "GradientSynchronizer",
+    "ReductionHook",
+    "bucket_plan",
+    "sum_hook",
+]

@@ -1,0 +1,490 @@
+"""Distributed data parallelism: every rank holds the whole model, gradients are averaged.
+
+Each rank computes gradients on its own part of the batch; :class:`DistributedDataParallel`
+averages them over the group, so an optimizer step on every rank applies the
+same update and the replicas stay identical. The averaging runs through
+persistent flat buckets (see :mod:`axondist.bucketing`): a few large
+all-reduces instead of one per parameter, optionally overlapped with the
+computation of the remaining gradients.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from . import _array
+from .bucketing import (
+    GradientSynchronizer,
+    GradSyncStrategy,
+    MiB,
+    ReductionHook,
+    bucket_plan,
+)
+from .comm import all_gather, broadcast
+from .errors import CollectiveMismatchError
+from .parameter import Parameter, parameters_of
+from .process_group import ProcessGroup, resolve_group
+
+GradFn = Callable[..., Any]
+ForwardFn = Callable[..., Any]
+
+_MISSING_MODES = ("zeros", "error")
+
+
+class DistributedDataParallel:
+    """Wrap a model so that its gradients are averaged over a process group.
+
+    Python keyword arguments replace the reference design's builder chain: write
+    ``DDP(model, group, broadcast_buffers=False)``; there is no
+    ``.broadcast_buffers(False)`` method.
+
+    A training step is either
+
+    * ``loss = ddp.backward(*batch)`` — runs ``grad_fn`` on this rank's batch,
+      accumulates its gradients into ``.grad`` and averages them; or
+    * the user sets every ``p.grad`` and calls ``ddp.sync_gradients()``;
+
+    then ``opt.step()`` on every rank. The constructor broadcasts group rank
+    0's parameters to every rank (``init_sync=True``), as torch DDP does.
+
+    Gradient functions. ``grad_fn(params, *batch)`` receives the parameters'
+    arrays (``[p.data for p in ddp.parameters()]``) and either
+
+    * returns ``(loss, grads)``, ``grads`` a list in parameter order whose
+      entries may be None (no gradient for that parameter); or
+    * is a generator that yields ``(index, grad)`` pairs as each gradient
+      becomes ready (typically last parameter first, as backward makes them)
+      and ends with ``return loss``. Under
+      :attr:`GradSyncStrategy.OVERLAPPED` a bucket's all-reduce starts as
+      soon as its last gradient is yielded, while the generator computes the
+      rest. Each index may be yielded once per call.
+
+    Bucket views (``gradient_as_bucket_view=True``). After a synchronized step
+    every ``p.grad`` is a view into a persistent bucket buffer holding the
+    average. A gradient written into that array in place
+    (``p.grad[...] = g``, ``p.grad += g``, or ``opt.zero_grad(set_to_none=False)``
+    followed by accumulation) is already in its bucket and the next step
+    sends it without a packing copy; a gradient assigned as a new array is
+    copied in. With False, buckets are private and the averages are copied
+    back into the ``.grad`` arrays.
+
+    Missing gradients (``p.grad is None`` at a synchronized step, or an index
+    a generator never yields). With ``missing_grad="zeros"`` they count as
+    zeros: the rank still takes part and the average includes its zero
+    contribution, and afterwards every rank has a ``.grad`` for the
+    parameter. With ``"error"`` the ranks compare which parameters have
+    gradients (a small all-gather of a presence mask per step); when they
+    disagree every rank raises :class:`~axondist.CollectiveMismatchError`
+    naming the parameters and ranks; parameters no rank has a gradient for
+    keep ``grad=None``.
+
+    Buffers (arrays that are not trained, e.g. running statistics): with
+    ``broadcast_buffers=True`` they are broadcast from group rank 0 by
+    :meth:`sync_parameters` and at the start of every synchronized step
+    (:meth:`start_grad_sync`, so before ``grad_fn`` runs in :meth:`backward`);
+    with False they are left alone.
+
+    Args:
+        model: the model (anything :func:`~axondist.parameters_of` accepts).
+        group: the data-parallel group (the current world when None).
+        bucket_cap_mb: MiB per gradient bucket (25, as torch DDP).
+        first_bucket_mb: MiB of the first bucket of each dtype (1, as torch
+            DDP): the first all-reduce starts after the first few gradients.
+        broadcast_buffers: broadcast ``buffers`` at every synchronized step.
+        gradient_as_bucket_view: make ``.grad`` views into the buckets (above).
+        strategy: when buckets are reduced (see :class:`GradSyncStrategy`);
+            NO_SYNC makes every step local (see also :meth:`no_sync`).
+        grad_fn: the gradient callable used by :meth:`backward`.
+        forward_fn: ``forward_fn(params, *inputs)`` used by :meth:`forward`;
+            when None, ``model.forward(*inputs)``.
+        compression: None, ``"fp16"``, ``"bf16"`` (all-reduce float32/64
+            buckets in 16 bits; see :class:`~axondist.bucketing.CastCompression`
+            for the accuracy cost) or a
+            :class:`~axondist.bucketing.ReductionHook`.
+        buffers: arrays or Parameters to keep equal to rank 0's.
+        missing_grad: ``"zeros"`` or ``"error"`` (above).
+        init_sync: call :meth:`sync_parameters` in the constructor.
+
+    Raises:
+        CollectiveMismatchError: the ranks' models differ in parameter count,
+            shapes or dtypes (checked in the constructor on every rank).
+        TypeError: a parameter is not floating point.
+    """
+
+    def __init__(self, model: Any, group: ProcessGroup | None = None, *,
+                 bucket_cap_mb: float = 25.0, first_bucket_mb: float = 1.0,
+                 broadcast_buffers: bool = True, gradient_as_bucket_view: bool = True,
+                 strategy: GradSyncStrategy | str = GradSyncStrategy.SYNCHRONOUS,
+                 grad_fn: GradFn | None = None, forward_fn: ForwardFn | None = None,
+                 compression: str | ReductionHook | None = None,
+                 buffers: Sequence[Any] | None = None, missing_grad: str = "zeros",
+                 init_sync: bool = True) -> None:
+        self.module = model
+        self._params = parameters_of(model)
+        self.process_group = resolve_group(group)
+        if not bucket_cap_mb > 0 or not first_bucket_mb > 0:
+            raise ValueError(f"DistributedDataParallel: bucket_cap_mb and first_bucket_mb must "
+                             f"be > 0, got {bucket_cap_mb} and {first_bucket_mb}")
+        if missing_grad not in _MISSING_MODES:
+            raise ValueError(f"DistributedDataParallel: missing_grad={missing_grad!r}; use one "
+                             f"of {_MISSING_MODES}")
+        for i, p in enumerate(self._params):
+            if not _array.is_floating(p.dtype):
+                raise TypeError(f"DistributedDataParallel: parameter {i} ({p.name or 'unnamed'}) "
+                                f"is {p.dtype}; only floating-point parameters can be trained")
+        self.bucket_cap_mb = float(bucket_cap_mb)
+        self.first_bucket_mb = float(first_bucket_mb)
+        self.broadcast_buffers = bool(broadcast_buffers)
+        self.gradient_as_bucket_view = bool(gradient_as_bucket_view)
+        self.strategy = GradSyncStrategy.parse(strategy)
+        self.grad_fn = grad_fn
+        self.forward_fn = forward_fn
+        self.missing_grad = missing_grad
+        self.buffers: list[Any] = [b.data if isinstance(b, Parameter) else _array.as_array(b)
+                                   for b in (buffers or [])]
+        self._no_sync_depth = 0
+        self._in_step = False
+        self._check_same_model()
+        self.synchronizer = GradientSynchronizer(
+            self.strategy, bucket_bytes=_mib_to_bytes(self.bucket_cap_mb),
+            first_bucket_bytes=_mib_to_bytes(self.first_bucket_mb), compression=compression,
+            group=self.process_group)
+        self.synchronizer.prepare(self._params)
+        if init_sync:
+            self.sync_parameters()
+
+    # --- the model -----------------------------------------------------------------------
+    def parameters(self) -> list[Parameter]:
+        """The wrapped model's Parameters, in order (what to give the optimizer)."""
+        return list(self._params)
+
+    @property
+    def bucket_indices(self) -> list[list[int]]:
+        """Parameter indices of each gradient bucket, in communication order."""
+        return self.synchronizer.plan
+
+    def forward(self, *inputs: Any) -> Any:
+        """Run the model: ``forward_fn([p.data ...], *inputs)`` when given, else
+        ``module.forward(*inputs)``.
+
+        Raises:
+            TypeError: neither a ``forward_fn`` nor a model with ``forward``.
+        """
+        if self.forward_fn is not None:
+            return self.forward_fn([p.data for p in self._params], *inputs)
+        forward = getattr(self.module, "forward", None)
+        if not callable(forward):
+            raise TypeError("DistributedDataParallel.forward: pass forward_fn=... or wrap a model "
+                            f"with a forward method ({type(self.module).__name__} has none)")
+        return forward(*inputs)
+
+    __call__ = forward
+
+    def _check_same_model(self) -> None:
+        """Every rank must wrap parameters of the same shapes and dtypes."""
+        mine = tuple((p.shape, str(p.dtype)) for p in self._params)
+        backend = self.process_group.backend_for("DistributedDataParallel")
+        theirs = backend.allgather_object(mine)
+        for r, other in enumerate(theirs):
+            if other == mine:
+                continue
+            if len(other) != len(mine):
+                detail = f"{len(other)} parameters on rank {r}, {len(mine)} here"
+            else:
+                k = next(i for i, (a, b) in enumerate(zip(other, mine)) if a != b)
+                detail = (f"parameter {k} is {other[k][1]}{list(other[k][0])} on rank {r}, "
+                          f"{mine[k][1]}{list(mine[k][0])} on rank {self.process_group.rank}")
+            raise CollectiveMismatchError(
+                f"DistributedDataParallel: the ranks' models differ ({detail}); every rank "
+                "must wrap the same parameter shapes and dtypes, in the same order")
+
+    # --- parameters and buffers ----------------------------------------------------------
+    def sync_parameters(self) -> None:
+        """Copy group rank 0's parameters (and, with ``broadcast_buffers``, buffers) into
+        every rank's, in place.
+
+        Arrays are coalesced per dtype into flat buffers of at most
+        ``bucket_cap_mb`` MiB, one broadcast each.
+        """
+        self._broadcast_arrays([p.data for p in self._params], "sync_parameters")
+        if self.buffers and self.broadcast_buffers:
+            self._broadcast_arrays(self.buffers, "sync_parameters")
+
+    def _broadcast_arrays(self, arrays: Sequence[Any], where: str) -> None:
+        for a in arrays:
+            _array.check_writable(a, f"DistributedDataParallel.{where}")
+        by_dtype: dict[str, list[int]] = {}
+        for i, a in enumerate(arrays):
+            by_dtype.setdefault(str(a.dtype), []).append(i)
+        root = self.process_group.rank == 0
+        cap = _mib_to_bytes(self.bucket_cap_mb)
+        for idx in by_dtype.values():
+            for chunk in bucket_plan([arrays[i].nbytes for i in idx], cap):
+                group_arrays = [arrays[idx[k]] for k in chunk]
+                xp = _array.namespace(*group_arrays)
+                layout = _array.FlatLayout.of((a.shape for a in group_arrays),
+                                              group_arrays[0].dtype)
+                flat = xp.empty(layout.numel, dtype=layout.dtype)
+                if root:
+                    layout.pack(group_arrays, out=flat)
+                broadcast(flat, self.process_group, src=0)
+                if not root:
+                    for a, view in zip(group_arrays, layout.views(flat)):
+                        a[...] = view
+
+    # --- gradient synchronization ----------------------------------------------------------
+    @property
+    def syncing(self) -> bool:
+        """False inside :meth:`no_sync` or with strategy NO_SYNC (steps stay local)."""
+        return self._no_sync_depth == 0 and self.strategy is not GradSyncStrategy.NO_SYNC
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[DistributedDataParallel]:
+        """Steps inside the block do not communicate; gradients accumulate locally.
+
+        :meth:`backward` adds each micro-batch's gradients into ``.grad``, and
+        the first synchronized step after the block averages the accumulated
+        sums (so with k equal micro-batches of mean-loss gradients the result
+        is k times the big batch's mean gradient; scale the loss or lr by 1/k).
+        """
+        self._no_sync_depth += 1
+        try:
+            yield self
+        finally:
+            self._no_sync_depth -= 1
+
+    def start_grad_sync(self, num_samples: float | None = None) -> None:
+        """Begin a step: broadcast buffers (when asked) and open the buckets.
+
+        Gradients are then handed over with :meth:`add_gradient` and the step
+        ends with :meth:`finish_grad_sync`. Outside a synchronized step
+        (inside :meth:`no_sync`) this does nothing.
+
+        Args:
+            num_samples: this rank's sample count, to weight its gradients by
+                ``num_samples / sum over ranks`` (the exact full-batch mean when
+                gradients are per-rank means); every rank passes one, or none.
+        """
+        if self._in_step:
+            raise RuntimeError("DistributedDataParallel.start_grad_sync: a step is already in "
+                               "progress; call finish_grad_sync() first")
+        self._in_step = True
+        if not self.syncing:
+            return
+        try:
+            if self.broadcast_buffers and self.buffers:
+                self._broadcast_arrays(self.buffers, "start_grad_sync")
+            self.synchronizer.start(self.process_group, num_samples)
+        except BaseException:
+            self._in_step = False
+            raise
+
+    def add_gradient(self, index: int, grad: Any) -> None:
+        """Accumulate ``grad`` into parameter ``index``'s ``.grad`` and hand it to its bucket.
+
+        ``.grad`` becomes ``grad`` when it was None (written into the bucket
+        view with ``gradient_as_bucket_view``), else ``.grad += grad``. In a
+        synchronized step the result goes to the synchronizer, which issues the
+        bucket's all-reduce once the bucket is complete (OVERLAPPED).
+        """
+        if not self._in_step:
+            raise RuntimeError("DistributedDataParallel.add_gradient: call start_grad_sync() "
+                               "first")
+        if not isinstance(index, (int, np.integer)) or not 0 <= index < len(self._params):
+            raise IndexError(f"DistributedDataParallel.add_gradient: parameter index {index!r} "
+                             f"is out of range 0..{len(self._params) - 1}")
+        p = self._params[index]
+        grad = _array.as_array(grad)
+        if tuple(grad.shape) != p.shape:
+            raise ValueError(f"DistributedDataParallel.add_gradient: gradient of parameter "
+                             f"{index} ({p.name or 'unnamed'}) has shape {tuple(grad.shape)}, the "
+                             f"parameter has {p.shape}")
+        if p.grad is None and self.gradient_as_bucket_view:
+            slot = self.synchronizer.slot(index)
+            if self.syncing:
+                self.synchronizer.add_gradient(index, grad)  # one copy, weighted on the way
+            else:
+                slot[...] = grad
+            p.grad = slot
+            return
+        if p.grad is None:
+            p.grad = grad.copy()
+        else:
+            p.grad += grad
+        if self.syncing:
+            self.synchronizer.add_gradient(index, p.grad)
+
+    def finish_grad_sync(self) -> None:
+        """Wait for every bucket and write the averages into ``.grad``.
+
+        Raises:
+            CollectiveMismatchError: ``missing_grad="error"`` and the ranks
+                disagree on which parameters have gradients.
+        """
+        if not self._in_step:
+            raise RuntimeError("DistributedDataParallel.finish_grad_sync: no step in progress")
+        self._in_step = False
+        if not self.syncing:
+            return
+        for i in self.synchronizer.missing():
+            if self._params[i].grad is not None:
+                # .grad set but never handed over (user-managed flow): take it now.
+                self.synchronizer.add_gradient(i, self._params[i].grad)
+        present = np.array([p.grad is not None for p in self._params], dtype=np.int8)
+        averaged = self.synchronizer.finish()
+        keep_none: set[int] = set()
+        if self.missing_grad == "error":
+            keep_none = self._check_presence(present)
+        for i, (p, avg) in enumerate(zip(self._params, averaged)):
+            if i in keep_none:
+                continue
+            if self.gradient_as_bucket_view:
+                p.grad = avg
+            elif p.grad is not None and _writable_like(p.grad, avg):
+                p.grad[...] = avg
+            else:
+                p.grad = avg.copy()
+
+    def _check_presence(self, present: Any) -> set[int]:
+        """All-gather the presence masks; raise on disagreement; return all-missing indices."""
+        world = self.process_group.world_size
+        masks = all_gather(present, self.process_group).reshape(world, -1)
+        counts = masks.sum(axis=0)
+        split = [i for i in range(len(self._params)) if 0 < counts[i] < world]
+        if split:
+            parts = []
+            for i in split[:5]:
+                lacking = [r for r in range(world) if not masks[r, i]]
+                name = self._params[i].name or "unnamed"
+                parts.append(f"parameter {i} ({name}) has no gradient on ranks {lacking}")
+            more = f" and {len(split) - 5} more" if len(split) > 5 else ""
+            raise CollectiveMismatchError(
+                "DistributedDataParallel.sync_gradients: ranks disagree on which parameters have "
+                f"gradients: {'; '.join(parts)}{more}. Give every rank a gradient (zeros for an "
+                "unused parameter) or use missing_grad='zeros'")
+        return {i for i in range(len(self._params)) if counts[i] == 0}
+
+    def sync_gradients(self, num_samples: float | None = None) -> None:
+        """Average every parameter's ``.grad`` over the group and write it back.
+
+        Gradients are handed to the buckets in reverse parameter order.
+        Inside :meth:`no_sync` (or with strategy NO_SYNC) nothing happens.
+
+        Args:
+            num_samples: this rank's sample count for a sample-weighted average
+                ``sum(n_i * g_i) / sum(n_i)`` (see :meth:`start_grad_sync`).
+        """
+        self.start_grad_sync(num_samples)
+        if self.syncing:
+            try:
+                for i in reversed(range(len(self._params))):
+                    g = self._params[i].grad
+                    if g is not None:
+                        self.synchronizer.add_gradient(i, g)
+            except BaseException:
+                self._abandon()
+                raise
+        self.finish_grad_sync()
+
+    def backward(self, *batch: Any, num_samples: float | None = None) -> Any:
+        """Compute this rank's gradients with ``grad_fn`` and average them (one step).
+
+        Like ``loss.backward()`` under torch DDP: gradients accumulate into
+        ``.grad`` (call ``opt.zero_grad()`` between steps) and are averaged
+        over the group unless inside :meth:`no_sync`.
+
+        Args:
+            *batch: passed to ``grad_fn(params, *batch)``.
+            num_samples: this rank's sample count for a sample-weighted average.
+
+        Returns:
+            The loss ``grad_fn`` reported (this rank's, not averaged).
+
+        Raises:
+            TypeError: no ``grad_fn`` was given, or it returned something else
+                than ``(loss, grads)`` or a generator.
+        """
+        if self.grad_fn is None:
+            raise TypeError("DistributedDataParallel.backward: no grad_fn was given; pass "
+                            "grad_fn=... to the constructor, or set .grad yourself and call "
+                            "sync_gradients()")
+        self.start_grad_sync(num_samples)
+        try:
+            loss = self._run_grad_fn(batch)
+        except BaseException:
+            self._abandon()
+            raise
+        self.finish_grad_sync()
+        return loss
+
+    def _run_grad_fn(self, batch: tuple[Any, ...]) -> Any:
+        result = self.grad_fn([p.data for p in self._params], *batch)  # type: ignore[misc]
+        if inspect.isgenerator(result):
+            seen: set[int] = set()
+            while True:
+                try:
+                    item = next(result)
+                except StopIteration as stop:
+                    return stop.value
+                index, grad = _pair(item)
+                if index in seen:
+                    raise ValueError(f"DistributedDataParallel.backward: grad_fn yielded "
+                                     f"parameter {index} twice in one call")
+                seen.add(index)
+                self.add_gradient(index, grad)
+        if not (isinstance(result, tuple) and len(result) == 2):
+            raise TypeError("DistributedDataParallel.backward: grad_fn must return (loss, grads) "
+                            f"or be a generator of (index, grad); got {type(result).__name__}")
+        loss, grads = result
+        grads = list(grads)
+        if len(grads) != len(self._params):
+            raise ValueError(f"DistributedDataParallel.backward: grad_fn returned {len(grads)} "
+                             f"gradients for {len(self._params)} parameters")
+        for i in reversed(range(len(grads))):
+            if grads[i] is not None:
+                self.add_gradient(i, grads[i])
+        return loss
+
+    def _abandon(self) -> None:
+        """Leave a failed step: wait for what is in flight, close the step."""
+        self._in_step = False
+        self.synchronizer.clear()
+
+    def __repr__(self) -> str:
+        return (f"DistributedDataParallel({len(self._params)} parameters, "
+                f"{len(self.synchronizer.buckets)} buckets, {self.strategy.name}, "
+                f"group of {self.process_group.world_size})")
+
+
+def _mib_to_bytes(mb: float) -> int:
+    """Whole bytes for a cap in MiB (at least 1: a tiny cap means one array per bucket)."""
+    return max(1, int(mb * MiB))
+
+
+def _pair(item: Any) -> tuple[int, Any]:
+    try:
+        index, grad = item
+    except (TypeError, ValueError):
+        raise TypeError("DistributedDataParallel.backward: a generator grad_fn must yield "
+                        f"(index, grad) pairs, got {type(item).__name__}") from None
+    return int(index), grad
+
+
+def _writable_like(dst: Any, src: Any) -> bool:
+    """Whether the averaged ``src`` can be copied into ``dst`` in place."""
+    try:
+        _array.check_writable(dst, "DistributedDataParallel")
+    except ValueError:
+        return False
+    return tuple(dst.shape) == tuple(src.shape) and _array.namespace(dst) is _array.namespace(src)
+
+
+#: Short alias, as in the reference design.
+DDP = DistributedDataParallel
+
+__all__ = ["DDP", "DistributedDataParallel", "GradSyncStrategy"]

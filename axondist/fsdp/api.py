@@ -1,0 +1,676 @@
+"""FullyShardedDataParallel: parameters, gradients and optimizer state split over ranks.
+
+How the numbers move, per unit (a group of parameters flattened together,
+see :mod:`axondist.fsdp.sharding`), with ``S`` ranks in the shard group:
+
+* at wrap time each rank copies its contiguous 1-D shard of the padded flat
+  buffer into a shard :class:`Parameter` (the *master* weights, in the
+  model's dtype) and releases the model's full arrays;
+* ``gather_parameters`` casts the shard to the compute dtype, all-gathers the
+  ``S`` equal shards into a padded flat buffer, and points every model
+  ``Parameter.data`` at a view of it;
+* ``reshard_parameters`` drops that buffer (FULL_SHARD, HYBRID_SHARD): each
+  model ``Parameter.data`` becomes a 0-size placeholder of the compute dtype,
+  so nothing keeps the full arrays alive and ``memory_stats`` counts only
+  what is really held;
+* ``sync_gradients`` flattens the model's full ``.grad`` arrays (zeros in the
+  padding) in the reduce dtype, reduce-scatters them with AVERAGE, casts the
+  result to the master dtype and *adds* it to the shard's ``.grad``, then
+  drops the full gradients (``.grad = None``). NO_SHARD all-reduces instead;
+  HYBRID_SHARD reduce-scatters within the node and all-reduces the shard
+  across nodes;
+* an optimizer built on :meth:`sharded_parameters` updates the shards; the
+  next ``gather_parameters`` brings the new values to every rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator, Sequence
+
+import numpy as np
+
+from .. import _array, comm
+from ..checkpoint import CheckpointReader, ShardedState, param_names
+from ..ops import ReduceOp
+from ..parameter import Parameter, parameters_of
+from ..process_group import ProcessGroup, resolve_group
+from . import clip as _clip
+from . import state_dict as _state_dict
+from .memory import FSDPMemoryStats
+from .policies import CPUOffload, MixedPrecision, ShardingStrategy
+from .sharding import DEFAULT_UNIT_BYTES, FlatUnit, hybrid_groups, node_of_ranks, plan_units
+
+
+class _Unit:
+    """Runtime state of one unit: its shard Parameter and what is gathered."""
+
+    __slots__ = ("flat", "shard", "full", "accum")
+
+    def __init__(self, flat: FlatUnit, shard: Parameter) -> None:
+        self.flat = flat
+        self.shard = shard
+        self.full: Any = None  # the gathered padded flat buffer (compute dtype) or None
+        self.accum: Any = None  # no_sync: summed unreduced gradients (master dtype, numel)
+
+
+class FullyShardedDataParallel:
+    """Shard a model's parameters, gradients and optimizer state over a group.
+
+    Args:
+        model: anything :func:`~axondist.parameters_of` accepts. Every rank
+            must pass the same parameters (same shapes, same order); pass
+            ``sync_module_states=True`` when their initial values may differ.
+        group: the data-parallel group (the current world when None).
+        sharding_strategy: see :class:`ShardingStrategy`.
+        cpu_offload: see :class:`CPUOffload`.
+        mixed_precision: see :class:`MixedPrecision` (None: everything in the
+            model's dtypes).
+        units: how parameters are grouped into flat units: a list of lists
+            of parameter indices. When None, the model's ``.units()`` is used
+            if it has one (lists of indices or of its Parameters, e.g. one per
+            layer), else consecutive parameters of one dtype are grouped up to
+            ``unit_size_mb`` MiB (a larger parameter is a unit of its own).
+            A unit is the granularity of gathering: peak parameter memory in a
+            unit-by-unit loop is one unit's full parameters.
+        ranks_per_node: HYBRID_SHARD only: shard over blocks of this many
+            consecutive ranks and replicate across blocks. When None the
+            node layout comes from ``group.node_info()``.
+        unit_size_mb: the default grouping's unit size limit.
+        sync_module_states: broadcast every unit from group rank 0 before
+            sharding, so all ranks start from rank 0's values.
+
+    Every rank of the group must make the same calls in the same order
+    (construction creates sub-groups under HYBRID_SHARD; gather, sync and
+    checkpoint calls communicate).
+
+    Raises:
+        ValueError: bad units, a ``ranks_per_node`` that does not divide the
+            group (or is given without HYBRID_SHARD), mixed array libraries.
+    """
+
+    def __init__(self, model: Any, group: ProcessGroup | None = None, *,
+                 sharding_strategy: ShardingStrategy | str = ShardingStrategy.FULL_SHARD,
+                 cpu_offload: CPUOffload | str | bool | None = CPUOffload.NONE,
+                 mixed_precision: MixedPrecision | None = None,
+                 units: Sequence[Sequence[int]] | None = None,
+                 ranks_per_node: int | None = None,
+                 unit_size_mb: float = DEFAULT_UNIT_BYTES / 2**20,
+                 sync_module_states: bool = False) -> None:
+        self.module = model
+        self.group = resolve_group(group)
+        self.group.backend_for("FullyShardedDataParallel")
+        self.sharding_strategy = ShardingStrategy.parse(sharding_strategy)
+        self.cpu_offload = CPUOffload.parse(cpu_offload)
+        if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
+            raise TypeError(f"FullyShardedDataParallel: mixed_precision must be a MixedPrecision "
+                            f"or None, got {type(mixed_precision).__name__}")
+        self.mixed_precision = mixed_precision or MixedPrecision()
+        self._params = parameters_of(model)
+        if not self._params:
+            raise ValueError("FullyShardedDataParallel: the model has no parameters")
+        self._names = param_names(self._params)
+        self._xp = _array.namespace(*(p.data for p in self._params))
+        self._on_device = _array.is_cupy(self._params[0].data)
+        self._shapes = [p.shape for p in self._params]
+        self._no_sync_depth = 0
+        self._optimizer: Any = None
+        self.shard_group, self.replica_group = self._make_groups(ranks_per_node)
+        self._units = self._build_units(self._unit_plan(units, unit_size_mb), sync_module_states)
+        self._cast_buffers(model)
+
+    # --- construction ---------------------------------------------------------------
+
+    def _make_groups(self, ranks_per_node: int | None
+                     ) -> tuple[ProcessGroup | None, ProcessGroup | None]:
+        """(shard group, replica group); None stands for a group of one (no communication)."""
+        g, strategy = self.group, self.sharding_strategy
+        if ranks_per_node is not None and strategy is not ShardingStrategy.HYBRID_SHARD:
+            raise ValueError(f"FullyShardedDataParallel: ranks_per_node={ranks_per_node} only "
+                             f"applies to HYBRID_SHARD, not {strategy.name}")
+        if strategy is ShardingStrategy.NO_SHARD:
+            return None, (g if g.world_size > 1 else None)
+        if strategy is not ShardingStrategy.HYBRID_SHARD:
+            return (g if g.world_size > 1 else None), None
+        if ranks_per_node is not None:
+            nodes: list[Any] = node_of_ranks(g.world_size, ranks_per_node)
+        else:
+            nodes = [info[0] for info in g.backend_for("HYBRID_SHARD").allgather_object(
+                g.node_info())]
+        shard_lists, replica_lists = hybrid_groups(nodes)
+        shard_group = replica_group = None
+        # Creating a group is collective: every rank creates every group, in one order.
+        for ranks in shard_lists:
+            sub = g.new_group(ranks)
+            if sub.is_member:
+                shard_group = sub
+        for ranks in replica_lists:
+            sub = g.new_group(ranks)
+            if sub.is_member:
+                replica_group = sub
+        assert shard_group is not None and replica_group is not None
+        return (shard_group if shard_group.world_size > 1 else None,
+                replica_group if replica_group.world_size > 1 else None)
+
+    def _unit_plan(self, units: Sequence[Sequence[Any]] | None,
+                   unit_size_mb: float) -> list[list[int]]:
+        if units is None and callable(getattr(self.module, "units", None)):
+            index_of = {id(p): i for i, p in enumerate(self._params)}
+            units = []
+            for u in self.module.units():
+                members = []
+                for item in u:
+                    if isinstance(item, Parameter):
+                        if id(item) not in index_of:
+                            raise ValueError("FullyShardedDataParallel: model.units() names a "
+                                             "Parameter that model.parameters() does not return")
+                        members.append(index_of[id(item)])
+                    else:
+                        members.append(int(item))
+                units.append(members)
+        return plan_units([p.size for p in self._params], [p.dtype for p in self._params],
+                          units, int(unit_size_mb * 2**20))
+
+    @property
+    def _shards(self) -> int:
+        return self.shard_group.world_size if self.shard_group is not None else 1
+
+    @property
+    def _shard_rank(self) -> int:
+        return self.shard_group.rank if self.shard_group is not None else 0
+
+    def _build_units(self, plan: list[list[int]], sync_states: bool) -> list[_Unit]:
+        out = []
+        for u, members in enumerate(plan):
+            params = [self._params[i] for i in members]
+            flat = FlatUnit(u, tuple(members), tuple(p.shape for p in params),
+                            np.dtype(params[0].dtype), self._shards)
+            buf = self._xp.zeros(flat.padded_numel, dtype=flat.dtype)
+            flat.layout.pack([p.data for p in params], out=buf[:flat.numel])
+            if sync_states and self.group.world_size > 1:
+                comm.broadcast(buf, self.group, src=0)
+            lo, hi = flat.shard_bounds(self._shard_rank)
+            shard = self._to_rest(buf[lo:hi].copy())
+            del buf
+            out.append(_Unit(flat, Parameter(shard, name=f"fsdp.unit{u}")))
+            for i, p in zip(members, params):
+                p.data = self._placeholder(flat)
+                p.grad = None
+        return out
+
+    def _cast_buffers(self, model: Any) -> None:
+        dtype = self.mixed_precision.buffer_dtype
+        if dtype is None or not callable(getattr(model, "buffers", None)):
+            return
+        for b in parameters_of(list(model.buffers())):
+            b.data = b.data.astype(dtype)
+
+    # --- where arrays live --------------------------------------------------------------
+
+    def _to_rest(self, x: Any) -> Any:
+        """Where shards rest: host memory under CPU offload, else where computed."""
+        return _array.to_host(x) if self.cpu_offload.offloads_shards else x
+
+    def _to_compute(self, x: Any) -> Any:
+        """On the compute device (a copy only when ``x`` rests on the host of a GPU run)."""
+        if self._on_device and not _array.is_cupy(x):
+            return _array.to_device(x)
+        return x
+
+    def _compute_dtype(self, flat: FlatUnit) -> np.dtype:
+        return self.mixed_precision.compute_dtype(flat.dtype)
+
+    def _placeholder(self, flat: FlatUnit) -> Any:
+        return self._xp.empty(0, dtype=self._compute_dtype(flat))
+
+    # --- introspection --------------------------------------------------------------------
+
+    @property
+    def units(self) -> list[FlatUnit]:
+        """The flat layout of every unit."""
+        return [st.flat for st in self._units]
+
+    @property
+    def world_size(self) -> int:
+        return self.group.world_size
+
+    @property
+    def rank(self) -> int:
+        return self.group.rank
+
+    def sharded_parameters(self) -> list[Parameter]:
+        """This rank's shard of every unit (1-D master Parameters, in unit order).
+
+        Build the optimizer on these: it then keeps state for the shard only.
+        Their ``.grad`` is set by :meth:`sync_gradients`.
+        """
+        return [st.shard for st in self._units]
+
+    def parameters(self) -> list[Parameter]:
+        """The sharded Parameters (so ``SGD(fsdp, lr)`` optimizes the shards)."""
+        return self.sharded_parameters()
+
+    def full_parameters(self) -> list[Parameter]:
+        """The model's Parameters (full arrays while their unit is gathered)."""
+        return list(self._params)
+
+    @property
+    def param_shapes(self) -> list[tuple[int, ...]]:
+        """The model's parameter shapes (a resharded ``Parameter.data`` is 0-size)."""
+        return list(self._shapes)
+
+    def parameter_names(self) -> list[str]:
+        """The model's parameter names (``param{i}`` for unnamed ones), as in checkpoints."""
+        return list(self._names)
+
+    def _select(self, unit: int | None, where: str) -> list[_Unit]:
+        if unit is None:
+            return self._units
+        if not isinstance(unit, (int, np.integer)) or not 0 <= unit < len(self._units):
+            raise ValueError(f"{where}: unit={unit!r} is not a unit index "
+                             f"(0..{len(self._units) - 1})")
+        return [self._units[unit]]
+
+    # --- gather / reshard -------------------------------------------------------------------
+
+    def gather_parameters(self, unit: int | None = None) -> None:
+        """All-gather full parameters of ``unit`` (every unit when None) into the model.
+
+        Each model ``Parameter.data`` becomes a view of the unit's gathered
+        flat buffer, in the compute dtype (``MixedPrecision.param_dtype`` or
+        the master dtype). Always communicates, so it also refreshes values
+        that an optimizer step made stale (SHARD_GRAD_OP, NO_SHARD).
+        """
+        for st in self._select(unit, "gather_parameters"):
+            flat = st.flat
+            src = self._to_compute(st.shard.data)
+            cdt = self._compute_dtype(flat)
+            if src.dtype != cdt:
+                src = src.astype(cdt)
+            if self.shard_group is not None:
+                sizes = [flat.shard_size] * self._shards  # equal shards: no size exchange
+                full = comm.all_gather(src, self.shard_group, sizes=sizes)
+            else:
+                full = src  # one shard is the whole flat (may alias the master shard)
+            st.full = full
+            for i, view in zip(flat.param_indices, flat.layout.views(full[:flat.numel])):
+                self._params[i].data = view
+
+    def reshard_parameters(self, unit: int | None = None) -> None:
+        """Release the full parameters of ``unit`` (every unit when None).
+
+        FULL_SHARD and HYBRID_SHARD drop the gathered buffer and set each
+        model ``Parameter.data`` to a 0-size placeholder (shape ``(0,)``).
+        SHARD_GRAD_OP and NO_SHARD keep the full parameters resident (they
+        become stale after an optimizer step until the next gather).
+        """
+        for st in self._select(unit, "reshard_parameters"):
+            if not self.sharding_strategy.shards_parameters:
+                continue
+            self._release(st)
+
+    def _release(self, st: _Unit) -> None:
+        st.full = None
+        for i in st.flat.param_indices:
+            self._params[i].data = self._placeholder(st.flat)
+
+    def is_gathered(self, unit: int) -> bool:
+        """True while ``unit``'s full parameters are held."""
+        return self._select(unit, "is_gathered")[0].full is not None
+
+    # --- gradients ----------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally, without communicating, until the block ends.
+
+        Inside the block :meth:`sync_gradients` adds each unit's full
+        gradients into a full-size, unsharded accumulation buffer (in the
+        master dtype) and clears ``.grad``: no reduce-scatter, but a full
+        gradient copy per unit stays in memory. The first ``sync_gradients``
+        after the block reduces the buffer together with the gradients then
+        set. Without ``no_sync``, every sync reduce-scatters and adds into the
+        shard gradient, so accumulation keeps only sharded gradients.
+        """
+        self._no_sync_depth += 1
+        try:
+            yield
+        finally:
+            self._no_sync_depth -= 1
+
+    def _flat_grads(self, st: _Unit, where: str) -> list[Any] | None:
+        grads = [self._params[i].grad for i in st.flat.param_indices]
+        if all(g is None for g in grads):
+            return None
+        for i, g in zip(st.flat.param_indices, grads):
+            if g is not None and tuple(g.shape) != self._shapes[i]:
+                raise ValueError(f"{where}: parameter {self._names[i]!r} has shape "
+                                 f"{self._shapes[i]} but its .grad has shape {tuple(g.shape)}")
+        return grads
+
+    def sync_gradients(self, unit: int | None = None) -> None:
+        """Reduce the model's full gradients into the shard gradients (averaged over ranks).
+
+        For each selected unit whose parameters have a ``.grad`` (a missing
+        one counts as zeros; a unit with none is skipped, so every rank must
+        set gradients for the same units): flatten in the reduce dtype,
+        reduce-scatter (FULL_SHARD, SHARD_GRAD_OP), all-reduce (NO_SHARD), or
+        both (HYBRID_SHARD: within the node, then across nodes), cast to the
+        master dtype and ADD into ``shard.grad`` (set when None). The full
+        gradients are then dropped (``.grad = None``). Inside :meth:`no_sync`
+        no communication happens (see there).
+        """
+        for st in self._select(unit, "sync_gradients"):
+            grads = self._flat_grads(st, "sync_gradients")
+            if self._no_sync_depth:
+                if grads is not None:
+                    self._accumulate_locally(st, grads)
+            elif grads is not None or st.accum is not None:
+                self._reduce_unit(st, grads)
+            for i in st.flat.param_indices:
+                self._params[i].grad = None
+
+    def _accumulate_locally(self, st: _Unit, grads: list[Any]) -> None:
+        flat = st.flat
+        if st.accum is None:
+            xp = np if (self.cpu_offload.offloads_accumulation or not self._on_device) else self._xp
+            st.accum = xp.zeros(flat.numel, dtype=flat.dtype)
+        on_host = not _array.is_cupy(st.accum)
+        for view, g in zip(flat.layout.views(st.accum), grads):
+            if g is not None:
+                view += _array.to_host(g) if on_host else self._to_compute(g)
+
+    def _reduce_unit(self, st: _Unit, grads: list[Any] | None) -> None:
+        flat = st.flat
+        rdt = self.mixed_precision.communication_dtype(flat.dtype)
+        buf = self._xp.empty(flat.padded_numel, dtype=rdt)
+        buf[flat.numel:] = 0  # padding
+        for k, view in enumerate(flat.layout.views(buf[:flat.numel])):
+            g = grads[k] if grads is not None else None
+            view[...] = 0 if g is None else g
+        if st.accum is not None:
+            buf[:flat.numel] += self._to_compute(st.accum).astype(rdt)
+            st.accum = None
+        if self.shard_group is not None:
+            part = comm.reduce_scatter(buf, ReduceOp.AVERAGE, self.shard_group)
+        else:
+            part = buf
+        del buf
+        if self.replica_group is not None:
+            comm.all_reduce(part, ReduceOp.AVERAGE, self.replica_group)
+        part = self._to_rest(part.astype(flat.dtype, copy=part.dtype != flat.dtype))
+        if st.shard.grad is None:
+            st.shard.grad = part
+        else:
+            st.shard.grad += part
+
+    def zero_grad(self) -> None:
+        """Drop shard gradients, the model's full gradients and no_sync buffers."""
+        for st in self._units:
+            st.shard.grad = None
+            st.accum = None
+        for p in self._params:
+            p.grad = None
+
+    def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> float:
+        """Scale the shard gradients so their global norm is at most ``max_norm``.
+
+        The norm is that of the whole model's averaged gradient, padding
+        excluded: each shard group rank's local sum of ``|g|**p`` is summed
+        over the shard group (the node under HYBRID_SHARD; replicas hold the
+        same values), and under NO_SHARD the local norm is the global one.
+        When the norm exceeds ``max_norm`` every shard gradient is multiplied
+        by ``max_norm / (norm + 1e-6)``. Call it after :meth:`sync_gradients`.
+
+        Returns:
+            The norm before clipping (the same float on every rank).
+
+        Raises:
+            RuntimeError: gradients are still pending in a no_sync buffer.
+        """
+        p = _clip.check_norm_type(norm_type, "clip_grad_norm")
+        if any(st.accum is not None for st in self._units):
+            raise RuntimeError("clip_grad_norm: gradients accumulated under no_sync() are not "
+                               "reduced yet; call sync_gradients() outside no_sync() first")
+        pieces, grads = [], []
+        start = None
+        for st in self._units:
+            g = st.shard.grad
+            if g is None:
+                continue
+            start, _ = st.flat.shard_bounds(self._shard_rank)
+            lo, hi = st.flat.valid_bounds(self._shard_rank)
+            pieces.append(g[lo - start:hi - start])
+            grads.append(g)
+        xp = _array.namespace(*grads) if grads else self._xp
+        total = _clip.global_norm(pieces, p, self.shard_group, xp)
+        coef = _clip.clip_coefficient(total, max_norm)
+        if coef is not None:
+            for g in grads:
+                g *= coef
+        return total
+
+    # --- one-call training ------------------------------------------------------------------
+
+    def backward(self, grad_fn: Callable[..., Any], *batch: Any) -> Any:
+        """Gather all units, compute gradients, reshard, sync; return the loss.
+
+        ``grad_fn(param_arrays, *batch) -> (loss, grads)`` gets the full
+        parameter arrays in model order and returns one gradient per
+        parameter (None for none). All units are gathered at once (peak
+        memory: the whole model's full parameters, once); gradients are then
+        reduce-scattered unit by unit, each unit's full gradients dropped as
+        soon as they are reduced. For unit-at-a-time peak memory drive
+        ``gather_parameters(u)`` / ``sync_gradients(u)`` /
+        ``reshard_parameters(u)`` yourself. Inside :meth:`no_sync` the sync
+        only accumulates locally.
+        """
+        self.gather_parameters()
+        arrays = [p.data for p in self._params]
+        result = grad_fn(arrays, *batch)
+        del arrays
+        try:
+            loss, grads = result
+        except (TypeError, ValueError):
+            raise TypeError("FullyShardedDataParallel: grad_fn must return (loss, grads), got "
+                            f"{type(result).__name__}") from None
+        grads = list(grads)
+        if len(grads) != len(self._params):
+            raise ValueError(f"FullyShardedDataParallel: grad_fn returned {len(grads)} gradients "
+                             f"for {len(self._params)} parameters")
+        for p, g in zip(self._params, grads):
+            p.grad = None if g is None else _array.as_array(g)
+        self.reshard_parameters()
+        self.sync_gradients()
+        return loss
+
+    def step(self, grad_fn: Callable[..., Any], *batch: Any, optimizer: Any,
+             max_norm: float | None = None) -> Any:
+        """One training step: :meth:`backward`, optional clipping, ``optimizer.step()``.
+
+        Shard gradients accumulated by earlier :meth:`backward` calls are
+        included, and are cleared after the step. Returns the loss.
+
+        Raises:
+            RuntimeError: called inside :meth:`no_sync`.
+        """
+        if self._no_sync_depth:
+            raise RuntimeError("FullyShardedDataParallel.step: cannot step inside no_sync(); use "
+                               "backward() for the micro-batches, step() for the last one")
+        loss = self.backward(grad_fn, *batch)
+        if max_norm is not None:
+            self.clip_grad_norm(max_norm)
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss
+
+    # --- memory ---------------------------------------------------------------------------------
+
+    def register_optimizer(self, optimizer: Any) -> None:
+        """Count ``optimizer``'s state in :meth:`memory_stats` / :meth:`memory_estimate`."""
+        self._check_optimizer(optimizer, "register_optimizer")
+        self._optimizer = optimizer
+
+    def _check_optimizer(self, optimizer: Any, where: str) -> dict[int, int]:
+        """{index in optimizer.params: unit index}; refuses optimizers over other Parameters."""
+        unit_of = {id(st.shard): u for u, st in enumerate(self._units)}
+        mapping = {}
+        for k, p in enumerate(getattr(optimizer, "params", [])):
+            if id(p) not in unit_of:
+                raise ValueError(f"{where}: the optimizer updates a Parameter that is not one of "
+                                 "this wrapper's shards; build it on fsdp.sharded_parameters()")
+            mapping[k] = unit_of[id(p)]
+        return mapping
+
+    def _optimizer_bytes_per_param(self, optimizer: Any) -> float:
+        """Modelled optimizer bytes per parameter (state arrays, plus masters under MP)."""
+        from ..optim import SGD
+
+        opt = optimizer if optimizer is not None else self._optimizer
+        if opt is None:
+            n_states = 2  # Adam is assumed
+        elif isinstance(opt, SGD):
+            n_states = 1 if opt.momentum > 0 else 0
+        else:
+            n_states = len(getattr(opt, "_state_names", ())) or 2
+        total = 0.0
+        numel = sum(st.flat.numel for st in self._units)
+        for st in self._units:
+            master = st.flat.dtype.itemsize
+            state = 8 if st.flat.dtype == np.float64 else 4
+            extra = master if self._compute_dtype(st.flat) != st.flat.dtype else 0
+            total += st.flat.numel * (n_states * state + extra)
+        return total / max(numel, 1)
+
+    def memory_estimate(self, optimizer: Any = None) -> FSDPMemoryStats:
+        """The modelled per-rank bytes for this model, strategy, dtypes and optimizer.
+
+        Parameters and gradients count at the compute dtype's size; the
+        optimizer at its state arrays (Adam assumed when no optimizer is
+        passed or registered) plus the master copy under mixed precision.
+        """
+        numel = sum(st.flat.numel for st in self._units)
+        denom = max(numel, 1)
+        pbytes = sum(st.flat.numel * self._compute_dtype(st.flat).itemsize
+                     for st in self._units) / denom
+        return FSDPMemoryStats.estimate(
+            numel, self.group.world_size, self.sharding_strategy, pbytes, pbytes,
+            self._optimizer_bytes_per_param(optimizer), ranks_per_node=self._shards,
+            cpu_offload=self.cpu_offload)
+
+    def memory_stats(self, optimizer: Any = None) -> FSDPMemoryStats:
+        """MEASURED per-rank bytes: ``nbytes`` of the arrays held right now.
+
+        Parameters: every shard, plus each gathered full buffer (padding
+        included; not counted again when it is the shard itself). Gradients:
+        shard gradients, the model's full ``.grad`` arrays and no_sync
+        buffers. Optimizer: the state arrays of ``optimizer`` (or the
+        registered one). Host bytes: what the offload policy keeps on the host.
+
+        ``no_shard_bytes_per_rank`` (the base of ``memory_savings()``) is what
+        NO_SHARD would hold in the same state: every unit's master
+        parameters (plus a full low-precision copy of the units gathered now),
+        full master gradients for the units with a shard gradient, full-size
+        no_sync buffers where they exist, and the optimizer state scaled
+        from the shards to the full units.
+        """
+        opt = optimizer if optimizer is not None else self._optimizer
+        params = grads = optim = padding = host = 0
+        reference = 0  # NO_SHARD in the same state
+        for st in self._units:
+            flat, shard = st.flat, st.shard
+            params += shard.data.nbytes
+            reference += flat.numel * flat.dtype.itemsize
+            if st.full is not None and st.full.dtype != flat.dtype:
+                reference += flat.numel * st.full.itemsize
+            if shard.grad is not None:
+                reference += flat.numel * flat.dtype.itemsize
+            if st.accum is not None:
+                reference += st.accum.nbytes
+            lo, hi = flat.valid_bounds(self._shard_rank)
+            padding += (flat.shard_size - (hi - lo)) * shard.data.itemsize
+            if st.full is not None and st.full is not shard.data:
+                params += st.full.nbytes
+                padding += flat.padding * st.full.itemsize
+            shard_grad = shard.grad.nbytes if shard.grad is not None else 0
+            accum = st.accum.nbytes if st.accum is not None else 0
+            grads += shard_grad + accum
+            if self.cpu_offload.offloads_shards:
+                host += shard.data.nbytes + shard_grad
+            if self.cpu_offload.offloads_accumulation:
+                host += accum
+        seen: set[int] = set()
+        full_grads = 0  # the model's .grad arrays: the same under any strategy
+        for p in self._params:
+            if p.grad is not None and id(p.grad) not in seen:
+                seen.add(id(p.grad))
+                full_grads += p.grad.nbytes
+        grads += full_grads
+        if opt is not None:
+            unit_of = self._check_optimizer(opt, "memory_stats")
+            for k, state in opt.state.items():
+                flat = self._units[unit_of[k]].flat
+                for v in state.values():
+                    optim += getattr(v, "nbytes", 0)
+                    if flat.shard_size:
+                        reference += getattr(v, "nbytes", 0) * flat.numel // flat.shard_size
+            if self.cpu_offload.offloads_shards:
+                host += optim
+        return FSDPMemoryStats(
+            total_params=sum(st.flat.numel for st in self._units), world_size=self._shards,
+            sharding_strategy=self.sharding_strategy, param_bytes_per_rank=params,
+            grad_bytes_per_rank=grads, optim_bytes_per_rank=optim, padding_bytes_per_rank=padding,
+            host_bytes_per_rank=host,
+            no_shard_bytes_per_rank=reference + full_grads,
+            measured=True)
+
+    # --- state dicts and checkpoints (the work is in state_dict.py) -------------------------
+
+    def full_state_dict(self) -> dict[str, Any] | None:
+        """``{name: full array}`` (NumPy, master dtype) on group rank 0; None elsewhere.
+
+        Collective: every rank calls it (the shards of the node holding rank 0
+        are gathered to it; other nodes of HYBRID_SHARD do nothing).
+        """
+        return _state_dict.full_state_dict(self)
+
+    def load_full_state_dict(self, state: dict[str, Any]) -> None:
+        """Take this rank's shards from a full ``{name: array}`` state (every rank passes it).
+
+        Master shards are overwritten in place (an optimizer built on them
+        stays valid); gathered full parameters are released, so call
+        :meth:`gather_parameters` before the next forward. No communication.
+
+        Raises:
+            CheckpointError: a parameter missing from ``state`` or of another shape.
+        """
+        _state_dict.load_full_state_dict(self, state)
+
+    def sharded_checkpoint_state(self, optimizer: Any = None) -> ShardedState:
+        """This rank's part of a sharded checkpoint (see :mod:`axondist.checkpoint`).
+
+        One flat per unit (``unit{u}``) and per optimizer state array
+        (``unit{u}.{state}``); only the first replica (node 0 under
+        HYBRID_SHARD, rank 0 under NO_SHARD) writes its shards.
+        """
+        return _state_dict.sharded_checkpoint_state(self, optimizer)
+
+    def load_sharded_checkpoint_state(self, reader: CheckpointReader,
+                                      optimizer: Any = None) -> None:
+        """Fill this rank's shards (and ``optimizer``'s state) from a sharded checkpoint.
+
+        Reads only the element ranges this rank's shards need, whatever world
+        size or strategy wrote them. Gathered parameters are released.
+        """
+        _state_dict.load_sharded_checkpoint_state(self, reader, optimizer)
+
+    def __repr__(self) -> str:
+        numel = sum(st.flat.numel for st in self._units)
+        return (f"FullyShardedDataParallel({self.sharding_strategy.name}, {len(self._params)} "
+                f"parameters ({numel} elements) in {len(self._units)} units, shards over "
+                f"{self._shards} of {self.group.world_size} ranks)")
+
+
+FSDP = FullyShardedDataParallel
+
+__all__ = ["FSDP", "FullyShardedDataParallel"]

@@ -1,0 +1,386 @@
+"""Optimizers that update :class:`~axondist.Parameter` values in place.
+
+The update formulas are those of ``torch.optim`` (SGD with momentum/Nesterov,
+Adam with L2 weight decay added to the gradient, AdamW with decoupled weight
+decay), written with the array namespace of each parameter so the same code
+runs on NumPy and CuPy arrays.
+
+Precision: parameters in float32/float64 are updated in their own dtype, with
+state arrays of that dtype. float16 and bfloat16 parameters keep float32
+state; each step upcasts the parameter and gradient to float32, computes the
+update in float32 and writes the result back rounded to the parameter's dtype.
+(No float32 master copy of the weights is kept: updates smaller than half a
+unit in the last place of a float16 weight are lost, as with torch.)
+
+``.data`` is written in place (``p.data[...] = ...``), never replaced, so
+views of a parameter (e.g. a flat buffer an FSDP shard lives in) stay valid.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from . import _array
+from .parameter import Parameter, parameters_of
+
+#: state_dict format version, bumped when the layout below changes.
+STATE_DICT_VERSION = 1
+
+
+def _compute_dtype(dtype: Any) -> np.dtype:
+    """The dtype updates of a parameter of ``dtype`` are computed (and state kept) in."""
+    dtype = np.dtype(dtype)
+    if dtype in (np.float32, np.float64):
+        return dtype
+    if dtype == np.float16 or (_array.bfloat16 is not None and dtype == _array.bfloat16):
+        return np.dtype(np.float32)
+    raise TypeError(
+        f"optimizer: parameter dtype {dtype} cannot be trained; parameters must be "
+        "float16, bfloat16, float32 or float64"
+    )
+
+
+def _check_nonneg(name: str, value: float, where: str) -> float:
+    value = float(value)
+    if not value >= 0.0:  # also refuses NaN
+        raise ValueError(f"{where}: {name} must be >= 0, got {value}")
+    return value
+
+
+class Optimizer:
+    """Base class: holds the parameters, per-parameter state and the step count.
+
+    Subclasses define :meth:`_update` for one parameter (in its compute dtype)
+    and the names of their hyper-parameters and state arrays.
+
+    Args:
+        params: a model (anything :func:`~axondist.parameters_of` accepts) or an
+            iterable of Parameters. The order fixes the state_dict keys.
+        lr: the learning rate (settable later through ``opt.lr = ...``).
+
+    Attributes:
+        params: the Parameters, in order.
+        state: per parameter index, a dict of state arrays (and ``"step"``, the
+            number of updates that parameter received). Absent until the
+            parameter's first update.
+        step_count: how many times :meth:`step` ran.
+    """
+
+    #: names of the hyper-parameters saved in state_dict (besides ``lr``).
+    _hyper_names: tuple[str, ...] = ()
+    #: names of the per-parameter state arrays.
+    _state_names: tuple[str, ...] = ()
+
+    def __init__(self, params: Any, lr: float) -> None:
+        self.params: list[Parameter] = optimizer_params(params)
+        if not self.params:
+            raise ValueError(f"{type(self).__name__}: got an empty parameter list")
+        for p in self.params:
+            _compute_dtype(p.dtype)
+        self.lr = lr
+        self.state: dict[int, dict[str, Any]] = {}
+        self.step_count = 0
+
+    @property
+    def lr(self) -> float:
+        """The learning rate used by the next :meth:`step`."""
+        return self._lr
+
+    @lr.setter
+    def lr(self, value: float) -> None:
+        self._lr = _check_nonneg("lr", value, type(self).__name__)
+
+    # --- stepping ------------------------------------------------------------------
+
+    def step(self) -> None:
+        """Update every parameter whose ``.grad`` is set; skip those with ``grad=None``.
+
+        Raises:
+            ValueError: a gradient's shape differs from its parameter's.
+        """
+        for i, p in enumerate(self.params):
+            if p.grad is None:
+                continue
+            grad = p.grad
+            if tuple(grad.shape) != p.shape:
+                raise ValueError(
+                    f"{type(self).__name__}.step: parameter {i} ({p.name or 'unnamed'}) has shape "
+                    f"{p.shape} but its .grad has shape {tuple(grad.shape)}"
+                )
+            xp = _array.namespace(p.data, grad)
+            cdt = _compute_dtype(p.dtype)
+            state = self.state.get(i)
+            if state is None:
+                state = self.state[i] = {"step": 0}
+            state["step"] += 1
+            if p.data.dtype == cdt:
+                work = p.data
+                g = grad if grad.dtype == cdt else grad.astype(cdt)
+                self._update(xp, work, g, state)
+            else:
+                work = p.data.astype(cdt)
+                self._update(xp, work, grad.astype(cdt), state)
+                p.data[...] = work.astype(p.data.dtype)
+        self.step_count += 1
+
+    def _update(self, xp: Any, p: Any, g: Any, state: dict[str, Any]) -> None:
+        """Update ``p`` in place from gradient ``g`` (both in the compute dtype).
+
+        ``g`` may be the user's ``.grad`` array: never write into it.
+        """
+        raise NotImplementedError
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the gradients.
+
+        Args:
+            set_to_none: ``grad = None`` (the default). With False the gradient
+                arrays are zeroed in place, keeping their memory: use that when
+                ``.grad`` is a view into a DDP bucket that must stay shared.
+        """
+        for p in self.params:
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad[...] = 0
+
+    # --- state ---------------------------------------------------------------------
+
+    def hyperparameters(self) -> dict[str, Any]:
+        """The hyper-parameters as a plain dict (``lr`` and the subclass's)."""
+        out: dict[str, Any] = {"lr": self.lr}
+        for name in self._hyper_names:
+            out[name] = getattr(self, name)
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """A snapshot of the optimizer as a plain dict (arrays are copies).
+
+        Layout::
+
+            {"optimizer": "Adam",                # the class name
+             "version": 1,
+             "hyperparameters": {"lr": ..., "betas": (..., ...), ...},
+             "step_count": 12,                  # calls to step()
+             "state": {0: {"step": 12,          # updates of parameter 0
+                           "exp_avg": array, "exp_avg_sq": array},
+                       ...}}                    # keyed by parameter index
+
+        Parameters that never received a gradient have no ``state`` entry.
+        State arrays have the parameter's shape and the compute dtype (float32
+        for float16/bfloat16 parameters) and live where the parameter lives.
+        """
+        state = {
+            i: {k: (v.copy() if k != "step" else int(v)) for k, v in s.items()}
+            for i, s in self.state.items()
+        }
+        return {
+            "optimizer": type(self).__name__,
+            "version": STATE_DICT_VERSION,
+            "hyperparameters": self.hyperparameters(),
+            "step_count": self.step_count,
+            "state": state,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore hyper-parameters, step count and state from :meth:`state_dict`.
+
+        State arrays are copied into fresh arrays of the parameter's namespace
+        and compute dtype, so a NumPy snapshot loads into a CuPy optimizer.
+
+        Raises:
+            ValueError: the snapshot is of another optimizer class, names a
+                parameter index this optimizer does not have, lacks or adds a
+                state array, or has an array whose shape differs from its
+                parameter's.
+        """
+        where = f"{type(self).__name__}.load_state_dict"
+        if not isinstance(state_dict, dict) or "state" not in state_dict:
+            raise ValueError(f"{where}: expected a dict made by state_dict(), got "
+                             f"{type(state_dict).__name__}")
+        kind = state_dict.get("optimizer")
+        if kind != type(self).__name__:
+            raise ValueError(f"{where}: the snapshot is of optimizer {kind!r}, not "
+                             f"{type(self).__name__!r}; load it into a {kind} instead")
+        new_state: dict[int, dict[str, Any]] = {}
+        for key, entry in state_dict["state"].items():
+            i = int(key)
+            if not 0 <= i < len(self.params):
+                raise ValueError(f"{where}: state for parameter index {i}, but the optimizer has "
+                                 f"{len(self.params)} parameters (0..{len(self.params) - 1})")
+            p = self.params[i]
+            names = set(entry) - {"step"}
+            expected = self._state_names_for(entry)
+            if names != expected:
+                raise ValueError(f"{where}: parameter {i} state has arrays {sorted(names)}, "
+                                 f"expected {sorted(expected)}")
+            xp = _array.namespace(p.data)
+            cdt = _compute_dtype(p.dtype)
+            restored: dict[str, Any] = {"step": int(entry.get("step", 0))}
+            for name in names:
+                arr = entry[name]
+                if tuple(arr.shape) != p.shape:
+                    raise ValueError(
+                        f"{where}: state {name!r} of parameter {i} ({p.name or 'unnamed'}) has "
+                        f"shape {tuple(arr.shape)}, the parameter has shape {p.shape}"
+                    )
+                restored[name] = xp.array(xp.asarray(arr), dtype=cdt, copy=True)
+            new_state[i] = restored
+        hyper = dict(state_dict.get("hyperparameters", {}))
+        self.lr = hyper.pop("lr", self.lr)
+        for name, value in hyper.items():
+            if name not in self._hyper_names:
+                raise ValueError(f"{where}: unknown hyper-parameter {name!r}; "
+                                 f"{type(self).__name__} has lr, {', '.join(self._hyper_names)}")
+            setattr(self, name, tuple(value) if isinstance(value, list) else value)
+        self._validate()
+        self.state = new_state
+        self.step_count = int(state_dict.get("step_count", 0))
+
+    def _state_names_for(self, entry: dict[str, Any]) -> set[str]:
+        return set(self._state_names)
+
+    def _validate(self) -> None:
+        """Check the hyper-parameters (subclasses raise ValueError on bad values)."""
+
+    def __repr__(self) -> str:
+        hp = ", ".join(f"{k}={v}" for k, v in self.hyperparameters().items())
+        return f"{type(self).__name__}({len(self.params)} parameters, {hp})"
+
+
+class SGD(Optimizer):
+    """Stochastic gradient descent with optional momentum, as ``torch.optim.SGD``.
+
+    With ``d = g + weight_decay * p``::
+
+        b = d                               (first step)
+        b = momentum * b + (1 - dampening) * d   (later steps)
+        d = d + momentum * b   if nesterov else   b
+        p = p - lr * d
+
+    (the momentum lines only when ``momentum > 0``).
+
+    Raises:
+        ValueError: negative hyper-parameters, or Nesterov without momentum or
+            with dampening.
+    """
+
+    _hyper_names = ("momentum", "weight_decay", "nesterov", "dampening")
+
+    def __init__(self, params: Any, lr: float, momentum: float = 0.0, weight_decay: float = 0.0,
+                 nesterov: bool = False, dampening: float = 0.0) -> None:
+        self.momentum = momentum
+        self.weight_decay = weight_decay
+        self.nesterov = bool(nesterov)
+        self.dampening = dampening
+        self._validate()
+        super().__init__(params, lr)
+
+    def _validate(self) -> None:
+        self.momentum = _check_nonneg("momentum", self.momentum, "SGD")
+        self.weight_decay = _check_nonneg("weight_decay", self.weight_decay, "SGD")
+        self.dampening = _check_nonneg("dampening", self.dampening, "SGD")
+        if self.nesterov and (self.momentum <= 0 or self.dampening != 0):
+            raise ValueError("SGD: nesterov=True needs momentum > 0 and dampening = 0")
+
+    def _state_names_for(self, entry: dict[str, Any]) -> set[str]:
+        return {"momentum_buffer"} if self.momentum > 0 else set()
+
+    def _update(self, xp: Any, p: Any, g: Any, state: dict[str, Any]) -> None:
+        if self.weight_decay:
+            g = g + self.weight_decay * p  # a new array: the user's grad is left alone
+        if self.momentum > 0:
+            buf = state.get("momentum_buffer")
+            if buf is None:
+                # xp.array, not g.copy(): arithmetic on 0-d arrays gives NumPy scalars
+                buf = state["momentum_buffer"] = xp.array(g, dtype=p.dtype, copy=True)
+            else:
+                xp.multiply(buf, self.momentum, out=buf)
+                buf += (1.0 - self.dampening) * g
+            g = g + self.momentum * buf if self.nesterov else buf
+        p -= self.lr * g
+
+
+class Adam(Optimizer):
+    """Adam, as ``torch.optim.Adam`` (weight decay is L2: added to the gradient).
+
+    With ``g = g + weight_decay * p`` and ``t`` the parameter's step count::
+
+        m = b1 * m + (1 - b1) * g
+        v = b2 * v + (1 - b2) * g * g
+        p = p - lr / (1 - b1**t) * m / (sqrt(v) / sqrt(1 - b2**t) + eps)
+
+    Raises:
+        ValueError: a beta outside [0, 1), or negative lr/eps/weight_decay.
+    """
+
+    _hyper_names = ("betas", "eps", "weight_decay")
+    _state_names = ("exp_avg", "exp_avg_sq")
+    _decoupled = False
+
+    def __init__(self, params: Any, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.0) -> None:
+        self.betas = tuple(betas)
+        self.eps = eps
+        self.weight_decay = weight_decay
+        self._validate()
+        super().__init__(params, lr)
+
+    def _validate(self) -> None:
+        name = type(self).__name__
+        if len(self.betas) != 2 or not all(0.0 <= float(b) < 1.0 for b in self.betas):
+            raise ValueError(f"{name}: betas must be two numbers in [0, 1), got {self.betas}")
+        self.betas = (float(self.betas[0]), float(self.betas[1]))
+        self.eps = _check_nonneg("eps", self.eps, name)
+        self.weight_decay = _check_nonneg("weight_decay", self.weight_decay, name)
+
+    def _update(self, xp: Any, p: Any, g: Any, state: dict[str, Any]) -> None:
+        b1, b2 = self.betas
+        t = state["step"]
+        if self.weight_decay:
+            if self._decoupled:
+                p *= 1.0 - self.lr * self.weight_decay
+            else:
+                g = g + self.weight_decay * p
+        m = state.get("exp_avg")
+        if m is None:
+            m = state["exp_avg"] = xp.zeros_like(p)
+            state["exp_avg_sq"] = xp.zeros_like(p)
+        v = state["exp_avg_sq"]
+        xp.multiply(m, b1, out=m)
+        m += (1.0 - b1) * g
+        xp.multiply(v, b2, out=v)
+        v += (1.0 - b2) * (g * g)
+        step_size = self.lr / (1.0 - b1**t)
+        denom = xp.sqrt(v)
+        denom /= math.sqrt(1.0 - b2**t)
+        denom += self.eps
+        p -= step_size * (m / denom)
+
+
+class AdamW(Adam):
+    """AdamW, as ``torch.optim.AdamW``: Adam with decoupled weight decay.
+
+    Each step first shrinks the weights, ``p = p * (1 - lr * weight_decay)``,
+    then applies the Adam update of the plain gradient (no L2 term).
+    """
+
+    _decoupled = True
+
+    def __init__(self, params: Any, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 1e-2) -> None:
+        super().__init__(params, lr, betas, eps, weight_decay)
+
+
+def optimizer_params(params: Any) -> list[Parameter]:
+    """The Parameters for ``params``: a model, list/dict of Parameters, or any iterable."""
+    if not isinstance(params, (list, tuple, dict, Parameter)) and not hasattr(params, "parameters"):
+        # generators and dict views become a list once, so they are not consumed twice
+        params = list(params)
+    return parameters_of(params)
+
+
+__all__ = ["SGD", "Adam", "AdamW", "Optimizer"]

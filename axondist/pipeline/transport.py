@@ -1,0 +1,135 @@
+"""How pipeline messages travel: in-memory queues (one process) or send/recv on a group.
+
+Both transports serve :class:`~axondist.pipeline.executor.RankRunner`:
+``ready(op)`` says whether a recv can complete now (the single-process
+driver uses it to switch ranks; a real recv just blocks), ``send``/``recv``
+move one message of the communication plan, ``finish`` ends a step and
+``abandon`` ends a failed one.
+"""
+
+from __future__ import annotations
+
+import collections
+import queue
+import threading
+from typing import Any, Union
+
+from axondist import comm
+from axondist.pipeline.communication import CommOp
+from axondist.process_group import ProcessGroup
+
+__all__ = ["GroupTransport", "InProcessTransport", "Transport"]
+
+# Tags on the wire: CommOp.tag modulo this.  Any tag function is correct
+# (every channel's sends and recvs pair up in order, and both MPI and the
+# mock world deliver one (source, tag) stream in order); this bound fits the
+# smallest tag range MPI allows (32767), halved by the MPI backend.
+_TAG_SPACE = 1 << 14
+
+
+class InProcessTransport:
+    """Single-process mode: one FIFO per (src, dst) rank pair; arrays pass by reference."""
+
+    def __init__(self) -> None:
+        self._queues: dict[tuple[int, int], collections.deque] = collections.defaultdict(
+            collections.deque)
+
+    def ready(self, op: CommOp) -> bool:
+        return bool(self._queues[(op.peer, op.rank)])
+
+    def send(self, op: CommOp, x: Any) -> None:
+        self._queues[(op.rank, op.peer)].append((op.tag, x))
+
+    def recv(self, op: CommOp) -> Any:
+        tag, x = self._queues[(op.peer, op.rank)].popleft()
+        if tag != op.tag:
+            raise RuntimeError(f"Pipeline: rank {op.rank} expected the {op.describe_message()} "
+                               f"(tag {op.tag}) but the next message has tag {tag} (a bug in "
+                               "the communication plan: please report)")
+        return x
+
+    def finish(self) -> None:
+        left = {k: len(q) for k, q in self._queues.items() if q}
+        if left:
+            raise RuntimeError(f"Pipeline: messages never received: {left} (a bug: please report)")
+
+    def abandon(self) -> None:
+        self._queues.clear()
+
+
+class GroupTransport:
+    """Distributed mode: blocking recv; sends, in order, on a helper thread (buffered).
+
+    Schedules need sends that return before the peer receives: in 1F1B two
+    neighbours send to each other at the same moment (an activation one way,
+    a gradient the other), and an MPI ``Send`` above the eager limit (16 KiB
+    with this MPICH) waits for the matching receive, so both would wait
+    forever.  The helper thread makes every backend's send buffered.  The thread starts with the first send and lives until :meth:`stop` (the
+    Pipeline's ``close``, or its garbage collection): starting a thread per
+    step would cost a GIL hand-over each time.  :meth:`finish` waits until
+    every queued send has completed and re-raises a send's error on the
+    stepping thread.
+    """
+
+    def __init__(self, group: ProcessGroup) -> None:
+        self._group = group
+        self._queue: queue.Queue = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def ready(self, op: CommOp) -> bool:
+        return True  # recv blocks until the message is there
+
+    def send(self, op: CommOp, x: Any) -> None:
+        self._raise_send_error()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._send_loop, daemon=True,
+                                            name=f"axondist-pipeline-send-r{op.rank}")
+            self._thread.start()
+        self._queue.put((x, op.peer, op.tag % _TAG_SPACE))
+
+    def recv(self, op: CommOp) -> Any:
+        self._raise_send_error()
+        try:
+            return comm.recv(op.peer, self._group, op.tag % _TAG_SPACE)
+        except BaseException as exc:
+            if self._error is not None:  # the real cause: our send failed
+                raise self._error from exc
+            raise
+
+    def finish(self) -> None:
+        """Wait until every send of the step completed."""
+        self._queue.join()
+        self._raise_send_error()
+
+    def abandon(self) -> None:
+        """The step failed: do not wait for its sends (they may never complete)."""
+
+    def stop(self, wait: bool = False) -> None:
+        """End the helper thread once it has sent what is queued; ``wait`` joins it."""
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            self._queue.put(None)
+            if wait:
+                thread.join()
+
+    def _send_loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is None:
+                    return
+                if self._error is None:  # after a failure, only drain
+                    x, dst, tag = item
+                    comm.send(x, dst, self._group, tag)
+            except BaseException as exc:  # noqa: BLE001 - re-raised on the stepping thread
+                self._error = exc
+            finally:
+                self._queue.task_done()
+
+    def _raise_send_error(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+
+Transport = Union[InProcessTransport, GroupTransport]

@@ -1,0 +1,111 @@
+"""Timing helpers shared by the benchmarks.
+
+The machines these run on are shared and noisy, so every benchmark compares
+variants *inside one run*: :func:`alternate` times batch after batch of each
+variant in turn (A, B, C, then B, C, A, ...: the order rotates, so no variant
+always runs right after the same other one), so drift in machine load hits
+every variant alike; one untimed call before each batch keeps the previous
+variant's after-effects (another library's threads, cold caches) out of the
+timing; and :func:`paired_ratio` divides the variants' times batch by
+batch (A's k-th batch by B's k-th) before taking the median. A ratio below 1
+means the first variant is faster.
+
+Typical use (every rank of an MPI job runs the same calls)::
+
+    times = alternate({"axondist": f, "raw": g}, batch=200, repeats=15,
+                      sync=comm.Barrier)
+    ratio = paired_ratio(times["axondist"], times["raw"])
+    print(format_table(["size", "axondist us", "raw us", "ratio"], rows))
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from typing import Any, Callable, Mapping, Sequence
+
+
+def alternate(variants: Mapping[str, Callable[[], Any]], *, batch: int, repeats: int,
+              warmup: int = 1, sync: Callable[[], Any] | None = None) -> dict[str, list[float]]:
+    """Seconds per call of each variant, one entry per timed batch.
+
+    Args:
+        variants: name -> function making one call.
+        batch: calls per timed batch (the batch's time is divided by it).
+        repeats: timed batches per variant, interleaved round-robin.
+        warmup: untimed batches per variant before timing (first-call costs).
+        sync: called before and at the end of each timed batch (a barrier
+            under MPI, so each batch measures every rank's part of the work);
+            its cost is inside the batch, spread over ``batch`` calls.
+
+    Returns:
+        name -> ``repeats`` per-call times in seconds, in batch order (so the
+        k-th entries of two variants were measured side by side).
+    """
+    if batch < 1 or repeats < 1:
+        raise ValueError(f"alternate: batch and repeats must be >= 1, got {batch}, {repeats}")
+    sync = sync or (lambda: None)
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    names = list(variants)
+    for rep in range(warmup + repeats):
+        k = rep % len(names)
+        for name in names[k:] + names[:k]:
+            fn = variants[name]
+            fn()  # untimed: the first call after another variant pays for its leftovers
+            sync()
+            start = time.perf_counter()
+            for _ in range(batch):
+                fn()
+            sync()
+            elapsed = time.perf_counter() - start
+            if rep >= warmup:
+                times[name].append(elapsed / batch)
+    return times
+
+
+def median(values: Sequence[float]) -> float:
+    """The median (robust to the odd slow batch on a shared machine)."""
+    return statistics.median(values)
+
+
+def paired_ratio(numerator: Sequence[float], denominator: Sequence[float]) -> float:
+    """Median over batches of ``numerator[k] / denominator[k]``."""
+    if len(numerator) != len(denominator) or not numerator:
+        raise ValueError("paired_ratio: needs two equally long, non-empty series")
+    return statistics.median(a / b for a, b in zip(numerator, denominator))
+
+
+def batch_for(nbytes: int, budget_bytes: int = 64 << 20, lo: int = 1, hi: int = 400) -> int:
+    """Calls per batch so one batch moves about ``budget_bytes`` (within [lo, hi]).
+
+    Deterministic, so every rank of a job picks the same number.
+    """
+    return max(lo, min(hi, budget_bytes // max(1, nbytes)))
+
+
+def format_size(nbytes: int) -> str:
+    """``4 KiB``, ``16 MiB``..."""
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if nbytes >= 1 << shift and nbytes % (1 << shift) == 0:
+            return f"{nbytes >> shift} {unit}"
+    return f"{nbytes} B"
+
+
+def format_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A plain-text table, right-aligned columns; floats get 3 significant digits."""
+    def cell(v: Any) -> str:
+        return f"{v:.3g}" if isinstance(v, float) else str(v)
+
+    text = [[cell(v) for v in row] for row in [header, *rows]]
+    widths = [max(len(r[i]) for r in text) for i in range(len(header))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in text]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def write_json(path: str | None, results: Any) -> None:
+    """Write ``results`` as JSON to ``path`` (nothing when None)."""
+    if path:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(results, f, indent=2, sort_keys=True)

@@ -1,0 +1,303 @@
+"""DDP gradient synchronization vs raw mpi4py all-reduces vs torch DDP (gloo), in one launch.
+
+    mpiexec -n 2 python benchmarks/bench_ddp.py [--json results.json] [--repeats N]
+
+The model: 160 float32 arrays (40 layers of two matrices and two vectors),
+24.95M values, 95 MiB. Every variant runs on every rank, in alternating
+timed batches (see ``_common.alternate``); the table gives median
+milliseconds per call and paired ratios.
+
+Gradient synchronization alone (gradients already in place):
+
+* ``axondist sync``: ``DDP.sync_gradients()`` in the steady state, where every
+  ``.grad`` already is its view into a persistent 25 MiB bucket (no packing):
+  per bucket one in-place multiply by 1/world (the mean) and one all-reduce.
+* ``axondist overlapped``: the same with ``strategy=OVERLAPPED`` (non-blocking
+  all-reduces, waited for at the end).
+* ``raw (a)``: the best raw mpi4py case: in-place ``Allreduce`` SUM over the
+  same bytes already living in 25 MiB buffers (no packing, no mean).
+* ``raw (a)+mean``: (a) followed by the in-place division a mean needs.
+* ``raw (b)``: one in-place ``Allreduce`` per array (160 calls).
+* ``raw (c)``: one in-place ``Allreduce`` of a single 95 MiB buffer.
+
+A training step's extra time for communication (what a user sees):
+
+* axondist: ``DDP.backward`` with a generator ``grad_fn`` (each gradient is
+  accumulated into ``.grad``, i.e. its bucket, then handed over), minus the
+  same step inside ``no_sync()``, for the synchronous and overlapped
+  strategies.
+* torch: ``DistributedDataParallel`` over gloo (``bucket_cap_mb=25``,
+  ``gradient_as_bucket_view=True``) on the same shapes, ``loss.backward()``
+  minus the same backward inside ``no_sync()``. Skipped without torch.
+
+Targets: axondist sync <= 1.15x raw (a), below raw (b) and (c), and torch's
+extra backward time >= 3x axondist's sync time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+from collections.abc import Callable
+from typing import Any
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.dirname(_HERE), _HERE]  # the checkout's axondist, and _common
+
+import numpy as np
+from _common import alternate, format_table, median, paired_ratio, write_json
+
+import axondist as ad
+from axondist.bucketing import GradSyncStrategy
+from axondist.ddp import DDP
+
+RUNNER = {"ranks": 2, "quick_args": ["--repeats", "3"], "timeout": 900}
+
+BUCKET_MB = 25.0
+
+
+def model_shapes(layers: int = 40) -> list[tuple[int, ...]]:
+    """160 arrays, 24.95M float32 values (95 MiB)."""
+    shapes: list[tuple[int, ...]] = []
+    for _ in range(layers):
+        shapes += [(640, 512), (640,), (512, 576), (512,)]
+    return shapes
+
+
+def _start_gloo(comm: Any) -> Any:
+    """torch.distributed on gloo with MPI's rank and size, or None without torch."""
+    try:
+        import torch
+        import torch.distributed as dist
+    except ImportError:
+        return None
+    port = None
+    if comm.rank == 0:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+    port = comm.bcast(port, root=0)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=comm.rank, world_size=comm.size)
+    torch.set_num_threads(1)
+    return dist
+
+
+def _check_mean(grads: list[Any], expected: float, what: str) -> None:
+    """Refuse to time a variant that does not average (a benchmark of a no-op is worthless)."""
+    for g in (grads[0], grads[-1]):
+        if not np.allclose(np.asarray(g), expected):
+            raise RuntimeError(f"bench_ddp: {what} did not average the gradients "
+                               f"(got {np.asarray(g).ravel()[:3]}, expected {expected})")
+
+
+def _ddp(shapes: list[tuple[int, ...]], strategy: GradSyncStrategy, grad_fn: Any = None) -> DDP:
+    params = [ad.Parameter(np.full(s, 0.01, np.float32)) for s in shapes]
+    ddp = DDP(params, strategy=strategy, bucket_cap_mb=BUCKET_MB, grad_fn=grad_fn,
+              init_sync=False)
+    rank, n = ddp.process_group.rank, ddp.process_group.world_size
+    for p in params:
+        p.grad = np.full(p.shape, rank + 1.0, np.float32)
+    ddp.sync_gradients()  # first step: packs, and makes every .grad its bucket view
+    _check_mean([p.grad for p in params], (n + 1) / 2, f"axondist DDP ({strategy.name})")
+    return ddp
+
+
+def sync_variants(shapes: list[tuple[int, ...]], comm: Any, mpi: Any) -> dict[str, Callable]:
+    """Gradient synchronization alone."""
+    n = comm.size
+    sync = _ddp(shapes, GradSyncStrategy.SYNCHRONOUS)
+    over = _ddp(shapes, GradSyncStrategy.OVERLAPPED)
+    numel = sum(int(np.prod(s)) for s in shapes)
+    per_bucket = int(BUCKET_MB * (1 << 20)) // 4
+    buckets_a = [np.ones(min(per_bucket, numel - lo), np.float32)
+                 for lo in range(0, numel, per_bucket)]
+    arrays_b = [np.ones(s, np.float32) for s in shapes]
+    buffer_c = np.ones(numel, np.float32)
+
+    def raw_a() -> None:
+        for b in buckets_a:
+            comm.Allreduce(mpi.IN_PLACE, b, mpi.SUM)
+
+    def raw_a_mean() -> None:
+        for b in buckets_a:
+            comm.Allreduce(mpi.IN_PLACE, b, mpi.SUM)
+            np.multiply(b, 1.0 / n, out=b)
+
+    def raw_b() -> None:
+        for a in arrays_b:
+            comm.Allreduce(mpi.IN_PLACE, a, mpi.SUM)
+
+    return {
+        "axondist sync": sync.sync_gradients,
+        "axondist overlapped": over.sync_gradients,
+        "raw (a)": raw_a,
+        "raw (a)+mean": raw_a_mean,
+        "raw (b)": raw_b,
+        "raw (c)": lambda: comm.Allreduce(mpi.IN_PLACE, buffer_c, mpi.SUM),
+    }
+
+
+def step_variants(shapes: list[tuple[int, ...]], dist: Any) -> dict[str, Callable]:
+    """Whole backward steps, with and without communication."""
+    local_grads = [np.full(s, 0.5, np.float32) for s in shapes]
+
+    def grad_fn(arrays: list[Any]) -> Any:
+        for i in reversed(range(len(arrays))):
+            yield i, local_grads[i]
+        return 0.0
+
+    fns: dict[str, Callable] = {}
+    for name, strategy in (("sync", GradSyncStrategy.SYNCHRONOUS),
+                           ("overlapped", GradSyncStrategy.OVERLAPPED)):
+        ddp = _ddp(shapes, strategy, grad_fn)
+
+        def step(ddp: DDP = ddp) -> None:
+            for p in ddp.parameters():
+                p.grad[...] = 0  # zero_grad(set_to_none=False): keep the bucket views
+            ddp.backward()
+
+        def local(ddp: DDP = ddp, step: Callable = step) -> None:
+            with ddp.no_sync():
+                step()
+
+        fns[f"axondist step {name}"] = step
+        fns[f"axondist step {name} no_sync"] = local
+    if dist is not None:
+        import torch
+        from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+        class Model(torch.nn.Module):
+            """loss = scale * sum of every parameter: each gradient is ``scale``."""
+
+            def __init__(self) -> None:
+                super().__init__()
+                self.ps = torch.nn.ParameterList(
+                    [torch.nn.Parameter(torch.full(s, 0.01)) for s in shapes])
+
+            def forward(self, scale: Any) -> Any:
+                return sum((p * scale).sum() for p in self.ps)
+
+        tddp = TorchDDP(Model(), bucket_cap_mb=BUCKET_MB, gradient_as_bucket_view=True)
+        params = list(tddp.module.ps)
+        rank, n = dist.get_rank(), dist.get_world_size()
+        tddp(torch.tensor(rank + 1.0)).backward()  # through DDP's forward, so it syncs
+        _check_mean([p.grad for p in params], (n + 1) / 2, "torch DDP")
+        half = torch.tensor(0.5)
+
+        def torch_step() -> None:
+            for p in params:
+                if p.grad is not None:
+                    p.grad.zero_()
+            tddp(half).backward()
+
+        def torch_local() -> None:
+            with tddp.no_sync():
+                torch_step()
+
+        fns["torch ddp step"] = torch_step
+        fns["torch ddp step no_sync"] = torch_local
+    return fns
+
+
+def run(repeats: int, use_torch: bool) -> dict[str, Any]:
+    """Time every variant; returns rank 0's results (the same dict on every rank)."""
+    from mpi4py import MPI
+
+    ad.init()
+    comm = MPI.COMM_WORLD
+    shapes = model_shapes()
+    numel = sum(int(np.prod(s)) for s in shapes)
+    dist = _start_gloo(comm) if use_torch else None
+    results: dict[str, Any] = {"world_size": comm.size, "arrays": len(shapes),
+                               "values": numel, "mib": numel * 4 / 2**20}
+    for part, fns in (("sync", sync_variants(shapes, comm, MPI)),
+                      ("step", step_variants(shapes, dist))):
+        times = alternate(fns, batch=3, repeats=repeats, sync=comm.Barrier)
+        results[part] = {k: comm.bcast(v, root=0) for k, v in times.items()}
+    if dist is not None:
+        dist.destroy_process_group()
+    return results
+
+
+def _extra(times: dict[str, list[float]], name: str) -> list[float]:
+    """Per-batch extra time of a step over the same step inside no_sync()."""
+    return [a - b for a, b in zip(times[name], times[f"{name} no_sync"])]
+
+
+def summarize(results: dict[str, Any]) -> dict[str, Any]:
+    sync, step = results["sync"], results["step"]
+    ours = sync["axondist sync"]
+    summary: dict[str, Any] = {
+        "sync_ms": {k: median(v) * 1e3 for k, v in sync.items()},
+        "step_ms": {k: median(v) * 1e3 for k, v in step.items()},
+        "ratios": {
+            "sync / raw (a)": paired_ratio(ours, sync["raw (a)"]),
+            "sync / raw (a)+mean": paired_ratio(ours, sync["raw (a)+mean"]),
+            "sync / raw (b)": paired_ratio(ours, sync["raw (b)"]),
+            "sync / raw (c)": paired_ratio(ours, sync["raw (c)"]),
+            "overlapped / sync (sync_gradients)": paired_ratio(sync["axondist overlapped"], ours),
+        },
+        "extra_ms": {},
+    }
+    extra_sync = _extra(step, "axondist step sync")
+    extra_over = _extra(step, "axondist step overlapped")
+    summary["extra_ms"]["axondist step sync"] = median(extra_sync) * 1e3
+    summary["extra_ms"]["axondist step overlapped"] = median(extra_over) * 1e3
+    summary["ratios"]["overlapped / sync (step extra)"] = (
+        median(extra_over) / median(extra_sync) if median(extra_sync) > 0 else float("nan"))
+    if "torch ddp step" in step:
+        extra_torch = _extra(step, "torch ddp step")
+        summary["extra_ms"]["torch ddp step"] = median(extra_torch) * 1e3
+        summary["ratios"]["torch extra / axondist sync"] = median(extra_torch) / median(ours)
+        summary["ratios"]["torch extra / axondist step extra"] = (
+            median(extra_torch) / median(extra_sync))
+    r = summary["ratios"]
+    summary["targets"] = {
+        "sync <= 1.15x raw (a)": r["sync / raw (a)"] <= 1.15,
+        "sync < raw (b)": r["sync / raw (b)"] < 1.0,
+        "sync < raw (c)": r["sync / raw (c)"] < 1.0,
+    }
+    if "torch extra / axondist sync" in r:
+        summary["targets"]["torch extra >= 3x axondist sync"] = r["torch extra / axondist sync"] >= 3
+    return summary
+
+
+def report(results: dict[str, Any], summary: dict[str, Any]) -> str:
+    title = (f"world size {results['world_size']}; {results['arrays']} float32 arrays, "
+             f"{results['values'] / 1e6:.2f}M values ({results['mib']:.1f} MiB); "
+             "median ms per call")
+    lines = [title, ""]
+    lines.append(format_table(["gradient sync", "ms"], list(summary["sync_ms"].items())))
+    lines.append("")
+    lines.append(format_table(["training step", "ms"], list(summary["step_ms"].items())))
+    lines.append("")
+    lines.append(format_table(["extra over no_sync", "ms"], list(summary["extra_ms"].items())))
+    lines.append("")
+    lines.append(format_table(["ratio", "value"], list(summary["ratios"].items())))
+    lines.append("")
+    lines.append(format_table(["target", "met"], [(k, "ok" if v else "MISSED")
+                                                  for k, v in summary["targets"].items()]))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--json", help="write the results as JSON to this path (rank 0)")
+    parser.add_argument("--repeats", type=int, default=12, help="timed batches per variant")
+    parser.add_argument("--no-torch", action="store_true", help="skip torch DDP over gloo")
+    args = parser.parse_args(argv)
+    results = run(args.repeats, not args.no_torch)
+    summary = summarize(results)
+    if ad.rank() == 0:
+        print(report(results, summary), flush=True)
+        write_json(args.json, {"summary": summary, "world_size": results["world_size"],
+                               "arrays": results["arrays"], "mib": results["mib"]})
+    return summary
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,574 @@
+"""A CPU stand-in for the slice of CuPy the NCCL backend uses, to test it without a GPU.
+
+:func:`install` puts fake ``cupy``, ``cupy.cuda``, ``cupy.cuda.runtime`` and
+``cupy.cuda.nccl`` modules into ``sys.modules``. Arrays are NumPy arrays of a
+subclass (:class:`FakeArray`) that carries a device id, ``.data.ptr`` (the
+real host address) and ``.get()``. The fake NCCL works on those addresses:
+every rank of a fake communicator posts its calls to a shared engine, a
+collective runs when all ranks posted it, a send when its receive is posted
+(in order per pair of ranks); calls inside ``groupStart``/``groupEnd`` are
+posted only when the outermost group ends, as real NCCL launches them then.
+Like NCCL, a call returns at once; an Event recorded on a stream is done
+once the calls issued on that stream before it have run, and a mismatched
+call surfaces through ``check_async_error``. So the fake checks what NCCL
+would receive (pointers, byte counts, dtype and op codes, roots, group
+structure, the signed unique-id tuple, streams of the right device) and
+computes what NCCL would compute. Array work (kernels, copies) issued while
+a stream is current runs on the host once the NCCL calls launched earlier on
+that stream have run, which is CUDA's stream order; work on other streams
+does not wait (the backend's stream is non-blocking). Timing-dependent
+behaviour of real GPUs is left to the gpu tests.
+Only the API the backend is documented to use exists here, so a call CuPy
+lacks fails loudly.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import functools
+import itertools
+import os
+import sys
+import threading
+import types
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+
+class FakeMisuse(AssertionError):
+    """The backend called the fake in a way real CuPy/NCCL would not accept."""
+
+
+class Settings:
+    """Knobs a test may turn."""
+
+    def __init__(self, device_count: int, version_code: int) -> None:
+        self.device_count = device_count
+        self.version_code = version_code
+        self.hang_events = False  # events never complete (to test timeouts)
+        self.async_error: int | None = None  # check_async_error raises this status
+        self.calls: list[tuple[str, int]] = []  # (NCCL call, rank) in posting order
+        self.match_timeout = 20.0
+
+
+SETTINGS = Settings(4, 21903)
+_local = threading.local()
+_ptr_counter = itertools.count(0x1000)
+
+
+# --- devices, streams, events ------------------------------------------------------------
+
+def current_device() -> int:
+    stack = getattr(_local, "devices", None)
+    return stack[-1] if stack else getattr(_local, "base_device", 0)
+
+
+class Device:
+    def __init__(self, device: int | None = None) -> None:
+        self.id = current_device() if device is None else int(device)
+        if not 0 <= self.id < SETTINGS.device_count:
+            raise FakeMisuse(f"fake cupy: no device {self.id}")
+
+    def __enter__(self) -> Device:
+        _local.__dict__.setdefault("devices", []).append(self.id)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        _local.devices.pop()
+
+    def use(self) -> None:
+        _local.base_device = self.id
+
+    def synchronize(self) -> None:
+        pass
+
+
+class Stream:
+    def __init__(self, null: bool = False, non_blocking: bool = False, ptds: bool = False) -> None:
+        self.ptr = 0 if null else next(_ptr_counter)
+        self.device_id = current_device()
+
+    def __enter__(self) -> Stream:
+        _local.__dict__.setdefault("streams", []).append(self)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        _local.streams.pop()
+
+    def synchronize(self) -> None:
+        _stream_order(self)
+
+    def wait_event(self, event: Event) -> None:
+        if not isinstance(event, Event):
+            raise FakeMisuse("Stream.wait_event needs an Event")
+
+    def record(self, event: Event | None = None) -> Event:
+        event = event or Event()
+        event.record(self)
+        return event
+
+
+_STREAMS: dict[int, Stream] = {}
+
+
+def _register(stream: Stream) -> Stream:
+    _STREAMS[stream.ptr] = stream
+    return stream
+
+
+def get_current_stream(device_id: int = -1) -> Stream:
+    streams = getattr(_local, "streams", None)
+    if streams:
+        return streams[-1]
+    return Stream(null=True)
+
+
+_PENDING: dict[int, list[Any]] = collections.defaultdict(list)  # stream ptr -> NCCL ops
+_PENDING_LOCK = threading.Lock()
+
+
+def _pending_on(ptr: int) -> list[Any]:
+    """The NCCL calls launched (posted, not merely queued in a group) on a stream, not done."""
+    with _PENDING_LOCK:
+        ops = [o for o in _PENDING[ptr] if not o.done.is_set()]
+        _PENDING[ptr] = ops
+        return [o for o in ops if o.posted]
+
+
+def _stream_order(stream: Stream | None = None) -> None:
+    """Array work on ``stream`` (the current one) starts after its earlier NCCL calls."""
+    stream = stream or get_current_stream()
+    if stream.ptr:
+        for op in _pending_on(stream.ptr):
+            op.wait()
+
+
+class Event:
+    def __init__(self, block: bool = False, disable_timing: bool = False,
+                 interprocess: bool = False) -> None:
+        self.ops: list[Any] = []
+
+    def record(self, stream: Stream | None = None) -> None:
+        self.ops = _pending_on((stream or get_current_stream()).ptr)
+
+    @property
+    def done(self) -> bool:
+        return not SETTINGS.hang_events and all(o.done.is_set() for o in self.ops)
+
+    def synchronize(self) -> None:
+        if SETTINGS.hang_events:
+            raise FakeMisuse("Event.synchronize would hang forever (the backend must poll)")
+        for op in self.ops:
+            op.wait()
+
+
+# --- arrays ------------------------------------------------------------------------------
+
+class FakeArray(np.ndarray):
+    """A NumPy array pretending to live on a GPU."""
+
+    def __array_finalize__(self, obj: Any) -> None:
+        dev = getattr(obj, "_dev", None)
+        self._dev = current_device() if dev is None else dev
+
+    @property
+    def data(self) -> Any:  # type: ignore[override]
+        return types.SimpleNamespace(ptr=self.ctypes.data)
+
+    @property
+    def device(self) -> Device:  # type: ignore[override]
+        return Device(self._dev)
+
+    def get(self, stream: Stream | None = None, order: str = "C", out: Any = None,
+            blocking: bool = True) -> np.ndarray:
+        _stream_order(stream)
+        return np.array(self.view(np.ndarray), copy=True)
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        _stream_order()
+        super().__setitem__(key, value)
+
+
+def _to_fake(x: Any) -> Any:
+    if isinstance(x, np.ndarray) and not isinstance(x, FakeArray):
+        return x.view(FakeArray)
+    return x
+
+
+class FakeCupy(types.ModuleType):
+    """``cupy``: array creation makes FakeArrays; other names fall back to NumPy."""
+
+    ndarray = FakeArray
+
+    def asarray(self, a: Any, dtype: Any = None, order: Any = None) -> FakeArray:
+        if isinstance(a, FakeArray) and (dtype is None or a.dtype == dtype):
+            return a
+        _stream_order()
+        return _to_fake(np.array(np.asarray(a), dtype=dtype, copy=True))
+
+    def array(self, a: Any, dtype: Any = None, copy: bool = True, **kw: Any) -> FakeArray:
+        _stream_order()
+        return _to_fake(np.array(np.asarray(a), dtype=dtype, copy=True))
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        target = getattr(np, name)
+        if callable(target) and not isinstance(target, type):
+            @functools.wraps(target)
+            def wrapped(*args: Any, **kwargs: Any) -> Any:
+                _stream_order()
+                return _to_fake(target(*args, **kwargs))
+            return wrapped
+        return target
+
+
+# --- the fake NCCL ------------------------------------------------------------------------
+
+_RESULT_NAMES = {1: "ncclUnhandledCudaError", 2: "ncclSystemError", 3: "ncclInternalError",
+                 4: "ncclInvalidArgument", 5: "ncclInvalidUsage", 6: "ncclRemoteError"}
+_DTYPES = {0: np.int8, 1: np.uint8, 2: np.int32, 3: np.uint32, 4: np.int64, 5: np.uint64,
+           6: np.float16, 7: np.float32, 8: np.float64, 9: ml_dtypes.bfloat16}
+
+
+class NcclError(RuntimeError):
+    def __init__(self, status: int) -> None:
+        self.status = status
+        super().__init__(f"NCCL_ERROR: {_RESULT_NAMES.get(status, 'unknown')} (fake)")
+
+
+def _memory(ptr: int, nbytes: int) -> np.ndarray:
+    if nbytes == 0:
+        return np.empty(0, np.uint8)
+    return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(ptr))
+
+
+def _typed(ptr: int, count: int, dtype_code: int) -> np.ndarray:
+    dt = np.dtype(_DTYPES[dtype_code])
+    return _memory(ptr, count * dt.itemsize).view(dt)
+
+
+def _reduce(arrays: list[np.ndarray], op: int) -> np.ndarray:
+    dt = arrays[0].dtype
+    low = dt in (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
+    work = [a.astype(np.float32) if low else a.copy() for a in arrays]
+    ufunc = {0: np.add, 1: np.multiply, 2: np.maximum, 3: np.minimum, 4: np.add}[op]
+    out = functools.reduce(lambda x, y: ufunc(x, y), work)
+    if op == 4:
+        out = out / len(arrays)
+    return out.astype(dt)
+
+
+class _Op:
+    def __init__(self, comm: NcclCommunicator, kind: str, stream: int,
+                 args: dict[str, Any]) -> None:
+        self.comm, self.kind, self.stream, self.args = comm, kind, stream, args
+        self.done = threading.Event()
+        self.posted = False
+        self.error: NcclError | None = None
+
+    def finish(self, error: NcclError | None = None) -> None:
+        if error is not None:  # like a wedged kernel: never done, reported asynchronously
+            self.error = error
+            self.comm.async_errors.append(error.status)
+            return
+        self.done.set()
+
+    def wait(self) -> None:
+        if not self.done.wait(SETTINGS.match_timeout):
+            raise TimeoutError(f"fake nccl: {self.kind} on rank {self.comm.rank} never matched")
+
+
+class _World:
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.cond = threading.Condition()
+        self.members: list[NcclCommunicator | None] = [None] * n
+        self.colls: dict[int, list[_Op | None]] = {}
+        self.sends: dict[tuple[int, int], collections.deque] = collections.defaultdict(
+            collections.deque)
+        self.recvs: dict[tuple[int, int], collections.deque] = collections.defaultdict(
+            collections.deque)
+
+    def post(self, op: _Op) -> None:
+        op.posted = True
+        with self.cond:
+            if op.kind in ("send", "recv"):
+                self._post_p2p(op)
+                return
+            seq = op.args.pop("seq")
+            slot = self.colls.setdefault(seq, [None] * self.n)
+            slot[op.comm.rank] = op
+            if all(s is not None for s in slot):
+                del self.colls[seq]
+                self._run_collective(slot)  # type: ignore[arg-type]
+
+    def _post_p2p(self, op: _Op) -> None:
+        me, peer = op.comm.rank, op.args["peer"]
+        key = (me, peer) if op.kind == "send" else (peer, me)
+        (self.sends if op.kind == "send" else self.recvs)[key].append(op)
+        sends, recvs = self.sends[key], self.recvs[key]
+        while sends and recvs:
+            s, r = sends.popleft(), recvs.popleft()
+            if s.args["count"] != r.args["count"] or s.args["dtype"] != r.args["dtype"]:
+                s.finish(NcclError(5))
+                r.finish(NcclError(5))
+                continue
+            dt = np.dtype(_DTYPES[s.args["dtype"]])
+            n = s.args["count"] * dt.itemsize
+            _memory(r.args["buf"], n)[...] = _memory(s.args["buf"], n)
+            s.finish()
+            r.finish()
+
+    def _run_collective(self, ops: list[_Op]) -> None:
+        first = ops[0]
+        fields = [k for k in first.args if k not in ("send", "recv")]
+        same = all(o.kind == first.kind and all(o.args[k] == first.args[k] for k in fields)
+                   for o in ops)
+        error = None if same else NcclError(5)
+        if same:
+            getattr(self, "_" + first.kind)(ops, **{k: first.args[k] for k in fields})
+        for o in ops:
+            o.finish(error)
+
+    def _allReduce(self, ops: list[_Op], count: int, dtype: int, op: int) -> None:
+        inputs = [_typed(o.args["send"], count, dtype).copy() for o in ops]
+        result = _reduce(inputs, op)
+        for o in ops:
+            _typed(o.args["recv"], count, dtype)[...] = result
+
+    def _reduce(self, ops: list[_Op], count: int, dtype: int, op: int, root: int) -> None:
+        inputs = [_typed(o.args["send"], count, dtype).copy() for o in ops]
+        _typed(ops[root].args["recv"], count, dtype)[...] = _reduce(inputs, op)
+
+    def _broadcast(self, ops: list[_Op], count: int, dtype: int, root: int) -> None:
+        data = _typed(ops[root].args["send"], count, dtype).copy()
+        for o in ops:
+            _typed(o.args["recv"], count, dtype)[...] = data
+
+    def _allGather(self, ops: list[_Op], count: int, dtype: int) -> None:
+        data = np.concatenate([_typed(o.args["send"], count, dtype).copy() for o in ops])
+        for o in ops:
+            _typed(o.args["recv"], count * self.n, dtype)[...] = data
+
+    def _reduceScatter(self, ops: list[_Op], count: int, dtype: int, op: int) -> None:
+        full = _reduce([_typed(o.args["send"], count * self.n, dtype).copy() for o in ops], op)
+        for k, o in enumerate(ops):
+            _typed(o.args["recv"], count, dtype)[...] = full[k * count:(k + 1) * count]
+
+
+_WORLDS: dict[tuple[int, ...], _World] = {}
+_WORLDS_LOCK = threading.Condition()
+
+
+def _submit(op: _Op) -> None:
+    """Like NCCL: enqueue and return (inside a group: enqueue at the group's end)."""
+    SETTINGS.calls.append((op.kind, op.comm.rank))
+    with _PENDING_LOCK:
+        _PENDING[op.stream].append(op)
+    if getattr(_local, "group_depth", 0):
+        _local.group_ops.append(op)
+        return
+    op.comm.world.post(op)
+
+
+def groupStart() -> None:
+    if getattr(_local, "group_depth", 0) == 0:
+        _local.group_ops = []
+    _local.group_depth = getattr(_local, "group_depth", 0) + 1
+
+
+def groupEnd() -> None:
+    if getattr(_local, "group_depth", 0) < 1:
+        raise NcclError(5)
+    _local.group_depth -= 1
+    if _local.group_depth == 0:
+        ops, _local.group_ops = _local.group_ops, []
+        for op in ops:
+            op.comm.world.post(op)
+
+
+def get_version() -> int:
+    return SETTINGS.version_code
+
+
+def get_unique_id() -> tuple[int, ...]:
+    return tuple(b - 256 if b > 127 else b for b in os.urandom(128))
+
+
+class NcclCommunicator:
+    def __init__(self, ndev: int, commId: tuple, rank: int) -> None:
+        if not isinstance(commId, tuple) or len(commId) != 128 or \
+                any(not isinstance(v, int) or not -128 <= v <= 127 for v in commId):
+            raise FakeMisuse("NcclCommunicator: commId must be a tuple of 128 signed chars")
+        if not 0 <= rank < ndev:
+            raise NcclError(4)
+        with _WORLDS_LOCK:
+            world = _WORLDS.setdefault(commId, _World(ndev))
+            if world.n != ndev or world.members[rank] is not None:
+                raise NcclError(5)
+        self._attach(world, rank, current_device())
+        with _WORLDS_LOCK:
+            _WORLDS_LOCK.notify_all()
+            if not _WORLDS_LOCK.wait_for(lambda: all(m is not None for m in world.members),
+                                         SETTINGS.match_timeout):
+                raise TimeoutError("fake ncclCommInitRank: not every rank joined")
+
+    def _attach(self, world: _World, rank: int, device: int) -> None:
+        self.world, self.rank, self.device = world, rank, device
+        self.alive = True
+        self.async_errors: list[int] = []
+        self._seq = 0
+        world.members[rank] = self
+
+    @staticmethod
+    def initAll(devices: Any) -> list[NcclCommunicator]:
+        if not isinstance(devices, list):
+            raise ValueError('"devices" should be an int or a list of int.')
+        world = _World(len(devices))
+        comms = []
+        for r, d in enumerate(devices):
+            c = NcclCommunicator.__new__(NcclCommunicator)
+            c._attach(world, r, d)
+            comms.append(c)
+        return comms
+
+    # -- checks shared by every call --
+    def _check(self, stream: Any, *ptrs: Any) -> None:
+        if not self.alive:
+            raise NcclError(4)
+        if not isinstance(stream, int) or any(not isinstance(p, int) for p in ptrs):
+            raise FakeMisuse("NCCL calls take integer pointers and stream.ptr")
+        owner = _STREAMS.get(stream)
+        if owner is None or owner.device_id != self.device:
+            raise FakeMisuse(f"stream {stream} does not belong to this comm's device {self.device}")
+
+    def _check_types(self, dtype: int, op: int | None = None) -> None:
+        modern = SETTINGS.version_code >= 21000
+        if dtype not in _DTYPES or (dtype == 9 and not modern):
+            raise NcclError(4)
+        if op is not None and (op not in (0, 1, 2, 3, 4) or (op == 4 and not modern)):
+            raise NcclError(4)
+
+    def _coll(self, kind: str, stream: int, **args: Any) -> None:
+        args["seq"] = self._seq
+        self._seq += 1
+        _submit(_Op(self, kind, stream, args))
+
+    def allReduce(self, sendbuf: int, recvbuf: int, count: int, datatype: int, op: int,
+                  stream: int) -> None:
+        self._check(stream, sendbuf, recvbuf)
+        self._check_types(datatype, op)
+        self._coll("allReduce", stream, send=sendbuf, recv=recvbuf, count=count, dtype=datatype,
+                   op=op)
+
+    def reduce(self, sendbuf: int, recvbuf: int, count: int, datatype: int, op: int, root: int,
+               stream: int) -> None:
+        self._check(stream, sendbuf, recvbuf)
+        self._check_types(datatype, op)
+        self._coll("reduce", stream, send=sendbuf, recv=recvbuf, count=count, dtype=datatype,
+                   op=op, root=root)
+
+    def broadcast(self, sendbuff: int, recvbuff: int, count: int, datatype: int, root: int,
+                  stream: int) -> None:
+        self._check(stream, sendbuff, recvbuff)
+        self._check_types(datatype)
+        self._coll("broadcast", stream, send=sendbuff, recv=recvbuff, count=count,
+                   dtype=datatype, root=root)
+
+    def reduceScatter(self, sendbuf: int, recvbuf: int, recvcount: int, datatype: int, op: int,
+                      stream: int) -> None:
+        self._check(stream, sendbuf, recvbuf)
+        self._check_types(datatype, op)
+        self._coll("reduceScatter", stream, send=sendbuf, recv=recvbuf, count=recvcount,
+                   dtype=datatype, op=op)
+
+    def allGather(self, sendbuf: int, recvbuf: int, count: int, datatype: int,
+                  stream: int) -> None:
+        self._check(stream, sendbuf, recvbuf)
+        self._check_types(datatype)
+        self._coll("allGather", stream, send=sendbuf, recv=recvbuf, count=count, dtype=datatype)
+
+    def send(self, sendbuf: int, count: int, datatype: int, peer: int, stream: int) -> None:
+        self._check(stream, sendbuf)
+        self._check_types(datatype)
+        if SETTINGS.version_code < 2700 or not 0 <= peer < self.world.n:
+            raise NcclError(4)
+        _submit(_Op(self, "send", stream, {"buf": sendbuf, "count": count, "dtype": datatype,
+                                           "peer": peer}))
+
+    def recv(self, recvbuf: int, count: int, datatype: int, peer: int, stream: int) -> None:
+        self._check(stream, recvbuf)
+        self._check_types(datatype)
+        if SETTINGS.version_code < 2700 or not 0 <= peer < self.world.n:
+            raise NcclError(4)
+        _submit(_Op(self, "recv", stream, {"buf": recvbuf, "count": count, "dtype": datatype,
+                                           "peer": peer}))
+
+    def check_async_error(self) -> None:
+        if SETTINGS.async_error is not None:
+            raise NcclError(SETTINGS.async_error)
+        if self.async_errors:
+            raise NcclError(self.async_errors[0])
+
+    def destroy(self) -> None:
+        self.alive = False
+
+    def abort(self) -> None:
+        self.alive = False
+
+    def device_id(self) -> int:
+        return self.device
+
+    def rank_id(self) -> int:
+        return self.rank
+
+    def size(self) -> int:
+        return self.world.n
+
+
+# --- installation ------------------------------------------------------------------------
+
+def _stream_factory(*args: Any, **kwargs: Any) -> Stream:
+    return _register(Stream(*args, **kwargs))
+
+
+def install(monkeypatch: Any, device_count: int = 4, version_code: int = 21903) -> Settings:
+    """Put the fake modules into ``sys.modules`` (undone by ``monkeypatch``); return the knobs."""
+    SETTINGS.__init__(device_count, version_code)  # type: ignore[misc]
+    _local.__dict__.clear()
+    _PENDING.clear()
+    _WORLDS.clear()
+    cupy = FakeCupy("cupy")
+    cuda = types.ModuleType("cupy.cuda")
+    runtime = types.ModuleType("cupy.cuda.runtime")
+    nccl = types.ModuleType("cupy.cuda.nccl")
+
+    def getDeviceCount() -> int:
+        return SETTINGS.device_count
+
+    runtime.getDeviceCount = getDeviceCount  # type: ignore[attr-defined]
+    cuda.Device = Device  # type: ignore[attr-defined]
+    cuda.Stream = _stream_factory  # type: ignore[attr-defined]
+    cuda.Event = Event  # type: ignore[attr-defined]
+    cuda.get_current_stream = get_current_stream  # type: ignore[attr-defined]
+    cuda.runtime = runtime  # type: ignore[attr-defined]
+    cuda.nccl = nccl  # type: ignore[attr-defined]
+    cupy.cuda = cuda  # type: ignore[attr-defined]
+    for name in ("NcclCommunicator", "NcclError", "get_unique_id", "get_version", "groupStart",
+                 "groupEnd"):
+        setattr(nccl, name, globals()[name])
+    nccl.available = True  # type: ignore[attr-defined]
+    for name, code in (("NCCL_SUM", 0), ("NCCL_PROD", 1), ("NCCL_MAX", 2), ("NCCL_MIN", 3),
+                       ("NCCL_AVG", 4), ("NCCL_INT8", 0), ("NCCL_UINT8", 1), ("NCCL_INT32", 2),
+                       ("NCCL_UINT32", 3), ("NCCL_INT64", 4), ("NCCL_UINT64", 5),
+                       ("NCCL_FLOAT16", 6), ("NCCL_FLOAT32", 7), ("NCCL_FLOAT64", 8),
+                       ("NCCL_BFLOAT16", 9)):
+        setattr(nccl, name, code)
+    for name, module in (("cupy", cupy), ("cupy.cuda", cuda), ("cupy.cuda.runtime", runtime),
+                         ("cupy.cuda.nccl", nccl)):
+        monkeypatch.setitem(sys.modules, name, module)
+    return SETTINGS

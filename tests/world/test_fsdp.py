@@ -1,0 +1,606 @@
+"""FSDP against single-process training, on random models and world sizes.
+
+The model is linear regression over every parameter at once: the flattened
+parameters form ``theta`` and the loss is ``mean((x @ theta - y)**2)``, so
+every parameter's gradient depends on every other one. Each rank's batch
+derives from (seed, rank) and all local batches have the same size, so the
+average of the ranks' gradients is the gradient on the concatenated batch:
+every rank can compute, alone, what 1-rank training on that batch gives.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import tempfile
+
+import numpy as np
+import pytest
+from harness import UNDER_MPI, mock_only, run_world, world_sizes
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import axondist as ad
+from axondist import comm
+from axondist._array import bfloat16
+from axondist.checkpoint import (
+    load_full_checkpoint,
+    load_sharded_checkpoint,
+    save_full_checkpoint,
+    save_sharded_checkpoint,
+)
+from axondist.fsdp import (
+    FSDP,
+    CPUOffload,
+    MixedPrecision,
+    ShardingStrategy,
+    padded_numel,
+)
+from axondist.optim import SGD, Adam
+
+BATCH = 4
+STRATEGIES = list(ShardingStrategy)
+
+
+# --- the model and its reference ----------------------------------------------------------
+
+def model_shapes(seed: int) -> list[tuple[int, ...]]:
+    rng = np.random.default_rng([seed, 1])
+    shapes = []
+    for _ in range(int(rng.integers(1, 5))):
+        ndim = int(rng.integers(0, 3))
+        shapes.append(tuple(int(d) for d in rng.integers(1, 6, size=ndim)))
+    return shapes
+
+
+def make_params(seed: int, values: int | None = None) -> list[ad.Parameter]:
+    """The model of ``seed`` (its shapes), with values drawn from ``values`` (default: seed)."""
+    rng = np.random.default_rng([seed if values is None else values, 2])
+    return [ad.Parameter(rng.standard_normal(s).astype(np.float32), name=f"p{i}")
+            for i, s in enumerate(model_shapes(seed))]
+
+
+def numel(seed: int) -> int:
+    return sum(math.prod(s) for s in model_shapes(seed))
+
+
+def batch(seed: int, rank: int, step: int, size: int = BATCH) -> tuple[np.ndarray, np.ndarray]:
+    d = numel(seed)
+    rng = np.random.default_rng([seed, 3, rank, step])
+    return rng.standard_normal((size, d)) / math.sqrt(d), rng.standard_normal(size)
+
+
+def global_batch(seed: int, ranks: int, step: int) -> tuple[np.ndarray, np.ndarray]:
+    xs, ys = zip(*(batch(seed, r, step) for r in range(ranks)))
+    return np.concatenate(xs), np.concatenate(ys)
+
+
+def grad_fn(arrays: list[np.ndarray], x: np.ndarray, y: np.ndarray) -> tuple[float, list]:
+    """Loss and gradients of mean((x @ theta - y)^2), in float64, cast to the params' dtype."""
+    theta = np.concatenate([np.asarray(a, dtype=np.float64).reshape(-1) for a in arrays])
+    r = x @ theta - y
+    g = 2.0 / len(y) * (x.T @ r)
+    grads, off = [], 0
+    for a in arrays:
+        grads.append(g[off:off + a.size].reshape(a.shape).astype(a.dtype))
+        off += a.size
+    return float(np.mean(r * r)), grads
+
+
+def make_optimizer(kind: str, params: list) -> object:
+    if kind == "sgd":
+        return SGD(params, lr=0.1, momentum=0.9)
+    if kind == "sgd-plain":
+        return SGD(params, lr=0.1)
+    return Adam(params, lr=0.01)
+
+
+def reference(seed: int, ranks: int, steps: int, opt_kind: str, *, start: int = 0,
+              params: list | None = None, opt: object = None) -> tuple[list, object]:
+    """1-rank training on the concatenated batches; returns the params and optimizer."""
+    params = params if params is not None else make_params(seed)
+    opt = opt if opt is not None else make_optimizer(opt_kind, params)
+    for step in range(start, start + steps):
+        _, grads = grad_fn([p.data for p in params], *global_batch(seed, ranks, step))
+        for p, g in zip(params, grads):
+            p.grad = g
+        opt.step()
+        opt.zero_grad()
+    return params, opt
+
+
+def unit_plan(seed: int, kind: str) -> list[list[int]] | None:
+    n = len(model_shapes(seed))
+    if kind == "default":
+        return None
+    if kind == "each":
+        return [[i] for i in range(n)]
+    return [list(range(n))[::-1]]  # one unit, parameters in reverse order
+
+
+def hybrid_rpn(world_size: int, seed: int) -> int:
+    divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+    return divisors[seed % len(divisors)]
+
+
+def wrap(params: list, world: ad.World, strategy: ShardingStrategy, seed: int,
+         **kw: object) -> FSDP:
+    rpn = hybrid_rpn(world.world_size, seed) if strategy is ShardingStrategy.HYBRID_SHARD else None
+    return FSDP(params, world, sharding_strategy=strategy, ranks_per_node=rpn, **kw)
+
+
+def full_values(f: FSDP) -> list[np.ndarray]:
+    f.gather_parameters()
+    values = [np.array(p.data, dtype=np.float64) for p in f.full_parameters()]
+    f.reshard_parameters()
+    return values
+
+
+def assert_close(got: list, want: list, rtol: float = 1e-4, atol: float = 1e-5) -> None:
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(np.asarray(a, np.float64), np.asarray(b, np.float64),
+                                   rtol=rtol, atol=atol)
+
+
+def shared_dir(world: ad.World, base: str | None) -> str:
+    """A fresh directory every rank sees: made by rank 0, its path broadcast."""
+    path = tempfile.mkdtemp(prefix="fsdp-ckpt-", dir=base) if world.rank == 0 else None
+    return world.backend.broadcast_object(path, 0)
+
+
+def cleanup(world: ad.World, path: str) -> None:
+    comm.barrier(world)
+    if world.rank == 0:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+# --- training equals 1-rank training --------------------------------------------------------
+
+@given(world_size=world_sizes(1, 5), strategy=st.sampled_from(STRATEGIES),
+       opt_kind=st.sampled_from(["sgd", "adam", "sgd-plain"]),
+       units=st.sampled_from(["default", "each", "one-reversed"]),
+       seed=st.integers(0, 10_000))
+@settings(max_examples=30)
+def test_training_matches_single_process(world_size: int, strategy: ShardingStrategy,
+                                         opt_kind: str, units: str, seed: int) -> None:
+    steps = 3
+
+    def body(world: ad.World) -> None:
+        f = wrap(make_params(seed), world, strategy, seed, units=unit_plan(seed, units))
+        opt = make_optimizer(opt_kind, f.sharded_parameters())
+        for step in range(steps):
+            f.step(grad_fn, *batch(seed, world.rank, step), optimizer=opt)
+        want, _ = reference(seed, world.world_size, steps, opt_kind)
+        assert_close(full_values(f), [p.data for p in want])
+        released = strategy.shards_parameters  # SHARD_GRAD_OP / NO_SHARD keep them
+        assert all((p.data.size == 0) == released for p in f.full_parameters())
+
+    run_world(body, world_size)
+
+
+@given(world_size=world_sizes(1, 5), strategy=st.sampled_from(STRATEGIES),
+       seed=st.integers(0, 10_000))
+@settings(max_examples=15)
+def test_manual_loop_matches_ddp(world_size: int, strategy: ShardingStrategy, seed: int) -> None:
+    """gather -> grads -> sync -> step -> reshard gives DDP's parameters."""
+    ddp_mod = pytest.importorskip("axondist.ddp")
+
+    def body(world: ad.World) -> None:
+        f = wrap(make_params(seed), world, strategy, seed)
+        opt = Adam(f.sharded_parameters(), lr=0.01)
+        ddp = ddp_mod.DistributedDataParallel(make_params(seed), world, grad_fn=grad_fn)
+        ddp_opt = Adam(ddp.parameters(), lr=0.01)
+        for step in range(3):
+            x, y = batch(seed, world.rank, step)
+            f.gather_parameters()
+            _, grads = grad_fn([p.data for p in f.full_parameters()], x, y)
+            for p, g in zip(f.full_parameters(), grads):
+                p.grad = g
+            f.sync_gradients()
+            opt.step()
+            opt.zero_grad()
+            f.reshard_parameters()
+            ddp.backward(x, y)
+            ddp_opt.step()
+            ddp_opt.zero_grad()
+        assert_close(full_values(f), [p.data for p in ddp.parameters()])
+
+    run_world(body, world_size)
+
+
+# --- clipping ----------------------------------------------------------
+
+@given(world_size=world_sizes(1, 5), strategy=st.sampled_from(STRATEGIES),
+       norm_type=st.sampled_from([2.0, 1.0, 3.0, math.inf]),
+       max_norm=st.sampled_from([1e-3, 0.5, 1e6]), seed=st.integers(0, 10_000))
+@settings(max_examples=30)
+def test_clip_grad_norm_is_the_full_gradient_norm(world_size: int, strategy: ShardingStrategy,
+                                                  norm_type: float, max_norm: float,
+                                                  seed: int) -> None:
+    def body(world: ad.World) -> None:
+        f = wrap(make_params(seed), world, strategy, seed, units=unit_plan(seed, "each"))
+        f.backward(grad_fn, *batch(seed, world.rank, 0))
+        total = f.clip_grad_norm(max_norm, norm_type)
+        ref_params = make_params(seed)
+        _, full = grad_fn([p.data for p in ref_params], *global_batch(seed, world.world_size, 0))
+        flat = np.concatenate([np.asarray(g, np.float64).reshape(-1) for g in full])
+        want = np.linalg.norm(flat, ord=norm_type)
+        assert total == pytest.approx(want, rel=1e-5)
+        coef = min(1.0, max_norm / (want + 1e-6))
+        # the clipped shard gradients are the matching slices of coef * full gradient
+        for st_, grad in zip(f.units, (p.grad for p in f.sharded_parameters())):
+            unit_full = np.concatenate([np.asarray(full[i], np.float64).reshape(-1)
+                                        for i in st_.param_indices])
+            padded = np.zeros(st_.padded_numel)
+            padded[:st_.numel] = unit_full * coef
+            rank = f.shard_group.rank if f.shard_group is not None else 0
+            lo, hi = st_.shard_bounds(rank)
+            np.testing.assert_allclose(grad, padded[lo:hi], rtol=1e-4, atol=1e-6)
+
+    run_world(body, world_size)
+
+
+# --- mixed precision ----------------------------------------------------------
+
+@given(world_size=world_sizes(1, 4), strategy=st.sampled_from(STRATEGIES),
+       low=st.sampled_from(["float16", "bfloat16"]),
+       which=st.sampled_from(["param", "reduce", "both"]), seed=st.integers(0, 10_000))
+@settings(max_examples=20)
+def test_mixed_precision_within_tolerance(world_size: int, strategy: ShardingStrategy, low: str,
+                                          which: str, seed: int) -> None:
+    low_dtype = bfloat16 if low == "bfloat16" else np.dtype(low)
+    mp = MixedPrecision(param_dtype=low if which != "reduce" else None,
+                        reduce_dtype=low if which != "param" else None)
+    tol = 3e-2 if low == "bfloat16" else 5e-3
+
+    def body(world: ad.World) -> None:
+        f = wrap(make_params(seed), world, strategy, seed, mixed_precision=mp)
+        opt = SGD(f.sharded_parameters(), lr=0.1)
+        for step in range(3):
+            f.step(grad_fn, *batch(seed, world.rank, step), optimizer=opt)
+        assert all(p.dtype == np.float32 for p in f.sharded_parameters())
+        f.gather_parameters()
+        gathered_dtype = low_dtype if which != "reduce" else np.float32
+        assert all(p.dtype == gathered_dtype for p in f.full_parameters())
+        f.reshard_parameters()
+        want, _ = reference(seed, world.world_size, 3, "sgd-plain")
+        state = f.full_state_dict()
+        if world.rank == 0:
+            assert_close([state[p.name] for p in want], [p.data for p in want], rtol=tol, atol=tol)
+
+    run_world(body, world_size)
+
+
+# --- gradient accumulation ----------------------------------------------------------
+
+@given(world_size=world_sizes(1, 4), strategy=st.sampled_from(STRATEGIES),
+       micro=st.integers(2, 3), use_no_sync=st.booleans(), seed=st.integers(0, 10_000))
+@settings(max_examples=20)
+def test_accumulation_equals_big_batch(world_size: int, strategy: ShardingStrategy, micro: int,
+                                       use_no_sync: bool, seed: int) -> None:
+    def scaled(fn):  # micro-batch losses scaled by 1/micro: the sum is the big-batch mean
+        def inner(arrays, x, y):
+            loss, grads = fn(arrays, x, y)
+            return loss / micro, [g / micro for g in grads]
+        return inner
+
+    def body(world: ad.World) -> None:
+        f = wrap(make_params(seed), world, strategy, seed, units=unit_plan(seed, "each"))
+        opt = Adam(f.sharded_parameters(), lr=0.01)
+        f.register_optimizer(opt)
+        x, y = batch(seed, world.rank, 0, size=BATCH * micro)
+        parts = list(zip(np.split(x, micro), np.split(y, micro)))
+        for k, (xm, ym) in enumerate(parts[:-1]):
+            if use_no_sync:
+                with f.no_sync():
+                    f.backward(scaled(grad_fn), xm, ym)
+                # the unreduced full gradients are kept: at least numel elements
+                assert f.memory_stats().grad_bytes_per_rank >= 4 * numel(seed)
+            else:
+                f.backward(scaled(grad_fn), xm, ym)
+                # only sharded gradients are kept
+                want = sum(4 * u.shard_size for u in f.units)
+                assert f.memory_stats().grad_bytes_per_rank == want
+        f.step(scaled(grad_fn), *parts[-1], optimizer=opt)
+
+        ref_params = make_params(seed)
+        ref_opt = Adam(ref_params, lr=0.01)
+        xs, ys = zip(*(batch(seed, r, 0, size=BATCH * micro) for r in range(world.world_size)))
+        _, grads = grad_fn([p.data for p in ref_params], np.concatenate(xs), np.concatenate(ys))
+        for p, g in zip(ref_params, grads):
+            p.grad = g
+        ref_opt.step()
+        assert_close(full_values(f), [p.data for p in ref_params])
+
+    run_world(body, world_size)
+
+
+# --- checkpoints across world sizes and strategies ----------------------------------------------------------
+
+TARGETS = [s.name for s in STRATEGIES] + ["plain"]
+
+
+def build_target(kind: str, group: ad.ProcessGroup, seed: int, values: int):
+    """(target, optimizer, train_step) for an FSDP strategy or a plain replicated model."""
+    params = make_params(seed, values)
+    if kind == "plain":
+        opt = Adam(params, lr=0.01)
+
+        def train(step: int, ranks: int, rank: int) -> None:
+            _, grads = grad_fn([p.data for p in params], *batch(seed, rank, step))
+            for p, g in zip(params, grads):
+                p.grad = np.array(g)  # a writable copy (0-d stays 0-d)
+            comm.sync_gradients([p.grad for p in params], group)
+            opt.step()
+            opt.zero_grad()
+        return params, opt, train
+    strategy = ShardingStrategy[kind]
+    rpn = hybrid_rpn(group.world_size, seed) if strategy is ShardingStrategy.HYBRID_SHARD else None
+    f = FSDP(params, group, sharding_strategy=strategy, ranks_per_node=rpn,
+             units=unit_plan(seed, "each" if seed % 2 else "default"))
+    opt = Adam(f.sharded_parameters(), lr=0.01)
+
+    def train(step: int, ranks: int, rank: int) -> None:
+        f.step(grad_fn, *batch(seed, rank, step), optimizer=opt)
+    return f, opt, train
+
+
+def values_of(target) -> list[np.ndarray]:
+    if isinstance(target, FSDP):
+        return full_values(target)
+    return [np.asarray(p.data, np.float64) for p in target]
+
+
+@given(world_size=world_sizes(2, 5), data=st.data(), seed=st.integers(0, 10_000))
+@settings(max_examples=20)
+def test_sharded_checkpoint_across_world_sizes(tmp_path, world_size: int, data, seed: int) -> None:
+    """Train 2 steps at N ranks, save; load at M ranks (other strategy), train 1 more step."""
+    n_save = data.draw(st.integers(1, world_size), label="save ranks")
+    n_load = data.draw(st.integers(1, world_size), label="load ranks")
+    save_kind = data.draw(st.sampled_from(TARGETS), label="saved by")
+    load_kind = data.draw(st.sampled_from(TARGETS), label="loaded into")
+    base = None if UNDER_MPI else str(tmp_path)
+
+    def body(world: ad.World) -> None:
+        path = shared_dir(world, base)
+        save_group = world.new_group(range(n_save))
+        load_group = world.new_group(range(n_load))
+        if save_group.is_member:
+            target, opt, train = build_target(save_kind, save_group, seed, seed)
+            for step in range(2):
+                train(step, n_save, save_group.rank)
+            save_sharded_checkpoint(path, target, opt, group=save_group, metadata={"step": 2})
+        comm.barrier(world)
+        if load_group.is_member:
+            target, opt, train = build_target(load_kind, load_group, seed, seed + 1)
+            meta = load_sharded_checkpoint(path, target, opt)
+            assert meta == {"step": 2}
+            train(2, n_load, load_group.rank)
+            params, ref_opt = reference(seed, n_save, 2, "adam")
+            reference(seed, n_load, 1, "adam", start=2, params=params, opt=ref_opt)
+            assert_close(values_of(target), [p.data for p in params])
+        cleanup(world, path)
+
+    run_world(body, world_size)
+
+
+@given(world_size=world_sizes(1, 5), data=st.data(), seed=st.integers(0, 10_000))
+@settings(max_examples=10)
+def test_full_checkpoint_round_trip(tmp_path, world_size: int, data, seed: int) -> None:
+    n_load = data.draw(st.integers(1, world_size), label="load ranks")
+    strategy = data.draw(st.sampled_from(STRATEGIES), label="strategy")
+    base = None if UNDER_MPI else str(tmp_path)
+
+    def body(world: ad.World) -> None:
+        d = shared_dir(world, base)
+        path = os.path.join(d, "full.npz")
+        f = wrap(make_params(seed), world, strategy, seed)
+        opt = SGD(f.sharded_parameters(), lr=0.1)
+        f.step(grad_fn, *batch(seed, world.rank, 0), optimizer=opt)
+        state = f.full_state_dict()
+        assert (state is None) == (world.rank != 0)
+        save_full_checkpoint(path, f, metadata={"epoch": 1})
+        want = full_values(f)
+        loaded, meta = load_full_checkpoint(path, metadata=True)
+        assert meta == {"epoch": 1}
+        assert_close([loaded[n] for n in f.parameter_names()], want, rtol=0, atol=0)
+        group = world.new_group(range(n_load))
+        if group.is_member:
+            g = wrap(make_params(seed, seed + 1), group, ShardingStrategy.FULL_SHARD, seed)
+            load_full_checkpoint(path, g)
+            assert_close(full_values(g), want, rtol=0, atol=0)
+        cleanup(world, d)
+
+    run_world(body, world_size)
+
+
+# --- hybrid sharding layout ----------------------------------------------------------
+
+@given(world_size=world_sizes(1, 6))
+@settings(max_examples=6)
+def test_hybrid_groups_follow_ranks_per_node(world_size: int) -> None:
+    def body(world: ad.World) -> None:
+        n = world.world_size
+        for rpn in [d for d in range(1, n + 1) if n % d == 0]:
+            f = FSDP(make_params(0), world, sharding_strategy="hybrid_shard", ranks_per_node=rpn)
+            node, local = divmod(world.rank, rpn)
+            shard = f.shard_group.ranks if f.shard_group is not None else (world.rank,)
+            replica = f.replica_group.ranks if f.replica_group is not None else (world.rank,)
+            assert shard == tuple(range(node * rpn, (node + 1) * rpn))
+            assert replica == tuple(range(local, n, rpn))
+        with pytest.raises(ValueError, match="ranks_per_node=.* does not divide"):
+            FSDP(make_params(0), world, sharding_strategy="hybrid_shard", ranks_per_node=n + 1)
+        # without ranks_per_node the layout comes from node_info(): one shard group per node
+        nodes = world.backend.allgather_object(world.node_info()[0])
+        f = FSDP(make_params(0), world, sharding_strategy="hybrid_shard")
+        shard = f.shard_group.ranks if f.shard_group is not None else (world.rank,)
+        assert shard == tuple(r for r in range(n) if nodes[r] == nodes[world.rank])
+
+    run_world(body, world_size)
+
+
+@mock_only
+def test_hybrid_two_nodes_of_two() -> None:
+    def body(world: ad.World) -> tuple:
+        f = FSDP(make_params(3), world, sharding_strategy=ShardingStrategy.HYBRID_SHARD,
+                 ranks_per_node=2)
+        opt = SGD(f.sharded_parameters(), lr=0.1)
+        f.step(grad_fn, *batch(3, world.rank, 0), optimizer=opt)
+        return f.shard_group.ranks, f.replica_group.ranks, full_values(f)
+
+    out = ad.spawn(body, 4)
+    assert [o[0] for o in out] == [(0, 1), (0, 1), (2, 3), (2, 3)]
+    assert [o[1] for o in out] == [(0, 2), (1, 3), (0, 2), (1, 3)]
+    want, _ = reference(3, 4, 1, "sgd-plain")
+    for o in out:
+        assert_close(o[2], [p.data for p in want])
+    with pytest.raises(ValueError, match="ranks_per_node=3 does not divide the group of 4"):
+        ad.spawn(lambda w: FSDP(make_params(0), w, sharding_strategy="hybrid_shard",
+                                ranks_per_node=3), 4)
+
+
+# --- memory: measured bytes ----------------------------------------------------------
+
+def unit_by_unit_step(f: FSDP, opt, x: np.ndarray, y: np.ndarray, samples: list) -> None:
+    """Forward and backward one unit at a time; record memory_stats at every point."""
+    r = -y.astype(np.float64)
+    for u, unit in enumerate(f.units):
+        f.gather_parameters(u)
+        samples.append(f.memory_stats().total_bytes_per_rank)
+        theta_u = np.concatenate([np.asarray(f.full_parameters()[i].data, np.float64).reshape(-1)
+                                  for i in unit.param_indices])
+        cols = np.concatenate([np.arange(off, off + n) for off, n in zip(
+            _global_offsets(f)[u], unit.sizes)])
+        r = r + x[:, cols] @ theta_u
+        f.reshard_parameters(u)
+    g_all = 2.0 / len(y) * (x.T @ r)
+    for u, unit in enumerate(f.units):
+        f.gather_parameters(u)
+        for i in unit.param_indices:
+            p = f.full_parameters()[i]
+            lo = _param_offsets(f)[i]
+            p.grad = g_all[lo:lo + p.data.size].reshape(p.data.shape).astype(np.float32)
+        samples.append(f.memory_stats().total_bytes_per_rank)
+        f.sync_gradients(u)
+        f.reshard_parameters(u)
+    opt.step()
+    samples.append(f.memory_stats().total_bytes_per_rank)
+    opt.zero_grad()
+
+
+def _param_offsets(f: FSDP) -> list[int]:
+    sizes = [math.prod(s) for s in f.param_shapes]
+    return [sum(sizes[:i]) for i in range(len(sizes))]
+
+
+def _global_offsets(f: FSDP) -> list[list[int]]:
+    offs = _param_offsets(f)
+    return [[offs[i] for i in u.param_indices] for u in f.units]
+
+
+@given(world_size=world_sizes(1, 5), seed=st.integers(0, 10_000))
+@settings(max_examples=10)
+def test_full_shard_memory_is_a_share_plus_one_unit(world_size: int, seed: int) -> None:
+    shapes = [(int(s),) for s in np.random.default_rng(seed).integers(20, 60, size=4)]
+
+    def params() -> list:
+        rng = np.random.default_rng([seed, 9])
+        return [ad.Parameter(rng.standard_normal(s).astype(np.float32), f"w{i}")
+                for i, s in enumerate(shapes)]
+
+    def run(world: ad.World, strategy: ShardingStrategy) -> tuple[list, FSDP, object]:
+        f = FSDP(params(), world, sharding_strategy=strategy, units=[[i] for i in range(4)])
+        opt = Adam(f.sharded_parameters(), lr=0.01)
+        f.register_optimizer(opt)
+        samples: list = []
+        d = sum(math.prod(s) for s in shapes)
+        for step in range(2):
+            rng = np.random.default_rng([seed, world.rank, step])
+            unit_by_unit_step(f, opt, rng.standard_normal((4, d)), rng.standard_normal(4), samples)
+        return samples, f, opt
+
+    def body(world: ad.World) -> None:
+        n = world.world_size
+        ns, _, _ = run(world, ShardingStrategy.NO_SHARD)
+        fs, f, opt = run(world, ShardingStrategy.FULL_SHARD)
+        sizes = [u.numel for u in f.units]
+        shard = [u.shard_size for u in f.units]
+        # params + grads + 2 Adam states, all float32, of the shards' padding
+        padding = sum(16 * (s - m / n) for s, m in zip(shard, sizes))
+        one_unit = max(4 * s * n + 4 * m for s, m in zip(shard, sizes))  # full params + grads
+        assert max(fs) <= max(ns) / n + one_unit + padding
+        # after the step (resharded): exactly the shards, their grads' and Adam's state
+        stats = f.memory_stats()
+        assert stats.param_bytes_per_rank == 4 * sum(shard)
+        assert stats.optim_bytes_per_rank == 8 * sum(shard)
+        assert fs[-1] == 4 * sum(shard) * 4  # params + grads + exp_avg + exp_avg_sq
+        assert stats.measured
+        # NO_SHARD in the same state: full float32 params and Adam state (grads were dropped)
+        assert stats.no_shard_bytes_per_rank == 12 * sum(sizes)
+        assert stats.memory_savings() == pytest.approx(100 * (1 - sum(shard) / sum(sizes)))
+        # every strategy trains the same
+        want_ns = run(world, ShardingStrategy.NO_SHARD)[1]
+        assert want_ns.memory_stats().memory_savings() == 0
+        assert_close(full_values(f), full_values(want_ns))
+
+    run_world(body, world_size)
+
+
+# --- semantics and errors ----------------------------------------------------------
+
+@given(world_size=world_sizes(1, 4), strategy=st.sampled_from(STRATEGIES),
+       seed=st.integers(0, 1000))
+@settings(max_examples=12)
+def test_gather_reshard_and_offload(world_size: int, strategy: ShardingStrategy, seed: int) -> None:
+    def body(world: ad.World) -> None:
+        f = wrap(make_params(seed), world, strategy, seed, cpu_offload=CPUOffload.PARAMS)
+        ref = make_params(seed)
+        assert all(p.data.size == 0 for p in f.full_parameters())
+        f.gather_parameters()
+        assert_close([p.data for p in f.full_parameters()], [p.data for p in ref], 0, 0)
+        f.reshard_parameters()
+        kept = not strategy.shards_parameters
+        assert all((p.data.size > 0) == kept for p in f.full_parameters())
+        opt = SGD(f, lr=0.1)  # parameters() are the shards
+        f.register_optimizer(opt)
+        f.step(grad_fn, *batch(seed, world.rank, 0), optimizer=opt)
+        stats = f.memory_stats()
+        assert stats.host_bytes_per_rank >= sum(p.data.nbytes for p in f.sharded_parameters())
+        want, _ = reference(seed, world.world_size, 1, "sgd-plain")
+        assert_close(full_values(f), [p.data for p in want])
+
+    run_world(body, world_size)
+
+
+def test_sync_module_states_takes_rank0_values() -> None:
+    def body(world: ad.World) -> None:
+        f = FSDP(make_params(0, values=world.rank), world, sync_module_states=True)
+        assert_close(full_values(f), [p.data for p in make_params(0)], 0, 0)
+
+    run_world(body, 3)
+
+
+def test_errors_are_clear() -> None:
+    def body(world: ad.World) -> None:
+        f = FSDP(make_params(5), world)
+        with pytest.raises(ValueError, match="unit=99 is not a unit index"):
+            f.gather_parameters(99)
+        f.gather_parameters()
+        p0 = f.full_parameters()[0]
+        p0.grad = np.zeros(p0.data.size + 1, np.float32)
+        with pytest.raises(ValueError, match="has shape .* but its .grad has shape"):
+            f.sync_gradients()
+        p0.grad = None
+        opt = SGD(f.sharded_parameters(), lr=0.1)
+        with f.no_sync(), pytest.raises(RuntimeError, match="inside no_sync"):
+            f.step(grad_fn, *batch(5, world.rank, 0), optimizer=opt)
+        with pytest.raises(ValueError, match="not one of this wrapper's shards"):
+            f.memory_stats(SGD(make_params(5), lr=0.1))
+        with pytest.raises(ValueError, match="only applies to HYBRID_SHARD"):
+            FSDP(make_params(5), world, ranks_per_node=1)
+        with pytest.raises(ValueError, match="parameters \\[.*\\] are in no unit"):
+            FSDP(make_params(3), world, units=[[0], [2]])
+
+    assert len(model_shapes(3)) == 4
+    run_world(body, 2)

@@ -1,0 +1,349 @@
+"""Launch the world tests under mpiexec, and check what only a real MPI job shows.
+
+Plain pytest (one process) runs these tests; each starts ``mpiexec -n K``
+(the MPICH mpiexec next to ``sys.executable``) in a subprocess, writes every
+rank's output to its own file and checks them all. Skipped under mpiexec
+itself (no recursion) and when mpi4py or MPICH's mpiexec is missing.
+
+This file is also the per-rank program of the MPI-only checks:
+``mpiexec -n K python tests/world/test_mpi_launch.py CHECK`` runs the
+function ``CHECKS[CHECK]`` on every rank (each rank asserts its own results
+against NumPy references derived from seeds, then prints ``CHECK OK``).
+
+Environment: ``AXONDIST_MPI_LAUNCH_TIMEOUT`` (seconds per launch, default
+600), ``AXONDIST_MPI_TEST_EXAMPLES`` (hypothesis examples in the launched
+world tests, default 10).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+MPIEXEC = Path(sys.executable).parent / "mpiexec"
+LAUNCH_TIMEOUT = float(os.environ.get("AXONDIST_MPI_LAUNCH_TIMEOUT", "600"))
+# MPICH busy-polls while it waits; with more ranks than free cores (CI machines,
+# shared test boxes) the spinning ranks starve the one that should send. These
+# settings (MPICH's own CI uses them to run mpi4py's tests oversubscribed) make
+# waiting ranks yield, which made the 3-rank world tests 2x faster on 2 cores.
+_GENTLE_POLLING = {"MPIR_CVAR_POLLS_BEFORE_YIELD": "1", "MPIR_CVAR_CH4_PROGRESS_THROTTLE": "true",
+                   "MPIR_CVAR_CH4_PROGRESS_THROTTLE_NO_PROGRESS_COUNT": "1"}
+
+
+# --- the launcher (plain pytest) -------------------------------------------------------
+
+def _why_no_mpi() -> str | None:
+    """The reason these tests cannot run here, or None."""
+    if importlib.util.find_spec("mpi4py") is None:
+        return "mpi4py is not installed (pip install 'axondist[mpi]')"
+    if not MPIEXEC.exists():
+        return f"no mpiexec next to the Python interpreter ({MPIEXEC})"
+    try:
+        version = subprocess.run([str(MPIEXEC), "--version"], capture_output=True, text=True,
+                                 timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"{MPIEXEC} --version failed: {exc}"
+    if "HYDRA" not in version:
+        return f"{MPIEXEC} is not MPICH's hydra (per-rank output files need -outfile-pattern)"
+    return None
+
+
+def _under_mpi() -> bool:
+    from axondist.launch import launched_by_mpi
+
+    return launched_by_mpi()
+
+
+pytestmark = [
+    pytest.mark.mpi,
+    pytest.mark.skipif(_under_mpi(), reason="already under mpiexec: the launcher does not recurse"),
+]
+
+
+@pytest.fixture(scope="module")
+def mpi_ready() -> None:
+    reason = _why_no_mpi()
+    if reason is not None:
+        pytest.skip(reason)
+
+
+@dataclass
+class Launch:
+    """What an ``mpiexec`` run left: exit code, seconds, each rank's output, mpiexec's own."""
+
+    returncode: int
+    seconds: float
+    ranks: list[str]
+    launcher: str
+
+    def tail(self, chars: int = 3000) -> str:
+        parts = [f"--- rank {r} ---\n{text[-chars:]}" for r, text in enumerate(self.ranks)]
+        return "\n".join(parts + [f"--- mpiexec ---\n{self.launcher[-chars:]}"])
+
+
+def launch(tmp_path: Path, n: int, args: list[str], env: dict[str, str] | None = None,
+           timeout: float = LAUNCH_TIMEOUT) -> Launch:
+    """Run ``mpiexec -n n python ARGS`` from the repository root; kill it all on timeout."""
+    out = tmp_path / f"n{n}-{time.monotonic_ns()}"
+    out.mkdir()
+    pattern = str(out / "rank%r.txt")
+    cmd = [str(MPIEXEC), "-outfile-pattern", pattern, "-errfile-pattern", pattern,
+           "-n", str(n), sys.executable, *args]
+    full_env = {**_GENTLE_POLLING, **os.environ, "AXONDIST_TIMEOUT": "30",
+                "PYTHONUNBUFFERED": "1", **(env or {})}
+    full_env.pop("AXONDIST_BACKEND", None)
+    start = time.monotonic()
+    proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        launcher, _ = proc.communicate(timeout=timeout)
+        timed_out = False
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # mpiexec and every rank: one session
+        launcher, _ = proc.communicate()
+        timed_out = True
+    result = Launch(proc.returncode, time.monotonic() - start,
+                    [_read(out / f"rank{r}.txt") for r in range(n)], launcher or "")
+    if timed_out:
+        pytest.fail(f"mpiexec -n {n} {' '.join(args)} did not finish within {timeout:g} s "
+                    f"(killed)\n{result.tail()}")
+    return result
+
+
+def _read(path: Path) -> str:
+    return path.read_text(errors="replace") if path.exists() else ""
+
+
+def _pytest_summary(text: str) -> str | None:
+    """The final ``N passed, M skipped in 1.2s`` line of a ``pytest -q`` run."""
+    lines = re.findall(r"^=*\s*(\d+ (?:passed|failed|error|skipped).* in [\d.]+s.*?)=*$",
+                       text, re.MULTILINE)
+    return lines[-1] if lines else None
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_world_tests_pass_under_mpiexec(mpi_ready: None, tmp_path: Path, n: int) -> None:
+    # python -m mpi4py: a rank whose pytest exits non-zero aborts the whole job
+    # (otherwise its MPI_Finalize waits for ranks blocked in the next collective).
+    args = ["-m", "mpi4py", "-m", "pytest", "tests/world", "-q", "-p", "no:cacheprovider", "-x",
+            "-m", "not gpu"]
+    examples = os.environ.get("AXONDIST_MPI_TEST_EXAMPLES", "10")
+    run = launch(tmp_path, n, args, {"AXONDIST_TEST_EXAMPLES": examples})
+    summaries = [_pytest_summary(text) for text in run.ranks]
+    for r, summary in enumerate(summaries):
+        assert summary is not None, f"rank {r} printed no pytest summary\n{run.tail()}"
+        assert "passed" in summary and "failed" not in summary and "error" not in summary, (
+            f"rank {r}: {summary}\n{run.tail()}")
+    assert run.returncode == 0, f"mpiexec exited with {run.returncode}\n{run.tail()}"
+    counts = {re.sub(r" in [\d.]+s.*", "", s or "") for s in summaries}
+    assert len(counts) == 1, f"ranks ran different tests: {summaries}"
+
+
+def test_uncaught_exception_aborts_the_job(mpi_ready: None, tmp_path: Path) -> None:
+    run = launch(tmp_path, 2, [__file__, "raise_on_rank_1"], timeout=120)
+    text = run.launcher + "".join(run.ranks)
+    assert run.returncode != 0, run.tail()
+    assert run.seconds < 60, f"the abort took {run.seconds:.0f} s\n{run.tail()}"
+    assert "[axondist rank 1/2] Traceback (most recent call last):" in text, run.tail()
+    assert "[axondist rank 1/2] ValueError: rank 1 fails on purpose" in text, run.tail()
+    assert "[axondist rank 0/2]" not in text, "rank 0 did not fail; it must not be blamed"
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_debug_mode_turns_a_shape_mismatch_into_an_error_on_every_rank(
+        mpi_ready: None, tmp_path: Path, n: int) -> None:
+    run = launch(tmp_path, n, [__file__, "shape_mismatch"], {"AXONDIST_DEBUG": "1"},
+                 timeout=120)
+    assert run.returncode == 0, run.tail()
+    shapes = ", ".join(f"rank {r}: ({r + 1},)" for r in range(n))
+    for r, text in enumerate(run.ranks):
+        assert "shape_mismatch OK" in text, f"rank {r}\n{run.tail()}"
+        assert f"all_reduce: ranks disagree on shape ({shapes})" in text, f"rank {r}\n{run.tail()}"
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_mpi_backend_checks(mpi_ready: None, tmp_path: Path, n: int) -> None:
+    run = launch(tmp_path, n, [__file__, "backend"], timeout=300)
+    assert run.returncode == 0, run.tail()
+    for r, text in enumerate(run.ranks):
+        assert "backend OK" in text, f"rank {r}\n{run.tail()}"
+
+
+# --- the per-rank checks (run under mpiexec by the tests above) -----------------------------
+
+def _raise_on_rank_1() -> None:
+    import axondist as ad
+
+    world = ad.init()
+    if world.rank == 1:
+        raise ValueError("rank 1 fails on purpose")
+    ad.all_reduce(np.ones(3))  # rank 0 blocks here until the abort ends it
+
+
+def _shape_mismatch() -> None:
+    import axondist as ad
+
+    world = ad.init()
+    try:
+        ad.all_reduce(np.ones(world.rank + 1))
+    except ad.CollectiveMismatchError as exc:
+        print(f"CollectiveMismatchError: {exc}")
+    else:
+        raise AssertionError("a shape mismatch under AXONDIST_DEBUG=1 was not detected")
+    ad.barrier()  # the world is still usable afterwards
+    x = ad.all_reduce(np.full(2, float(world.rank)))
+    np.testing.assert_allclose(x, sum(range(world.world_size)))
+
+
+def _inputs(seed: int, n: int, shape: tuple[int, ...], dtype: str = "float64") -> list[np.ndarray]:
+    """Every rank's input for one collective (each rank can compute all of them)."""
+    return [np.random.default_rng([seed, r]).standard_normal(shape).astype(dtype)
+            for r in range(n)]
+
+
+def _exercise(world, label: str) -> None:
+    """Every collective through the comm API on ``world``, sync and async, vs NumPy."""
+    import axondist as ad
+    from axondist import ReduceOp
+
+    n, rank = world.world_size, world.rank
+    for k, (dtype, tol) in enumerate([("float64", 1e-12), ("float32", 1e-5), ("float16", 2e-2)]):
+        xs = _inputs(k, n, (300, 3), dtype)
+        got = ad.all_reduce(xs[rank].copy(), ReduceOp.AVERAGE, world)
+        want = np.mean([x.astype(np.float64) for x in xs], axis=0)
+        np.testing.assert_allclose(got, want, rtol=tol, atol=tol, err_msg=label)
+        work = ad.all_reduce(xs[rank].copy(), ReduceOp.MAX, world, async_op=True)
+        np.testing.assert_array_equal(work.wait(), np.max(xs, axis=0), err_msg=label)
+        for root in range(n):
+            y = ad.broadcast(xs[rank].copy(), world, src=root, async_op=root % 2 == 1)
+            y = y.wait() if root % 2 == 1 else y
+            np.testing.assert_array_equal(y, xs[root], err_msg=label)
+    rows = [r + 1 for r in range(n)]  # uneven gathers
+    xs = [np.full((rows[r], 2), r, np.int64) for r in range(n)]
+    np.testing.assert_array_equal(ad.all_gather(xs[rank], world), np.concatenate(xs))
+    gathered = ad.all_gather(xs[rank], world, async_op=True).wait()
+    np.testing.assert_array_equal(gathered, np.concatenate(xs), err_msg=label)
+    big = _inputs(7, n, (2 * n + 1, 4))
+    got = ad.reduce_scatter(big[rank], ReduceOp.SUM, world)
+    want = np.array_split(np.sum(big, axis=0), n)[rank]
+    np.testing.assert_allclose(got, want, rtol=1e-12, err_msg=label)
+    got = ad.reduce_scatter(big[rank], ReduceOp.AVERAGE, world, async_op=True).wait()
+    np.testing.assert_allclose(got, want / n, rtol=1e-12, err_msg=label)
+    for root in range(n):
+        got = ad.gather_tensor(xs[rank], world, dst=root)
+        if rank == root:
+            np.testing.assert_array_equal(got, np.concatenate(xs), err_msg=label)
+        else:
+            assert got is None, label
+        got = ad.scatter_tensor(big[root] if rank == root else None, world, src=root)
+        np.testing.assert_array_equal(got, np.array_split(big[root], n)[rank], err_msg=label)
+    ring_to, ring_from = (rank + 1) % n, (rank - 1) % n
+    if rank % 2 == 0:  # even ranks send first: no deadlock with blocking sends
+        ad.send(big[rank], ring_to, world, tag=3)
+        got = ad.recv(ring_from, world, tag=3)
+    else:
+        got = ad.recv(ring_from, world, tag=3)
+        ad.send(big[rank], ring_to, world, tag=3)
+    np.testing.assert_array_equal(got, big[ring_from], err_msg=label)
+
+
+def _backend() -> None:
+    from mpi4py import MPI
+
+    import axondist as ad
+    from axondist.backends import mpi
+    from axondist.backends._mpi_common import MPIOptions
+
+    world = ad.init()  # auto-detected from the launcher's environment
+    n, rank = world.world_size, world.rank
+    assert world.backend.name == "mpi" and n == MPI.COMM_WORLD.Get_size()
+    # the library's communicator is a duplicate, never the user's COMM_WORLD
+    assert MPI.Comm.Compare(world.backend.comm, MPI.COMM_WORLD) == MPI.CONGRUENT
+    assert world.backend.node_info() == (0, rank, n)  # one machine
+
+    _exercise(world, "default")
+    for options in (MPIOptions(chunk_bytes=64), MPIOptions(host_staging="always"),
+                    MPIOptions(debug=True)):
+        other = ad.World(mpi.MPIBackend(MPI.COMM_WORLD.Dup(), options))
+        _exercise(other, repr(options))
+        other.backend.close()
+
+    # user traffic on COMM_WORLD and axondist traffic with the same tag never cross
+    if rank == 0:
+        MPI.COMM_WORLD.send("user message", dest=1, tag=0)
+        ad.send(np.arange(3.0), 1, tag=0)
+    elif rank == 1:
+        np.testing.assert_array_equal(ad.recv(0, tag=0), np.arange(3.0))
+        assert MPI.COMM_WORLD.recv(source=0, tag=0) == "user message"
+
+    # object headers and array data of one user tag live in separate tag spaces
+    b = world.backend
+    if rank == 0:
+        b.send_object({"header": 5}, 1, tag=5)
+        b.send(np.arange(4.0), 1, tag=5)
+    elif rank == 1:
+        data = np.empty(4)
+        b.recv(data, 0, tag=5)  # the data first: it must not match the header
+        np.testing.assert_array_equal(data, np.arange(4.0))
+        assert b.recv_object(0, tag=5) == {"header": 5}
+
+    # a message of the wrong size is an error, never a silent truncation
+    if rank == 0:
+        b.send(np.arange(10.0), 1, tag=7)
+        b.send(np.arange(4.0), 1, tag=7)
+    elif rank == 1:
+        for _ in range(2):
+            try:
+                b.recv(np.empty(8), 0, tag=7)
+            except ad.CollectiveMismatchError as exc:
+                assert "recv from rank 0 (tag 7)" in str(exc), exc
+            else:
+                raise AssertionError("a wrong-size message was received without an error")
+    try:
+        b.send(np.ones(1), (rank + 1) % n, tag=-1)
+    except ValueError as exc:
+        assert "tag=-1" in str(exc)
+    else:
+        raise AssertionError("a negative tag was accepted")
+
+    # sub-groups keep the order of the ranks given; non-members get a non-member group
+    reverse = world.new_group(list(range(n))[::-1])
+    np.testing.assert_array_equal(ad.all_gather(np.array([rank]), reverse), np.arange(n)[::-1])
+    solo = world.new_group([n - 1])
+    assert solo.is_member == (rank == n - 1)
+
+    # Work.wait(timeout) of a non-blocking call times out while a peer is late
+    x = np.full(5, float(rank + 1))
+    if rank == 0:
+        work = ad.all_reduce(x, "sum", async_op=True)
+        try:
+            work.wait(timeout=0.05)
+        except ad.CollectiveTimeoutError:
+            pass
+        else:
+            raise AssertionError("wait(timeout) returned although rank 1 had not joined yet")
+        np.testing.assert_array_equal(work.wait(), n * (n + 1) / 2)
+    else:
+        time.sleep(0.5)
+        ad.all_reduce(x, "sum")
+    ad.barrier()
+
+
+CHECKS = {"raise_on_rank_1": _raise_on_rank_1, "shape_mismatch": _shape_mismatch,
+          "backend": _backend}
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(REPO))  # the checkout's axondist
+    CHECKS[sys.argv[1]]()
+    print(f"{sys.argv[1]} OK", flush=True)

@@ -1,0 +1,318 @@
+"""Pipeline runtime, distributed: one pipeline rank per world rank, messages over send/recv.
+
+The pipeline has as many ranks as the world (``chunks`` stages each); every
+rank builds all stages from the seed so it can run the sequential full-batch
+reference itself, then checks the loss, its own stages' gradients, its
+measured peak activations and (on the last rank) the inference output.
+The same bodies run on the mock world and under ``mpiexec -n K``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from harness import mock_only, run_world, world_sizes
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+import axondist as ad
+from axondist.pipeline import (
+    Pipeline,
+    PipelineMemoryStats,
+    PipelineSchedule,
+    PipelineStage,
+    simulate,
+)
+
+K = PipelineSchedule
+SINGLE_CHUNK = (K.ONE_F_ONE_B, K.ZERO_BUBBLE_H1)
+MAX_STAGES = 4 * 3
+
+try:  # written in parallel by another engineer; plain NumPy updates otherwise
+    from axondist.optim import SGD
+except ImportError:  # pragma: no cover
+    SGD = None
+
+
+# ---------------------------------------------------------------- the toy model
+# (affine + tanh in float64, hand-written backward; as in tests/unit/test_pipeline_runtime.py)
+
+
+def layer_params(seed, stage, d_in, d_out):
+    rng = np.random.default_rng([seed, stage])
+    return [ad.Parameter(rng.standard_normal((d_in, d_out)) / np.sqrt(d_in), f"W{stage}"),
+            ad.Parameter(0.1 * rng.standard_normal(d_out), f"b{stage}")]
+
+
+def fwd(params, x):
+    W, b = params
+    y = np.tanh(x @ W + b)
+    return y, (x, y)
+
+
+def bwd(params, saved, gy):
+    x, y = saved
+    gz = gy * (1.0 - y * y)
+    return gz @ params[0].T, [x.T @ gz, gz.sum(axis=0)]
+
+
+def bwd_input(params, saved, gy):
+    gz = gy * (1.0 - saved[1] ** 2)
+    return gz @ params[0].T, gz
+
+
+def bwd_weight(params, saved, gy, gz):
+    return [saved[0].T @ gz, gz.sum(axis=0)]
+
+
+def make_stages(seed, dims, split="full"):
+    kw = ({"backward_input": bwd_input, "backward_weight": bwd_weight}
+          if split in ("halves", "both") else {})
+    return [PipelineStage(fwd, None if split == "halves" else bwd,
+                          layer_params(seed, s, dims[s], dims[s + 1]), **kw)
+            for s in range(len(dims) - 1)]
+
+
+def mse(y, t):
+    d = y - t
+    return 0.5 * float(np.sum(d * d)) / y.shape[0], d / y.shape[0]
+
+
+def sequential(stages, x, t):
+    saved, h = [], x
+    for s in stages:
+        h, sv = fwd(s.param_arrays(), h)
+        saved.append(sv)
+    loss, g = mse(h, t)
+    grads = [None] * len(stages)
+    for s in reversed(range(len(stages))):
+        g, grads[s] = bwd(stages[s].param_arrays(), saved[s], g)
+    return loss, grads, h
+
+
+def data(seed, rows, d_in, d_out):
+    rng = np.random.default_rng([seed, 999])
+    return rng.standard_normal((rows, d_in)), rng.standard_normal((rows, d_out))
+
+
+def variants(p, v):
+    for kind in PipelineSchedule:
+        for split in ("full", "halves", "both"):
+            yield kind, (1 if kind in SINGLE_CHUNK else v), split
+
+
+def local_stages(stages, p, rank, chunks):
+    """Rank ``rank``'s stages: virtual stages rank, rank + p, ..."""
+    return [stages[c * p + rank] for c in range(chunks)]
+
+
+# ---------------------------------------------------------------- bodies
+
+
+def body_train_and_forward(world, v, m, extra_rows, dims_all, seed):
+    p, r = world.world_size, world.rank
+    rows = m + extra_rows
+    for kind, chunks, split in variants(p, v):
+        dims = dims_all[: p * chunks + 1]
+        last = (p * chunks - 1) % p
+        stages = make_stages(seed, dims, split)
+        x, t = data(seed, rows, dims[0], dims[-1])
+        want_loss, want_grads, want_y = sequential(make_stages(seed, dims), x, t)
+
+        # A message of the caller's on the world group must not meet the pipeline's.
+        if p > 1:
+            ad.send(np.array([r, 7]), (r + 1) % p, world, tag=0)
+        pipe = Pipeline(local_stages(stages, p, r, chunks), world, num_microbatches=m,
+                        schedule=kind, chunks=chunks)
+        assert pipe.rank == r and pipe.holds_first_stage == (r == 0)
+        assert pipe.holds_last_stage == (r == last)
+        loss = pipe.train_step(x if r == 0 else None, t if r == last else None, mse)
+        assert loss == pytest.approx(want_loss, rel=1e-12), (kind, split)
+        for c in range(chunks):
+            s = c * p + r
+            for prm, g in zip(stages[s].params, want_grads[s]):
+                np.testing.assert_allclose(prm.grad, g, rtol=1e-10, atol=1e-12)
+        stats = pipe.last_stats
+        assert stats.ranks == (r,)
+        peak = stats.peak_activations[r]
+        assert peak == simulate(pipe.schedule).peak_activations[r]
+        if kind is K.GPIPE:
+            assert peak == chunks * PipelineMemoryStats.gpipe_peak_activations(p, m)
+        if kind is K.ONE_F_ONE_B:
+            assert peak == min(p - r, m)
+        if p > 1:
+            got = ad.recv((r - 1) % p, world, tag=0)
+            assert got.tolist() == [(r - 1) % p, 7]
+
+        y = pipe.forward(x if r == 0 else None)
+        if r == last:
+            np.testing.assert_allclose(y, want_y, rtol=1e-13, atol=1e-14)
+        else:
+            assert y is None
+        pipe.close()
+    return True
+
+
+def body_sgd(world, v, m, extra_rows, dims_all, seed, lr=0.1):
+    p, r = world.world_size, world.rank
+    rows = m + extra_rows
+    for kind, chunks, split in variants(p, v):
+        dims = dims_all[: p * chunks + 1]
+        last = (p * chunks - 1) % p
+        stages = make_stages(seed, dims, split)
+        ref = make_stages(seed, dims)
+        pipe = Pipeline(local_stages(stages, p, r, chunks), world, num_microbatches=m,
+                        schedule=kind, chunks=chunks)
+        opt = SGD(pipe, lr=lr, momentum=0.9) if SGD is not None else None
+        ref_params = [q for s in ref for q in s.params]
+        ref_opt = SGD(ref_params, lr=lr, momentum=0.9) if SGD is not None else None
+        for it in range(3):
+            x, t = data(seed + it, rows, dims[0], dims[-1])
+            loss = pipe.train_step(x if r == 0 else None, t if r == last else None, mse)
+            want, grads, _ = sequential(ref, x, t)
+            assert loss == pytest.approx(want, rel=1e-10)
+            for s, gs in zip(ref, grads):
+                for prm, g in zip(s.params, gs):
+                    prm.grad = g
+            if opt is not None:
+                opt.step()
+                ref_opt.step()
+            else:
+                for prm in pipe.parameters() + ref_params:
+                    prm.data -= lr * prm.grad
+        for c in range(chunks):
+            s = c * p + r
+            for pa, pb in zip(stages[s].params, ref[s].params):
+                np.testing.assert_allclose(pa.data, pb.data, rtol=1e-10, atol=1e-12)
+        pipe.close()
+    return True
+
+
+def body_batch_errors(world):
+    """Bad batches raise the same error on every rank (no rank is left waiting)."""
+    p, r = world.world_size, world.rank
+    pipe = Pipeline(make_stages(0, [2] * (p + 1))[r], world, num_microbatches=3)
+    x, t = data(0, 6, 2, 2)
+    messages = []
+    for xb, tb in ((None, t), (x[:2], t[:2]), (x, t[:5])):
+        try:
+            pipe.train_step(xb if r == 0 else None, tb if r == p - 1 else None, mse)
+        except ValueError as exc:
+            messages.append(str(exc))
+    assert len(messages) == 3
+    assert "passed x=None" in messages[0]
+    assert "x has 2 rows, fewer than num_microbatches=3" in messages[1]
+    assert "target has 5 rows but x has 6" in messages[2]
+    # Still usable afterwards.
+    want = sequential(make_stages(0, [2] * (p + 1)), x, t)[0]
+    assert pipe.train_step(x if r == 0 else None, t if r == p - 1 else None, mse) == (
+        pytest.approx(want, rel=1e-12))
+    pipe.close()
+    return True
+
+
+# ---------------------------------------------------------------- tests
+
+
+@st.composite
+def world_shapes(draw):
+    size = draw(world_sizes(1, 4))
+    v = draw(st.integers(1, 3))
+    m = draw(st.integers(1, 7))  # includes fewer microbatches than stages
+    extra_rows = draw(st.integers(0, 6))  # uneven splits
+    dims = draw(st.lists(st.integers(1, 4), min_size=MAX_STAGES + 1, max_size=MAX_STAGES + 1))
+    seed = draw(st.integers(0, 2**31 - 1))
+    return size, v, m, extra_rows, dims, seed
+
+
+@settings(max_examples=10, deadline=None)
+@given(world_shapes())
+# One rank with 3 chunks (stages pass tensors locally), and fewer microbatches than stages.
+@example((1, 3, 2, 1, [3, 2, 4, 1, 2, 3, 4, 2, 1, 3, 2, 4, 3], 7))
+@example((4, 2, 3, 4, [2, 3, 1, 4, 2, 2, 3, 1, 4, 2, 3, 3, 2], 11))
+def test_every_schedule_equals_sequential_full_batch(shape):
+    size, *args = shape
+    assert all(run_world(body_train_and_forward, size, *args))
+
+
+@settings(max_examples=3, deadline=None)
+@given(world_shapes())
+def test_sgd_steps_equal_sequential_training(shape):
+    size, *args = shape
+    assert all(run_world(body_sgd, size, *args))
+
+
+@given(world_sizes(1, 4))
+@settings(max_examples=4, deadline=None)
+def test_bad_batches_fail_on_every_rank(size):
+    assert all(run_world(body_batch_errors, size))
+
+
+@mock_only
+def test_wrong_number_of_chunks_and_failing_stage():
+    def wrong_chunks(world):
+        Pipeline(make_stages(0, [2, 2, 2]), world, num_microbatches=2, chunks=1)
+
+    with pytest.raises(ValueError, match="passed 2 stage"):
+        run_world(wrong_chunks, 2)
+
+    def failing(world):
+        def boom(params, x):
+            raise FloatingPointError("stage blew up")
+
+        stage = PipelineStage(boom if world.rank == 1 else fwd, bwd, layer_params(0, 0, 2, 2))
+        pipe = Pipeline(stage, world, num_microbatches=4)
+        x, t = data(0, 4, 2, 2)
+        pipe.train_step(x, t, mse)
+
+    # Rank 1 fails; the others are woken instead of waiting for its messages.
+    with pytest.raises(FloatingPointError, match="stage blew up"):
+        run_world(failing, 3, timeout=20)
+
+
+def diag_fwd(params, x):
+    w, b = params
+    y = np.tanh(x * w + b)
+    return y, (x, y)
+
+
+def diag_bwd(params, saved, gy):
+    x, y = saved
+    gz = gy * (1.0 - y * y)
+    return gz * params[0], [(x * gz).sum(axis=0), gz.sum(axis=0)]
+
+
+def diag_stages(n, width):
+    """Element-wise stages (no BLAS, so threads of the mock world do not oversubscribe it)."""
+    out = []
+    for s in range(n):
+        rng = np.random.default_rng([5, s])
+        out.append(PipelineStage(diag_fwd, diag_bwd, [ad.Parameter(rng.standard_normal(width)),
+                                                      ad.Parameter(rng.standard_normal(width))]))
+    return out
+
+
+def body_large_messages(world, width):
+    """Activations above MPI's eager limit: 1F1B ranks send to each other at the same
+    time, which deadlocks unless sends are buffered."""
+    p, r = world.world_size, world.rank
+    x, t = data(1, 64, width, width)
+    for kind, chunks in ((K.ONE_F_ONE_B, 1), (K.ZERO_BUBBLE_H1, 1),
+                         (K.INTERLEAVED_ONE_F_ONE_B, 2)):
+        stages = diag_stages(p * chunks, width)
+        h = x
+        for st_ in stages:
+            h = diag_fwd(st_.param_arrays(), h)[0]
+        want = mse(h, t)[0]
+        last = (p * chunks - 1) % p
+        pipe = Pipeline(local_stages(stages, p, r, chunks), world, num_microbatches=4,
+                        schedule=kind, chunks=chunks)
+        loss = pipe.train_step(x if r == 0 else None, t if r == last else None, mse)
+        assert loss == pytest.approx(want, rel=1e-12)
+        pipe.close()
+    return True
+
+
+def test_large_activations_do_not_deadlock():
+    # 16 rows x 256 float64 = 32 KiB per microbatch activation.
+    assert all(run_world(body_large_messages, 3, 256))
