@@ -73,12 +73,18 @@ _LAZY = {
 }
 
 
+_SUBMODULES = {"backends", "bucketing", "checkpoint", "comm", "data", "ddp", "fsdp", "mesh",
+               "optim", "pipeline", "tensor_parallel"}
+
+
 def __getattr__(name: str) -> object:
+    import importlib
+
+    if name in _SUBMODULES:
+        return importlib.import_module(f".{name}", __name__)
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'axondist' has no attribute {name!r}")
-    import importlib
-
     value = getattr(importlib.import_module(f".{module}", __name__), name)
     globals()[name] = value
     return value

@@ -12,10 +12,11 @@ allows it.
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from math import prod
 from types import ModuleType
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -144,11 +145,12 @@ def check_dtype(dtype: Any, where: str) -> np.dtype:
 
 def check_writable(x: Any, where: str) -> None:
     """Refuse a buffer that a collective must write in place but cannot."""
-    if isinstance(x, np.ndarray) and not x.flags.writeable:
+    flags = x.flags  # one flags object: this runs on every in-place collective
+    if isinstance(x, np.ndarray) and not flags.writeable:
         raise InvalidBufferError(
             f"{where}: the array is read-only; pass a writable array (e.g. x.copy())"
         )
-    if not x.flags.c_contiguous:
+    if not flags.c_contiguous:
         raise InvalidBufferError(
             f"{where}: the array of shape {tuple(x.shape)} is not C-contiguous, so it cannot "
             "be written in place; pass xp.ascontiguousarray(x) and use the returned array"

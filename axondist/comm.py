@@ -93,7 +93,8 @@ def all_reduce(x: Any, op: ReduceOp | str = ReduceOp.SUM, group: ProcessGroup | 
     # The dtype object itself, not str(dtype): str() costs ~3.5 us, more than
     # a whole small MPI all-reduce; it prints the same in mismatch errors.
     sig = (("dtype", x.dtype), ("shape", x.shape))
-    return _finish(b.all_reduce(x, op, signature=sig, async_op=async_op), async_op)
+    work = b.all_reduce(x, op, signature=sig, async_op=async_op)
+    return work if async_op else work.wait()
 
 
 def all_reduce_sum(x: Any, group: ProcessGroup | None = None, async_op: bool = False) -> Any:
@@ -222,8 +223,12 @@ def all_gather(x: Any, group: ProcessGroup | None = None, *, sizes: Sequence[int
             raise InvalidBufferError(f"all_gather: out is {_array.describe(out)} but the result "
                                      f"is {x.dtype}{list(shape)}")
     sig = (("dtype", x.dtype),)
-    work = b.all_gather(x, out, [r * row_size for r in rows], signature=sig, async_op=async_op)
-    return _finish(_with_result(work, out), async_op)
+    counts = rows if row_size == 1 else [r * row_size for r in rows]
+    work = b.all_gather(x, out, counts, signature=sig, async_op=async_op)
+    if async_op:
+        return _with_result(work, out)
+    work.wait()
+    return out
 
 
 def gather_tensor(x: Any, group: ProcessGroup | None = None, dst: int = 0,

@@ -14,7 +14,7 @@ does.
 
 from __future__ import annotations
 
-from typing import Iterator, Sized
+from collections.abc import Iterator, Sized
 
 import numpy as np
 

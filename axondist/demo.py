@@ -29,8 +29,10 @@ from __future__ import annotations
 import importlib
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, TextIO
+from itertools import pairwise
+from typing import Any, TextIO
 
 import numpy as np
 
@@ -117,7 +119,7 @@ def init_weights(cfg: DemoConfig) -> list[tuple[np.ndarray, np.ndarray]]:
     rng = np.random.default_rng([cfg.seed, 1])
     sizes = cfg.sizes()
     layers = []
-    for fan_in, fan_out in zip(sizes[:-1], sizes[1:]):
+    for fan_in, fan_out in pairwise(sizes):
         bound = 1.0 / np.sqrt(fan_in)
         w = (rng.standard_normal((fan_out, fan_in)) * bound).astype(cfg.dtype)  # LeCun normal
         b = rng.uniform(-bound, bound, fan_out).astype(cfg.dtype)
@@ -417,7 +419,7 @@ def run_fsdp(group: ProcessGroup, cfg: DemoConfig, ref: Reference,
 def stage_layers(depth: int, stages: int) -> list[range]:
     """The layers of each pipeline stage (numpy.array_split rule)."""
     bounds = np.cumsum([0] + split_sizes(depth, stages))
-    return [range(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
+    return [range(int(a), int(b)) for a, b in pairwise(bounds)]
 
 
 def run_pipeline(group: ProcessGroup, cfg: DemoConfig, ref: Reference,
@@ -625,4 +627,4 @@ def _available(strategy: str) -> bool:
     return True
 
 
-__all__ = ["DemoConfig", "STRATEGIES", "run_demo"]
+__all__ = ["STRATEGIES", "DemoConfig", "run_demo"]

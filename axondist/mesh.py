@@ -13,9 +13,9 @@ of every axis, in the same order, and keeps the one it belongs to.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from math import prod
-from typing import Sequence
 
 from .process_group import ProcessGroup, resolve_group
 

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import threading
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from .backends.base import Backend
 from .errors import NotAMemberError, RankError

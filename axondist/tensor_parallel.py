@@ -20,9 +20,10 @@ feature more, so sizes need not divide the group size.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from math import prod
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 

@@ -7,7 +7,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from run import main  # noqa: E402
+from run import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,13 +1,14 @@
 """Timing helpers shared by the benchmarks.
 
 The machines these run on are shared and noisy, so every benchmark compares
-variants *inside one run*: :func:`alternate` times batch after batch of each
-variant in turn (A, B, C, then B, C, A, ...: the order rotates, so no variant
-always runs right after the same other one), so drift in machine load hits
-every variant alike; one untimed call before each batch keeps the previous
-variant's after-effects (another library's threads, cold caches) out of the
-timing; and :func:`paired_ratio` divides the variants' times batch by
-batch (A's k-th batch by B's k-th) before taking the median. A ratio below 1
+variants *inside one run*. :func:`alternate` times batch after batch of each
+variant in turn, so drift in machine load hits every variant alike; the
+order changes every round (ABC, CBA, BCA, BAC, CAB, ACB: the rotations of
+the order and of its reverse), so each variant runs right after each other
+one equally often and another library's after-effects (its threads, cold
+caches) cost every variant alike; one untimed call before each batch absorbs
+most of them. :func:`paired_ratio` divides the variants' times batch by
+batch (A's k-th batch by B's k-th) before taking the median; a ratio below 1
 means the first variant is faster.
 
 Typical use (every rank of an MPI job runs the same calls)::
@@ -27,7 +28,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 
 def alternate(variants: Mapping[str, Callable[[], Any]], *, batch: int, repeats: int,
-              warmup: int = 1, sync: Callable[[], Any] | None = None) -> dict[str, list[float]]:
+              warmup: int = 1, sync: Callable[[], Any] | None = None,
+              prime: bool = True) -> dict[str, list[float]]:
     """Seconds per call of each variant, one entry per timed batch.
 
     Args:
@@ -38,6 +40,8 @@ def alternate(variants: Mapping[str, Callable[[], Any]], *, batch: int, repeats:
         sync: called before and at the end of each timed batch (a barrier
             under MPI, so each batch measures every rank's part of the work);
             its cost is inside the batch, spread over ``batch`` calls.
+        prime: make one untimed call before each batch (False for variants
+            that are whole processes, e.g. start-up times).
 
     Returns:
         name -> ``repeats`` per-call times in seconds, in batch order (so the
@@ -47,12 +51,12 @@ def alternate(variants: Mapping[str, Callable[[], Any]], *, batch: int, repeats:
         raise ValueError(f"alternate: batch and repeats must be >= 1, got {batch}, {repeats}")
     sync = sync or (lambda: None)
     times: dict[str, list[float]] = {name: [] for name in variants}
-    names = list(variants)
+    orders = balanced_orders(list(variants))
     for rep in range(warmup + repeats):
-        k = rep % len(names)
-        for name in names[k:] + names[:k]:
+        for name in orders[rep % len(orders)]:
             fn = variants[name]
-            fn()  # untimed: the first call after another variant pays for its leftovers
+            if prime:
+                fn()  # untimed: the first call after another variant pays for its leftovers
             sync()
             start = time.perf_counter()
             for _ in range(batch):
@@ -62,6 +66,15 @@ def alternate(variants: Mapping[str, Callable[[], Any]], *, batch: int, repeats:
             if rep >= warmup:
                 times[name].append(elapsed / batch)
     return times
+
+
+def balanced_orders(names: list[str]) -> list[list[str]]:
+    """Round orders in which each name follows each other name equally often:
+    the rotations of ``names`` and of its reverse (all 6 orders for 3 names)."""
+    back = names[::-1]
+    orders = [names[k:] + names[:k] for k in range(len(names))]
+    orders += [back[k:] + back[:k] for k in range(len(names))]
+    return [orders[i // 2 + (i % 2) * len(names)] for i in range(len(orders))]  # interleave
 
 
 def median(values: Sequence[float]) -> float:

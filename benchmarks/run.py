@@ -39,9 +39,10 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -248,6 +249,9 @@ def find_tables(data: Any, title: str = "") -> list[Table]:
         return [Table(title, columns, rows)]
     if isinstance(data, dict):
         scalars = {k: v for k, v in data.items() if isinstance(v, (int, float, str, bool))}
+        if title and data and len(scalars) == len(data):  # {name: value}: a two-column table
+            return [Table(title, ["name", "value"],
+                          [{"name": k, "value": v} for k, v in data.items()])]
         for key, value in data.items():
             if isinstance(value, (dict, list)):
                 for t in find_tables(value, f"{title}.{key}" if title else str(key)):
@@ -268,9 +272,11 @@ def size_column(table: Table) -> str | None:
 
 
 def ratio_columns(table: Table) -> list[str]:
-    """Columns that hold ratios (``a/b`` names, or names with "ratio" or "speedup")."""
+    """Columns that hold ratios (``a/b`` or ``vs X`` names, or names with "ratio" or
+    "speedup")."""
     return [c for c in table.columns
-            if ("/" in c or "ratio" in c.lower() or "speedup" in c.lower())
+            if ("/" in c or "ratio" in c.lower() or "speedup" in c.lower()
+                or c.lower().startswith("vs ") or " vs " in c.lower())
             and all(isinstance(r.get(c), (int, float)) and not isinstance(r.get(c), bool)
                     for r in table.rows if c in r)]
 
@@ -287,7 +293,9 @@ def _cell(value: Any, column: str, sizes: str | None) -> str:
     if value is None:
         return ""
     if isinstance(value, bool):
-        return "ok" if value else "**MISSED**" if "target" in column else str(value)
+        if "target" in column or column == "value":
+            return "ok" if value else "**MISSED**"
+        return str(value)
     if column == sizes:
         return format_bytes(value)
     if isinstance(value, float):
@@ -367,7 +375,7 @@ def _targets(outcome: Outcome) -> str:
     met = total = 0
     for t in find_tables(outcome.data) if outcome.data is not None else []:
         for c in t.columns:
-            if "target" in c:
+            if "target" in c or (c == "value" and "target" in t.title):
                 for r in t.rows:
                     if isinstance(r.get(c), bool):
                         total += 1
@@ -385,11 +393,11 @@ def write_report(outcomes: list[Outcome], out_dir: Path, quick: bool) -> Path:
 
     out_dir.mkdir(parents=True, exist_ok=True)
     md = ["# axondist benchmarks", "",
-          f"{time.strftime('%Y-%m-%d %H:%M:%S')} on {platform.node() or 'this machine'} "
-          f"({platform.machine()}, {os.cpu_count()} CPUs), Python {platform.python_version()}"
-          f"{', quick mode' if quick else ''}.", "",
-          "Ratios compare variants timed in alternating batches within one run; each "
-          "benchmark's docstring says which way is better and its target.", "",
+          (f"{time.strftime('%Y-%m-%d %H:%M:%S')} on {platform.node() or 'this machine'} "
+           f"({platform.machine()}, {os.cpu_count()} CPUs), Python {platform.python_version()}"
+           f"{', quick mode' if quick else ''}."), "",
+          ("Ratios compare variants timed in alternating batches within one run; each "
+           "benchmark's docstring says which way is better and its target."), "",
           "| benchmark | run with | status | seconds | targets |", "|---|---|---|---|---|"]
     for o in outcomes:
         status = o.status + (f" ({o.note})" if o.note and o.status != "ok" else "")
@@ -415,6 +423,9 @@ def write_report(outcomes: list[Outcome], out_dir: Path, quick: bool) -> Path:
                 md += [f"![{t.title or o.plan.name}]({png.name})", ""]
         if o.stdout.strip() and (not tables or o.status != "ok"):
             md += ["Printed output:", "", "```text", _tail(o.stdout, 60), "```", ""]
+        elif o.stdout.strip():  # the benchmark's own table, folded away
+            md += ["<details><summary>printed output</summary>", "", "```text",
+                   _tail(o.stdout, 80), "```", "", "</details>", ""]
         if o.status in ("failed", "timeout") and o.stderr.strip():
             md += ["Error output (last lines):", "", "```text", _tail(o.stderr), "```", ""]
     report = out_dir / "report.md"

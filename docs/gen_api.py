@@ -28,6 +28,7 @@ import ast
 import enum
 import importlib
 import inspect
+import itertools
 import pkgutil
 import re
 import sys
@@ -83,9 +84,9 @@ def public_names(module: types.ModuleType) -> list[str]:
             continue  # imported from elsewhere
         if not (inspect.isclass(obj) or inspect.isfunction(obj)) and name in _typing_names():
             continue
-        if not (inspect.isclass(obj) or inspect.isfunction(obj)):
-            if not _defined_in_source(module, name):
-                continue
+        if not (inspect.isclass(obj) or inspect.isfunction(obj)) \
+                and not _defined_in_source(module, name):
+            continue
         names.append(name)
     return sorted(names)
 
@@ -192,7 +193,7 @@ def docstring_markdown(doc: str | None) -> str:
             out += ["```text", *block, "```", ""]
             continue
         if stripped.endswith("::") and not stripped.startswith(".."):
-            text = stripped[:-1] if not stripped == "::" else ""
+            text = stripped[:-1] if stripped != "::" else ""
             if text:
                 out.append(convert_roles(_unindent(line)[:-1]))
             block, i = _indented_block(lines, i + 1)
@@ -288,7 +289,7 @@ def field_docs(cls: type) -> dict[str, str]:
         return {}
     docs: dict[str, str] = {}
     body = node.body
-    for a, b in zip(body, body[1:]):
+    for a, b in itertools.pairwise(body):
         target = None
         if isinstance(a, ast.AnnAssign) and isinstance(a.target, ast.Name):
             target = a.target.id
@@ -461,9 +462,9 @@ def generate() -> tuple[str, dict[str, set[str]]]:
             lines += [f"*Listed in `__all__` but missing: {', '.join(missing)}*", ""]
         blocks.append(lines)
     head = ["# API reference", "",
-            "Generated from the docstrings by `python docs/gen_api.py`; do not edit by hand. "
-            "Every public module is listed, each name documented in the module that defines "
-            "it; the top-level `axondist` names link there.", "", "## Modules", "", *index, ""]
+            ("Generated from the docstrings by `python docs/gen_api.py`; do not edit by hand. "
+             "Every public module is listed, each name documented in the module that defines "
+             "it; the top-level `axondist` names link there."), "", "## Modules", "", *index, ""]
     text = "\n".join(head + [line for block in blocks for line in block])
     text = re.sub(r"\n{3,}", "\n\n", text).rstrip() + "\n"
     return text, covered

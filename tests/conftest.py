@@ -38,3 +38,13 @@ def pytest_report_header(config: pytest.Config) -> str:
 @pytest.fixture
 def rng() -> np.random.Generator:
     return np.random.default_rng(12345)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Under ``mpiexec``, a failing rank aborts the job instead of leaving peers waiting."""
+    from axondist.launch import launched_by_mpi
+
+    if exitstatus not in (0, 5) and launched_by_mpi():
+        from mpi4py import MPI
+
+        MPI.COMM_WORLD.Abort(int(exitstatus))

@@ -12,7 +12,8 @@ the K-rank MPI world (``world_size`` is then ignored: use
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 from hypothesis import strategies as st
@@ -23,7 +24,7 @@ from axondist.launch import launched_by_mpi
 UNDER_MPI = launched_by_mpi()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def mpi_world() -> axondist.World:
     """This process's MPI world (created once per test session)."""
     return axondist.init("mpi")

@@ -212,9 +212,10 @@ _TYPES: TypeTable | None = None
 
 
 def type_table() -> TypeTable:
-    """The process-wide table (MPI must be loaded)."""
+    """The process-wide table (loads MPI if needed)."""
     global _TYPES
     if _TYPES is None:
+        load_mpi()
         _TYPES = TypeTable()
     return _TYPES
 

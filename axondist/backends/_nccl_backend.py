@@ -6,8 +6,9 @@ import collections
 import pickle
 import socket
 import time
+from collections.abc import Callable, Sequence
 from types import ModuleType
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 

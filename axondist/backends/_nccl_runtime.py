@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import importlib
 import threading
+from collections.abc import Callable
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from ..errors import BackendUnavailableError
 from ._nccl_types import GroupedCallError, NcclError, missing_cupy_message, nccl_error

@@ -30,8 +30,8 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Callable, Mapping
 
 from ..errors import AxondistError, CollectiveTimeoutError
 
@@ -185,7 +185,7 @@ class KeyValueServer:
         while not self._closed:
             try:
                 conn, _ = self._sock.accept()
-            except socket.timeout:
+            except TimeoutError:
                 continue
             except OSError:  # the socket was closed
                 return
@@ -224,7 +224,7 @@ class KeyValueServer:
                     self.set(key, value)
                 elif head == b"G":
                     (timeout,) = struct.unpack(">d", _recv_exact(conn, 8))
-                    if self.wait_for(lambda d: key in d, timeout):
+                    if self.wait_for(lambda d, key=key: key in d, timeout):
                         with self._cond:
                             value = self._data[key]
                         _send_reply(conn, _OK, value)

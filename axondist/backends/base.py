@@ -22,7 +22,8 @@ from __future__ import annotations
 import abc
 import concurrent.futures
 import os
-from typing import Any, Callable, ClassVar, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar
 
 from ..errors import CollectiveMismatchError
 from ..ops import ReduceOp
@@ -178,7 +179,7 @@ class Backend(abc.ABC):
         """``(node_id, local_rank, local_size)``: which machine this rank is on."""
         return 0, self.rank, self.world_size
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - an optional hook: backends without resources keep it
         """Release resources (idempotent)."""
 
 
@@ -196,7 +197,7 @@ def compare_signatures(op_name: str,
         return None
     fields: dict[str, list[Any]] = {}
     for sig in signatures:
-        for name, value in sig or ():
+        for name, _value in sig or ():
             fields.setdefault(name, [])
     for name in fields:
         fields[name] = [dict(sig or ()).get(name) for sig in signatures]

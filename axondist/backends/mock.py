@@ -21,7 +21,8 @@ import concurrent.futures
 import copy
 import threading
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from .. import _array
 from ..errors import (

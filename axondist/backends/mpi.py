@@ -27,6 +27,11 @@ launch and calls :func:`create_world_backend`. What the code does not show:
   every line prefixed by ``[axondist rank R/N]`` and then calls
   ``COMM_WORLD.Abort(1)``, so mpiexec ends every rank with a non-zero exit
   instead of leaving the others blocked in a collective.
+* **async_op agrees across ranks.** ``async_op=True`` uses MPI's
+  non-blocking collectives (``Iallreduce``...), which MPI never matches with
+  a blocking call on another rank: every rank must pass the same
+  ``async_op`` to a given collective (``AXONDIST_DEBUG=1`` reports it).
+  Non-blocking calls progress inside MPI calls and ``wait()``.
 * **No timeouts.** A blocking MPI collective cannot time out: a peer that
   never calls it hangs the others (a peer that *fails* aborts the job, see
   above). ``Work.wait(timeout)`` of a non-blocking call does raise
@@ -41,6 +46,7 @@ launch and calls :func:`create_world_backend`. What the code does not show:
 
 from __future__ import annotations
 
+import copy
 import sys
 import traceback
 from typing import Any, Callable, Sequence
@@ -110,6 +116,7 @@ class MPIBackend(Backend):
         self._cuda_aware: bool | None = True if self.options.host_staging == "never" else None
         self._tag_ub = int(MPI.COMM_WORLD.Get_attr(MPI.TAG_UB))
         self._node = self._compute_node_info()
+        self._host_twin: MPIBackend | None = None
 
     @property
     def comm(self) -> Any:
@@ -144,9 +151,14 @@ class MPIBackend(Backend):
             local.Free()
 
     # --- helpers ---------------------------------------------------------------------------
-    def _agree(self, op_name: str, signature: Signature) -> None:
-        """Under debug: raise the same CollectiveMismatchError on every rank on disagreement."""
-        sigs = self._comm.allgather((("op", op_name),) + tuple(signature))
+    def _agree(self, op_name: str, signature: Signature, async_op: bool = False) -> None:
+        """Under debug: raise the same CollectiveMismatchError on every rank on disagreement.
+
+        ``async_op`` is compared too: MPI never matches a non-blocking
+        collective (``Iallreduce``) with a blocking one on another rank.
+        """
+        sigs = self._comm.allgather((("op", op_name),) + tuple(signature)
+                                    + (("async_op", bool(async_op)),))
         error = compare_signatures(op_name, sigs)
         if error is not None:
             raise error
@@ -180,12 +192,22 @@ class MPIBackend(Backend):
         synchronize_device(*bufs)
         return False
 
+    @property
+    def _host(self) -> MPIBackend:
+        """This backend without host staging: what staged calls run on their NumPy copies."""
+        if self._host_twin is None:
+            twin = copy.copy(self)
+            twin._stage_always = False
+            twin._host_twin = twin
+            self._host_twin = twin
+        return self._host_twin
+
     def _via_host(self, call: Callable[..., Work], args: Sequence[Any], reads: Sequence[int],
                   writes: Sequence[int], out: int, async_op: bool) -> Work:
         """Run ``call`` on host copies of ``args`` (values copied for ``reads``), then copy
         ``writes`` back (in ``wait()`` when async); the result is ``args[out]``."""
-        hosts = [None if a is None else host_copy(a) if i in reads else np.empty(a.shape, a.dtype)
-                 for i, a in enumerate(args)]
+        hosts: list[Any] = [None if a is None else host_copy(a) if i in reads
+                            else np.empty(a.shape, a.dtype) for i, a in enumerate(args)]
         work = call(*hosts)
 
         def finish() -> None:
@@ -217,18 +239,19 @@ class MPIBackend(Backend):
         return (buf if view is None else buf.view(view)), mtype, mop, average
 
     # --- collectives -----------------------------------------------------------------------
+    # Each method is one layer: checks, then (rarely) the host-staging detour, which
+    # re-enters the same method on the host twin with NumPy copies, then the MPI call.
+    # The small blocking case is kept to attribute reads, dict lookups and the call:
+    # at 4 KiB its Python cost is comparable to the whole MPI all-reduce.
+
     def all_reduce(self, buf: Any, op: ReduceOp, *, signature: Signature = (),
                    async_op: bool = False) -> Work:
         if (type(buf) is not np.ndarray or self._stage_always) and self._needs_host(buf):
-            return self._via_host(lambda h: self._all_reduce(h, op, signature, async_op),
-                                  [buf], (0,), (0,), 0, async_op)
-        return self._all_reduce(buf, op, signature, async_op)
-
-    def _all_reduce(self, buf: Any, op: ReduceOp, signature: Signature, async_op: bool) -> Work:
-        # The hot path (small blocking all-reduce) is kept to a few attribute
-        # reads, two dict lookups and the MPI call: it dominates at 4 KiB.
+            return self._via_host(
+                lambda h: self._host.all_reduce(h, op, signature=signature, async_op=async_op),
+                [buf], (0,), (0,), 0, async_op)
         if self._debug:
-            self._agree("all_reduce", signature + (("reduce_op", op.name),))
+            self._agree("all_reduce", signature + (("reduce_op", op.name),), async_op)
         plan = self._reduce_plans[op].get(buf.dtype)
         if plan is None:
             raise unsupported("all_reduce", buf.dtype, op)
@@ -268,14 +291,16 @@ class MPIBackend(Backend):
         if not 0 <= root < self.world_size:
             self._check_rank(root, "broadcast", "root")
         if (type(buf) is not np.ndarray or self._stage_always) and self._needs_host(buf):
-            return self._via_host(lambda h: self._broadcast(h, root, signature, async_op),
-                                  [buf], (0,) if self.rank == root else (), (0,), 0, async_op)
-        return self._broadcast(buf, root, signature, async_op)
-
-    def _broadcast(self, buf: Any, root: int, signature: Signature, async_op: bool) -> Work:
+            return self._via_host(
+                lambda h: self._host.broadcast(h, root, signature=signature, async_op=async_op),
+                [buf], (0,) if self.rank == root else (), (0,), 0, async_op)
         if self._debug:
-            self._agree("broadcast", signature + (("root", root),))
-        data, mtype = self._transfer(buf, "broadcast")
+            self._agree("broadcast", signature + (("root", root),), async_op)
+        plan = self._transfer_plans.get(buf.dtype)
+        if plan is None:
+            raise unsupported("broadcast", buf.dtype)
+        view, mtype = plan
+        data = buf if view is None else buf.view(view)
         comm = self._comm
         try:
             if data.nbytes <= self._chunk and not async_op:
@@ -302,14 +327,12 @@ class MPIBackend(Backend):
                                                           ("recv", recv, sum(counts))))
         if ((type(send) is not np.ndarray or type(recv) is not np.ndarray or self._stage_always)
                 and self._needs_host(send, recv)):
-            return self._via_host(lambda s, r: self._all_gather(s, r, counts, signature, async_op),
-                                  [send, recv], (0,), (1,), 1, async_op)
-        return self._all_gather(send, recv, counts, signature, async_op)
-
-    def _all_gather(self, send: Any, recv: Any, counts: list[int], signature: Signature,
-                    async_op: bool) -> Work:
+            return self._via_host(
+                lambda s, r: self._host.all_gather(s, r, counts, signature=signature,
+                                                   async_op=async_op),
+                [send, recv], (0,), (1,), 1, async_op)
         if self._debug:
-            self._agree("all_gather", signature + (("counts", tuple(counts)),))
+            self._agree("all_gather", signature + (("counts", tuple(counts)),), async_op)
         s, mtype = self._transfer(send, "all_gather")
         r, _ = self._transfer(recv, "all_gather")
         even = counts.count(counts[0]) == len(counts)  # the common case needs no displs
@@ -336,18 +359,14 @@ class MPIBackend(Backend):
                 or recv.size != counts[self.rank]):
             raise self._bad_counts("reduce_scatter", counts, (("send", send, sum(counts)),
                                                               ("recv", recv, counts[self.rank])))
-        if ((type(send) is not np.ndarray or type(recv) is not np.ndarray or self._stage_always)
-                and self._needs_host(send, recv)):
+        if self._needs_host(send, recv):
             return self._via_host(
-                lambda s, r: self._reduce_scatter(s, r, counts, op, signature, async_op),
+                lambda s, r: self._host.reduce_scatter(s, r, counts, op, signature=signature,
+                                                       async_op=async_op),
                 [send, recv], (0,), (1,), 1, async_op)
-        return self._reduce_scatter(send, recv, counts, op, signature, async_op)
-
-    def _reduce_scatter(self, send: Any, recv: Any, counts: list[int], op: ReduceOp,
-                        signature: Signature, async_op: bool) -> Work:
         if self._debug:
             self._agree("reduce_scatter",
-                        signature + (("counts", tuple(counts)), ("reduce_op", op.name)))
+                        signature + (("counts", tuple(counts)), ("reduce_op", op.name)), async_op)
         s, mtype, mop, average = self._reduction(send, op, "reduce_scatter")
         r, _, _, _ = self._reduction(recv, op, "reduce_scatter")
         try:
@@ -376,14 +395,12 @@ class MPIBackend(Backend):
                                                       ("recv", recv, sum(counts))))
         if self._needs_host(send, recv):
             return self._via_host(
-                lambda s, r: self._gather(s, r, counts, root, signature, async_op),
+                lambda s, r: self._host.gather(s, r, counts, root, signature=signature,
+                                               async_op=async_op),
                 [send, recv], (0,), (1,), 1, async_op)
-        return self._gather(send, recv, counts, root, signature, async_op)
-
-    def _gather(self, send: Any, recv: Any | None, counts: list[int], root: int,
-                signature: Signature, async_op: bool) -> Work:
         if self._debug:
-            self._agree("gather", signature + (("root", root), ("counts", tuple(counts))))
+            self._agree("gather", signature + (("root", root), ("counts", tuple(counts))),
+                        async_op)
         s, mtype = self._transfer(send, "gather")
         spec = None
         if recv is not None:
@@ -412,14 +429,12 @@ class MPIBackend(Backend):
                                                        ("recv", recv, counts[self.rank])))
         if self._needs_host(send, recv):
             return self._via_host(
-                lambda s, r: self._scatter(s, r, counts, root, signature, async_op),
+                lambda s, r: self._host.scatter(s, r, counts, root, signature=signature,
+                                                async_op=async_op),
                 [send, recv], (0,), (1,), 1, async_op)
-        return self._scatter(send, recv, counts, root, signature, async_op)
-
-    def _scatter(self, send: Any | None, recv: Any, counts: list[int], root: int,
-                 signature: Signature, async_op: bool) -> Work:
         if self._debug:
-            self._agree("scatter", signature + (("root", root), ("counts", tuple(counts))))
+            self._agree("scatter", signature + (("root", root), ("counts", tuple(counts))),
+                        async_op)
         r, mtype = self._transfer(recv, "scatter")
         spec = None
         if send is not None:
@@ -515,7 +530,7 @@ class MPIBackend(Backend):
         return self._node
 
     def close(self) -> None:
-        comm, self._comm = self._comm, None
+        comm, self._comm, self._host_twin = self._comm, None, None
         if comm is not None and not MPI.Is_finalized() and comm != MPI.COMM_NULL:
             comm.Free()
 

@@ -91,7 +91,8 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Any, Callable, Sequence, TypeVar
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 from ..errors import BackendUnavailableError, WorldAbortedError
 from ._nccl_backend import NcclBackend

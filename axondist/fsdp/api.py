@@ -26,7 +26,8 @@ see :mod:`axondist.fsdp.sharding`), with ``S`` ranks in the shard group:
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -193,7 +194,7 @@ class FullyShardedDataParallel:
             shard = self._to_rest(buf[lo:hi].copy())
             del buf
             out.append(_Unit(flat, Parameter(shard, name=f"fsdp.unit{u}")))
-            for i, p in zip(members, params):
+            for _member, p in zip(members, params):
                 p.data = self._placeholder(flat)
                 p.grad = None
         return out

@@ -10,7 +10,8 @@ HYBRID_SHARD) hold identical shards and are not counted again.
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from .. import _array, comm
 from ..ops import ReduceOp

@@ -15,9 +15,10 @@ elements 9..11, of which only element 9 is real (``valid_bounds`` = (9, 10)).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from math import prod
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 

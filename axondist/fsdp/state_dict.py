@@ -9,7 +9,8 @@ size or unit layout that produced it.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -158,7 +159,7 @@ def _load_optimizer(f: FullyShardedDataParallel, reader: CheckpointReader,
         # (some never had a gradient) take the largest
         entry: dict[str, Any] = {"step": max(int(steps.get(n, 0)) for n in names)}
         for key in keys:
-            def piece(pos: int, lo: int, hi: int, key: str = key) -> Any:
+            def piece(pos: int, lo: int, hi: int, key: str = key, names: list[str] = names) -> Any:
                 saved = f"optim/{names[pos]}/{key}"
                 if saved not in reader.index["tensors"]:
                     return 0.0  # that parameter had no state: zeros

@@ -16,7 +16,9 @@ from axondist.pipeline.communication import (
     check_channels,
     communication_plan,
 )
+from axondist.pipeline.memory import PipelineRunStats
 from axondist.pipeline.render import render_image, render_text
+from axondist.pipeline.runtime import LossFn, Pipeline
 from axondist.pipeline.schedules import (
     Action,
     ActionKind,
@@ -29,8 +31,6 @@ from axondist.pipeline.schedules import (
     validate,
 )
 from axondist.pipeline.simulate import DEFAULT_COSTS, SimulationResult, TimedAction, simulate
-from axondist.pipeline.memory import PipelineRunStats
-from axondist.pipeline.runtime import LossFn, Pipeline
 from axondist.pipeline.stage import PipelineStage
 
 __all__ = [

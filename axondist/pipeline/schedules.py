@@ -98,7 +98,7 @@ class ActionKind(enum.Enum):
 
     F = "F"
     B = "B"
-    I = "I"  # the letter is the established name in the literature
+    I = "I"  # noqa: E741 - the letter is the established name in the literature
     W = "W"
 
     @property

@@ -12,7 +12,7 @@ from __future__ import annotations
 import collections
 import queue
 import threading
-from typing import Any, Union
+from typing import Any
 
 from axondist import comm
 from axondist.pipeline.communication import CommOp
@@ -64,7 +64,8 @@ class GroupTransport:
     neighbours send to each other at the same moment (an activation one way,
     a gradient the other), and an MPI ``Send`` above the eager limit (16 KiB
     with this MPICH) waits for the matching receive, so both would wait
-    forever.  The helper thread makes every backend's send buffered.  The thread starts with the first send and lives until :meth:`stop` (the
+    forever.  The helper thread makes every backend's send buffered.  The
+    thread starts with the first send and lives until :meth:`stop` (the
     Pipeline's ``close``, or its garbage collection): starting a thread per
     step would cost a GIL hand-over each time.  :meth:`finish` waits until
     every queued send has completed and re-raises a send's error on the
@@ -132,4 +133,4 @@ class GroupTransport:
             raise self._error
 
 
-Transport = Union[InProcessTransport, GroupTransport]
+Transport = InProcessTransport | GroupTransport

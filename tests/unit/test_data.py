@@ -121,10 +121,10 @@ def test_explicit_rank_and_size_need_no_world():
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(dataset_len=-1, num_replicas=2, rank=0), "dataset_len"),
-    (dict(dataset_len=4, num_replicas=0, rank=0), "num_replicas"),
-    (dict(dataset_len=4, num_replicas=2, rank=2), r"rank=2 is not in 0..1"),
-    (dict(dataset_len=4, num_replicas=2, rank=-1), "rank=-1"),
+    ({"dataset_len": -1, "num_replicas": 2, "rank": 0}, "dataset_len"),
+    ({"dataset_len": 4, "num_replicas": 0, "rank": 0}, "num_replicas"),
+    ({"dataset_len": 4, "num_replicas": 2, "rank": 2}, r"rank=2 is not in 0..1"),
+    ({"dataset_len": 4, "num_replicas": 2, "rank": -1}, "rank=-1"),
 ])
 def test_bad_arguments_are_named(kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -841,7 +841,7 @@ def test_mpi_bootstrap_under_mpiexec(tmp_path):
 
 # --- the benchmark's arithmetic and its no-GPU exit -----------------------------------------
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _bench():
     path = ROOT / "benchmarks" / "bench_nccl.py"
     spec = importlib.util.spec_from_file_location("bench_nccl_under_test", path)

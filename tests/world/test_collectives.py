@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from harness import run_world, world_sizes
 from hypothesis import given
 from hypothesis import strategies as st
-from harness import run_world, world_sizes
 
 import axondist as ad
 from axondist import ReduceOp

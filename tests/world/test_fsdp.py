@@ -35,7 +35,6 @@ from axondist.fsdp import (
     CPUOffload,
     MixedPrecision,
     ShardingStrategy,
-    padded_numel,
 )
 from axondist.optim import SGD, Adam
 

@@ -12,7 +12,7 @@ against NumPy references derived from seeds, then prints ``CHECK OK``).
 
 Environment: ``AXONDIST_MPI_LAUNCH_TIMEOUT`` (seconds per launch, default
 600), ``AXONDIST_MPI_TEST_EXAMPLES`` (hypothesis examples in the launched
-world tests, default 10).
+world tests, default 5).
 """
 
 from __future__ import annotations
@@ -138,7 +138,7 @@ def test_world_tests_pass_under_mpiexec(mpi_ready: None, tmp_path: Path, n: int)
     # (otherwise its MPI_Finalize waits for ranks blocked in the next collective).
     args = ["-m", "mpi4py", "-m", "pytest", "tests/world", "-q", "-p", "no:cacheprovider", "-x",
             "-m", "not gpu"]
-    examples = os.environ.get("AXONDIST_MPI_TEST_EXAMPLES", "10")
+    examples = os.environ.get("AXONDIST_MPI_TEST_EXAMPLES", "5")
     run = launch(tmp_path, n, args, {"AXONDIST_TEST_EXAMPLES": examples})
     summaries = [_pytest_summary(text) for text in run.ranks]
     for r, summary in enumerate(summaries):
@@ -170,6 +170,8 @@ def test_debug_mode_turns_a_shape_mismatch_into_an_error_on_every_rank(
     for r, text in enumerate(run.ranks):
         assert "shape_mismatch OK" in text, f"rank {r}\n{run.tail()}"
         assert f"all_reduce: ranks disagree on shape ({shapes})" in text, f"rank {r}\n{run.tail()}"
+        flags = ", ".join(f"rank {k}: {k == 0}" for k in range(n))
+        assert f"all_reduce: ranks disagree on async_op ({flags})" in text, run.tail()
 
 
 @pytest.mark.parametrize("n", [2, 3])
@@ -201,6 +203,12 @@ def _shape_mismatch() -> None:
         print(f"CollectiveMismatchError: {exc}")
     else:
         raise AssertionError("a shape mismatch under AXONDIST_DEBUG=1 was not detected")
+    try:  # MPI never matches a non-blocking collective with a blocking one
+        ad.all_reduce(np.ones(2), async_op=world.rank == 0)
+    except ad.CollectiveMismatchError as exc:
+        print(f"CollectiveMismatchError: {exc}")
+    else:
+        raise AssertionError("mixing async_op across ranks under AXONDIST_DEBUG=1 was not detected")
     ad.barrier()  # the world is still usable afterwards
     x = ad.all_reduce(np.full(2, float(world.rank)))
     np.testing.assert_allclose(x, sum(range(world.world_size)))
@@ -324,19 +332,20 @@ def _backend() -> None:
     assert solo.is_member == (rank == n - 1)
 
     # Work.wait(timeout) of a non-blocking call times out while a peer is late
+    # (every rank passes async_op=True: MPI never matches it with a blocking call)
     x = np.full(5, float(rank + 1))
+    if rank != 0:
+        time.sleep(0.5)
+    work = ad.all_reduce(x, "sum", async_op=True)
     if rank == 0:
-        work = ad.all_reduce(x, "sum", async_op=True)
         try:
             work.wait(timeout=0.05)
         except ad.CollectiveTimeoutError:
             pass
         else:
-            raise AssertionError("wait(timeout) returned although rank 1 had not joined yet")
-        np.testing.assert_array_equal(work.wait(), n * (n + 1) / 2)
-    else:
-        time.sleep(0.5)
-        ad.all_reduce(x, "sum")
+            raise AssertionError("wait(timeout) returned although the others had not joined")
+    np.testing.assert_array_equal(work.wait(), n * (n + 1) / 2)
+    assert work.is_completed()
     ad.barrier()
 
 
