@@ -185,6 +185,7 @@ class FlatLayout:
 
     @classmethod
     def of(cls, shapes: Iterable[Sequence[int]], dtype: Any) -> FlatLayout:
+        """The layout packing arrays of ``shapes`` back to back, in order, with no padding."""
         shapes_t = tuple(tuple(int(d) for d in s) for s in shapes)
         offsets, total = [], 0
         for shape in shapes_t:
@@ -194,6 +195,7 @@ class FlatLayout:
 
     @property
     def sizes(self) -> tuple[int, ...]:
+        """Elements of each array, in buffer order."""
         return tuple(prod(s) for s in self.shapes)
 
     @property

@@ -181,9 +181,11 @@ class GradientBucket:
         return True
 
     def is_full(self) -> bool:
+        """True when no room is left (``size == capacity``; a 0-capacity bucket is always full)."""
         return self.size == self.capacity
 
     def is_empty(self) -> bool:
+        """True while it holds no element (before a non-empty :meth:`add`, after :meth:`clear`)."""
         return self.size == 0
 
     @property
@@ -580,18 +582,35 @@ class GradientSynchronizer:
     def _launch(self, state: _BucketState, async_op: bool) -> None:
         data = state.flat
         factor = self._weight()
+        whole = 1.0  # the weight still to apply to the whole bucket
         if factor != 1.0:
-            xp = _array.namespace(data)
             unweighted = [i for i in state.indices if not self.slots[i].weighted]
             if len(unweighted) == len(state.indices):
-                xp.multiply(data, factor, out=data, casting="unsafe")
+                whole = factor
             else:
+                xp = _array.namespace(data)
                 for i in unweighted:
                     view = self.slots[i].view
                     xp.multiply(view, factor, out=view, casting="unsafe")
-        work = self.hook(data, self._group, async_op)  # type: ignore[arg-type]
-        state.work = work if isinstance(work, Work) else None
+        fused = self._fused_backend(data, async_op)
+        if fused is not None:
+            fused.scaled_sum_blocking(data, whole)
+            state.work = None
+        else:
+            if whole != 1.0:
+                _array.namespace(data).multiply(data, whole, out=data, casting="unsafe")
+            work = self.hook(data, self._group, async_op)  # type: ignore[arg-type]
+            state.work = work if isinstance(work, Work) else None
         state.launched = True
+
+    def _fused_backend(self, data: Any, async_op: bool) -> Any:
+        """The MPI backend when it can weight and sum this bucket in one pass over memory
+        (``scaled_sum_blocking``: blocking, default hook, NumPy buffer, not debugging), else
+        None. Depends on nothing rank-local, so every rank makes the same MPI calls."""
+        if async_op or self.hook is not sum_hook or type(data) is not np.ndarray:
+            return None
+        backend = self._group.backend_for("GradientSynchronizer")  # type: ignore[union-attr]
+        return backend if getattr(backend, "blocking_fast_path", False) else None
 
     def _progress(self) -> None:
         """Test the oldest bucket in flight.

@@ -92,6 +92,7 @@ class TensorSpec:
 
     @property
     def numel(self) -> int:
+        """Number of elements, the product of ``shape`` (1 for a scalar)."""
         return int(np.prod(self.shape, dtype=np.int64))
 
 
@@ -330,10 +331,17 @@ class CheckpointReader:
 
     @property
     def metadata(self) -> dict[str, Any]:
+        """A copy of the ``metadata`` dict given at save time (empty when none was)."""
         return dict(self.index.get("metadata") or {})
 
     @property
     def optimizer(self) -> dict[str, Any] | None:
+        """The index's optimizer entry, or None when saved without an optimizer.
+
+        Holds what is not an array: ``class``, ``version``, ``hyperparameters``,
+        ``step_count`` and each parameter's ``steps``; the state arrays are tensors
+        named ``optim/<param>/<key>`` (see :meth:`names`).
+        """
         return self.index.get("optimizer")
 
     def spec(self, name: str) -> TensorSpec:
@@ -427,16 +435,16 @@ def _plain_sharded_state(params: Sequence[Parameter], optimizer: Any, g: Process
         index_of = {id(p): i for i, p in enumerate(params)}
         steps = {}
         for k, entry in sd["state"].items():
-            i = index_of.get(id(optimizer.params[int(k)]))
-            if i is None:
+            j = index_of.get(id(optimizer.params[int(k)]))
+            if j is None:
                 raise CheckpointError("save_sharded_checkpoint: the optimizer updates a parameter "
                                       "that is not in the model")
-            steps[names[i]] = int(entry.get("step", 0))
+            steps[names[j]] = int(entry.get("step", 0))
             for key, arr in entry.items():
                 if key == "step":
                     continue
-                flat = f"param{i}.{key}"
-                tensors.append(TensorSpec(f"optim/{names[i]}/{key}", _shape(arr),
+                flat = f"param{j}.{key}"
+                tensors.append(TensorSpec(f"optim/{names[j]}/{key}", _shape(arr),
                                           dtype_name(arr.dtype), flat, 0))
                 if writes:
                     shards.append(FlatShard(flat, arr.size, 0, arr.reshape(-1)))
@@ -599,7 +607,8 @@ def save_full_checkpoint(path: str | os.PathLike, target: Any, *,
                                     "sha256": hashlib.sha256(arrays[name].tobytes()).hexdigest()}
                              for name, a in state.items()}}
         arrays[_FULL_INDEX_KEY] = np.frombuffer(json.dumps(index).encode(), dtype=np.uint8)
-        _atomic_write(os.fspath(path), lambda f: np.savez(f, **arrays))
+        # numpy's stubs match the ``**`` dict against savez's ``allow_pickle: bool``.
+        _atomic_write(os.fspath(path), lambda f: np.savez(f, **arrays))  # type: ignore[arg-type]
     _backend(g, "save_full_checkpoint").barrier()
 
 

@@ -138,7 +138,7 @@ def make_data(cfg: DemoConfig) -> tuple[np.ndarray, np.ndarray]:
 
 
 def layers_forward(arrays: list[np.ndarray], x: np.ndarray,
-                   output: bool) -> tuple[np.ndarray, list[np.ndarray]]:
+                   output: bool) -> tuple[np.ndarray, list[Any]]:
     """Consecutive layers ``h = tanh(h W^T + b)``; ``arrays`` is ``[W0, b0, W1, b1, ...]``.
 
     With ``output`` the last layer is the model's output layer (no tanh).
@@ -263,6 +263,7 @@ class ProgressBar:
         self.total, self.stream, self.enabled, self.width = total, stream, enabled, width
 
     def update(self, step: int, loss: float) -> None:
+        """Redraw the bar at ``step`` of ``total`` with ``loss``; does nothing when disabled."""
         if not self.enabled:
             return
         filled = self.width * step // max(1, self.total)
@@ -271,6 +272,7 @@ class ProgressBar:
         self.stream.flush()
 
     def close(self) -> None:
+        """End the bar's line (when enabled), so later output starts on a new line."""
         if self.enabled:
             self.stream.write("\n")
             self.stream.flush()

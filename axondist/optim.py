@@ -91,6 +91,7 @@ class Optimizer:
 
     @lr.setter
     def lr(self, value: float) -> None:
+        """Set the learning rate; raises ValueError for a negative or NaN value."""
         self._lr = _check_nonneg("lr", value, type(self).__name__)
 
     # --- stepping ------------------------------------------------------------------

@@ -32,18 +32,22 @@ class Parameter:
 
     @property
     def shape(self) -> tuple[int, ...]:
+        """``data``'s shape as a tuple of ints (read live: it follows a replaced ``data``)."""
         return tuple(self.data.shape)
 
     @property
     def dtype(self) -> Any:
+        """``data``'s dtype (a NumPy dtype, also for CuPy arrays)."""
         return self.data.dtype
 
     @property
     def size(self) -> int:
+        """Number of elements of ``data``."""
         return int(self.data.size)
 
     @property
     def nbytes(self) -> int:
+        """Bytes of ``data`` (the gradient not counted)."""
         return int(self.data.nbytes)
 
     def zero_grad(self) -> None:

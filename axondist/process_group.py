@@ -29,7 +29,10 @@ class ProcessGroup:
         if backend is None and ranks is None:
             raise ValueError("ProcessGroup: a non-member group needs its ranks")
         self._backend = backend
-        self._ranks = tuple(ranks) if ranks is not None else tuple(range(backend.world_size))
+        if ranks is None:
+            assert backend is not None  # a non-member without ranks was refused above
+            ranks = range(backend.world_size)
+        self._ranks = tuple(ranks)
         if backend is not None and len(self._ranks) != backend.world_size:
             raise ValueError(f"ProcessGroup: {len(self._ranks)} ranks given for a backend of "
                              f"{backend.world_size}")
@@ -59,6 +62,7 @@ class ProcessGroup:
 
     @property
     def is_member(self) -> bool:
+        """True on the group's ranks; elsewhere the group may only be passed around, not used."""
         return self._backend is not None
 
     def contains(self, world_rank: int) -> bool:
@@ -131,7 +135,8 @@ class World(ProcessGroup):
         return cls(MockBackend.create_world(1, timeout)[0])
 
     def __repr__(self) -> str:
-        return f"World({self.backend.name}, rank={self.rank}, world_size={self.world_size})"
+        name = self.backend_for("World").name  # a World always has its backend
+        return f"World({name}, rank={self.rank}, world_size={self.world_size})"
 
 
 class _ThreadState(threading.local):

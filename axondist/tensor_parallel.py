@@ -568,6 +568,7 @@ class TensorParallelMLP:
 
     @property
     def group(self) -> ProcessGroup:
+        """The tensor-parallel group both layers are split over."""
         return self.fc1.group
 
     def parameters(self) -> list[Parameter]:
@@ -575,6 +576,7 @@ class TensorParallelMLP:
         return self.fc1.parameters() + self.fc2.parameters()
 
     def zero_grad(self) -> None:
+        """Drop every parameter's gradient (``grad = None``), as before the first backward."""
         for p in self.parameters():
             p.zero_grad()
 

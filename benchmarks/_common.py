@@ -24,7 +24,8 @@ from __future__ import annotations
 import json
 import statistics
 import time
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 
 def alternate(variants: Mapping[str, Callable[[], Any]], *, batch: int, repeats: int,

@@ -131,7 +131,7 @@ def run_rank(world: ad.World, repeats: int, batch: int) -> list[dict[str, Any]] 
                       sync=lambda: comm.barrier(world))
     rows = []
     base_resident = None
-    for name, (f, opt, peak) in setups.items():
+    for name, (f, _opt, peak) in setups.items():
         resident = f.memory_stats().total_bytes_per_rank
         mine = [resident, peak["peak"], f.memory_estimate().total_bytes_per_rank,
                 median(times[name])]

@@ -37,7 +37,7 @@ def bench(ranks: int, repeats: int, sizes: list[int]) -> list[dict]:
         floor_times: list[float] = []
         start_evt = threading.Barrier(ranks)
 
-        def body(world, iters=iters):
+        def body(world, iters=iters, inputs=inputs, start_evt=start_evt):
             buf = inputs[world.rank].copy()
             ad.all_reduce(buf)  # warm-up
             start_evt.wait()

@@ -125,7 +125,8 @@ def run(world: ad.World, args: argparse.Namespace) -> list[dict[str, Any]]:
         # The same schedule with each rank's measured action times (sleep overshoots):
         # what is left between it and the measured step is the runtime's own overhead.
         calibrated = simulate(
-            pipe.schedule, lambda a: float(table[a.rank, 3 + KINDS.index(a.kind.value)]))
+            pipe.schedule,
+            lambda a, table=table: float(table[a.rank, 3 + KINDS.index(a.kind.value)]))
         formula = (None if kind is PipelineSchedule.ZERO_BUBBLE_H1
                    else PipelineMemoryStats.bubble_fraction(p, m, v))
         step = float(table[:, 0].max())

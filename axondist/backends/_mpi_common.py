@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields, replace
-from typing import Any, Callable, NoReturn, Sequence
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -270,6 +271,14 @@ class MPIWork(Work):
             self._finish()
 
     def wait(self, timeout: float | None = None) -> Any:
+        """Wait for the requests, run the finishing step once, return the result.
+
+        Raises:
+            CollectiveTimeoutError: ``timeout`` seconds passed first; MPI cannot
+                cancel the requests, so call ``wait`` again.
+            CollectiveMismatchError: a message was larger than its receive
+                buffer (other MPI errors are raised as they are).
+        """
         if self._done:
             return self._result
         try:
@@ -289,6 +298,7 @@ class MPIWork(Work):
         return self._result
 
     def is_completed(self) -> bool:
+        """Test the requests without blocking; when all are done, also run the finishing step."""
         if self._done:
             return True
         try:
@@ -309,6 +319,7 @@ class StagedWork(Work):
         self._inner, self._finish, self._result, self._done = inner, finish, result, False
 
     def wait(self, timeout: float | None = None) -> Any:
+        """Wait for the host operation, then copy its results to the device (once); the result."""
         if not self._done:
             self._inner.wait(timeout)
             self._finish()
@@ -316,4 +327,5 @@ class StagedWork(Work):
         return self._result
 
     def is_completed(self) -> bool:
+        """True once the host operation finished (the copy back happens in :meth:`wait`)."""
         return self._done or self._inner.is_completed()

@@ -167,6 +167,7 @@ class NcclBackend(Backend):
         return self._comm
 
     def node_info(self) -> tuple[int, int, int]:
+        """``(node_id, local_rank, local_size)`` from the host names the ranks exchanged."""
         return node_info_from_hosts(self._hosts or (socket.gethostname(),) * self.world_size,
                                     self.rank)
 
@@ -281,6 +282,12 @@ class NcclBackend(Backend):
     # --- collectives ----------------------------------------------------------------------
     def all_reduce(self, buf: Any, op: ReduceOp, *, signature: Signature = (),
                    async_op: bool = False) -> Work:
+        """``ncclAllReduce`` in place on this backend's stream.
+
+        Ordered after the caller's current stream. AVERAGE is a SUM followed by a
+        division on the stream; dtypes NCCL lacks are refused (see ``reduce_plan``).
+        Inside :func:`group_calls` the call only joins the group.
+        """
         self._check(buf, "all_reduce", writable=True)
         plan = self._plan(buf, op, "all_reduce")
         self._check_signature("all_reduce", signature + (("reduce_op", op.name),))
@@ -296,6 +303,7 @@ class NcclBackend(Backend):
 
     def broadcast(self, buf: Any, root: int, *, signature: Signature = (),
                   async_op: bool = False) -> Work:
+        """``ncclBroadcast`` of ``root``'s ``buf`` (as bytes) into every rank's ``buf``."""
         self._check(buf, "broadcast", writable=True)
         self._check_root(root, "broadcast", "root")
         self._check_signature("broadcast", signature + (("root", root),))
@@ -327,6 +335,10 @@ class NcclBackend(Backend):
 
     def all_gather(self, send: Any, recv: Any, counts: Sequence[int], *,
                    signature: Signature = (), async_op: bool = False) -> Work:
+        """``ncclAllGather`` of ``send`` into ``recv`` (rank order).
+
+        Uneven ``counts`` become one broadcast per rank inside an NCCL group.
+        """
         self._check(send, "all_gather")
         self._check(recv, "all_gather", writable=True)
         counts = self._check_counts("all_gather", counts, send, recv, "send", "recv")
@@ -359,6 +371,10 @@ class NcclBackend(Backend):
 
     def reduce_scatter(self, send: Any, recv: Any, counts: Sequence[int], op: ReduceOp, *,
                        signature: Signature = (), async_op: bool = False) -> Work:
+        """``ncclReduceScatter``: this rank's block of the reduced ``send`` lands in ``recv``.
+
+        Uneven ``counts`` become one ``ncclReduce`` per rank inside an NCCL group.
+        """
         self._check(send, "reduce_scatter")
         self._check(recv, "reduce_scatter", writable=True)
         counts = self._check_counts("reduce_scatter", counts, recv, send, "recv", "send")
@@ -391,6 +407,7 @@ class NcclBackend(Backend):
 
     def gather(self, send: Any, recv: Any | None, counts: Sequence[int], root: int, *,
                signature: Signature = (), async_op: bool = False) -> Work:
+        """Sends to ``root`` and receives there, in one NCCL group; None off the root."""
         self._check_root(root, "gather", "root")
         self._check(send, "gather")
         is_root = self.rank == root
@@ -427,6 +444,7 @@ class NcclBackend(Backend):
 
     def scatter(self, send: Any | None, recv: Any, counts: Sequence[int], root: int, *,
                 signature: Signature = (), async_op: bool = False) -> Work:
+        """Sends from ``root`` to every rank's ``recv``, in one NCCL group."""
         self._check_root(root, "scatter", "root")
         self._check(recv, "scatter", writable=True)
         is_root = self.rank == root
@@ -538,6 +556,11 @@ class NcclBackend(Backend):
         return int(tag), int(nbytes)
 
     def allgather_object(self, obj: Any) -> list[Any]:
+        """Every rank's pickled ``obj``, in rank order, gathered through device buffers.
+
+        Blocking, and refused inside :func:`group_calls`; two all-gathers (the
+        lengths, then the padded payloads).
+        """
         _require_no_group("allgather_object")
         data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
         lengths, _h = self._device_bytes(np.array([len(data)], dtype=np.int64).view(np.uint8))
@@ -552,6 +575,7 @@ class NcclBackend(Backend):
         return [pickle.loads(host[k * width:k * width + n].tobytes()) for k, n in enumerate(sizes)]
 
     def broadcast_object(self, obj: Any, root: int) -> Any:
+        """``root``'s ``obj``, pickled through a device buffer (the root gets ``obj`` itself)."""
         _require_no_group("broadcast_object")
         self._check_root(root, "broadcast_object", "root")
         data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL) if self.rank == root else b""
@@ -565,6 +589,7 @@ class NcclBackend(Backend):
         return pickle.loads(self._host(payload).tobytes())
 
     def send_object(self, obj: Any, dst: int, tag: int = 0) -> None:
+        """Pickle ``obj`` and send a (tag, length) header then the payload to ``dst``."""
         _require_no_group("send_object")
         self._check_peer(dst, "send_object", "dst")
         data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
@@ -573,6 +598,12 @@ class NcclBackend(Backend):
         self._p2p("send_object", payload, dst, True)
 
     def recv_object(self, src: int, tag: int = 0) -> Any:
+        """The next object ``src`` sent.
+
+        Raises:
+            CollectiveMismatchError: that object was sent with another ``tag``
+                (it is dropped: NCCL delivers a pair's messages in order).
+        """
         _require_no_group("recv_object")
         self._check_peer(src, "recv_object", "src")
         got_tag, n = self._recv_header("recv_object", src)

@@ -245,6 +245,11 @@ class NcclUniqueId:
 
     @classmethod
     def from_hex(cls, text: str) -> NcclUniqueId:
+        """Parse what :meth:`hex` wrote.
+
+        Raises:
+            ValueError: ``text`` is not hex, or not 256 digits (128 bytes).
+        """
         return cls(bytes.fromhex(text))
 
     @classmethod

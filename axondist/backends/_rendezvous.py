@@ -161,11 +161,13 @@ class KeyValueServer:
 
     # -- local access (rank 0 uses the store in process) --
     def set(self, key: str, value: bytes) -> None:
+        """Store ``value`` under ``key`` (replacing it) and wake every waiting ``get``."""
         with self._cond:
             self._data[key] = bytes(value)
             self._cond.notify_all()
 
     def keys(self) -> list[str]:
+        """The keys set so far, in the order they were first set."""
         with self._cond:
             return list(self._data)
 
@@ -224,7 +226,8 @@ class KeyValueServer:
                     self.set(key, value)
                 elif head == b"G":
                     (timeout,) = struct.unpack(">d", _recv_exact(conn, 8))
-                    if self.wait_for(lambda d, key=key: key in d, timeout):
+                    # wait_for calls the predicate before this loop moves on to the next key
+                    if self.wait_for(lambda d: key in d, timeout):  # noqa: B023
                         with self._cond:
                             value = self._data[key]
                         _send_reply(conn, _OK, value)
@@ -326,10 +329,12 @@ class KeyValueClient:
         return value
 
     def keys(self) -> list[str]:
+        """The keys the server holds now (one round trip)."""
         _, value = self._request(self._key(b"K", ""))
         return [k for k in value.decode().split("\n") if k]
 
     def close(self) -> None:
+        """Close the connection to the server (the store itself lives on)."""
         self._sock.close()
 
     def __enter__(self) -> KeyValueClient:

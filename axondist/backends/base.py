@@ -50,9 +50,23 @@ class Work:
     """
 
     def wait(self, timeout: float | None = None) -> Any:
+        """Block until the operation finished; its result (the output array, or None).
+
+        Args:
+            timeout: seconds to wait at most; None waits until the
+                operation ends (the mock and NCCL backends still stop it
+                after their collective timeout).
+
+        Raises:
+            Exception: the operation's own error (a mismatch, a timeout of
+                the collective, a backend failure), re-raised here; also a
+                timeout error when ``timeout`` passes first (the operation
+                keeps running: ``wait`` may be called again).
+        """
         raise NotImplementedError
 
     def is_completed(self) -> bool:
+        """True once the operation finished (successfully or not); never blocks."""
         raise NotImplementedError
 
 
@@ -65,9 +79,11 @@ class CompletedWork(Work):
         self._result = result
 
     def wait(self, timeout: float | None = None) -> Any:
+        """The result given at construction, at once (``timeout`` is ignored)."""
         return self._result
 
     def is_completed(self) -> bool:
+        """Always True."""
         return True
 
 
@@ -83,6 +99,14 @@ class FutureWork(Work):
         self._result: Any = None
 
     def wait(self, timeout: float | None = None) -> Any:
+        """The future's result passed through ``then`` (applied once, then cached).
+
+        Raises:
+            Exception: the future's error, re-raised on every call;
+                ``concurrent.futures.TimeoutError`` (the built-in
+                ``TimeoutError`` from Python 3.11) when ``timeout`` seconds
+                pass first.
+        """
         if not self._done:
             value = self._future.result(timeout)
             self._result = self._then(value) if self._then else value
@@ -90,6 +114,7 @@ class FutureWork(Work):
         return self._result
 
     def is_completed(self) -> bool:
+        """True once the future finished (``then`` may not have run yet)."""
         return self._future.done()
 
 
@@ -105,6 +130,12 @@ class Backend(abc.ABC):
     name: ClassVar[str]
     rank: int
     world_size: int
+    #: False when the backend ignores ``signature`` (MPI outside debug mode), so
+    #: callers may skip building it.
+    needs_signature: bool = True
+    #: True when the backend offers ``all_reduce_blocking``, ``broadcast_blocking``
+    #: and ``all_gather_blocking`` (no Work object) for the blocking hot path.
+    blocking_fast_path: bool = False
 
     # --- collectives on buffers -------------------------------------------------
     @abc.abstractmethod

@@ -202,6 +202,12 @@ class MockBackend(Backend):
     # --- collectives -----------------------------------------------------------------
     def all_reduce(self, buf: Any, op: ReduceOp, *, signature: Signature = (),
                    async_op: bool = False) -> Work:
+        """Reduce ``buf`` in place over the group, combining in rank order.
+
+        The result is built in rank 0's buffer and copied out, so every rank gets
+        the same bits on every run; from 2**20 elements on, each rank reduces one
+        slice in parallel.
+        """
         def compute(rnd: _Round) -> Any:
             self._reduce_share(rnd, op, rnd.payloads, buf.size)
             return buf
@@ -240,6 +246,7 @@ class MockBackend(Backend):
 
     def broadcast(self, buf: Any, root: int, *, signature: Signature = (),
                   async_op: bool = False) -> Work:
+        """Copy ``root``'s ``buf`` into every other rank's ``buf`` (``root``'s is untouched)."""
         self._check_rank(root, "broadcast", "root")
 
         def compute(rnd: _Round) -> Any:
@@ -251,6 +258,7 @@ class MockBackend(Backend):
 
     def all_gather(self, send: Any, recv: Any, counts: Sequence[int], *,
                    signature: Signature = (), async_op: bool = False) -> Work:
+        """Write each rank's ``send`` (``counts[k]`` elements from rank k) into ``recv``."""
         def compute(rnd: _Round) -> Any:
             flat, off = recv.reshape(-1), 0
             for k, c in enumerate(counts):
@@ -263,6 +271,7 @@ class MockBackend(Backend):
 
     def reduce_scatter(self, send: Any, recv: Any, counts: Sequence[int], op: ReduceOp, *,
                        signature: Signature = (), async_op: bool = False) -> Work:
+        """Reduce the ranks' ``send``; ``recv`` gets this rank's block (``counts[rank]`` long)."""
         def compute(rnd: _Round) -> Any:
             lo = sum(counts[: self.rank])
             hi = lo + counts[self.rank]
@@ -275,11 +284,13 @@ class MockBackend(Backend):
 
     def gather(self, send: Any, recv: Any | None, counts: Sequence[int], root: int, *,
                signature: Signature = (), async_op: bool = False) -> Work:
+        """Concatenate the ranks' ``send`` into ``root``'s ``recv``; other ranks' result is None."""
         self._check_rank(root, "gather", "root")
 
         def compute(rnd: _Round) -> Any:
             if self.rank != root:
                 return None
+            assert recv is not None  # the root always passes its receive buffer
             flat, off = recv.reshape(-1), 0
             for k, c in enumerate(counts):
                 flat[off:off + c] = rnd.payloads[k].reshape(-1)
@@ -292,6 +303,7 @@ class MockBackend(Backend):
 
     def scatter(self, send: Any | None, recv: Any, counts: Sequence[int], root: int, *,
                 signature: Signature = (), async_op: bool = False) -> Work:
+        """Copy this rank's block (``counts[rank]`` long) of ``root``'s ``send`` into ``recv``."""
         self._check_rank(root, "scatter", "root")
 
         def compute(rnd: _Round) -> Any:
@@ -304,14 +316,17 @@ class MockBackend(Backend):
                          compute, async_op)
 
     def barrier(self) -> None:
+        """Return once every rank of the group has arrived (or fail after the world's timeout)."""
         self._run("barrier", None, (), lambda rnd: None, False, wait_all=False)
 
     # --- objects -----------------------------------------------------------------------
     def allgather_object(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj`` (the objects themselves, not copies), in rank order."""
         return self._run("allgather_object", obj, (),
                          lambda rnd: list(rnd.payloads), False, wait_all=False).wait()
 
     def broadcast_object(self, obj: Any, root: int) -> Any:
+        """``root``'s ``obj`` on every rank (the same object, not a copy)."""
         self._check_rank(root, "broadcast_object", "root")
         return self._run("broadcast_object", obj, (("root", root),),
                          lambda rnd: rnd.payloads[root], False, wait_all=False).wait()
@@ -321,9 +336,11 @@ class MockBackend(Backend):
         return self.world.mailboxes[(self.group_key, src, dst, tag)]
 
     def send(self, buf: Any, dst: int, tag: int = 0) -> None:
+        """Post a copy of ``buf`` to ``dst``'s mailbox and return at once (never blocks)."""
         self._post(_array.namespace(buf).array(buf, copy=True), dst, tag, "send")
 
     def send_object(self, obj: Any, dst: int, tag: int = 0) -> None:
+        """Post a deep copy of ``obj`` to ``dst``'s mailbox and return at once."""
         self._post(copy.deepcopy(obj), dst, tag, "send_object")
 
     def _post(self, item: Any, dst: int, tag: int, what: str) -> None:
@@ -345,6 +362,12 @@ class MockBackend(Backend):
             return box.popleft()
 
     def recv(self, buf: Any, src: int, tag: int = 0) -> None:
+        """Wait for the next message from ``src`` with ``tag`` and copy it into ``buf``.
+
+        Raises:
+            CollectiveMismatchError: the message's size or dtype differs from ``buf``'s.
+            CollectiveTimeoutError: nothing arrived within the world's timeout.
+        """
         data = self._take(src, tag, "recv")
         if data.size != buf.size or data.dtype != buf.dtype:
             raise CollectiveMismatchError(
@@ -354,10 +377,16 @@ class MockBackend(Backend):
         buf.reshape(-1)[...] = data.reshape(-1)
 
     def recv_object(self, src: int, tag: int = 0) -> Any:
+        """Wait for the next object ``src`` sent with ``tag`` (a deep copy of what it sent)."""
         return self._take(src, tag, "recv_object")
 
     # --- groups ------------------------------------------------------------------------
     def new_group(self, ranks: Sequence[int]) -> MockBackend | None:
+        """A backend over ``ranks`` (group-local); None on ranks outside it.
+
+        Collective: every rank must pass the same ranks, else every rank raises
+        :class:`~axondist.errors.CollectiveMismatchError` naming what each passed.
+        """
         ranks = tuple(int(r) for r in ranks)
         seq = self._seq  # the key of the group, identical on every rank
         all_ranks = self.allgather_object(ranks)
@@ -377,6 +406,7 @@ class MockBackend(Backend):
                             f"(valid: 0..{self.world_size - 1})")
 
     def close(self) -> None:
+        """Shut down this rank's thread for ``async_op`` work without waiting; idempotent."""
         if self._executor is not None:
             self._executor.shutdown(wait=False)
             self._executor = None

@@ -233,10 +233,16 @@ class FullyShardedDataParallel:
 
     @property
     def world_size(self) -> int:
+        """Ranks of the wrapper's whole group (sharding and replica ranks together).
+
+        Under HYBRID_SHARD a unit is split over fewer ranks than this: see
+        ``shard_group``.
+        """
         return self.group.world_size
 
     @property
     def rank(self) -> int:
+        """This rank in the wrapper's whole group (not its shard index under HYBRID_SHARD)."""
         return self.group.rank
 
     def sharded_parameters(self) -> list[Parameter]:

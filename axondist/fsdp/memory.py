@@ -102,7 +102,7 @@ class FSDPMemoryStats:
         params = (num_params if full_params else shard) * param_bytes
         grads = shard * grad_bytes
         optim = shard * optimizer_bytes
-        host = 0
+        host: float = 0  # the bytes per element are floats
         if offload.offloads_shards:
             host = optim + grads + (0 if full_params else params)
         return cls(

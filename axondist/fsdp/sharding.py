@@ -86,6 +86,7 @@ class ParamPiece:
 
     @property
     def size(self) -> int:
+        """Elements in the piece (``param_stop - param_start``)."""
         return self.param_stop - self.param_start
 
 
@@ -114,10 +115,12 @@ class FlatUnit:
 
     @property
     def offsets(self) -> tuple[int, ...]:
+        """Where each parameter starts in the flat buffer, in flat order."""
         return self.layout.offsets
 
     @property
     def sizes(self) -> tuple[int, ...]:
+        """Elements of each parameter, in flat order."""
         return tuple(prod(s) for s in self.shapes)
 
     @property
@@ -127,10 +130,12 @@ class FlatUnit:
 
     @property
     def padded_numel(self) -> int:
+        """``numel`` rounded up to a multiple of ``shards`` (the padded buffer's length)."""
         return padded_numel(self.numel, self.shards)
 
     @property
     def shard_size(self) -> int:
+        """Elements in each shard, padding included (``padded_numel // shards``)."""
         return shard_size(self.numel, self.shards)
 
     @property
@@ -139,9 +144,15 @@ class FlatUnit:
         return self.padded_numel - self.numel
 
     def shard_bounds(self, rank: int) -> tuple[int, int]:
+        """``[start, stop)`` of shard ``rank`` in the padded buffer (padding included).
+
+        Raises:
+            ValueError: ``rank`` is not in ``0 .. shards - 1``.
+        """
         return shard_bounds(self.numel, self.shards, rank)
 
     def valid_bounds(self, rank: int) -> tuple[int, int]:
+        """``[start, stop)`` of shard ``rank`` clipped to the real elements (may be empty)."""
         return valid_bounds(self.numel, self.shards, rank)
 
     def pieces(self, rank: int) -> list[ParamPiece]:

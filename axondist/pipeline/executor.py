@@ -68,10 +68,12 @@ class StepState:
         self.t_end = self.t0
 
     def record(self, action: Action, start: float, end: float) -> None:
+        """Log ``action`` as run from ``start`` to ``end`` (``perf_counter`` times) on its rank."""
         self.timeline[action.rank].append(TimedAction(action, start - self.t0, end - self.t0))
         self.busy[action.rank] += end - start
 
     def finish(self) -> None:
+        """Stop the step's clock (``t_end``) once every program has ended."""
         self.t_end = time.perf_counter()
 
     def loss_gradient(self, mb: int, y: Any, where: str) -> Any:
@@ -100,9 +102,15 @@ class StepState:
         return grad_y * weight
 
     def total_loss(self) -> float:
+        """The batch loss: the row-weighted microbatch losses, summed exactly (``math.fsum``)."""
         return float(math.fsum(self.losses[mb] for mb in sorted(self.losses)))
 
     def accumulate(self, stage: PipelineStage, grads: list[Any]) -> None:
+        """Add one microbatch's gradients for ``stage`` (in ``stage.params`` order) to the sums.
+
+        The first gradient of a parameter is copied in the parameter's dtype;
+        later ones are added to that copy in place.
+        """
         for prm, g in zip(stage.params, grads):
             entry = self.grads.get(id(prm))
             if entry is None:
@@ -111,6 +119,11 @@ class StepState:
                 entry[1][...] += g
 
     def write_grads(self) -> None:
+        """Set each parameter's ``.grad`` to its summed gradient.
+
+        Replaces what was there (no accumulation across steps); parameters
+        that got no gradient in this step are left alone.
+        """
         for prm, acc in self.grads.values():
             prm.grad = acc
 
@@ -152,10 +165,12 @@ class RankRunner:
 
     @property
     def done(self) -> bool:
+        """True once every entry of the program has run."""
         return self._pos == len(self._program)
 
     @property
     def next_entry(self) -> Action | CommOp | None:
+        """The entry :meth:`advance` runs next (None when done): where a stalled rank waits."""
         return None if self.done else self._program[self._pos]
 
     def advance(self) -> bool:

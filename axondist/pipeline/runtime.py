@@ -223,10 +223,12 @@ class Pipeline:
 
     @property
     def num_microbatches(self) -> int:
+        """Microbatches ``m`` each batch is split into (rows split like ``numpy.array_split``)."""
         return self._schedule.num_microbatches
 
     @property
     def chunks(self) -> int:
+        """Stages (model chunks) per rank ``v``; above 1 only for interleaved 1F1B and GPipe."""
         return self._schedule.chunks
 
     @property
@@ -281,7 +283,8 @@ class Pipeline:
 
     def __repr__(self) -> str:
         where = "single process" if self._group is None else f"rank {self.rank}"
-        return (f"Pipeline({self._schedule.kind.value}, {self.num_ranks} ranks x "
+        kind = self._schedule.kind  # never None: the Pipeline builds its schedule by kind
+        return (f"Pipeline({kind.value if kind else 'custom'}, {self.num_ranks} ranks x "
                 f"{self.chunks} chunk(s), {self.num_microbatches} microbatches, {where})")
 
     # -- running ----------------------------------------------------------------------

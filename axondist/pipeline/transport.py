@@ -35,12 +35,19 @@ class InProcessTransport:
             collections.deque)
 
     def ready(self, op: CommOp) -> bool:
+        """True when a message from ``op``'s peer to ``op``'s rank is queued."""
         return bool(self._queues[(op.peer, op.rank)])
 
     def send(self, op: CommOp, x: Any) -> None:
+        """Queue ``x`` itself (no copy) for ``op``'s peer; never blocks."""
         self._queues[(op.rank, op.peer)].append((op.tag, x))
 
     def recv(self, op: CommOp) -> Any:
+        """The oldest queued message from ``op``'s peer (call after :meth:`ready`).
+
+        Raises:
+            RuntimeError: its tag is not ``op.tag`` (a bug in the communication plan).
+        """
         tag, x = self._queues[(op.peer, op.rank)].popleft()
         if tag != op.tag:
             raise RuntimeError(f"Pipeline: rank {op.rank} expected the {op.describe_message()} "
@@ -49,11 +56,17 @@ class InProcessTransport:
         return x
 
     def finish(self) -> None:
+        """Check that every message sent in the step was received.
+
+        Raises:
+            RuntimeError: some were not (a bug in the communication plan).
+        """
         left = {k: len(q) for k, q in self._queues.items() if q}
         if left:
             raise RuntimeError(f"Pipeline: messages never received: {left} (a bug: please report)")
 
     def abandon(self) -> None:
+        """The step failed: drop every queued message."""
         self._queues.clear()
 
 
@@ -79,9 +92,15 @@ class GroupTransport:
         self._error: BaseException | None = None
 
     def ready(self, op: CommOp) -> bool:
+        """Always True: :meth:`recv` blocks until the message arrives."""
         return True  # recv blocks until the message is there
 
     def send(self, op: CommOp, x: Any) -> None:
+        """Queue ``x`` for the helper thread to send to ``op``'s peer; returns at once.
+
+        Do not modify ``x`` until :meth:`finish`. Raises the error of an earlier
+        send that failed, if any.
+        """
         self._raise_send_error()
         if self._thread is None:
             self._thread = threading.Thread(target=self._send_loop, daemon=True,
@@ -90,6 +109,11 @@ class GroupTransport:
         self._queue.put((x, op.peer, op.tag % _TAG_SPACE))
 
     def recv(self, op: CommOp) -> Any:
+        """Receive the message for ``op`` from its peer, blocking until it arrives.
+
+        When a send of this transport failed, that error is raised instead (it is
+        the cause of a receive that can never complete).
+        """
         self._raise_send_error()
         try:
             return comm.recv(op.peer, self._group, op.tag % _TAG_SPACE)

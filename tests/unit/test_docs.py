@@ -113,7 +113,8 @@ def anchors(path: Path) -> set[str]:
     finally:
         sys.path.remove(str(DOCS))
     text = path.read_text(encoding="utf-8")
-    text = re.sub(r"^```.*?^```", "", text, flags=re.DOTALL | re.MULTILINE)  # headings in code are not
+    # headings inside code blocks are not headings
+    text = re.sub(r"^```.*?^```", "", text, flags=re.DOTALL | re.MULTILINE)
     return {gen_api.anchor(h) for h in re.findall(r"^#+ (.+)$", text, flags=re.MULTILINE)}
 
 

@@ -46,7 +46,7 @@ def reference_reduce(inputs: list[np.ndarray], op: ReduceOp) -> np.ndarray:
     """The expected reduction, computed in float64 (or exactly, for ints and bools)."""
     stack = np.stack([np.asarray(x) for x in inputs])
     dtype = inputs[0].dtype
-    if dtype == bool:
+    if dtype == np.bool_:
         fn = {ReduceOp.SUM: np.any, ReduceOp.MAX: np.any,
               ReduceOp.PRODUCT: np.all, ReduceOp.MIN: np.all}[op]
         return fn(stack, axis=0)
@@ -369,7 +369,8 @@ def _body_bad_local_input(world):
         group = world.new_group([0])
         if world.rank != 0:
             assert not group.is_member and group.rank == -1
-            with pytest.raises(ad.NotAMemberError, match=r"not a member of the group of ranks \[0\]"):
+            with pytest.raises(ad.NotAMemberError,
+                               match=r"not a member of the group of ranks \[0\]"):
                 ad.all_reduce(np.ones(1), group=group)
     with pytest.raises(ad.RankError, match="outside the group"):
         world.new_group([n])

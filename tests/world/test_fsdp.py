@@ -290,7 +290,7 @@ def test_accumulation_equals_big_batch(world_size: int, strategy: ShardingStrate
         f.register_optimizer(opt)
         x, y = batch(seed, world.rank, 0, size=BATCH * micro)
         parts = list(zip(np.split(x, micro), np.split(y, micro)))
-        for k, (xm, ym) in enumerate(parts[:-1]):
+        for xm, ym in parts[:-1]:
             if use_no_sync:
                 with f.no_sync():
                     f.backward(scaled(grad_fn), xm, ym)
@@ -315,7 +315,7 @@ def test_accumulation_equals_big_batch(world_size: int, strategy: ShardingStrate
     run_world(body, world_size)
 
 
-# --- checkpoints across world sizes and strategies ----------------------------------------------------------
+# --- checkpoints across world sizes and strategies ------------------------------------------
 
 TARGETS = [s.name for s in STRATEGIES] + ["plain"]
 

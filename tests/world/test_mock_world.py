@@ -19,7 +19,8 @@ def test_mismatched_shapes_raise_on_every_rank_naming_them():
         ad.all_reduce(np.ones(world.rank + 1))
 
     with pytest.raises(ad.CollectiveMismatchError,
-                       match=r"all_reduce: ranks disagree on shape \(rank 0: \(1,\), rank 1: \(2,\)"):
+                       match=r"all_reduce: ranks disagree on shape "
+                             r"\(rank 0: \(1,\), rank 1: \(2,\)"):
         ad.spawn(body, 3)
 
 
@@ -58,7 +59,8 @@ def test_missing_rank_times_out_naming_operation_and_ranks():
             ad.all_reduce(np.ones(4))
 
     start = time.monotonic()
-    with pytest.raises(ad.CollectiveTimeoutError, match=r"all_reduce .*ranks \[2\] of 4 did not join"):
+    with pytest.raises(ad.CollectiveTimeoutError,
+                       match=r"all_reduce .*ranks \[2\] of 4 did not join"):
         ad.spawn(body, 4, timeout=0.3)
     assert time.monotonic() - start < 10
 
