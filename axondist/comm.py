@@ -15,8 +15,9 @@ Splits along axis 0 follow :func:`numpy.array_split`: with ``L`` rows over
 from __future__ import annotations
 
 import zlib
+from collections.abc import Sequence
 from math import prod
-from typing import Any, Sequence
+from typing import Any
 
 from . import _array
 from .backends.base import Backend, CompletedWork, Work
@@ -41,7 +42,7 @@ def _member(group: ProcessGroup | None, what: str) -> tuple[ProcessGroup, Backen
 # tuples are only built when it reads them (``needs_signature``: the MPI
 # backend only under AXONDIST_DEBUG; backends without the attribute always).
 
-_HOST_ARRAY: type = _array.np.ndarray
+_HOST_ARRAY: type[_array.np.ndarray] = _array.np.ndarray
 #: dtype -> the ReduceOps check_op_dtype accepted for it (a tuple: ``in`` tests
 #: identity first, where a set would call Enum's Python-level __hash__).
 _REDUCE_OK: dict[Any, tuple[ReduceOp, ...]] = {}
@@ -57,6 +58,8 @@ def _wants_signature(b: Backend) -> bool:
     return b.needs_signature
 
 
+# Only backends whose blocking_fast_path is true define the *_blocking methods, so
+# mypy cannot see them on Backend: their calls below carry type: ignore[attr-defined].
 def _fast_path(b: Backend) -> bool:
     """Whether ``b`` offers ``all_reduce_blocking``/``broadcast_blocking``/
     ``all_gather_blocking`` for NumPy arrays (the MPI backend outside debug)."""
@@ -152,7 +155,7 @@ def all_reduce(x: Any, op: ReduceOp | str = ReduceOp.SUM, group: ProcessGroup | 
     b = (current_world() if group is None else resolve_group(group)).backend_for("all_reduce")
     if (x.__class__ is _HOST_ARRAY and x.flags.carray and op in _REDUCE_OK.get(x.dtype, ())):
         if not async_op and b.blocking_fast_path:
-            b.all_reduce_blocking(x, op)
+            b.all_reduce_blocking(x, op)  # type: ignore[attr-defined]
             return x
     else:
         x, op = _checked_reduce_args(x, op, "all_reduce")
@@ -231,7 +234,7 @@ def broadcast(x: Any, group: ProcessGroup | None = None, *, src: int = 0,
         _check_rank(g, src, "broadcast", "src")
     if x.__class__ is _HOST_ARRAY and x.flags.carray and x.dtype in _MOVE_OK:
         if not async_op and b.blocking_fast_path:
-            b.broadcast_blocking(x, src)
+            b.broadcast_blocking(x, src)  # type: ignore[attr-defined]
             return x
     else:
         x = _array.as_array(x)
@@ -268,7 +271,7 @@ def _gather_counts(g: ProcessGroup, b: Backend, x: Any, what: str,
         n = g.world_size
         header = _array.np.array((x.shape[0],) + _fingerprint(x.dtype, trailing), _INT64)
         table = _HOST_ARRAY((4 * n,), _INT64)
-        b.all_gather_blocking(header, table, [4] * n)
+        b.all_gather_blocking(header, table, [4] * n)  # type: ignore[attr-defined]
         values = table.tolist()  # small: Python lists beat NumPy calls here
         prints = values[1:4]
         if all(values[k:k + 3] == prints for k in range(5, 4 * n, 4)):
@@ -331,7 +334,7 @@ def all_gather(x: Any, group: ProcessGroup | None = None, *, sizes: Sequence[int
             raise _bad_sizes(g, rows, x)
         if (out.dtype is not x.dtype and out.dtype != x.dtype) or out.shape != (total,):
             raise _bad_out(out, x, (total,))
-        b.all_gather_blocking(x, out, rows)
+        b.all_gather_blocking(x, out, rows)  # type: ignore[attr-defined]
         return out
     if not host:
         x = _array.contiguous(_array.as_array(x))
@@ -361,7 +364,7 @@ def all_gather(x: Any, group: ProcessGroup | None = None, *, sizes: Sequence[int
             raise _bad_out(out, x, shape)
     counts = rows if row_size == 1 else [r * row_size for r in rows]
     if host and not async_op and out.__class__ is _HOST_ARRAY and _fast_path(b):
-        b.all_gather_blocking(x, out, counts)
+        b.all_gather_blocking(x, out, counts)  # type: ignore[attr-defined]
         return out
     sig = (("dtype", x.dtype),) if _wants_signature(b) else ()
     work = b.all_gather(x, out, counts, signature=sig, async_op=async_op)
@@ -413,7 +416,8 @@ def scatter_tensor(x: Any, group: ProcessGroup | None = None, src: int = 0,
         send = _array.contiguous(_array.as_array(x))
         _array.check_dtype(send.dtype, "scatter_tensor")
         if send.ndim == 0:
-            raise InvalidBufferError("scatter_tensor: a 0-d array has no axis to split; pass x[None]")
+            raise InvalidBufferError("scatter_tensor: a 0-d array has no axis to split; "
+                                     "pass x[None]")
         lib = _array.library_name(send)
         meta = (tuple(send.shape), str(send.dtype), lib)
     shape, dtype, lib = b.broadcast_object(meta, src)
