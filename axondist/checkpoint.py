@@ -55,6 +55,7 @@ import io
 import json
 import os
 import uuid
+import zipfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -161,6 +162,18 @@ class _HashingWriter(io.RawIOBase):
         self.sha.update(mv)
         self.count += len(mv)
         return self._f.write(mv)
+
+
+def _write_npz(f: Any, arrays: Mapping[str, np.ndarray]) -> None:
+    """Write ``arrays`` as an uncompressed ``.npz`` (what ``np.load`` reads).
+
+    Unlike ``np.savez(f, **arrays)``, any name works, ``file`` and
+    ``allow_pickle`` included.
+    """
+    with zipfile.ZipFile(f, mode="w", compression=zipfile.ZIP_STORED, allowZip64=True) as zf:
+        for name, a in arrays.items():
+            with zf.open(f"{name}.npy", mode="w", force_zip64=True) as member:
+                np.lib.format.write_array(member, np.asanyarray(a), allow_pickle=False)
 
 
 def _atomic_write(path: str, write: Any) -> tuple[int, str]:
@@ -607,8 +620,7 @@ def save_full_checkpoint(path: str | os.PathLike, target: Any, *,
                                     "sha256": hashlib.sha256(arrays[name].tobytes()).hexdigest()}
                              for name, a in state.items()}}
         arrays[_FULL_INDEX_KEY] = np.frombuffer(json.dumps(index).encode(), dtype=np.uint8)
-        # numpy's stubs match the ``**`` dict against savez's ``allow_pickle: bool``.
-        _atomic_write(os.fspath(path), lambda f: np.savez(f, **arrays))  # type: ignore[arg-type]
+        _atomic_write(os.fspath(path), lambda f: _write_npz(f, arrays))
     _backend(g, "save_full_checkpoint").barrier()
 
 

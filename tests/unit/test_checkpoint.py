@@ -180,3 +180,14 @@ def test_full_checkpoint_checksum_catches_a_changed_array(tmp_path, world) -> No
     np.savez(path, **arrays)
     with pytest.raises(CheckpointError, match="array 'fc.b' in .* fails its sha256 check"):
         load_full_checkpoint(path)
+
+
+def test_full_checkpoint_takes_any_parameter_name(tmp_path, world) -> None:
+    # names that np.savez(**arrays) would mistake for its own arguments
+    params = {"file": ad.Parameter(np.arange(3.0)),
+              "allow_pickle": ad.Parameter(np.ones((2, 2), np.float32))}
+    path = tmp_path / "names.npz"
+    save_full_checkpoint(path, params, group=world)
+    state = load_full_checkpoint(path)
+    np.testing.assert_array_equal(state["file"], np.arange(3.0))
+    np.testing.assert_array_equal(state["allow_pickle"], np.ones((2, 2), np.float32))
