@@ -22,6 +22,8 @@ Typical use (every rank of an MPI job runs the same calls)::
 from __future__ import annotations
 
 import json
+import os
+import socket
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -123,3 +125,23 @@ def write_json(path: str | None, results: Any) -> None:
     if path:
         with open(path, "w", encoding="utf-8") as f:
             json.dump(results, f, indent=2, sort_keys=True)
+
+
+def start_gloo(comm: Any) -> Any:
+    """torch.distributed on gloo with MPI's rank and size, or None without torch."""
+    try:
+        import torch
+        import torch.distributed as dist
+    except ImportError:
+        return None
+    port = None
+    if comm.rank == 0:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+    port = comm.bcast(port, root=0)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=comm.rank, world_size=comm.size)
+    torch.set_num_threads(1)
+    return dist

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -49,7 +48,14 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(_HERE), _HERE]  # the checkout's axondist, and _common
 
 import numpy as np  # noqa: E402
-from _common import alternate, format_table, median, paired_ratio, write_json  # noqa: E402
+from _common import (  # noqa: E402
+    alternate,
+    format_table,
+    median,
+    paired_ratio,
+    start_gloo,
+    write_json,
+)
 
 import axondist as ad  # noqa: E402
 from axondist.bucketing import GradSyncStrategy  # noqa: E402
@@ -66,26 +72,6 @@ def model_shapes(layers: int = 40) -> list[tuple[int, ...]]:
     for _ in range(layers):
         shapes += [(640, 512), (640,), (512, 576), (512,)]
     return shapes
-
-
-def _start_gloo(comm: Any) -> Any:
-    """torch.distributed on gloo with MPI's rank and size, or None without torch."""
-    try:
-        import torch
-        import torch.distributed as dist
-    except ImportError:
-        return None
-    port = None
-    if comm.rank == 0:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-    port = comm.bcast(port, root=0)
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", rank=comm.rank, world_size=comm.size)
-    torch.set_num_threads(1)
-    return dist
 
 
 def _check_mean(grads: list[Any], expected: float, what: str) -> None:
@@ -213,7 +199,7 @@ def run(repeats: int, use_torch: bool) -> dict[str, Any]:
     comm = MPI.COMM_WORLD
     shapes = model_shapes()
     numel = sum(int(np.prod(s)) for s in shapes)
-    dist = _start_gloo(comm) if use_torch else None
+    dist = start_gloo(comm) if use_torch else None
     results: dict[str, Any] = {"world_size": comm.size, "arrays": len(shapes),
                                "values": numel, "mib": numel * 4 / 2**20}
     for part, fns in (("sync", sync_variants(shapes, comm, MPI)),

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -46,6 +45,7 @@ from _common import (  # noqa: E402
     format_table,
     median,
     paired_ratio,
+    start_gloo,
     write_json,
 )
 
@@ -56,26 +56,6 @@ RUNNER = {"ranks": 2, "quick_args": ["--repeats", "3"], "timeout": 900}
 
 DEFAULT_SIZES = [4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
 OPS = ("all_reduce", "broadcast", "all_gather")
-
-
-def _start_gloo(comm: Any) -> Any:
-    """torch.distributed on gloo with MPI's rank and size, or None without torch."""
-    try:
-        import torch
-        import torch.distributed as dist
-    except ImportError:
-        return None
-    port = None
-    if comm.rank == 0:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-    port = comm.bcast(port, root=0)
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", rank=comm.rank, world_size=comm.size)
-    torch.set_num_threads(1)
-    return dist
 
 
 def _variants(op: str, nbytes: int, comm: Any, mpi: Any, dist: Any) -> dict[str, Callable[[], Any]]:
@@ -116,7 +96,7 @@ def run(sizes: list[int], repeats: int, use_torch: bool,
 
     ad.init("mpi")
     comm = MPI.COMM_WORLD
-    dist = _start_gloo(comm) if use_torch else None
+    dist = start_gloo(comm) if use_torch else None
     results: dict[str, Any] = {"world_size": comm.size, "ops": {}}
     for op in ops:
         rows = results["ops"][op] = []
