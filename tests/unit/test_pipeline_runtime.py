@@ -12,8 +12,19 @@ import numpy as np
 import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
+from pipeline_toy import (
+    bwd,
+    bwd_input,
+    data,
+    fwd,
+    layer_params,
+    make_stages,
+    mse,
+    sequential,
+)
 
 import axondist as ad
+from axondist.optim import SGD
 from axondist.pipeline import (
     ActionKind,
     Pipeline,
@@ -28,83 +39,6 @@ from axondist.pipeline import (
 K = PipelineSchedule
 SINGLE_CHUNK = (K.ONE_F_ONE_B, K.ZERO_BUBBLE_H1)
 EXAMPLES = settings(max_examples=40, deadline=None)
-
-try:  # written in parallel by another engineer; plain NumPy updates otherwise
-    from axondist.optim import SGD
-except ImportError:  # pragma: no cover
-    SGD = None
-
-
-# ---------------------------------------------------------------- the toy model
-
-
-def layer_params(seed: int, stage: int, d_in: int, d_out: int) -> list[ad.Parameter]:
-    rng = np.random.default_rng([seed, stage])
-    return [ad.Parameter(rng.standard_normal((d_in, d_out)) / np.sqrt(d_in), f"W{stage}"),
-            ad.Parameter(0.1 * rng.standard_normal(d_out), f"b{stage}")]
-
-
-def fwd(params, x):
-    W, b = params
-    y = np.tanh(x @ W + b)
-    return y, (x, y)
-
-
-def bwd(params, saved, gy):
-    W, _ = params
-    x, y = saved
-    gz = gy * (1.0 - y * y)
-    return gz @ W.T, [x.T @ gz, gz.sum(axis=0)]
-
-
-def bwd_input(params, saved, gy):
-    W, _ = params
-    _, y = saved
-    gz = gy * (1.0 - y * y)
-    return gz @ W.T, gz
-
-
-def bwd_weight(params, saved, gy, gz):
-    x, _ = saved
-    return [x.T @ gz, gz.sum(axis=0)]
-
-
-def make_stages(seed: int, dims: list[int], split: str = "full") -> list[PipelineStage]:
-    """``split``: "full" (backward only), "halves" (I/W only) or "both"."""
-    stages = []
-    for s in range(len(dims) - 1):
-        params = layer_params(seed, s, dims[s], dims[s + 1])
-        kw = {}
-        if split in ("halves", "both"):
-            kw = {"backward_input": bwd_input, "backward_weight": bwd_weight}
-        stages.append(PipelineStage(fwd, bwd if split != "halves" else None, params, **kw))
-    return stages
-
-
-def mse(y, t):
-    """Mean over rows of 0.5 * ||y - t||^2, and its gradient."""
-    d = y - t
-    return 0.5 * float(np.sum(d * d)) / y.shape[0], d / y.shape[0]
-
-
-def sequential(stages: list[PipelineStage], x, t):
-    """Loss and parameter gradients of the full batch, stage after stage."""
-    saved = []
-    h = x
-    for st_ in stages:
-        h, sv = fwd(st_.param_arrays(), h)
-        saved.append(sv)
-    loss, g = mse(h, t)
-    grads = [None] * len(stages)
-    for s in reversed(range(len(stages))):
-        g, grads[s] = bwd(stages[s].param_arrays(), saved[s], g)
-    return loss, grads, h
-
-
-def data(seed: int, rows: int, d_in: int, d_out: int):
-    rng = np.random.default_rng([seed, 999])
-    return rng.standard_normal((rows, d_in)), rng.standard_normal((rows, d_out))
-
 
 @st.composite
 def shapes(draw):
@@ -208,8 +142,8 @@ def check_sgd(kind, v, m, rows, dims, split, seed, lr=0.1):
     piped = make_stages(seed, dims, split)
     ref = make_stages(seed, dims)
     pipe = Pipeline.from_stages(piped, num_microbatches=m, schedule=kind, chunks=v)
-    opt = SGD(pipe, lr=lr, momentum=0.9) if SGD is not None else None
-    ref_opt = SGD([prm for s in ref for prm in s.params], lr=lr, momentum=0.9) if SGD else None
+    opt = SGD(pipe, lr=lr, momentum=0.9)
+    ref_opt = SGD([prm for s in ref for prm in s.params], lr=lr, momentum=0.9)
     for it in range(3):
         x, t = data(seed + it, rows, dims[0], dims[-1])
         loss = pipe.train_step(x, t, mse)
@@ -218,12 +152,8 @@ def check_sgd(kind, v, m, rows, dims, split, seed, lr=0.1):
         for s, gs in zip(ref, grads):
             for prm, g in zip(s.params, gs):
                 prm.grad = g
-        if opt is not None:
-            opt.step()
-            ref_opt.step()
-        else:
-            for prm in pipe.parameters() + [q for s in ref for q in s.params]:
-                prm.data -= lr * prm.grad
+        opt.step()
+        ref_opt.step()
     for a, b in zip(piped, ref):
         for pa, pb in zip(a.params, b.params):
             np.testing.assert_allclose(pa.data, pb.data, rtol=1e-10, atol=1e-12)

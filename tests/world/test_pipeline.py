@@ -14,8 +14,10 @@ import pytest
 from harness import mock_only, run_world, world_sizes
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
+from pipeline_toy import bwd, data, fwd, layer_params, make_stages, mse, sequential
 
 import axondist as ad
+from axondist.optim import SGD
 from axondist.pipeline import (
     Pipeline,
     PipelineMemoryStats,
@@ -27,73 +29,6 @@ from axondist.pipeline import (
 K = PipelineSchedule
 SINGLE_CHUNK = (K.ONE_F_ONE_B, K.ZERO_BUBBLE_H1)
 MAX_STAGES = 4 * 3
-
-try:  # written in parallel by another engineer; plain NumPy updates otherwise
-    from axondist.optim import SGD
-except ImportError:  # pragma: no cover
-    SGD = None
-
-
-# ---------------------------------------------------------------- the toy model
-# (affine + tanh in float64, hand-written backward; as in tests/unit/test_pipeline_runtime.py)
-
-
-def layer_params(seed, stage, d_in, d_out):
-    rng = np.random.default_rng([seed, stage])
-    return [ad.Parameter(rng.standard_normal((d_in, d_out)) / np.sqrt(d_in), f"W{stage}"),
-            ad.Parameter(0.1 * rng.standard_normal(d_out), f"b{stage}")]
-
-
-def fwd(params, x):
-    W, b = params
-    y = np.tanh(x @ W + b)
-    return y, (x, y)
-
-
-def bwd(params, saved, gy):
-    x, y = saved
-    gz = gy * (1.0 - y * y)
-    return gz @ params[0].T, [x.T @ gz, gz.sum(axis=0)]
-
-
-def bwd_input(params, saved, gy):
-    gz = gy * (1.0 - saved[1] ** 2)
-    return gz @ params[0].T, gz
-
-
-def bwd_weight(params, saved, gy, gz):
-    return [saved[0].T @ gz, gz.sum(axis=0)]
-
-
-def make_stages(seed, dims, split="full"):
-    kw = ({"backward_input": bwd_input, "backward_weight": bwd_weight}
-          if split in ("halves", "both") else {})
-    return [PipelineStage(fwd, None if split == "halves" else bwd,
-                          layer_params(seed, s, dims[s], dims[s + 1]), **kw)
-            for s in range(len(dims) - 1)]
-
-
-def mse(y, t):
-    d = y - t
-    return 0.5 * float(np.sum(d * d)) / y.shape[0], d / y.shape[0]
-
-
-def sequential(stages, x, t):
-    saved, h = [], x
-    for s in stages:
-        h, sv = fwd(s.param_arrays(), h)
-        saved.append(sv)
-    loss, g = mse(h, t)
-    grads = [None] * len(stages)
-    for s in reversed(range(len(stages))):
-        g, grads[s] = bwd(stages[s].param_arrays(), saved[s], g)
-    return loss, grads, h
-
-
-def data(seed, rows, d_in, d_out):
-    rng = np.random.default_rng([seed, 999])
-    return rng.standard_normal((rows, d_in)), rng.standard_normal((rows, d_out))
-
 
 def variants(p, v):
     for kind in PipelineSchedule:
@@ -163,9 +98,9 @@ def body_sgd(world, v, m, extra_rows, dims_all, seed, lr=0.1):
         ref = make_stages(seed, dims)
         pipe = Pipeline(local_stages(stages, p, r, chunks), world, num_microbatches=m,
                         schedule=kind, chunks=chunks)
-        opt = SGD(pipe, lr=lr, momentum=0.9) if SGD is not None else None
+        opt = SGD(pipe, lr=lr, momentum=0.9)
         ref_params = [q for s in ref for q in s.params]
-        ref_opt = SGD(ref_params, lr=lr, momentum=0.9) if SGD is not None else None
+        ref_opt = SGD(ref_params, lr=lr, momentum=0.9)
         for it in range(3):
             x, t = data(seed + it, rows, dims[0], dims[-1])
             loss = pipe.train_step(x if r == 0 else None, t if r == last else None, mse)
@@ -174,12 +109,8 @@ def body_sgd(world, v, m, extra_rows, dims_all, seed, lr=0.1):
             for s, gs in zip(ref, grads):
                 for prm, g in zip(s.params, gs):
                     prm.grad = g
-            if opt is not None:
-                opt.step()
-                ref_opt.step()
-            else:
-                for prm in pipe.parameters() + ref_params:
-                    prm.data -= lr * prm.grad
+            opt.step()
+            ref_opt.step()
         for c in range(chunks):
             s = c * p + r
             for pa, pb in zip(stages[s].params, ref[s].params):
