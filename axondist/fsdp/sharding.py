@@ -15,9 +15,9 @@ elements 9..11, of which only element 9 is real (``valid_bounds`` = (9, 10)).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from math import prod
 from typing import Any
 
 import numpy as np
@@ -108,9 +108,9 @@ class FlatUnit:
     dtype: np.dtype
     shards: int
 
-    @property
+    @functools.cached_property
     def layout(self) -> FlatLayout:
-        """Where each parameter lives in the unpadded flat buffer."""
+        """Where each parameter lives in the unpadded flat buffer (built once)."""
         return FlatLayout.of(self.shapes, self.dtype)
 
     @property
@@ -121,12 +121,12 @@ class FlatUnit:
     @property
     def sizes(self) -> tuple[int, ...]:
         """Elements of each parameter, in flat order."""
-        return tuple(prod(s) for s in self.shapes)
+        return self.layout.sizes
 
     @property
     def numel(self) -> int:
         """Real elements (no padding)."""
-        return sum(self.sizes)
+        return self.layout.numel
 
     @property
     def padded_numel(self) -> int:
