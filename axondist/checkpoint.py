@@ -63,7 +63,7 @@ from typing import Any
 import numpy as np
 
 from . import _array
-from .errors import AxondistError
+from .errors import CheckpointError
 from .parameter import Parameter, parameters_of
 from .process_group import ProcessGroup, resolve_group
 
@@ -73,10 +73,6 @@ VERSION = 1
 INDEX_FILE = "index.json"
 _FULL_INDEX_KEY = "__index__"
 _HASH_CHUNK = 1 << 22
-
-
-class CheckpointError(AxondistError, ValueError):
-    """A checkpoint is missing, incomplete, corrupted, or does not fit its target."""
 
 
 # --- what a writer hands over ----------------------------------------------------------

@@ -8,6 +8,8 @@ for bad dtypes, ``TimeoutError`` for a collective that never completes), so
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class AxondistError(Exception):
     """Base class of every axondist error."""
@@ -44,8 +46,78 @@ class WorldAbortedError(AxondistError, RuntimeError):
 class BackendUnavailableError(AxondistError, ImportError):
     """The requested backend's library is not installed or cannot start."""
 
+
+class CheckpointError(AxondistError, ValueError):
+    """A checkpoint is missing, incomplete, corrupted, or does not fit its target."""
+
+
+class ScheduleError(AxondistError, ValueError):
+    """A pipeline schedule is malformed, inconsistent, or deadlocks.
+
+    ``rank``, ``step`` and ``action`` locate the first offending action when
+    there is one (``step`` is ``None`` for an action that is missing altogether);
+    ``reason`` is the message without the location prefix. A deadlock
+    additionally fills ``stuck``: rank -> the action that rank cannot start.
+    """
+
+    def __init__(self, reason: str, *, rank: int | None = None, step: int | None = None,
+                 action: Any = None, stuck: dict[int, Any] | None = None) -> None:
+        self.reason = reason
+        self.rank = rank
+        self.step = step
+        self.action = action
+        self.stuck = dict(stuck or {})
+        where = []
+        if rank is not None:
+            where.append(f"rank {rank}")
+        if step is not None:
+            where.append(f"step {step}")
+        if action is not None:
+            where.append(f"action {action}")
+        prefix = ", ".join(where)
+        super().__init__(f"{prefix}: {reason}" if prefix else reason)
+
+
+class NcclError(AxondistError, RuntimeError):
+    """An NCCL call failed; the message names the operation and what to check.
+
+    Attributes:
+        op: the axondist operation that failed (``"all_reduce"``...).
+        status: NCCL's ``ncclResult_t`` code, or None when unknown.
+        status_name: its name (``"ncclRemoteError"``...).
+    """
+
+    def __init__(self, message: str, op: str = "", status: int | None = None,
+                 status_name: str = "") -> None:
+        super().__init__(message)
+        self.op = op
+        self.status = status
+        self.status_name = status_name
+
+    def __reduce__(self) -> Any:  # keep op/status when pickled across processes
+        return (type(self), (str(self), self.op, self.status, self.status_name))
+
+
+class NotOnDeviceError(AxondistError, TypeError):
+    """An NCCL operation was given a host (NumPy) array or a non-array."""
+
+
+class GroupedCallError(AxondistError, RuntimeError):
+    """A call that needs the host to wait was made inside ``grouped()``."""
+
+
+class RendezvousError(AxondistError, ConnectionError):
+    """The rendezvous could not start (port taken) or a peer broke the protocol."""
+
+
 __all__ = [
     "AxondistError",
+    "CheckpointError",
+    "GroupedCallError",
+    "NcclError",
+    "NotOnDeviceError",
+    "RendezvousError",
+    "ScheduleError",
     "BackendUnavailableError",
     "CollectiveMismatchError",
     "CollectiveTimeoutError",

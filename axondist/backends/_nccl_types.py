@@ -25,7 +25,13 @@ from typing import Any
 import numpy as np
 
 from .. import _array
-from ..errors import AxondistError, InvalidBufferError, UnsupportedDTypeError
+from ..errors import (
+    GroupedCallError,
+    InvalidBufferError,
+    NcclError,
+    NotOnDeviceError,
+    UnsupportedDTypeError,
+)
 from ..ops import ReduceOp, check_op_dtype
 
 #: ``ncclDataType_t`` by NumPy dtype name (``nccl.h``; bfloat16 since NCCL 2.10).
@@ -82,33 +88,6 @@ _INSTALL_HINT = ("pip install 'axondist[gpu]' (cupy-cuda12x; an installed cupy-c
 
 # --- errors -------------------------------------------------------------------------
 
-class NcclError(AxondistError, RuntimeError):
-    """An NCCL call failed; the message names the operation and what to check.
-
-    Attributes:
-        op: the axondist operation that failed (``"all_reduce"``...).
-        status: NCCL's ``ncclResult_t`` code, or None when unknown.
-        status_name: its name (``"ncclRemoteError"``...).
-    """
-
-    def __init__(self, message: str, op: str = "", status: int | None = None) -> None:
-        super().__init__(message)
-        self.op = op
-        self.status = status
-        self.status_name = NCCL_RESULTS.get(status, ("unknown",))[0] if status is not None else ""
-
-    def __reduce__(self) -> Any:  # keep op/status when pickled across processes
-        return (type(self), (str(self), self.op, self.status))
-
-
-class NotOnDeviceError(AxondistError, TypeError):
-    """An NCCL operation was given a host (NumPy) array or a non-array."""
-
-
-class GroupedCallError(AxondistError, RuntimeError):
-    """A call that needs the host to wait was made inside ``grouped()``."""
-
-
 def nccl_error(op: str, exc: BaseException, where: str) -> NcclError:
     """The axondist error for CuPy's ``NcclError`` ``exc`` raised by ``op`` on ``where``."""
     status = getattr(exc, "status", None)
@@ -119,7 +98,8 @@ def nccl_error(op: str, exc: BaseException, where: str) -> NcclError:
     message = f"{op}: NCCL failed with {name}{code} on {where}: {exc}"
     if hint:
         message += f"; {hint}"
-    return NcclError(message, op, status)
+    status_name = NCCL_RESULTS.get(status, ("unknown",))[0] if status is not None else ""
+    return NcclError(message, op, status, status_name)
 
 
 def missing_cupy_message(reason: str) -> str:

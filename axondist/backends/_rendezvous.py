@@ -33,14 +33,10 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from ..errors import AxondistError, CollectiveTimeoutError
+from ..errors import CollectiveTimeoutError, RendezvousError
 
 _MAX_VALUE = 1 << 20  # the store carries bootstrap tokens, not data
 _OK, _TIMED_OUT = 0, 1
-
-
-class RendezvousError(AxondistError, ConnectionError):
-    """The rendezvous could not start (port taken) or a peer broke the protocol."""
 
 
 # --- the environment -----------------------------------------------------------------

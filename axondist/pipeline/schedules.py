@@ -29,7 +29,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from axondist.errors import AxondistError
+from axondist.errors import ScheduleError
 
 __all__ = [
     "Action",
@@ -42,40 +42,6 @@ __all__ = [
     "parse_schedule",
     "validate",
 ]
-
-
-class ScheduleError(AxondistError, ValueError):
-    """A pipeline schedule is malformed, inconsistent, or deadlocks.
-
-    ``rank``, ``step`` and ``action`` locate the first offending action when
-    there is one (``step`` is ``None`` for an action that is missing altogether);
-    ``reason`` is the message without the location prefix.  A deadlock
-    additionally fills ``stuck``: rank -> the action that rank cannot start.
-    """
-
-    def __init__(
-        self,
-        reason: str,
-        *,
-        rank: int | None = None,
-        step: int | None = None,
-        action: Action | None = None,
-        stuck: dict[int, Action] | None = None,
-    ) -> None:
-        self.reason = reason
-        self.rank = rank
-        self.step = step
-        self.action = action
-        self.stuck = dict(stuck or {})
-        where = []
-        if rank is not None:
-            where.append(f"rank {rank}")
-        if step is not None:
-            where.append(f"step {step}")
-        if action is not None:
-            where.append(f"action {action}")
-        prefix = ", ".join(where)
-        super().__init__(f"{prefix}: {reason}" if prefix else reason)
 
 
 class PipelineSchedule(enum.Enum):

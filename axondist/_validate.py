@@ -1,0 +1,127 @@
+"""Argument checks shared by every public entry point.
+
+One wording for every error of a kind: a rank outside its group, a member
+list that is not a list of ranks, a name that is not one of an enum's
+members. Each error names the function, the argument, what came and what to
+pass instead.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import numbers
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, TypeVar
+
+from .errors import RankError
+
+E = TypeVar("E", bound=enum.Enum)
+
+
+def as_rank(value: Any, size: int, what: str, arg: str) -> int:
+    """``value`` as a plain int rank of a group of ``size`` ranks.
+
+    Accepts Python and NumPy integers (``np.int64(1)``); refuses bools,
+    floats and anything outside ``0 .. size - 1``.
+
+    Raises:
+        RankError: not an integer, or outside the group.
+    """
+    if value.__class__ is int and 0 <= value < size:  # the common case, first
+        return value
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise RankError(f"{what}: {arg}={value!r} is not a rank (an int in 0..{size - 1}); "
+                        f"got {type(value).__name__}")
+    rank = int(value)
+    if not 0 <= rank < size:
+        raise RankError(f"{what}: {arg}={rank} is not a rank of the group of {size} ranks "
+                        f"(valid: 0..{size - 1}, ranks within the group)")
+    return rank
+
+
+def as_members(ranks: Any, size: int, what: str) -> list[int]:
+    """``ranks`` as a list of distinct ranks of a group of ``size`` ranks.
+
+    Raises:
+        RankError: not a sequence of integers, empty, repeated or out of range.
+    """
+    if ranks is None or isinstance(ranks, (str, bytes)) or not isinstance(ranks, Iterable):
+        raise RankError(f"{what}: ranks must be a list of ranks (ints in 0..{size - 1}), "
+                        f"got {ranks!r}")
+    members = [as_rank(r, size, what, "ranks[]") for r in ranks]
+    if not members:
+        raise RankError(f"{what}: ranks must not be empty; list at least one rank")
+    if len(set(members)) != len(members):
+        raise RankError(f"{what}: ranks {members} contain duplicates; list each rank once")
+    return members
+
+
+def parse_choice(cls: type[E], value: Any, what: str,
+                 aliases: Mapping[str, E] | None = None) -> E:
+    """A member of ``cls`` from itself, its name or its value, case-insensitively.
+
+    Raises:
+        ValueError: ``value`` names no member; the message lists the valid names.
+    """
+    if isinstance(value, cls):
+        return value
+    if isinstance(value, str):
+        key = value.strip().lower()
+        if aliases and key in aliases:
+            return aliases[key]
+        for member in cls:
+            if key in (member.name.lower(), str(member.value).lower()):
+                return member
+    valid = ", ".join(repr(str(m.value)) for m in cls)
+    raise ValueError(f"{what}={value!r} is not one of {cls.__name__}'s names; use one of {valid}")
+
+
+def positive_seconds(value: Any, what: str, arg: str = "timeout") -> float:
+    """``value`` as a finite number of seconds > 0.
+
+    Raises:
+        ValueError: not a number, NaN, infinite or not positive.
+    """
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{what}: {arg}={value!r} is not a number of seconds") from None
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise ValueError(f"{what}: {arg}={value!r} must be a finite number of seconds > 0 "
+                         "(to wait longer, pass a large finite value)")
+    return seconds
+
+
+def positive_number(value: Any, what: str, arg: str) -> float:
+    """``value`` as a finite float > 0 (sizes in MiB, factors).
+
+    Raises:
+        TypeError: not a real number (a string, None).
+        ValueError: NaN, infinite or not positive.
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{what}: {arg} must be a number, got {type(value).__name__} {value!r}")
+    number = float(value)
+    if not math.isfinite(number) or number <= 0:
+        raise ValueError(f"{what}: {arg}={value!r} must be a finite number > 0")
+    return number
+
+
+def sequence_of(value: Any, what: str, arg: str) -> Sequence[Any]:
+    """``value`` as a list, or a TypeError naming the argument when it is not iterable."""
+    if value is None or isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise TypeError(f"{what}: {arg} must be a list, got {type(value).__name__} {value!r}")
+    return list(value)
+
+
+MIB = 1 << 20
+
+
+def mib(nbytes: float) -> str:
+    """``nbytes`` in MiB, as text ("12.5 MiB")."""
+    return f"{nbytes / MIB:.3g} MiB"
+
+
+__all__ = ["MIB", "as_members", "as_rank", "mib", "parse_choice", "positive_number",
+           "positive_seconds", "sequence_of"]
