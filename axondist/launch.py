@@ -7,25 +7,13 @@ import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from ._environment import launched_by_mpi
 from .backends.base import Backend
 from .backends.mock import MockBackend
 from .errors import WorldAbortedError
 from .process_group import World, set_process_world, use_world
 
 T = TypeVar("T")
-
-# Environment variables set by MPI launchers (MPICH/Hydra, Open MPI, PMIx, Slurm's srun).
-_MPI_LAUNCH_VARS = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK",
-                    "MPI_LOCALNRANKS", "HYDI_CONTROL_FD")
-
-
-def launched_by_mpi() -> bool:
-    """True when this process was started by mpiexec/mpirun/srun (one of several ranks)."""
-    env = os.environ
-    if any(v in env for v in _MPI_LAUNCH_VARS):
-        return True
-    return "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1
-
 
 def _mock_backend(**options: Any) -> Backend:
     return MockBackend.create_world(1, options.get("timeout"))[0]
