@@ -28,6 +28,16 @@ settings.load_profile("default")
 os.environ.setdefault("AXONDIST_TIMEOUT", "60")
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Under ``mpiexec`` each rank gets its own temporary folder: ranks sharing pytest's
+    default one race while pruning old runs at exit."""
+    rank = os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK"))
+    if rank is not None and config.option.basetemp is None:
+        import tempfile
+
+        config.option.basetemp = tempfile.mkdtemp(prefix=f"axondist-rank{rank}-")
+
+
 def pytest_report_header(config: pytest.Config) -> str:
     rank = os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK"))
     size = os.environ.get("PMI_SIZE", os.environ.get("OMPI_COMM_WORLD_SIZE"))
