@@ -110,10 +110,16 @@ class RendezvousError(AxondistError, ConnectionError):
     """The rendezvous could not start (port taken) or a peer broke the protocol."""
 
 
+class LaunchError(AxondistError, RuntimeError):
+    """The job cannot start as launched: an env-style launch the backend cannot join, or no
+    ``mpiexec`` to launch with."""
+
+
 __all__ = [
     "AxondistError",
     "CheckpointError",
     "GroupedCallError",
+    "LaunchError",
     "NcclError",
     "NotOnDeviceError",
     "RendezvousError",
