@@ -1,17 +1,20 @@
-"""The docs' code runs, their links resolve, and the API reference covers every public name.
+"""The docs' code runs, their links resolve, and the API reference covers every public module.
 
 Every ```python block of ``docs/*.md`` and ``README.md`` is executed, the
 blocks of one file in order in one namespace (a guide's examples build on
 each other), in a fresh interpreter per file with the mock world. A block
 whose first line is ``# doc: skip ...`` is not run (it needs MPI or a GPU);
-``# doc: needs MODULE ...`` runs it only when MODULE can be imported.
+``# doc: needs MODULE ...`` runs it only when MODULE can be imported. Building the
+site itself (mkdocs, strict) is tests/integration/test_docs_build.py.
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import json
 import os
+import pkgutil
 import re
 import subprocess
 import sys
@@ -64,7 +67,10 @@ def python_blocks(path: Path) -> list[tuple[int, str, str | None]]:
 
 def test_the_docs_are_there():
     names = {p.name for p in DOCS.glob("*.md")}
-    assert {"guide.md", "api.md", "coming-from-torch.md"} <= names
+    assert {"index.md", "guide.md", "coming-from-torch.md"} <= names
+    assert (DOCS / "reference" / "index.md").exists()
+    # The reference is generated at build time; nothing generated is committed.
+    assert not (DOCS / "api.md").exists() and not (DOCS / "gen_api.py").exists()
 
 
 @mock_only
@@ -106,19 +112,25 @@ def test_guide_skips_only_what_needs_mpi_or_a_gpu():
 _LINK = re.compile(r"\]\(([^)\s]+)\)")
 
 
+def anchor(title: str) -> str:
+    """GitHub's heading anchor: lower case, punctuation other than ``-``/``_`` dropped."""
+    return re.sub(r"[^\w\- ]", "", title.strip().lower()).replace(" ", "-")
+
+
 def anchors(path: Path) -> set[str]:
-    sys.path.insert(0, str(DOCS))
-    try:
-        import gen_api
-    finally:
-        sys.path.remove(str(DOCS))
     text = path.read_text(encoding="utf-8")
     # headings inside code blocks are not headings
     text = re.sub(r"^```.*?^```", "", text, flags=re.DOTALL | re.MULTILINE)
-    return {gen_api.anchor(h) for h in re.findall(r"^#+ (.+)$", text, flags=re.MULTILINE)}
+    return {anchor(h) for h in re.findall(r"^#+ (.+)$", text, flags=re.MULTILINE)}
 
 
-@pytest.mark.parametrize("path", sorted(DOCS.glob("*.md")), ids=lambda p: p.name)
+def test_anchor_is_githubs():
+    assert anchor("MPI: rules and settings") == "mpi-rules-and-settings"
+    assert anchor("`full_state_dict` (a collective)") == "full_state_dict-a-collective"
+
+
+@pytest.mark.parametrize("path", sorted(DOCS.rglob("*.md")),
+                         ids=lambda p: str(p.relative_to(DOCS)))
 def test_relative_links_and_anchors_resolve(path):
     broken = []
     for target in _LINK.findall(path.read_text(encoding="utf-8")):
@@ -131,64 +143,57 @@ def test_relative_links_and_anchors_resolve(path):
     assert not broken, f"{path.name}: broken links {broken}"
 
 
-# --- the API reference -------------------------------------------------------------------------
+def test_readme_links_resolve():
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    broken = [t for t in _LINK.findall(text)
+              if "://" not in t and not (ROOT / t.partition("#")[0]).exists()]
+    assert not broken, broken
 
 
-def _gen_api():
-    sys.path.insert(0, str(DOCS))
-    try:
-        import gen_api
-    finally:
-        sys.path.remove(str(DOCS))
-    return gen_api
+# --- the API reference (its pages; the build is tests/integration/test_docs_build.py) ----------
+
+_DIRECTIVE_LINE = re.compile(r"^::: ([\w.]+)\s*$", re.MULTILINE)
 
 
-def test_gen_api_documents_every_public_name():
-    gen_api = _gen_api()
-    text, covered = gen_api.generate()
+def public_modules() -> list[str]:
+    """``axondist`` and every submodule with no ``_``-prefixed part, by name."""
     import axondist
 
-    for module in gen_api.public_modules():
-        names = set(gen_api.public_names(module))
-        present = {n for n in names if hasattr(module, n)}
-        missing = present - covered[module.__name__]
-        assert not missing, f"{module.__name__}: {sorted(missing)} not documented"
-    for name in axondist.__all__:
-        assert f"`{name}`" in text or f"axondist.{name}\n" in text, name
-    # Each documented definition has a heading, and each link into the page has its anchor.
-    headings = {gen_api.anchor(h) for h in re.findall(r"^#+ (.+)$", re.sub(
-        r"^```.*?^```", "", text, flags=re.DOTALL | re.MULTILINE), flags=re.MULTILINE)}
-    targets = set(re.findall(r"\]\(#([^)]+)\)", text))
-    assert targets <= headings, sorted(targets - headings)[:10]
+    names = []
+    for info in pkgutil.walk_packages(axondist.__path__, "axondist."):
+        if not any(part.startswith("_") for part in info.name.split(".")[1:]):
+            names.append(info.name)
+    return sorted(names)
 
 
-def test_gen_api_renders_docstring_sections():
-    gen_api = _gen_api()
-    md = gen_api.docstring_markdown('''Do it.
-
-    Args:
-        x: the :class:`~axondist.World` input, described over
-            two lines.
-        y (int): another.
-
-    Returns:
-        ``x`` again.
-
-    Example::
-
-        f(1)
-    ''')
-    assert "**Args**" in md and "- `x`: the `World` input, described over two lines." in md
-    assert "- `y` (int): another." in md
-    assert "**Returns**" in md and "`x` again." in md
-    assert "```text\nf(1)\n```" in md
-    assert "```python" not in md  # docstring examples never become executed doc blocks
+def reference_directives() -> dict[str, str]:
+    """``{object path: reference page}`` for each ``::: path`` of ``docs/reference``."""
+    found = {}
+    for page in sorted((DOCS / "reference").glob("*.md")):
+        for path in _DIRECTIVE_LINE.findall(page.read_text(encoding="utf-8")):
+            assert path not in found, f"{path} is rendered on {found[path]} and {page.name}"
+            found[path] = page.name
+    return found
 
 
-def test_committed_api_reference_lists_every_top_level_name():
-    import axondist
+def test_every_public_module_has_a_reference_page():
+    rendered = reference_directives()
+    missing = [m for m in public_modules() if m not in rendered and m != "axondist"]
+    assert not missing, (f"{missing} appear on no page of docs/reference: add a "
+                         "'::: module' line to the page of its concept")
+    for path in rendered:
+        module, _, name = path.rpartition(".")
+        exists = path in public_modules() or hasattr(importlib.import_module(module), name)
+        assert exists, f"docs/reference/{rendered[path]} renders {path}, which does not exist"
 
-    text = (DOCS / "api.md").read_text(encoding="utf-8")
-    missing = [n for n in axondist.__all__ if f"`{n}`" not in text and f".{n}\n" not in text]
-    assert not missing, (f"docs/api.md lacks {missing}: regenerate it with "
-                         "python docs/gen_api.py")
+
+def test_reference_pages_are_all_in_the_nav_user_facing_first():
+    config = (ROOT / "mkdocs.yml").read_text(encoding="utf-8")
+    in_nav = re.findall(r"^\s+- [^:]+: (reference/[\w-]+\.md)$", config, flags=re.MULTILINE)
+    pages = {f"reference/{p.name}" for p in (DOCS / "reference").glob("*.md")}
+    assert set(in_nav) == pages
+    assert in_nav[:2] == ["reference/index.md", "reference/collectives.md"]
+    assert in_nav.index("reference/backends.md") > max(
+        in_nav.index(f"reference/{p}.md") for p in ("ddp", "fsdp", "zero", "pipeline",
+                                                       "tensor-parallel", "checkpoints",
+                                                       "optimizers", "data"))
