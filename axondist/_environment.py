@@ -1,23 +1,110 @@
-"""What launched this process: an MPI launcher, an env-style launcher, or nothing.
-
-A leaf module (it imports nothing from axondist), so every layer may ask.
-"""
+"""What launched this process (an MPI launcher, an env-style launcher such as torchrun, or
+nothing), read from the environment only; it imports nothing but :mod:`axondist.errors`, so
+every layer may ask without an import cycle."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
+
+from .errors import LaunchError
 
 # Environment variables set by MPI launchers (MPICH/Hydra, Open MPI, PMIx, Slurm's srun).
 _MPI_LAUNCH_VARS = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK",
                     "MPI_LOCALNRANKS", "HYDI_CONTROL_FD")
 
+# Env-style launchers (torchrun, torch.distributed.launch, accelerate, deepspeed): the
+# process learns its place from these variables alone.
+_ENV_LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+                    "TORCHELASTIC_RUN_ID")
 
-def launched_by_mpi() -> bool:
-    """True when this process was started by mpiexec/mpirun/srun (one of several ranks)."""
-    env = os.environ
+#: Backends that can build a world from RANK/WORLD_SIZE/MASTER_ADDR themselves.
+ENV_CAPABLE_BACKENDS = frozenset({"nccl"})
+
+
+def launched_by_mpi(env: Mapping[str, str] | None = None) -> bool:
+    """True when this process was started by mpiexec/mpirun/srun (one of several ranks).
+
+    Args:
+        env: the environment to read (``os.environ`` when None).
+
+    Returns:
+        Whether an MPI launcher's variables are present (Slurm's only with more than one task).
+    """
+    env = os.environ if env is None else env
     if any(v in env for v in _MPI_LAUNCH_VARS):
         return True
-    return "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1
+    return "SLURM_PROCID" in env and _as_int(env.get("SLURM_NTASKS")) not in (None, 0, 1)
 
 
-__all__ = ["launched_by_mpi"]
+def _as_int(text: str | None) -> int | None:
+    try:
+        return int(text) if text is not None else None
+    except ValueError:
+        return None
+
+
+def env_launch_size(env: Mapping[str, str] | None = None) -> tuple[int, int] | None:
+    """``(rank, world_size)`` an env-style launcher (torchrun) gave this process, or None.
+
+    A launch counts as multi-process when ``WORLD_SIZE`` or ``LOCAL_WORLD_SIZE`` is above 1,
+    or ``RANK``/``LOCAL_RANK`` is above 0 (a rank beyond the first implies other ranks even
+    when the size is missing); ``TORCHELASTIC_RUN_ID`` alone is not enough.
+
+    Args:
+        env: the environment to read (``os.environ`` when None).
+
+    Returns:
+        The rank and world size (the size may be a lower bound, ``rank + 1``, when the launcher
+        did not say), or None when the variables describe at most one process.
+    """
+    env = os.environ if env is None else env
+    rank = _as_int(env.get("RANK"))
+    local_rank = _as_int(env.get("LOCAL_RANK"))
+    size = _as_int(env.get("WORLD_SIZE")) or _as_int(env.get("LOCAL_WORLD_SIZE"))
+    known_rank = rank if rank is not None else local_rank
+    lower_bound = (known_rank or 0) + 1
+    size = max(size or 0, lower_bound)
+    if size <= 1:
+        return None
+    return known_rank or 0, size
+
+
+def check_env_launch(backend_name: str, env: Mapping[str, str] | None = None) -> None:
+    """Refuse to start a CPU world inside an env-style multi-process launch.
+
+    Under ``torchrun --nproc_per_node=N`` every process would otherwise become rank 0 of a
+    one-rank world and train its own, independent model. The ``nccl`` backend reads
+    ``RANK``/``WORLD_SIZE`` itself, and a process launched by MPI gets its world from MPI,
+    so both pass.
+
+    Args:
+        backend_name: the backend ``init()`` is about to start (``"mock"``, ``"mpi"``...).
+        env: the environment to read (``os.environ`` when None).
+
+    Raises:
+        LaunchError: the environment names several processes (``WORLD_SIZE`` > 1...) and
+            neither MPI launched this process nor can the backend use those variables; the
+            message says what to run instead.
+    """
+    env = os.environ if env is None else env
+    if backend_name.lower() in ENV_CAPABLE_BACKENDS or launched_by_mpi(env):
+        return
+    found = env_launch_size(env)
+    if found is None:
+        return
+    rank, size = found
+    exact = "WORLD_SIZE" in env or "LOCAL_WORLD_SIZE" in env
+    n = str(size) if exact else "N"
+    seen = ", ".join(f"{v}={env[v]}" for v in _ENV_LAUNCH_VARS if v in env)
+    launcher = "torchrun" if "TORCHELASTIC_RUN_ID" in env else "an env-style launcher"
+    raise LaunchError(
+        f"init: this process looks like rank {rank} of {size if exact else f'at least {size}'} "
+        f"started by {launcher} ({seen}), but the {backend_name!r} backend cannot build a "
+        "world from these variables: each process would train its own model as rank 0 of 1. "
+        f"Launch with `axondist run -n {n} script.py` or `mpiexec -n {n} python script.py` "
+        "instead (or use backend 'nccl' on GPUs); if the variables are left over in your "
+        "shell, unset them.")
+
+
+__all__ = ["ENV_CAPABLE_BACKENDS", "check_env_launch", "env_launch_size", "launched_by_mpi"]
