@@ -379,8 +379,8 @@ class GradientSynchronizer:
 
     Args:
         strategy: see :class:`GradSyncStrategy`.
-        bucket_size: elements per bucket (of each gradient's own dtype), as in
-            the reference design; ignored when ``bucket_bytes`` is given.
+        bucket_size: elements per bucket (of each gradient's own dtype, a count
+            rather than bytes); ignored when ``bucket_bytes`` is given.
         first_bucket_size: elements in the first bucket of each dtype
             (``bucket_size`` when None).
         bucket_bytes / first_bucket_bytes: the same caps in bytes (what DDP

@@ -39,7 +39,7 @@ _MISSING_MODES = ("zeros", "error")
 class DistributedDataParallel:
     """Wrap a model so that its gradients are averaged over a process group.
 
-    Python keyword arguments replace the reference design's builder chain: write
+    Options are Python keyword arguments rather than a builder chain: write
     ``DDP(model, group, broadcast_buffers=False)``; there is no
     ``.broadcast_buffers(False)`` method.
 
@@ -484,7 +484,7 @@ def _writable_like(dst: Any, src: Any) -> bool:
     return tuple(dst.shape) == tuple(src.shape) and _array.namespace(dst) is _array.namespace(src)
 
 
-#: Short alias, as in the reference design.
+#: Short alias (torch's ``DDP``).
 DDP = DistributedDataParallel
 
 __all__ = ["DDP", "DistributedDataParallel", "GradSyncStrategy"]
