@@ -244,6 +244,26 @@ class Optimizer:
     def _state_names_for(self, entry: dict[str, Any]) -> set[str]:
         return set(self._state_names)
 
+    def state_names(self) -> tuple[str, ...]:
+        """Names of the state arrays each updated parameter gets (sorted; may be empty).
+
+        Each has the parameter's shape and :meth:`state_dtype`, so a parameter
+        of ``n`` elements costs ``n * len(state_names()) * state_dtype(p).itemsize``
+        bytes of state once it has been updated.
+        """
+        return tuple(sorted(self._state_names_for({})))
+
+    @staticmethod
+    def state_dtype(param_dtype: Any) -> np.dtype:
+        """The dtype of the state (and of the update arithmetic) for a parameter dtype.
+
+        float32/float64 keep their own; float16 and bfloat16 use float32.
+
+        Raises:
+            TypeError: ``param_dtype`` cannot be trained (not floating point).
+        """
+        return _compute_dtype(param_dtype)
+
     def _validate(self) -> None:
         """Check the hyper-parameters (subclasses raise ValueError on bad values)."""
 

@@ -1,31 +1,19 @@
 """FullyShardedDataParallel: parameters, gradients and optimizer state split over ranks.
 
-How the numbers move, per unit (a group of parameters flattened together,
-see :mod:`axondist.fsdp.sharding`), with ``S`` ranks in the shard group:
-
-* at wrap time each rank copies its contiguous 1-D shard of the padded flat
-  buffer into a shard :class:`Parameter` (the *master* weights, in the
-  model's dtype) and releases the model's full arrays;
-* ``gather_parameters`` casts the shard to the compute dtype, all-gathers the
-  ``S`` equal shards into a padded flat buffer, and points every model
-  ``Parameter.data`` at a view of it;
-* ``reshard_parameters`` drops that buffer (FULL_SHARD, HYBRID_SHARD): each
-  model ``Parameter.data`` becomes a 0-size placeholder of the compute dtype,
-  so nothing keeps the full arrays alive and ``memory_stats`` counts only
-  what is really held;
-* ``sync_gradients`` flattens the model's full ``.grad`` arrays (zeros in the
-  padding) in the reduce dtype, reduce-scatters them with AVERAGE, casts the
-  result to the master dtype and *adds* it to the shard's ``.grad``, then
-  drops the full gradients (``.grad = None``). NO_SHARD all-reduces instead;
-  HYBRID_SHARD reduce-scatters within the node and all-reduces the shard
-  across nodes;
-* an optimizer built on :meth:`sharded_parameters` updates the shards; the
-  next ``gather_parameters`` brings the new values to every rank.
+Each unit (parameters flattened together, see :mod:`axondist.fsdp.sharding`)
+keeps one 1-D master shard per rank; ``gather_parameters`` all-gathers the
+shards into the model's ``Parameter.data`` (in the compute dtype),
+``sync_gradients`` reduces the model's full gradients into shard gradients,
+and an optimizer built on :meth:`FullyShardedDataParallel.sharded_parameters`
+updates the shards. What each strategy shards, and over which ranks, is read
+from its :class:`~axondist.fsdp.policies.ShardingSpec`; how the numbers move
+is described in docs/guide.md (FSDP).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -33,14 +21,17 @@ import numpy as np
 
 from .. import _array, comm
 from ..checkpoint import CheckpointReader, ShardedState, param_names
+from ..errors import CollectiveMismatchError
 from ..ops import ReduceOp
 from ..parameter import Parameter, parameters_of
 from ..process_group import ProcessGroup, resolve_group
 from . import clip as _clip
 from . import state_dict as _state_dict
-from .memory import FSDPMemoryStats
-from .policies import CPUOffload, MixedPrecision, ShardingStrategy
+from .memory import Footprint, FSDPMemoryStats, HeldBytes, OptimizerModel, owner, unit_footprint
+from .policies import CPUOffload, MixedPrecision, ShardingSpec, ShardingStrategy, Span
 from .sharding import DEFAULT_UNIT_BYTES, FlatUnit, hybrid_groups, node_of_ranks, plan_units
+
+logger = logging.getLogger("axondist.fsdp")
 
 
 class _Unit:
@@ -60,10 +51,10 @@ class FullyShardedDataParallel:
 
     Args:
         model: anything :func:`~axondist.parameters_of` accepts. Every rank
-            must pass the same parameters (same shapes, same order); pass
-            ``sync_module_states=True`` when their initial values may differ.
+            must pass the same parameters (names, shapes, dtypes, order):
+            construction checks it on every rank.
         group: the data-parallel group (the current world when None).
-        sharding_strategy: see :class:`ShardingStrategy`.
+        sharding_strategy: see :class:`ShardingStrategy` (a member or its name).
         cpu_offload: see :class:`CPUOffload`.
         mixed_precision: see :class:`MixedPrecision` (None: everything in the
             model's dtypes).
@@ -74,20 +65,24 @@ class FullyShardedDataParallel:
             ``unit_size_mb`` MiB (a larger parameter is a unit of its own).
             A unit is the granularity of gathering: peak parameter memory in a
             unit-by-unit loop is one unit's full parameters.
-        ranks_per_node: HYBRID_SHARD only: shard over blocks of this many
-            consecutive ranks and replicate across blocks. When None the
-            node layout comes from ``group.node_info()``.
+        ranks_per_node: node-sharded strategies (HYBRID_SHARD) only: shard over
+            blocks of this many consecutive ranks and replicate across blocks.
+            When None the node layout comes from ``group.node_info()``.
         unit_size_mb: the default grouping's unit size limit.
         sync_module_states: broadcast every unit from group rank 0 before
-            sharding, so all ranks start from rank 0's values.
+            sharding (the default, as DDP does), so all ranks start from rank
+            0's values even when their initialisation depends on the rank.
 
     Every rank of the group must make the same calls in the same order
     (construction creates sub-groups under HYBRID_SHARD; gather, sync and
     checkpoint calls communicate).
 
     Raises:
+        CollectiveMismatchError: the ranks wrap different models (raised on
+            every rank, naming the first rank and parameter that differ).
         ValueError: bad units, a ``ranks_per_node`` that does not divide the
-            group (or is given without HYBRID_SHARD), mixed array libraries.
+            group (or is given to a strategy that does not shard by node),
+            mixed array libraries, an unknown strategy or offload name.
     """
 
     def __init__(self, model: Any, group: ProcessGroup | None = None, *,
@@ -97,7 +92,7 @@ class FullyShardedDataParallel:
                  units: Sequence[Sequence[int]] | None = None,
                  ranks_per_node: int | None = None,
                  unit_size_mb: float = DEFAULT_UNIT_BYTES / 2**20,
-                 sync_module_states: bool = False) -> None:
+                 sync_module_states: bool = True) -> None:
         self.module = model
         self.group = resolve_group(group)
         self.group.backend_for("FullyShardedDataParallel")
@@ -111,6 +106,7 @@ class FullyShardedDataParallel:
         if not self._params:
             raise ValueError("FullyShardedDataParallel: the model has no parameters")
         self._names = param_names(self._params)
+        self._check_same_model()
         self._xp = _array.namespace(*(p.data for p in self._params))
         self._on_device = _array.is_cupy(self._params[0].data)
         self._shapes = [p.shape for p in self._params]
@@ -119,39 +115,64 @@ class FullyShardedDataParallel:
         self.shard_group, self.replica_group = self._make_groups(ranks_per_node)
         self._units = self._build_units(self._unit_plan(units, unit_size_mb), sync_module_states)
         self._cast_buffers(model)
+        if logger.isEnabledFor(logging.INFO):
+            logger.info("%r; estimated per rank: %s", self, self.memory_estimate())
 
     # --- construction ---------------------------------------------------------------
 
+    @property
+    def spec(self) -> ShardingSpec:
+        """What the strategy shards and over which ranks (``sharding_strategy.spec``)."""
+        return self.sharding_strategy.spec
+
+    def _check_same_model(self) -> None:
+        """Every rank must wrap the same names, shapes and dtypes (the same error everywhere)."""
+        mine = [(n, tuple(p.shape), str(p.dtype)) for n, p in zip(self._names, self._params)]
+        backend = self.group.backend_for("FullyShardedDataParallel")
+        everyone = backend.allgather_object(mine)
+        first = everyone[0]
+        for r, other in enumerate(everyone):
+            if other == first:
+                continue
+            if len(other) != len(first):
+                detail = f"rank {r} wraps {len(other)} parameters, rank 0 wraps {len(first)}"
+            else:
+                k = next(i for i, (a, b) in enumerate(zip(other, first)) if a != b)
+                detail = (f"parameter {k} is {_describe(other[k])} on rank {r} but "
+                          f"{_describe(first[k])} on rank 0")
+            raise CollectiveMismatchError(
+                f"FullyShardedDataParallel: the ranks' models differ: {detail}. Every rank must "
+                "wrap the same parameters (names, shapes, dtypes) in the same order")
+
     def _make_groups(self, ranks_per_node: int | None
                      ) -> tuple[ProcessGroup | None, ProcessGroup | None]:
-        """(shard group, replica group); None stands for a group of one (no communication)."""
-        g, strategy = self.group, self.sharding_strategy
-        if ranks_per_node is not None and strategy is not ShardingStrategy.HYBRID_SHARD:
+        """(shard group, replica group) from the spec; None stands for a group of one."""
+        g, spec = self.group, self.spec
+        if ranks_per_node is not None and not spec.uses_nodes:
             raise ValueError(f"FullyShardedDataParallel: ranks_per_node={ranks_per_node} only "
-                             f"applies to HYBRID_SHARD, not {strategy.name}")
-        if strategy is ShardingStrategy.NO_SHARD:
-            return None, (g if g.world_size > 1 else None)
-        if strategy is not ShardingStrategy.HYBRID_SHARD:
-            return (g if g.world_size > 1 else None), None
+                             f"applies to HYBRID_SHARD (strategies that shard within a node), "
+                             f"not {self.sharding_strategy.name}")
+        whole = g if g.world_size > 1 else None
+        if not spec.uses_nodes:
+            return ((whole if spec.shard_over is Span.GROUP else None),
+                    (whole if spec.replicate_over is Span.GROUP else None))
         if ranks_per_node is not None:
             nodes: list[Any] = node_of_ranks(g.world_size, ranks_per_node)
         else:
             nodes = [info[0] for info in g.backend_for("HYBRID_SHARD").allgather_object(
                 g.node_info())]
         shard_lists, replica_lists = hybrid_groups(nodes)
-        shard_group = replica_group = None
-        # Creating a group is collective: every rank creates every group, in one order.
-        for ranks in shard_lists:
-            sub = g.new_group(ranks)
+        return self._member_group(shard_lists), self._member_group(replica_lists)
+
+    def _member_group(self, rank_lists: list[list[int]]) -> ProcessGroup | None:
+        """Create a group per list (collective: every rank, in one order); return this rank's."""
+        mine = None
+        for ranks in rank_lists:
+            sub = self.group.new_group(ranks)
             if sub.is_member:
-                shard_group = sub
-        for ranks in replica_lists:
-            sub = g.new_group(ranks)
-            if sub.is_member:
-                replica_group = sub
-        assert shard_group is not None and replica_group is not None
-        return (shard_group if shard_group.world_size > 1 else None,
-                replica_group if replica_group.world_size > 1 else None)
+                mine = sub
+        assert mine is not None  # every rank is in exactly one list
+        return mine if mine.world_size > 1 else None
 
     def _unit_plan(self, units: Sequence[Sequence[Any]] | None,
                    unit_size_mb: float) -> list[list[int]]:
@@ -177,7 +198,8 @@ class FullyShardedDataParallel:
         return self.shard_group.world_size if self.shard_group is not None else 1
 
     @property
-    def _shard_rank(self) -> int:
+    def shard_rank(self) -> int:
+        """This rank's index in its shard group (0 when units are not split)."""
         return self.shard_group.rank if self.shard_group is not None else 0
 
     def _build_units(self, plan: list[list[int]], sync_states: bool) -> list[_Unit]:
@@ -190,7 +212,7 @@ class FullyShardedDataParallel:
             flat.layout.pack([p.data for p in params], out=buf[:flat.numel])
             if sync_states and self.group.world_size > 1:
                 comm.broadcast(buf, self.group, src=0)
-            lo, hi = flat.shard_bounds(self._shard_rank)
+            lo, hi = flat.shard_bounds(self.shard_rank)
             shard = self._to_rest(buf[lo:hi].copy())
             del buf
             out.append(_Unit(flat, Parameter(shard, name=f"fsdp.unit{u}")))
@@ -270,6 +292,15 @@ class FullyShardedDataParallel:
         """The model's parameter names (``param{i}`` for unnamed ones), as in checkpoints."""
         return list(self._names)
 
+    def communication_shard(self, unit: int) -> Any:
+        """``unit``'s master shard where collectives expect it (on the GPU in a GPU run,
+        a copy when the shard rests on the host; otherwise the shard itself).
+
+        Raises:
+            ValueError: ``unit`` is not a unit index.
+        """
+        return self._to_compute(self._select(unit, "communication_shard")[0].shard.data)
+
     def _select(self, unit: int | None, where: str) -> list[_Unit]:
         if unit is None:
             return self._units
@@ -311,15 +342,46 @@ class FullyShardedDataParallel:
         SHARD_GRAD_OP and NO_SHARD keep the full parameters resident (they
         become stale after an optimizer step until the next gather).
         """
+        if not self.spec.parameters:
+            self._select(unit, "reshard_parameters")  # still check the argument
+            return
         for st in self._select(unit, "reshard_parameters"):
-            if not self.sharding_strategy.shards_parameters:
-                continue
+            self._release(st)
+
+    def release_parameters(self, unit: int | None = None) -> None:
+        """Drop the full parameters of ``unit`` (every unit when None), whatever the strategy.
+
+        Unlike :meth:`reshard_parameters` this also releases what SHARD_GRAD_OP,
+        SHARD_OPTIMIZER and NO_SHARD keep, e.g. after the shards were
+        overwritten by a load; call :meth:`gather_parameters` before the next
+        forward.
+        """
+        for st in self._select(unit, "release_parameters"):
             self._release(st)
 
     def _release(self, st: _Unit) -> None:
         st.full = None
         for i in st.flat.param_indices:
             self._params[i].data = self._placeholder(st.flat)
+
+    @contextlib.contextmanager
+    def summon_full_params(self, unit: int | None = None) -> Iterator[list[Parameter]]:
+        """Gather full parameters for the block; reshard when it ends, also on an exception.
+
+        Yields the model's Parameters (full arrays inside the block). The
+        strategy decides what "reshard" keeps, as in :meth:`reshard_parameters`.
+
+        Args:
+            unit: one unit's index, or None for every unit.
+
+        Raises:
+            ValueError: ``unit`` is not a unit index.
+        """
+        self.gather_parameters(unit)
+        try:
+            yield self.full_parameters()
+        finally:
+            self.reshard_parameters(unit)
 
     def is_gathered(self, unit: int) -> bool:
         """True while ``unit``'s full parameters are held."""
@@ -398,10 +460,13 @@ class FullyShardedDataParallel:
         if st.accum is not None:
             buf[:flat.numel] += self._to_compute(st.accum).astype(rdt)
             st.accum = None
-        if self.shard_group is not None:
+        if self.shard_group is None:
+            part = buf
+        elif self.spec.gradients:
             part = comm.reduce_scatter(buf, ReduceOp.AVERAGE, self.shard_group)
         else:
-            part = buf
+            self._reduce_replicated(st, comm.all_reduce(buf, ReduceOp.AVERAGE, self.shard_group))
+            return
         del buf
         if self.replica_group is not None:
             comm.all_reduce(part, ReduceOp.AVERAGE, self.replica_group)
@@ -411,6 +476,25 @@ class FullyShardedDataParallel:
         else:
             st.shard.grad += part
 
+    def _reduce_replicated(self, st: _Unit, full: Any) -> None:
+        """Unsharded gradients (SHARD_OPTIMIZER): keep the full average, hand the shard a view.
+
+        The shard gradient is a view of the full padded average in the master
+        dtype, so accumulating into it (or clipping it) acts on the full
+        buffer it keeps alive; dropping it (``zero_grad``) frees that buffer.
+        """
+        flat = st.flat
+        full = self._to_rest(full.astype(flat.dtype, copy=full.dtype != flat.dtype))
+        lo, hi = flat.shard_bounds(self.shard_rank)
+        held = st.shard.grad
+        base = owner(held) if held is not None else None
+        if held is None:
+            st.shard.grad = full[lo:hi]
+        elif base is not held and getattr(base, "size", -1) == flat.padded_numel:
+            base += full
+        else:  # the user replaced the view: accumulate into the shard only
+            held += full[lo:hi]
+
     def zero_grad(self) -> None:
         """Drop shard gradients, the model's full gradients and no_sync buffers."""
         for st in self._units:
@@ -419,7 +503,8 @@ class FullyShardedDataParallel:
         for p in self._params:
             p.grad = None
 
-    def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> float:
+    def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0, *,
+                       error_if_nonfinite: bool = False) -> float:
         """Scale the shard gradients so their global norm is at most ``max_norm``.
 
         The norm is that of the whole model's averaged gradient, padding
@@ -427,30 +512,41 @@ class FullyShardedDataParallel:
         over the shard group (the node under HYBRID_SHARD; replicas hold the
         same values), and under NO_SHARD the local norm is the global one.
         When the norm exceeds ``max_norm`` every shard gradient is multiplied
-        by ``max_norm / (norm + 1e-6)``. Call it after :meth:`sync_gradients`.
+        by ``max_norm / (norm + 1e-6)``. Non-finite values behave as in
+        ``torch.nn.utils.clip_grad_norm_``: a NaN anywhere makes the norm NaN
+        and every gradient NaN; an inf makes the norm inf and scales by 0.
+        Call it after :meth:`sync_gradients`.
+
+        Args:
+            max_norm: the largest norm allowed.
+            norm_type: p (> 0) or ``math.inf``.
+            error_if_nonfinite: raise instead of scaling by a NaN or inf norm.
 
         Returns:
             The norm before clipping (the same float on every rank).
 
         Raises:
-            RuntimeError: gradients are still pending in a no_sync buffer.
+            RuntimeError: gradients are still pending in a no_sync buffer, or the
+                norm is not finite and ``error_if_nonfinite`` is set (on every rank).
+            ValueError: ``norm_type`` is not > 0 or inf.
         """
         p = _clip.check_norm_type(norm_type, "clip_grad_norm")
         if any(st.accum is not None for st in self._units):
             raise RuntimeError("clip_grad_norm: gradients accumulated under no_sync() are not "
                                "reduced yet; call sync_gradients() outside no_sync() first")
         pieces, grads = [], []
-        start = None
         for st in self._units:
             g = st.shard.grad
             if g is None:
                 continue
-            start, _ = st.flat.shard_bounds(self._shard_rank)
-            lo, hi = st.flat.valid_bounds(self._shard_rank)
+            start, _ = st.flat.shard_bounds(self.shard_rank)
+            lo, hi = st.flat.valid_bounds(self.shard_rank)
             pieces.append(g[lo - start:hi - start])
             grads.append(g)
         xp = _array.namespace(*grads) if grads else self._xp
         total = _clip.global_norm(pieces, p, self.shard_group, xp)
+        if error_if_nonfinite:
+            _clip.check_finite(total, p, "clip_grad_norm")
         coef = _clip.clip_coefficient(total, max_norm)
         if coef is not None:
             for g in grads:
@@ -514,12 +610,21 @@ class FullyShardedDataParallel:
     # --- memory ---------------------------------------------------------------------------------
 
     def register_optimizer(self, optimizer: Any) -> None:
-        """Count ``optimizer``'s state in :meth:`memory_stats` / :meth:`memory_estimate`."""
-        self._check_optimizer(optimizer, "register_optimizer")
+        """Count ``optimizer``'s state in :meth:`memory_stats` / :meth:`memory_estimate`.
+
+        Raises:
+            ValueError: the optimizer updates Parameters that are not this wrapper's shards.
+        """
+        self.optimizer_units(optimizer, "register_optimizer")
         self._optimizer = optimizer
 
-    def _check_optimizer(self, optimizer: Any, where: str) -> dict[int, int]:
-        """{index in optimizer.params: unit index}; refuses optimizers over other Parameters."""
+    def optimizer_units(self, optimizer: Any, where: str = "optimizer_units") -> dict[int, int]:
+        """``{index in optimizer.params: unit index}`` for an optimizer built on the shards.
+
+        Raises:
+            ValueError: the optimizer updates a Parameter that is not one of the
+                shards (``where`` names the calling function in the message).
+        """
         unit_of = {id(st.shard): u for u, st in enumerate(self._units)}
         mapping = {}
         for k, p in enumerate(getattr(optimizer, "params", [])):
@@ -529,50 +634,51 @@ class FullyShardedDataParallel:
             mapping[k] = unit_of[id(p)]
         return mapping
 
-    def _optimizer_bytes_per_param(self, optimizer: Any) -> float:
-        """Modelled optimizer bytes per parameter (state arrays, plus masters under MP)."""
-        from ..optim import SGD
-
-        opt = optimizer if optimizer is not None else self._optimizer
-        if opt is None:
-            n_states = 2  # Adam is assumed
-        elif isinstance(opt, SGD):
-            n_states = 1 if opt.momentum > 0 else 0
-        else:
-            n_states = len(getattr(opt, "_state_names", ())) or 2
-        total = 0.0
-        numel = sum(st.flat.numel for st in self._units)
-        for st in self._units:
-            master = st.flat.dtype.itemsize
-            state = 8 if st.flat.dtype == np.float64 else 4
-            extra = master if self._compute_dtype(st.flat) != st.flat.dtype else 0
-            total += st.flat.numel * (n_states * state + extra)
-        return total / max(numel, 1)
+    def _stats(self, held: Footprint, reference: int, measured: bool) -> FSDPMemoryStats:
+        return FSDPMemoryStats(
+            total_params=sum(st.flat.numel for st in self._units), world_size=self._shards,
+            sharding_strategy=self.sharding_strategy, param_bytes_per_rank=held.params,
+            grad_bytes_per_rank=held.grads, optim_bytes_per_rank=held.optim,
+            padding_bytes_per_rank=held.padding, host_bytes_per_rank=held.host,
+            no_shard_bytes_per_rank=reference, measured=measured)
 
     def memory_estimate(self, optimizer: Any = None) -> FSDPMemoryStats:
-        """The modelled per-rank bytes for this model, strategy, dtypes and optimizer.
+        """The exact per-rank bytes held right after ``backward`` and ``optimizer.step()``.
 
-        Parameters and gradients count at the compute dtype's size; the
-        optimizer at its state arrays (Adam assumed when no optimizer is
-        passed or registered) plus the master copy under mixed precision.
+        That is the ZeRO paper's state (parameters, reduced gradients and
+        optimizer state all held), computed from this wrapper's units, padding,
+        dtypes and strategy spec; :meth:`memory_stats` measured at that point
+        gives the same numbers, component by component. Under mixed precision
+        the master shard counts as optimizer state, as in the paper.
+
+        Args:
+            optimizer: the optimizer whose state to count (default: the
+                registered one; Adam's two arrays per element when none).
         """
-        numel = sum(st.flat.numel for st in self._units)
-        denom = max(numel, 1)
-        pbytes = sum(st.flat.numel * self._compute_dtype(st.flat).itemsize
-                     for st in self._units) / denom
-        return FSDPMemoryStats.estimate(
-            numel, self.group.world_size, self.sharding_strategy, pbytes, pbytes,
-            self._optimizer_bytes_per_param(optimizer), ranks_per_node=self._shards,
-            cpu_offload=self.cpu_offload)
+        model = OptimizerModel.of(optimizer if optimizer is not None else self._optimizer)
+        held = Footprint()
+        reference = 0  # NO_SHARD in the same state, counted as memory_stats counts it
+        for st in self._units:
+            flat, compute = st.flat, self._compute_dtype(st.flat)
+            unit_footprint(flat, self.shard_rank, self.spec, compute, model, self.cpu_offload,
+                           held)
+            master = flat.dtype.itemsize
+            state = model.states * model.dtype_for(flat.dtype).itemsize
+            low = compute.itemsize if compute != flat.dtype and not self.spec.parameters else 0
+            reference += flat.numel * (2 * master + state + low)
+        return self._stats(held, reference, measured=False)
 
     def memory_stats(self, optimizer: Any = None) -> FSDPMemoryStats:
-        """MEASURED per-rank bytes: ``nbytes`` of the arrays held right now.
+        """MEASURED per-rank bytes: the arrays held right now, each buffer counted once.
 
-        Parameters: every shard, plus each gathered full buffer (padding
-        included; not counted again when it is the shard itself). Gradients:
-        shard gradients, the model's full ``.grad`` arrays and no_sync
-        buffers. Optimizer: the state arrays of ``optimizer`` (or the
-        registered one). Host bytes: what the offload policy keeps on the host.
+        Parameters: every master shard (optimizer state instead under mixed
+        precision, as the paper counts the float32 copy), each gathered full
+        buffer and the model's ``Parameter.data``. Gradients: shard gradients
+        (a view counts the full buffer it keeps alive), the model's ``.grad``
+        arrays and no_sync buffers. Optimizer: the state arrays of
+        ``optimizer`` (or the registered one). Padding: the padding elements
+        inside those arrays. Host bytes: what the offload policy keeps on the
+        host.
 
         ``no_shard_bytes_per_rank`` (the base of ``memory_savings()``) is what
         NO_SHARD would hold in the same state: every unit's master
@@ -580,13 +686,24 @@ class FullyShardedDataParallel:
         full master gradients for the units with a shard gradient, full-size
         no_sync buffers where they exist, and the optimizer state scaled
         from the shards to the full units.
+
+        Raises:
+            ValueError: the optimizer is not built on this wrapper's shards.
         """
         opt = optimizer if optimizer is not None else self._optimizer
-        params = grads = optim = padding = host = 0
+        held = HeldBytes()
+        offload, rank = self.cpu_offload, self.shard_rank
         reference = 0  # NO_SHARD in the same state
         for st in self._units:
             flat, shard = st.flat, st.shard
-            params += shard.data.nbytes
+            mixed = self._compute_dtype(flat) != flat.dtype
+            held.add(shard.data, "optim" if mixed else "params", flat, rank,
+                     offload.offloads_shards)
+            held.add(st.full, "params", flat, rank)
+            for i in flat.param_indices:
+                held.add(self._params[i].data, "params")
+            held.add(shard.grad, "grads", flat, rank, offload.offloads_shards)
+            held.add(st.accum, "grads", None, rank, offload.offloads_accumulation)
             reference += flat.numel * flat.dtype.itemsize
             if st.full is not None and st.full.dtype != flat.dtype:
                 reference += flat.numel * st.full.itemsize
@@ -594,42 +711,20 @@ class FullyShardedDataParallel:
                 reference += flat.numel * flat.dtype.itemsize
             if st.accum is not None:
                 reference += st.accum.nbytes
-            lo, hi = flat.valid_bounds(self._shard_rank)
-            padding += (flat.shard_size - (hi - lo)) * shard.data.itemsize
-            if st.full is not None and st.full is not shard.data:
-                params += st.full.nbytes
-                padding += flat.padding * st.full.itemsize
-            shard_grad = shard.grad.nbytes if shard.grad is not None else 0
-            accum = st.accum.nbytes if st.accum is not None else 0
-            grads += shard_grad + accum
-            if self.cpu_offload.offloads_shards:
-                host += shard.data.nbytes + shard_grad
-            if self.cpu_offload.offloads_accumulation:
-                host += accum
-        seen: set[int] = set()
-        full_grads = 0  # the model's .grad arrays: the same under any strategy
+        full_grads = held.total.grads
         for p in self._params:
-            if p.grad is not None and id(p.grad) not in seen:
-                seen.add(id(p.grad))
-                full_grads += p.grad.nbytes
-        grads += full_grads
+            held.add(p.grad, "grads")
+        reference += held.total.grads - full_grads  # the model's .grad: alike under any strategy
         if opt is not None:
-            unit_of = self._check_optimizer(opt, "memory_stats")
+            unit_of = self.optimizer_units(opt, "memory_stats")
             for k, state in opt.state.items():
                 flat = self._units[unit_of[k]].flat
                 for v in state.values():
-                    optim += getattr(v, "nbytes", 0)
-                    if flat.shard_size:
-                        reference += getattr(v, "nbytes", 0) * flat.numel // flat.shard_size
-            if self.cpu_offload.offloads_shards:
-                host += optim
-        return FSDPMemoryStats(
-            total_params=sum(st.flat.numel for st in self._units), world_size=self._shards,
-            sharding_strategy=self.sharding_strategy, param_bytes_per_rank=params,
-            grad_bytes_per_rank=grads, optim_bytes_per_rank=optim, padding_bytes_per_rank=padding,
-            host_bytes_per_rank=host,
-            no_shard_bytes_per_rank=reference + full_grads,
-            measured=True)
+                    held.add(v if hasattr(v, "nbytes") else None, "optim", flat, rank,
+                             offload.offloads_shards)
+                    if flat.shard_size and hasattr(v, "nbytes"):
+                        reference += v.nbytes * flat.numel // flat.shard_size
+        return self._stats(held.total, reference, measured=True)
 
     # --- state dicts and checkpoints (the work is in state_dict.py) -------------------------
 
@@ -676,6 +771,12 @@ class FullyShardedDataParallel:
         return (f"FullyShardedDataParallel({self.sharding_strategy.name}, {len(self._params)} "
                 f"parameters ({numel} elements) in {len(self._units)} units, shards over "
                 f"{self._shards} of {self.group.world_size} ranks)")
+
+
+def _describe(entry: tuple[str, tuple[int, ...], str]) -> str:
+    """``'w' float32[3, 4]`` for a (name, shape, dtype) entry."""
+    name, shape, dtype = entry
+    return f"{name!r} {dtype}{list(shape)}"
 
 
 FSDP = FullyShardedDataParallel

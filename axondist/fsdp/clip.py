@@ -30,7 +30,11 @@ def check_norm_type(norm_type: float, where: str) -> float:
 
 
 def local_norm_term(grads: Sequence[Any], norm_type: float) -> float:
-    """``sum |g|**p`` over ``grads`` (or ``max |g|`` when p is inf), in float64."""
+    """``sum |g|**p`` over ``grads`` (or ``max |g|`` when p is inf), in float64.
+
+    NaN anywhere gives NaN and an infinite element gives inf, for every ``p``
+    (Python's ``max`` would drop a NaN; this does not).
+    """
     total = 0.0
     for g in grads:
         if g.size == 0:
@@ -38,7 +42,8 @@ def local_norm_term(grads: Sequence[Any], norm_type: float) -> float:
         xp = _array.namespace(g)
         a = xp.abs(g.astype("float64"))
         if math.isinf(norm_type):
-            total = max(total, float(a.max()))
+            part = float(a.max())  # NaN when any element is NaN
+            total = part if (math.isnan(part) or part > total) else total
         elif norm_type == 2.0:
             total += float(xp.dot(a, a))
         else:
@@ -50,6 +55,9 @@ def global_norm(grads: Sequence[Any], norm_type: float, group: ProcessGroup | No
                 xp: Any) -> float:
     """The norm of the gradient whose disjoint pieces ``grads`` the ranks of ``group`` hold.
 
+    A NaN on any rank makes the norm NaN on every rank: the ranks reduce a
+    NaN flag beside the term, since a backend's MAX need not propagate NaN.
+
     Args:
         grads: this rank's pieces (1-D arrays, padding already cut off).
         norm_type: p (> 0) or inf.
@@ -57,19 +65,43 @@ def global_norm(grads: Sequence[Any], norm_type: float, group: ProcessGroup | No
             every piece (nothing is communicated).
         xp: the array namespace the scalar is reduced in (where the backend
             expects buffers).
+
+    Returns:
+        The norm (a Python float, the same on every rank of ``group``).
     """
     term = local_norm_term(grads, norm_type)
     if group is not None and group.world_size > 1:
-        buf = xp.asarray([term], dtype="float64")
+        nan = math.isnan(term)
+        buf = xp.asarray([0.0 if nan else term, 1.0 if nan else 0.0], dtype="float64")
         comm.all_reduce(buf, ReduceOp.MAX if math.isinf(norm_type) else ReduceOp.SUM, group)
-        term = float(buf[0])
+        term = math.nan if float(buf[1]) > 0 else float(buf[0])
     return term if math.isinf(norm_type) else term ** (1.0 / norm_type)
 
 
 def clip_coefficient(total_norm: float, max_norm: float) -> float | None:
-    """``max_norm / (total_norm + CLIP_EPS)`` when that is below 1, else None (no clipping)."""
+    """The factor to scale gradients by, or None when they stay as they are.
+
+    ``max_norm / (total_norm + CLIP_EPS)`` when that is below 1; NaN when the
+    norm is NaN (torch scales by NaN then: every gradient becomes NaN); None
+    otherwise (torch multiplies by 1.0, which changes nothing).
+    """
     coef = float(max_norm) / (total_norm + CLIP_EPS)
-    return coef if coef < 1.0 else None
+    return coef if (coef < 1.0 or math.isnan(coef)) else None
 
 
-__all__ = ["CLIP_EPS", "check_norm_type", "clip_coefficient", "global_norm", "local_norm_term"]
+def check_finite(total_norm: float, norm_type: float, where: str) -> None:
+    """Refuse a NaN or infinite norm (``error_if_nonfinite=True``), as torch does.
+
+    Raises:
+        RuntimeError: the norm is NaN or infinite.
+    """
+    if not math.isfinite(total_norm):
+        raise RuntimeError(
+            f"{where}: the total norm of order {norm_type} of the gradients is {total_norm}, "
+            "so they cannot be clipped; find the NaN/inf gradient (e.g. lower the learning "
+            "rate or use loss scaling), or pass error_if_nonfinite=False to scale the "
+            "gradients by the non-finite norm anyway")
+
+
+__all__ = ["CLIP_EPS", "check_finite", "check_norm_type", "clip_coefficient", "global_norm",
+           "local_norm_term"]

@@ -1,28 +1,23 @@
-"""Per-rank memory of a sharded model: a model of it (ZeRO accounting) and measurements.
+"""Per-rank memory of a sharded model: the ZeRO paper's model, an exact model and a tally.
 
-The model follows the ZeRO paper's accounting. With ``P`` parameters and
-``S`` ranks sharing the shards, each rank holds, in bytes::
-
-                   parameters        gradients        optimizer state
-    NO_SHARD       P * p             P * g            P * k
-    SHARD_GRAD_OP  P * p             ceil(P/S) * g    ceil(P/S) * k
-    FULL_SHARD     ceil(P/S) * p     ceil(P/S) * g    ceil(P/S) * k
-    HYBRID_SHARD   as FULL_SHARD with S = ranks per node
-
-where ``p``, ``g`` are the bytes per element of the compute parameters and
-gradients and ``k`` the optimizer's bytes per parameter. Mixed-precision Adam
-is p = 2, g = 2, k = 12 (float32 master weights 4 + exp_avg 4 + exp_avg_sq 4);
-float32 Adam without a separate master copy is p = 4, g = 4, k = 8.
+:meth:`FSDPMemoryStats.estimate` is the paper's accounting before anything is
+built (``P`` parameters, bytes per element given); :func:`unit_footprint` is
+the exact byte count one unit holds in the state the wrapper's
+``memory_estimate`` describes; :class:`HeldBytes` measures the arrays really
+held, counting each underlying buffer once. The accounting is written out in
+docs/guide.md (FSDP, "Memory").
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .policies import CPUOffload, ShardingStrategy
+import numpy as np
 
-MIB = 2**20
+from .._validate import MIB
+from .policies import CPUOffload, ShardingSpec, ShardingStrategy, Span
+from .sharding import FlatUnit
 
 
 @dataclass(frozen=True)
@@ -86,25 +81,22 @@ class FSDPMemoryStats:
         Raises:
             ValueError: negative sizes, or a ``world_size`` below 1.
         """
-        strategy = ShardingStrategy.parse(sharding_strategy)
-        offload = CPUOffload.parse(cpu_offload)
+        strategy = ShardingStrategy.parse(sharding_strategy, "FSDPMemoryStats.estimate")
+        offload = CPUOffload.parse(cpu_offload, "FSDPMemoryStats.estimate")
         if num_params < 0 or world_size < 1:
             raise ValueError(f"FSDPMemoryStats.estimate: need num_params >= 0 and world_size "
                              f">= 1, got {num_params} and {world_size}")
         if min(param_bytes, grad_bytes, optimizer_bytes) < 0:
             raise ValueError("FSDPMemoryStats.estimate: bytes per element must be >= 0")
-        shards = {
-            ShardingStrategy.NO_SHARD: 1,
-            ShardingStrategy.HYBRID_SHARD: ranks_per_node or world_size,
-        }.get(strategy, world_size)
+        spec = strategy.spec
+        shards = shard_count(spec, world_size, ranks_per_node)
         shard = -(-num_params // shards)
-        full_params = strategy in (ShardingStrategy.NO_SHARD, ShardingStrategy.SHARD_GRAD_OP)
-        params = (num_params if full_params else shard) * param_bytes
-        grads = shard * grad_bytes
-        optim = shard * optimizer_bytes
+        params = (shard if spec.parameters else num_params) * param_bytes
+        grads = (shard if spec.gradients else num_params) * grad_bytes
+        optim = (shard if spec.optimizer_state else num_params) * optimizer_bytes
         host: float = 0  # the bytes per element are floats
         if offload.offloads_shards:
-            host = optim + grads + (0 if full_params else params)
+            host = optim + grads + (params if spec.parameters else 0)
         return cls(
             total_params=int(num_params), world_size=shards, sharding_strategy=strategy,
             param_bytes_per_rank=round(params), grad_bytes_per_rank=round(grads),
@@ -150,4 +142,139 @@ class FSDPMemoryStats:
                 f" ({self.memory_savings():.1f}% saved vs NO_SHARD)")
 
 
-__all__ = ["FSDPMemoryStats"]
+def shard_count(spec: ShardingSpec, world_size: int, ranks_per_node: int | None = None) -> int:
+    """Ranks a unit is split over under ``spec`` in a group of ``world_size`` ranks."""
+    if spec.shard_over is Span.NONE:
+        return 1
+    if spec.shard_over is Span.NODE:
+        return ranks_per_node or world_size
+    return world_size
+
+
+@dataclass(frozen=True)
+class OptimizerModel:
+    """What an optimizer keeps per parameter element: ``states`` arrays of ``state_dtype``.
+
+    Made from an axondist optimizer by :meth:`of` (its ``state_names()`` and
+    ``state_dtype()``), or Adam's two arrays when no optimizer is known.
+    """
+
+    states: int
+    """State arrays per updated parameter (SGD without momentum 0, with momentum 1,
+    Adam 2)."""
+
+    state_dtype: Any = None
+    """dtype of those arrays for a float32 parameter; None: the optimizer's rule
+    (float32 for float16/bfloat16 parameters, else the parameter's dtype)."""
+
+    @classmethod
+    def of(cls, optimizer: Any) -> OptimizerModel:
+        """The model of ``optimizer`` (None: Adam's two state arrays)."""
+        names = getattr(optimizer, "state_names", None)
+        if optimizer is None or not callable(names):
+            return cls(2)
+        return cls(len(names()))
+
+    def dtype_for(self, param_dtype: Any) -> np.dtype:
+        """The state dtype for parameters of ``param_dtype``."""
+        if self.state_dtype is not None:
+            return np.dtype(self.state_dtype)
+        dtype = np.dtype(param_dtype)
+        return dtype if dtype in (np.float32, np.float64) else np.dtype(np.float32)
+
+
+@dataclass
+class Footprint:
+    """Bytes by component (a mutable sum; see :class:`FSDPMemoryStats` for the fields)."""
+
+    params: int = 0
+    grads: int = 0
+    optim: int = 0
+    padding: int = 0
+    host: int = 0
+
+    def add(self, component: str, nbytes: int, padding: int = 0, host: bool = False) -> None:
+        """Count ``nbytes`` (of which ``padding`` are padding) under ``component``."""
+        setattr(self, component, getattr(self, component) + int(nbytes))
+        self.padding += int(padding)
+        if host:
+            self.host += int(nbytes)
+
+
+def unit_footprint(flat: FlatUnit, shard_rank: int, spec: ShardingSpec, compute_dtype: Any,
+                   optimizer: OptimizerModel, offload: CPUOffload, out: Footprint) -> None:
+    """Add the bytes one unit holds after ``backward`` and ``optimizer.step()`` to ``out``.
+
+    In that state (the ZeRO paper's) a rank holds: the master shard (counted as
+    optimizer state under mixed precision, as the paper counts the float32
+    copy, else as parameters); the gathered full parameters where the spec
+    keeps them and they are not the master shard itself; the reduced
+    gradient in the master dtype (the shard, or the full padded buffer when
+    gradients are not sharded); and the optimizer's state for the shard.
+    Full model gradients are dropped by the sync, so they count 0.
+    """
+    master = np.dtype(flat.dtype)
+    compute = np.dtype(compute_dtype)
+    lo, hi = flat.valid_bounds(shard_rank)
+    shard_pad = flat.shard_size - (hi - lo)
+    mixed = compute != master
+    on_host = offload.offloads_shards
+    out.add("optim" if mixed else "params", flat.shard_size * master.itemsize,
+            shard_pad * master.itemsize, on_host)
+    if not spec.parameters and (flat.shards > 1 or mixed):
+        out.add("params", flat.padded_numel * compute.itemsize, flat.padding * compute.itemsize)
+    if spec.gradients or flat.shards == 1:
+        out.add("grads", flat.shard_size * master.itemsize, shard_pad * master.itemsize, on_host)
+    else:
+        out.add("grads", flat.padded_numel * master.itemsize, flat.padding * master.itemsize,
+                on_host)
+    state = optimizer.dtype_for(master).itemsize * optimizer.states
+    out.add("optim", flat.shard_size * state, shard_pad * state, on_host)
+
+
+def owner(array: Any) -> Any:
+    """The array that owns ``array``'s memory (itself, or the base of a view)."""
+    while isinstance(getattr(array, "base", None), type(array)):
+        array = array.base
+    return array
+
+
+@dataclass
+class HeldBytes:
+    """A tally of arrays really held, each underlying buffer counted once.
+
+    Arrays are counted by the ``nbytes`` of their owning buffer (a view counts
+    its whole base, which it keeps alive), under the first component that
+    names it.
+    """
+
+    total: Footprint = field(default_factory=Footprint)
+    _seen: set[int] = field(default_factory=set)
+
+    def add(self, array: Any, component: str, flat: FlatUnit | None = None,
+            shard_rank: int = 0, host: bool = False) -> None:
+        """Count ``array`` (None is skipped); ``flat`` locates its padding.
+
+        An owner of ``flat``'s padded length holds ``flat.padding`` padding
+        elements, one of its shard length the shard's padding; any other
+        length none.
+        """
+        if array is None:
+            return
+        base = owner(array)
+        if id(base) in self._seen or not hasattr(base, "nbytes"):
+            return
+        self._seen.add(id(base))
+        pad = 0
+        if flat is not None and flat.shards > 1:
+            size = int(base.size)
+            if size == flat.padded_numel:
+                pad = flat.padding
+            elif size == flat.shard_size:
+                lo, hi = flat.valid_bounds(shard_rank)
+                pad = flat.shard_size - (hi - lo)
+        self.total.add(component, int(base.nbytes), pad * base.itemsize, host)
+
+
+__all__ = ["FSDPMemoryStats", "Footprint", "HeldBytes", "OptimizerModel", "owner",
+           "shard_count", "unit_footprint"]

@@ -188,7 +188,8 @@ def test_estimate_hybrid_offload_and_units() -> None:
     assert "NO_SHARD over 1 (estimated)" in str(st_)
     with pytest.raises(ValueError, match="world_size >= 1"):
         FSDPMemoryStats.estimate(10, 0)
-    with pytest.raises(ValueError, match="is not a strategy"):
+    with pytest.raises(ValueError, match="FSDPMemoryStats.estimate: sharding_strategy='zero-7' "
+                       "is not one of ShardingStrategy's names; use one of 'full_shard'"):
         FSDPMemoryStats.estimate(10, 2, "zero-7")
 
 
@@ -214,7 +215,7 @@ def test_offload_and_strategy_parsing() -> None:
     assert CPUOffload.parse(None) is CPUOffload.NONE
     assert CPUOffload.parse("optimizer_states") is CPUOffload.PARAMS
     assert CPUOffload.parse("full").offloads_accumulation
-    with pytest.raises(ValueError, match="not an offload policy"):
+    with pytest.raises(ValueError, match="cpu_offload=.gpu. is not one of CPUOffload.s names"):
         CPUOffload.parse("gpu")
     assert ShardingStrategy.parse("FULL_SHARD") is ShardingStrategy.FULL_SHARD
     assert ShardingStrategy.HYBRID_SHARD.shards_parameters
