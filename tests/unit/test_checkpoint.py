@@ -1,12 +1,16 @@
-"""The checkpoint formats on one rank: round trips, range reads, refusal of damaged files.
+"""The checkpoint formats on one rank: round trips, range reads, refusal of damaged files,
+atomic re-saves, the writer's lock, asynchronous saves.
 
-(Saving and loading across world sizes is in tests/world/test_fsdp.py.)
+(Saving and loading across world sizes and layouts is in tests/world/test_fsdp.py and
+tests/world/test_checkpoint_world.py; killed and failing multi-process saves in
+tests/faults/test_checkpoint_faults.py.)
 """
 
 from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -52,12 +56,18 @@ def trained(seed: int) -> tuple[list[ad.Parameter], Adam]:
     return params, opt
 
 
+def latest_dir(root) -> Path:
+    return Path(CheckpointReader(root).path)
+
+
 def test_plain_sharded_round_trip_with_optimizer(tmp_path, world) -> None:
     params, opt = trained(0)
     save_sharded_checkpoint(tmp_path, params, opt, group=world, metadata={"epoch": 3})
-    index = json.loads((tmp_path / "index.json").read_text())
+    ckpt = latest_dir(tmp_path)
+    index = json.loads((ckpt / "index.json").read_text())
     assert index["tensors"]["emb"]["dtype"] == "bfloat16"
-    assert sorted(os.listdir(tmp_path)) == sorted(
+    assert sorted(os.listdir(tmp_path)) == sorted(["latest", ckpt.name])
+    assert sorted(os.listdir(ckpt)) == sorted(
         ["index.json"] + [s["file"] for f in index["flats"].values() for s in f["shards"]])
     other, other_opt = model(1), Adam(model(1)[:3], lr=0.5)
     other_opt = Adam(other[:3], lr=0.5)
@@ -71,8 +81,8 @@ def test_plain_sharded_round_trip_with_optimizer(tmp_path, world) -> None:
         for name, v in want["state"][k].items():
             np.testing.assert_array_equal(got["state"][k][name], v)
     # the files are plain .npy anyone can read
-    f = index["flats"]["param0"]["shards"][0]["file"]
-    np.testing.assert_array_equal(np.load(tmp_path / f).reshape(3, 4), params[0].data)
+    f = index["flats"][index["tensors"]["fc.w"]["flat"]]["shards"][0]["file"]
+    np.testing.assert_array_equal(np.load(ckpt / f).reshape(3, 4), params[0].data)
 
 
 @given(numel=st.integers(1, 60), cuts=st.lists(st.integers(1, 59), max_size=5),
@@ -88,23 +98,25 @@ def test_reader_reads_any_range_across_shard_files(tmp_path_factory, numel: int,
                   group=ad.World.mock())
     lo, hi = sorted((min(a, numel), min(b, numel)))
     reader = CheckpointReader(path)
+    assert reader.step == 0 and reader.world_size == 1
     np.testing.assert_array_equal(reader.read("t", lo, hi), flat[offset + lo:offset + hi])
     with pytest.raises(CheckpointError, match="outside tensor 't'"):
         reader.read("t", 0, numel + 1)
 
 
-def _shard_file(path) -> str:
-    index = json.loads((path / "index.json").read_text())
-    return index["flats"]["param0"]["shards"][0]["file"]
+def _shard_file(root) -> tuple[Path, str]:
+    ckpt = latest_dir(root)
+    index = json.loads((ckpt / "index.json").read_text())
+    return ckpt, index["flats"][index["tensors"]["fc.w"]["flat"]]["shards"][0]["file"]
 
 
 def test_corrupted_shard_is_refused_naming_the_file(tmp_path, world) -> None:
     params, opt = trained(0)
     save_sharded_checkpoint(tmp_path, params, opt, group=world)
-    name = _shard_file(tmp_path)
-    raw = bytearray((tmp_path / name).read_bytes())
+    ckpt, name = _shard_file(tmp_path)
+    raw = bytearray((ckpt / name).read_bytes())
     raw[-1] ^= 0xFF
-    (tmp_path / name).write_bytes(bytes(raw))
+    (ckpt / name).write_bytes(bytes(raw))
     with pytest.raises(CheckpointError, match=f"{name} fails its sha256 check .checksum mismatch"):
         load_sharded_checkpoint(tmp_path, model(1))
     # without verification the bytes are read as they are
@@ -114,24 +126,27 @@ def test_corrupted_shard_is_refused_naming_the_file(tmp_path, world) -> None:
 def test_truncated_or_missing_shard_is_refused(tmp_path, world) -> None:
     params, _ = trained(0)
     save_sharded_checkpoint(tmp_path, params, group=world)
-    name = _shard_file(tmp_path)
-    raw = (tmp_path / name).read_bytes()
-    (tmp_path / name).write_bytes(raw[:-8])
+    ckpt, name = _shard_file(tmp_path)
+    raw = (ckpt / name).read_bytes()
+    (ckpt / name).write_bytes(raw[:-8])
     with pytest.raises(CheckpointError, match=f"{name} is {len(raw) - 8} bytes but the index says "
                                               f"{len(raw)} .size mismatch"):
         load_sharded_checkpoint(tmp_path, model(1))
-    os.remove(tmp_path / name)
+    os.remove(ckpt / name)
     with pytest.raises(CheckpointError, match=f"shard file {name} is missing"):
         CheckpointReader(tmp_path).verify_all()
 
 
 def test_incomplete_or_foreign_checkpoints_are_refused(tmp_path, world) -> None:
-    with pytest.raises(CheckpointError, match="index.json does not exist"):
+    with pytest.raises(CheckpointError, match="holds no complete checkpoint"):
         load_sharded_checkpoint(tmp_path, model(0))
     (tmp_path / "index.json").write_text("{not json")
-    with pytest.raises(CheckpointError, match="not valid JSON"):
+    with pytest.raises(CheckpointError, match="index.json is not valid JSON"):
         CheckpointReader(tmp_path)
-    save_sharded_checkpoint(tmp_path, model(0), group=world)  # replaces the bad index
+    (tmp_path / "index.json").write_text("[]")
+    with pytest.raises(CheckpointError, match="index.json holds a JSON list, expected an object"):
+        CheckpointReader(tmp_path)
+    save_sharded_checkpoint(tmp_path, model(0), group=world)  # the pointer now rules
     small = [ad.Parameter(np.zeros((2, 2), np.float32), "fc.w")]
     with pytest.raises(CheckpointError, match="'fc.w' has shape \\(3, 4\\) in the checkpoint"):
         load_sharded_checkpoint(tmp_path, small)
@@ -145,7 +160,7 @@ def test_incomplete_or_foreign_checkpoints_are_refused(tmp_path, world) -> None:
 def test_resave_leaves_no_temporary_files(tmp_path, world) -> None:
     for seed in (0, 1):
         save_sharded_checkpoint(tmp_path, model(seed), group=world)
-    assert not [f for f in os.listdir(tmp_path) if f.endswith(".tmp")]
+    assert not [f for root, _, files in os.walk(tmp_path) for f in files if f.endswith(".tmp")]
     target = model(2)
     load_sharded_checkpoint(tmp_path, target)
     np.testing.assert_array_equal(target[0].data, model(1)[0].data)
