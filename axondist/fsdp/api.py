@@ -549,8 +549,7 @@ class FullyShardedDataParallel:
             _clip.check_finite(total, p, "clip_grad_norm")
         coef = _clip.clip_coefficient(total, max_norm)
         if coef is not None:
-            for g in grads:
-                g *= coef
+            _clip.scale(grads, coef)
         return total
 
     # --- one-call training ------------------------------------------------------------------

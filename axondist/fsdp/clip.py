@@ -13,6 +13,8 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from .. import _array, comm
 from ..ops import ReduceOp
 from ..process_group import ProcessGroup
@@ -41,13 +43,14 @@ def local_norm_term(grads: Sequence[Any], norm_type: float) -> float:
             continue
         xp = _array.namespace(g)
         a = xp.abs(g.astype("float64"))
-        if math.isinf(norm_type):
-            part = float(a.max())  # NaN when any element is NaN
-            total = part if (math.isnan(part) or part > total) else total
-        elif norm_type == 2.0:
-            total += float(xp.dot(a, a))
-        else:
-            total += float((a**norm_type).sum())
+        with np.errstate(invalid="ignore", over="ignore"):
+            if math.isinf(norm_type):
+                part = float(a.max())  # NaN when any element is NaN
+                total = part if (math.isnan(part) or part > total) else total
+            elif norm_type == 2.0:
+                total += float(xp.dot(a, a))
+            else:
+                total += float((a**norm_type).sum())
     return total
 
 
@@ -89,6 +92,13 @@ def clip_coefficient(total_norm: float, max_norm: float) -> float | None:
     return coef if (coef < 1.0 or math.isnan(coef)) else None
 
 
+def scale(grads: Sequence[Any], coef: float) -> None:
+    """Multiply every gradient by ``coef`` in place; ``inf * 0`` becomes NaN without a warning."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        for g in grads:
+            g *= coef
+
+
 def check_finite(total_norm: float, norm_type: float, where: str) -> None:
     """Refuse a NaN or infinite norm (``error_if_nonfinite=True``), as torch does.
 
@@ -104,4 +114,4 @@ def check_finite(total_norm: float, norm_type: float, where: str) -> None:
 
 
 __all__ = ["CLIP_EPS", "check_finite", "check_norm_type", "clip_coefficient", "global_norm",
-           "local_norm_term"]
+           "local_norm_term", "scale"]

@@ -10,6 +10,9 @@ every rank can compute, alone, what 1-rank training on that batch gives.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import logging
 import math
 import os
 import shutil
@@ -17,7 +20,7 @@ import tempfile
 
 import numpy as np
 import pytest
-from harness import UNDER_MPI, mock_only, run_world, world_sizes
+from harness import UNDER_MPI, current_size, mock_only, run_world, world_sizes
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -30,13 +33,14 @@ from axondist.checkpoint import (
     save_full_checkpoint,
     save_sharded_checkpoint,
 )
+from axondist.errors import CollectiveMismatchError
 from axondist.fsdp import (
     FSDP,
     CPUOffload,
     MixedPrecision,
     ShardingStrategy,
 )
-from axondist.optim import SGD, Adam
+from axondist.optim import SGD, Adam, AdamW
 
 BATCH = 4
 STRATEGIES = list(ShardingStrategy)
@@ -92,6 +96,8 @@ def make_optimizer(kind: str, params: list) -> object:
         return SGD(params, lr=0.1, momentum=0.9)
     if kind == "sgd-plain":
         return SGD(params, lr=0.1)
+    if kind == "adamw":
+        return AdamW(params, lr=0.01)
     return Adam(params, lr=0.01)
 
 
@@ -605,3 +611,264 @@ def test_errors_are_clear() -> None:
 
     assert len(model_shapes(3)) == 4
     run_world(body, 2)
+
+
+# --- memory: the estimate is the measurement ----------------------------------------------
+
+PRECISIONS = {
+    "fp32": None,
+    "bf16": MixedPrecision(param_dtype="bfloat16", reduce_dtype="bfloat16"),
+    "fp16": MixedPrecision(param_dtype="float16", reduce_dtype="float16"),
+    "bf16-reduce-fp32": MixedPrecision(param_dtype="bfloat16", reduce_dtype="float32"),
+}
+OFFLOADS = [CPUOffload.NONE, CPUOffload.PARAMS, CPUOffload.FULL]
+
+
+@given(world_size=world_sizes(1, 5), strategy=st.sampled_from(STRATEGIES),
+       precision=st.sampled_from(sorted(PRECISIONS)), offload=st.sampled_from(OFFLOADS),
+       opt_kind=st.sampled_from(["sgd", "sgd-plain", "adam", "adamw"]),
+       units=st.sampled_from(["default", "each", "one-reversed"]), seed=st.integers(0, 10_000))
+@settings(max_examples=40)
+def test_memory_estimate_equals_memory_stats(world_size: int, strategy: ShardingStrategy,
+                                             precision: str, offload: CPUOffload, opt_kind: str,
+                                             units: str, seed: int) -> None:
+    """After backward + optimizer.step, every component of the estimate is the measured one."""
+    def body(world: ad.World) -> None:
+        f = wrap(make_params(seed), world, strategy, seed, units=unit_plan(seed, units),
+                 mixed_precision=PRECISIONS[precision], cpu_offload=offload)
+        opt = make_optimizer(opt_kind, f.sharded_parameters())
+        for step in range(2):
+            f.backward(grad_fn, *batch(seed, world.rank, step))
+            opt.step()
+            got, want = f.memory_stats(opt), f.memory_estimate(opt)
+            assert got.measured and not want.measured
+            for name in ("param_bytes_per_rank", "grad_bytes_per_rank", "optim_bytes_per_rank",
+                         "padding_bytes_per_rank", "host_bytes_per_rank",
+                         "no_shard_bytes_per_rank", "world_size", "total_params"):
+                assert getattr(got, name) == getattr(want, name), (name, got, want)
+            assert dataclasses.replace(got, measured=False) == want
+            opt.zero_grad()
+
+    run_world(body, world_size)
+
+
+@mock_only
+def test_memory_components_under_mixed_precision() -> None:
+    """bf16 FULL_SHARD at 4 ranks: the master shard is optimizer state, gradients are float32."""
+    def body(world: ad.World) -> FSDP:
+        params = [ad.Parameter(np.ones(40, np.float32), name="w")]
+        f = FSDP(params, world, mixed_precision=PRECISIONS["bf16"])
+        opt = Adam(f.sharded_parameters(), lr=0.01)
+        f.backward(lambda a: (0.0, [np.ones(40, np.float32)]))
+        opt.step()
+        stats = f.memory_stats(opt)
+        assert stats.param_bytes_per_rank == 0  # resharded: no bf16 copy is held
+        assert stats.grad_bytes_per_rank == 10 * 4  # float32 gradient shard
+        assert stats.optim_bytes_per_rank == 10 * 4 * 3  # master + exp_avg + exp_avg_sq
+        f.gather_parameters()
+        assert f.memory_stats(opt).param_bytes_per_rank == 40 * 2  # the gathered bf16 buffer
+        return f
+
+    ad.spawn(body, 4)
+
+
+@mock_only
+def test_shard_grad_op_counts_the_master_shard_beside_full_parameters() -> None:
+    """SHARD_GRAD_OP float32 at 4 ranks holds full params AND the master shard (+1/4)."""
+    def body(world: ad.World) -> tuple[int, int]:
+        f = FSDP([ad.Parameter(np.ones(400, np.float32), name="w")], world,
+                 sharding_strategy="shard_grad_op")
+        opt = Adam(f.sharded_parameters(), lr=0.01)
+        f.backward(lambda a: (0.0, [np.ones(400, np.float32)]))
+        opt.step()
+        return f.memory_stats(opt).param_bytes_per_rank, f.memory_estimate(opt).param_bytes_per_rank
+
+    for measured, estimated in ad.spawn(body, 4):
+        assert measured == estimated == 400 * 4 + 100 * 4
+
+
+# --- ZeRO-1 inside FSDP ----------------------------------------------------------
+
+@given(world_size=world_sizes(2, 4), seed=st.integers(0, 10_000))
+@settings(max_examples=8)
+def test_shard_optimizer_keeps_full_gradients_and_shards_state(world_size: int,
+                                                               seed: int) -> None:
+    def body(world: ad.World) -> None:
+        n = world.world_size
+        f = FSDP(make_params(seed), world, sharding_strategy="zero1")
+        assert f.sharding_strategy is ShardingStrategy.SHARD_OPTIMIZER
+        opt = Adam(f.sharded_parameters(), lr=0.01)
+        f.backward(grad_fn, *batch(seed, world.rank, 0))
+        # each shard gradient is a view of the full averaged gradient, which stays held
+        _, full = grad_fn([p.data for p in make_params(seed)], *global_batch(seed, n, 0))
+        for unit, shard in zip(f.units, f.sharded_parameters()):
+            base = shard.grad.base
+            assert base is not None and base.size == unit.padded_numel
+            want = np.concatenate([np.asarray(full[i], np.float64).reshape(-1)
+                                   for i in unit.param_indices])
+            np.testing.assert_allclose(base[:unit.numel], want, rtol=1e-5, atol=1e-6)
+        opt.step()
+        stats = f.memory_stats(opt)
+        assert stats.grad_bytes_per_rank == sum(4 * u.padded_numel for u in f.units)
+        assert stats.optim_bytes_per_rank == sum(8 * u.shard_size for u in f.units)
+        opt.zero_grad()  # drops the views, and with them the full gradients
+        assert f.memory_stats(opt).grad_bytes_per_rank == 0
+
+    run_world(body, world_size)
+
+
+# --- clipping: NaN and inf as torch ------------------------------------------------
+
+def torch_clip_reference(grads: list[np.ndarray], max_norm: float,
+                         norm_type: float) -> tuple[float, list[np.ndarray]]:
+    """torch.nn.utils.clip_grad_norm_ written out in NumPy: the norm of the per-tensor
+    norms (NaN propagates through max and sum), coef = max_norm / (norm + 1e-6) clamped
+    at 1 (a NaN coef stays NaN) and every gradient multiplied by it."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        norms = np.array([np.linalg.norm(g.astype(np.float64).reshape(-1), ord=norm_type)
+                          if g.size else 0.0 for g in grads])
+        total = float(np.max(norms) if math.isinf(norm_type)
+                      else np.sum(norms ** norm_type) ** (1 / norm_type))
+        coef = max_norm / (total + 1e-6)
+        coef = coef if math.isnan(coef) else min(coef, 1.0)
+        return total, [g.astype(np.float64) * coef for g in grads]
+
+
+@given(world_size=world_sizes(1, 4), strategy=st.sampled_from(STRATEGIES),
+       norm_type=st.sampled_from([1.0, 2.0, 3.0, math.inf]),
+       bad=st.sampled_from([math.nan, math.inf, -math.inf, None]),
+       max_norm=st.sampled_from([1e-3, 1e6]), seed=st.integers(0, 10_000))
+@settings(max_examples=40)
+def test_clip_grad_norm_propagates_nan_and_inf_as_torch(world_size: int,
+                                                        strategy: ShardingStrategy,
+                                                        norm_type: float, bad: float | None,
+                                                        max_norm: float, seed: int) -> None:
+    def body(world: ad.World) -> None:
+        n = world.world_size
+        f = wrap(make_params(seed), world, strategy, seed, units=unit_plan(seed, "each"))
+        grads = grad_fn([p.data for p in make_params(seed)], *global_batch(seed, n, 0))[1]
+        if bad is not None:  # one element of one parameter; only the last rank sends it
+            target = seed % len(grads)
+            grads[target] = np.array(grads[target], dtype=np.float32)
+            grads[target].reshape(-1)[seed % grads[target].size] = bad
+        f.gather_parameters()
+        for p, g in zip(f.full_parameters(), grads):
+            p.grad = np.array(g, dtype=np.float32) if world.rank == n - 1 else np.zeros_like(g)
+        f.sync_gradients()  # the average: the last rank's values over n
+        avg = [np.array(g, np.float32) / np.float32(n) for g in grads]
+        want_total, want = torch_clip_reference(avg, max_norm, norm_type)
+        total = f.clip_grad_norm(max_norm, norm_type)
+        if math.isnan(want_total):
+            assert math.isnan(total)
+        else:
+            assert total == pytest.approx(want_total, rel=1e-5)
+        for unit, shard in zip(f.units, f.sharded_parameters()):
+            lo, hi = unit.valid_bounds(f.shard_rank)
+            start, _ = unit.shard_bounds(f.shard_rank)
+            flat = np.concatenate([want[i].reshape(-1) for i in unit.param_indices])
+            np.testing.assert_allclose(shard.grad[lo - start:hi - start], flat[lo:hi],
+                                       rtol=1e-4, atol=1e-6)  # NaNs must match NaNs
+        refused = pytest.raises(RuntimeError, match="is (nan|inf).*error_if_nonfinite=False")
+        with refused if not math.isfinite(want_total) else contextlib.nullcontext():
+            f.clip_grad_norm(max_norm, norm_type, error_if_nonfinite=True)
+
+    run_world(body, world_size)
+
+
+def test_clip_grad_norm_inf_norm_sees_nan_on_another_rank() -> None:
+    """The case that returned 0.5: norm_type=inf, a NaN on one rank, 0.5 elsewhere."""
+    def body(world: ad.World) -> float:
+        f = FSDP([ad.Parameter(np.zeros(8, np.float32), name="w")], world)
+        f.gather_parameters()
+        g = np.full(8, 0.5 * world.world_size, np.float32)
+        if world.rank == 0:
+            g[0] = np.nan
+        f.full_parameters()[0].grad = g
+        f.sync_gradients()
+        return f.clip_grad_norm(1.0, math.inf)
+
+    assert all(math.isnan(t) for t in run_world(body, 2))
+
+
+# --- construction: same model on every rank, rank 0's values ------------------------------
+
+@given(world_size=world_sizes(2, 4), strategy=st.sampled_from(STRATEGIES),
+       change=st.sampled_from(["shape", "dtype", "name", "count"]))
+@settings(max_examples=12)
+def test_different_models_are_refused_on_every_rank(world_size: int, strategy: ShardingStrategy,
+                                                    change: str) -> None:
+    def body(world: ad.World) -> str:
+        odd = world.rank == world.world_size - 1
+        shapes: list[tuple[int, ...]] = [(3,), (2, 2)]
+        dtypes = [np.float32, np.float32]
+        names = ["a", "b"]
+        if odd and change == "shape":
+            shapes[1] = (2, 3)
+        if odd and change == "dtype":
+            dtypes[1] = np.float64
+        if odd and change == "name":
+            names[1] = "c"
+        if odd and change == "count":
+            shapes.append((1,)), dtypes.append(np.float32), names.append("d")
+        params = [ad.Parameter(np.zeros(s, d), name=n) for s, d, n in zip(shapes, dtypes, names)]
+        with pytest.raises(CollectiveMismatchError, match="models differ") as info:
+            wrap(params, world, strategy, 0)
+        return str(info.value)
+
+    messages = run_world(body, world_size)
+    last = current_size(world_size) - 1
+    for m in messages:
+        assert f"rank {last}" in m
+        if change != "count":
+            assert "parameter 1" in m
+    assert len(set(messages)) == 1  # the same text on every rank
+
+
+def test_sync_module_states_is_the_default() -> None:
+    """Rank-dependent initial values: every rank starts from rank 0's."""
+    def body(world: ad.World) -> None:
+        f = FSDP(make_params(0, values=world.rank), world, sharding_strategy="shard_grad_op")
+        assert_close(full_values(f), [p.data for p in make_params(0)], 0, 0)
+        # without it each NO_SHARD rank keeps its own values
+        g = FSDP(make_params(0, values=world.rank), world, sharding_strategy="no_shard",
+                 sync_module_states=False)
+        assert_close(full_values(g), [p.data for p in make_params(0, values=world.rank)], 0, 0)
+
+    run_world(body, 3)
+
+
+# --- summon_full_params, logging ----------------------------------------------------------
+
+@given(world_size=world_sizes(1, 4), strategy=st.sampled_from(STRATEGIES),
+       seed=st.integers(0, 1000))
+@settings(max_examples=10)
+def test_summon_full_params_gathers_and_reshards(world_size: int, strategy: ShardingStrategy,
+                                                 seed: int) -> None:
+    def body(world: ad.World) -> None:
+        f = wrap(make_params(seed), world, strategy, seed)
+        ref = make_params(seed)
+        with f.summon_full_params() as full:
+            assert_close([p.data for p in full], [p.data for p in ref], 0, 0)
+            assert all(f.is_gathered(u) for u in range(len(f.units)))
+        assert all(f.is_gathered(u) != strategy.spec.parameters for u in range(len(f.units)))
+        with pytest.raises(KeyError), f.summon_full_params(0):  # resharded on the way out
+            assert f.is_gathered(0)
+            raise KeyError("boom")
+        assert f.is_gathered(0) != strategy.spec.parameters
+        with pytest.raises(ValueError, match="unit=99 is not a unit index"):
+            with f.summon_full_params(99):
+                pass
+        f.gather_parameters()  # the explicit calls keep working
+        f.reshard_parameters()
+
+    run_world(body, world_size)
+
+
+@mock_only
+def test_construction_logs_units_strategy_and_estimate(caplog) -> None:
+    with caplog.at_level(logging.INFO, logger="axondist.fsdp"):
+        ad.spawn(lambda w: FSDP(make_params(3), w, sharding_strategy="shard_grad_op"), 2)
+    lines = [r.getMessage() for r in caplog.records if r.name == "axondist.fsdp"]
+    assert len(lines) == 2
+    assert all("SHARD_GRAD_OP" in m and "units" in m and "estimated per rank" in m
+               and "MiB" in m for m in lines)
