@@ -77,13 +77,13 @@ class ShardingSpec:
                                              or self.optimizer_state):
             raise ValueError("ShardingSpec: shard_over=NONE shards nothing; set parameters, "
                              "gradients and optimizer_state to False")
-        if self.shard_over is not Span.NONE and not self.optimizer_state:
-            raise ValueError("ShardingSpec: a spec that shards over ranks shards at least the "
-                             "optimizer state (ZeRO-1)")
         if (self.parameters and not self.gradients) or (self.gradients
                                                         and not self.optimizer_state):
             raise ValueError("ShardingSpec: sharding is nested: parameters imply gradients, "
                              "gradients imply optimizer_state")
+        if self.shard_over is not Span.NONE and not self.optimizer_state:
+            raise ValueError("ShardingSpec: a spec that shards over ranks shards at least the "
+                             "optimizer state (ZeRO-1)")
 
     @property
     def uses_nodes(self) -> bool:
