@@ -1,0 +1,248 @@
+"""ZeroRedundancyOptimizer against the unsharded optimizer, on random models and world sizes.
+
+Gradients are averaged by DDP (as with torch), each rank's batch derives from
+(seed, rank), and the reference is one process training on the concatenated
+batches with the plain optimizer: the parameters must agree to rounding, the
+optimizer state must be split 1/N, and a consolidated state dict must load at
+another world size (or into the plain optimizer) and keep training identically.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from harness import current_size, mock_only, run_world, world_sizes
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import axondist as ad
+from axondist.ddp import DistributedDataParallel
+from axondist.errors import CollectiveMismatchError
+from axondist.optim import SGD, Adam, AdamW
+from axondist.zero import ZeroRedundancyOptimizer, shard_elements
+
+KINDS = {
+    "sgd": (SGD, {"lr": 0.1}),
+    "sgd-momentum": (SGD, {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.01}),
+    "adam": (Adam, {"lr": 0.01, "weight_decay": 0.01}),
+    "adamw": (AdamW, {"lr": 0.01}),
+}
+
+
+def shapes_of(seed: int) -> list[tuple[int, ...]]:
+    rng = np.random.default_rng([seed, 1])
+    return [tuple(int(d) for d in rng.integers(1, 6, size=int(rng.integers(0, 3))))
+            for _ in range(int(rng.integers(1, 6)))]
+
+
+def make_params(seed: int, dtype: str = "float32") -> list[ad.Parameter]:
+    rng = np.random.default_rng([seed, 2])
+    return [ad.Parameter(rng.standard_normal(s).astype(dtype), name=f"p{i}")
+            for i, s in enumerate(shapes_of(seed))]
+
+
+def batch(seed: int, rank: int, step: int) -> tuple[np.ndarray, np.ndarray]:
+    d = sum(math.prod(s) for s in shapes_of(seed))
+    rng = np.random.default_rng([seed, 3, rank, step])
+    return rng.standard_normal((4, d)) / math.sqrt(d), rng.standard_normal(4)
+
+
+def grad_fn(arrays: list, x: np.ndarray, y: np.ndarray, skip: int | None = None) -> tuple:
+    """mean((x @ theta - y)^2) over every parameter at once; ``skip`` gets no gradient."""
+    theta = np.concatenate([np.asarray(a, np.float64).reshape(-1) for a in arrays])
+    r = x @ theta - y
+    g = 2.0 / len(y) * (x.T @ r)
+    grads, off = [], 0
+    for i, a in enumerate(arrays):
+        grads.append(None if i == skip else g[off:off + a.size].reshape(a.shape).astype(a.dtype))
+        off += a.size
+    return float(np.mean(r * r)), grads
+
+
+def reference(seed: int, ranks: int, steps: range, kind: str, params: list | None = None,
+              opt: object = None, skip: int | None = None) -> tuple[list, object]:
+    """The plain optimizer on the concatenated batches of ``ranks`` ranks."""
+    params = params if params is not None else make_params(seed)
+    cls, kw = KINDS[kind]
+    opt = opt if opt is not None else cls(params, **kw)
+    for step in steps:
+        xs, ys = zip(*(batch(seed, r, step) for r in range(ranks)))
+        _, grads = grad_fn([p.data for p in params], np.concatenate(xs), np.concatenate(ys),
+                           skip)
+        for p, g in zip(params, grads):
+            p.grad = g
+        opt.step()
+        opt.zero_grad()
+    return params, opt
+
+
+def train(ddp: DistributedDataParallel, zero: ZeroRedundancyOptimizer, seed: int, rank: int,
+          steps: range) -> None:
+    for step in steps:
+        ddp.backward(*batch(seed, rank, step))
+        zero.step()
+        zero.zero_grad()
+
+
+def build(params: list, group: ad.ProcessGroup, kind: str, skip: int | None = None,
+          unit_size_mb: float = 16.0) -> tuple[DistributedDataParallel, ZeroRedundancyOptimizer]:
+    ddp = DistributedDataParallel(params, group, missing_grad="error",
+                                  grad_fn=lambda a, x, y: grad_fn(a, x, y, skip))
+    cls, kw = KINDS[kind]
+    return ddp, ZeroRedundancyOptimizer(ddp.parameters(), cls, group, unit_size_mb=unit_size_mb,
+                                        **kw)
+
+
+@given(world_size=world_sizes(1, 4), kind=st.sampled_from(sorted(KINDS)),
+       seed=st.integers(0, 10_000), skip=st.sampled_from([None, 0]),
+       tiny_units=st.booleans())
+@settings(max_examples=25)
+def test_trains_like_the_unsharded_optimizer(world_size: int, kind: str, seed: int,
+                                             skip: int | None, tiny_units: bool) -> None:
+    def body(world: ad.World) -> None:
+        params = make_params(seed)
+        ddp, zero = build(params, world, kind, skip, 1e-5 if tiny_units else 16.0)
+        train(ddp, zero, seed, world.rank, range(3))
+        want, ref = reference(seed, world.world_size, range(3), kind, skip=skip)
+        for p, q in zip(params, want):
+            np.testing.assert_allclose(p.data, q.data, rtol=1e-5, atol=1e-6)
+        # the consolidated state is the plain optimizer's, array for array
+        sd, ref_sd = zero.state_dict(), ref.state_dict()
+        assert sd["optimizer"] == ref_sd["optimizer"] and sd["step_count"] == 3
+        assert sd["hyperparameters"] == ref_sd["hyperparameters"]
+        assert sorted(sd["state"]) == sorted(ref_sd["state"])
+        for i, entry in ref_sd["state"].items():
+            assert sd["state"][i]["step"] == entry["step"]
+            for name in entry:
+                if name != "step":
+                    assert isinstance(sd["state"][i][name], np.ndarray)
+                    np.testing.assert_allclose(sd["state"][i][name], entry[name], rtol=1e-5,
+                                               atol=1e-7)
+
+    run_world(body, world_size)
+
+
+@given(world_size=world_sizes(1, 4), kind=st.sampled_from(["adam", "sgd-momentum"]),
+       seed=st.integers(0, 10_000))
+@settings(max_examples=10)
+def test_optimizer_state_is_split_over_the_ranks(world_size: int, kind: str, seed: int) -> None:
+    def body(world: ad.World) -> tuple[int, int]:
+        params = make_params(seed)
+        ddp, zero = build(params, world, kind)
+        train(ddp, zero, seed, world.rank, range(1))
+        per_element = (2 if kind == "adam" else 1) * 4
+        mine = zero.local_state_bytes()
+        assert mine == per_element * shard_elements(zero.units, world.rank)
+        # at most one shard per unit: the padded unit over the ranks, rounded up
+        assert mine <= per_element * sum(u.shard_size for u in zero.units)
+        return mine, world.world_size
+
+    results = run_world(body, world_size)
+    if len(results) > 1:  # the mock world sees every rank: the shares add up to the whole
+        _, ref = reference(seed, world_size, range(1), kind)
+        whole = sum(v.nbytes for s in ref.state.values() for v in s.values()
+                    if hasattr(v, "nbytes"))
+        assert sum(m for m, _ in results) == whole
+
+
+@given(world_size=world_sizes(2, 4), data=st.data(), kind=st.sampled_from(["adam", "adamw"]),
+       seed=st.integers(0, 10_000))
+@settings(max_examples=10)
+def test_state_dict_round_trips_at_another_world_size(world_size: int, data, kind: str,
+                                                      seed: int) -> None:
+    """Train 2 steps at N ranks, save; load at M ranks (or the plain optimizer), 1 more step."""
+    n_save = data.draw(st.integers(1, world_size), label="save ranks")
+    n_load = data.draw(st.integers(1, world_size), label="load ranks")
+
+    def body(world: ad.World) -> None:
+        save_group = world.new_group(range(n_save))
+        load_group = world.new_group(range(n_load))
+        saved = values = None
+        if save_group.is_member:
+            params = make_params(seed)
+            ddp, zero = build(params, save_group, kind)
+            train(ddp, zero, seed, save_group.rank, range(2))
+            saved, values = zero.state_dict(), [p.data.copy() for p in params]
+        backend = world.backend
+        saved, values = backend.broadcast_object((saved, values), 0)
+        want, ref_opt = reference(seed, n_save, range(2), kind)
+        reference(seed, n_load, range(2, 3), kind, params=want, opt=ref_opt)
+        # the consolidated state loads into the plain optimizer too
+        cls, kw = KINDS[kind]
+        plain = [ad.Parameter(v.copy()) for v in values]
+        plain_opt = cls(plain, **kw)
+        plain_opt.load_state_dict(saved)
+        reference(seed, n_load, range(2, 3), kind, params=plain, opt=plain_opt)
+        if load_group.is_member:
+            params = [ad.Parameter(v.copy(), name=f"p{i}") for i, v in enumerate(values)]
+            ddp, zero = build(params, load_group, kind)
+            zero.load_state_dict(saved)
+            assert zero.step_count == 2
+            train(ddp, zero, seed, load_group.rank, range(2, 3))
+            for p, q, r in zip(params, plain, want):
+                np.testing.assert_allclose(p.data, q.data, rtol=1e-5, atol=1e-6)
+                np.testing.assert_allclose(p.data, r.data, rtol=1e-5, atol=1e-6)
+
+    run_world(body, world_size)
+
+
+def test_mixed_dtypes_and_more_ranks_than_elements() -> None:
+    """float64 and float32 parameters in separate units; a rank may own nothing."""
+    def body(world: ad.World) -> None:
+        params = [ad.Parameter(np.ones(2, np.float64), "a"), ad.Parameter(np.ones(1, np.float32),
+                                                                           "b")]
+        zero = ZeroRedundancyOptimizer(params, Adam, world, lr=0.1)
+        assert [u.dtype for u in zero.units] == [np.float64, np.float32]
+        for p in params:
+            p.grad = np.ones_like(p.data)
+        zero.step()
+        for p in params:
+            np.testing.assert_allclose(p.data, 1 - 0.1, rtol=1e-6)
+            assert p.data.dtype == p.grad.dtype
+        assert zero.local_state_bytes() == 16 * shard_elements(zero.units[:1], world.rank) + \
+            8 * shard_elements(zero.units[1:], world.rank)
+
+    run_world(body, current_size(3))
+
+
+def test_errors_are_clear() -> None:
+    def body(world: ad.World) -> None:
+        params = make_params(4)
+        with pytest.raises(TypeError, match="optimizer_class must be an axondist optimizer"):
+            ZeroRedundancyOptimizer(params, object, world)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="betas must be two numbers"):
+            ZeroRedundancyOptimizer(params, Adam, world, betas=(2.0, 0.5))
+        zero = ZeroRedundancyOptimizer(params, Adam, world, lr=0.01)
+        params[0].grad = np.zeros(params[0].size + 1, np.float32)
+        with pytest.raises(ValueError, match="has shape .* but its .grad has shape"):
+            zero.step()
+        zero.zero_grad()
+        sd = zero.state_dict()
+        with pytest.raises(ValueError, match="of optimizer 'Adam', not 'SGD'"):
+            ZeroRedundancyOptimizer(params, SGD, world, lr=0.1).load_state_dict(sd)
+        bad = {**sd, "state": {0: {"step": 1, "exp_avg": np.zeros(99),
+                                   "exp_avg_sq": np.zeros(99)}}}
+        with pytest.raises(ValueError, match="state 'exp_avg' of parameter 0 has shape"):
+            zero.load_state_dict(bad)
+        with pytest.raises(ValueError, match="parameter index 40"):
+            zero.load_state_dict({**sd, "state": {40: {"step": 1}}})
+        if world.world_size > 1:
+            odd = make_params(4) + ([ad.Parameter(np.ones(1, np.float32))]
+                                    if world.rank == world.world_size - 1 else [])
+            with pytest.raises(CollectiveMismatchError, match="parameters differ: rank"):
+                ZeroRedundancyOptimizer(odd, Adam, world)
+
+    run_world(body, current_size(2))
+
+
+@mock_only
+def test_lr_passes_through() -> None:
+    def body(world: ad.World) -> float:
+        zero = ZeroRedundancyOptimizer(make_params(1), SGD, world, lr=0.5)
+        zero.lr = 0.25
+        assert "SGD" in repr(zero) and "2 ranks" in repr(zero)
+        return zero.optim.lr
+
+    assert ad.spawn(body, 2) == [0.25, 0.25]
