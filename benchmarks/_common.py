@@ -13,14 +13,15 @@ means the first variant is faster.
 
 Typical use (every rank of an MPI job runs the same calls)::
 
-    times = alternate({"axondist": f, "raw": g}, batch=200, repeats=15,
-                      sync=comm.Barrier)
-    ratio = paired_ratio(times["axondist"], times["raw"])
+    times = alternate({"axondist": f, "raw": g}, batch=200, repeats=15, comm=comm)
+    row = {"axondist_us": spread(times["axondist"], 1e6),
+           "axondist/raw": ratio_spread(times["axondist"], times["raw"])}
     print(format_table(["size", "axondist us", "raw us", "ratio"], rows))
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import socket
@@ -32,7 +33,7 @@ from typing import Any
 
 def alternate(variants: Mapping[str, Callable[[], Any]], *, batch: int, repeats: int,
               warmup: int = 1, sync: Callable[[], Any] | None = None,
-              prime: bool = True) -> dict[str, list[float]]:
+              prime: bool = True, comm: Any = None) -> dict[str, list[float]]:
     """Seconds per call of each variant, one entry per timed batch.
 
     Args:
@@ -45,6 +46,9 @@ def alternate(variants: Mapping[str, Callable[[], Any]], *, batch: int, repeats:
             its cost is inside the batch, spread over ``batch`` calls.
         prime: make one untimed call before each batch (False for variants
             that are whole processes, e.g. start-up times).
+        comm: an mpi4py communicator every rank passes: ``sync`` defaults to its
+            ``Barrier``, and each batch's time is the slowest rank's (the same
+            lists come back on every rank).
 
     Returns:
         name -> ``repeats`` per-call times in seconds, in batch order (so the
@@ -52,7 +56,7 @@ def alternate(variants: Mapping[str, Callable[[], Any]], *, batch: int, repeats:
     """
     if batch < 1 or repeats < 1:
         raise ValueError(f"alternate: batch and repeats must be >= 1, got {batch}, {repeats}")
-    sync = sync or (lambda: None)
+    sync = sync or (comm.Barrier if comm is not None else (lambda: None))
     times: dict[str, list[float]] = {name: [] for name in variants}
     orders = balanced_orders(list(variants))
     for rep in range(warmup + repeats):
@@ -68,7 +72,53 @@ def alternate(variants: Mapping[str, Callable[[], Any]], *, batch: int, repeats:
             elapsed = time.perf_counter() - start
             if rep >= warmup:
                 times[name].append(elapsed / batch)
-    return times
+    return slowest_rank(times, comm) if comm is not None else times
+
+
+def slowest_rank(times: Mapping[str, Sequence[float]], comm: Any) -> dict[str, list[float]]:
+    """Batch by batch, the largest time any rank of ``comm`` measured (a collective)."""
+    every = comm.allgather({k: list(v) for k, v in times.items()})
+    return {k: [max(values) for values in zip(*(rank[k] for rank in every))] for k in times}
+
+
+def spread(values: Sequence[float], scale: float = 1.0) -> dict[str, float]:
+    """Median, quartiles, extremes and count of ``values`` (times ``scale``: 1e3 for ms).
+
+    Raises:
+        ValueError: ``values`` is empty.
+    """
+    if not values:
+        raise ValueError("spread: needs at least one value")
+    v = sorted(float(x) * scale for x in values)
+    if len(v) >= 2:
+        q1, _, q3 = statistics.quantiles(v, n=4, method="inclusive")
+    else:
+        q1 = q3 = v[0]
+    return {"median": statistics.median(v), "q1": q1, "q3": q3, "min": v[0], "max": v[-1],
+            "n": len(v)}
+
+
+def format_spread(stat: Mapping[str, float]) -> str:
+    """``median (min-max)`` of a :func:`spread`, 3 significant digits each."""
+    return f"{stat['median']:.3g} ({stat['min']:.3g}-{stat['max']:.3g})"
+
+
+def paired_ratios(numerator: Sequence[float], denominator: Sequence[float]) -> list[float]:
+    """``numerator[k] / denominator[k]`` for every batch ``k``."""
+    if len(numerator) != len(denominator) or not numerator:
+        raise ValueError("paired_ratios: needs two equally long, non-empty series")
+    return [a / b for a, b in zip(numerator, denominator)]
+
+
+def ratio_spread(numerator: Sequence[float], denominator: Sequence[float]) -> dict[str, float]:
+    """:func:`spread` of the per-batch ratios (its median is :func:`paired_ratio`)."""
+    return spread(paired_ratios(numerator, denominator))
+
+
+def missing_peers(peers: Mapping[str, str]) -> dict[str, str]:
+    """``{peer: "MODULE not installed"}`` for each peer (label -> module) not importable."""
+    return {label: f"{module} not installed" for label, module in peers.items()
+            if importlib.util.find_spec(module) is None}
 
 
 def balanced_orders(names: list[str]) -> list[list[str]]:
@@ -87,9 +137,7 @@ def median(values: Sequence[float]) -> float:
 
 def paired_ratio(numerator: Sequence[float], denominator: Sequence[float]) -> float:
     """Median over batches of ``numerator[k] / denominator[k]``."""
-    if len(numerator) != len(denominator) or not numerator:
-        raise ValueError("paired_ratio: needs two equally long, non-empty series")
-    return statistics.median(a / b for a, b in zip(numerator, denominator))
+    return statistics.median(paired_ratios(numerator, denominator))
 
 
 def batch_for(nbytes: int, budget_bytes: int = 64 << 20, lo: int = 1, hi: int = 400) -> int:
@@ -121,10 +169,11 @@ def format_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
 
 
 def write_json(path: str | None, results: Any) -> None:
-    """Write ``results`` as JSON to ``path`` (nothing when None)."""
+    """Write ``results`` as JSON to ``path`` (nothing when None), keys in the order given
+    (the report shows tables and columns in that order)."""
     if path:
         with open(path, "w", encoding="utf-8") as f:
-            json.dump(results, f, indent=2, sort_keys=True)
+            json.dump(results, f, indent=2)
 
 
 def start_gloo(comm: Any) -> Any:

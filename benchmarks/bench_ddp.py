@@ -4,8 +4,9 @@
 
 The model: 160 float32 arrays (40 layers of two matrices and two vectors),
 24.95M values, 95 MiB. Every variant runs on every rank, in alternating
-timed batches (see ``_common.alternate``); the table gives median
-milliseconds per call and paired ratios.
+timed batches (see ``_common.alternate``), each batch timed on the slowest
+rank; every figure is the median (min-max) over the batches, ratios paired
+batch by batch.
 
 Gradient synchronization alone (gradients already in place):
 
@@ -50,9 +51,11 @@ sys.path[:0] = [os.path.dirname(_HERE), _HERE]  # the checkout's axondist, and _
 import numpy as np  # noqa: E402
 from _common import (  # noqa: E402
     alternate,
+    format_spread,
     format_table,
-    median,
-    paired_ratio,
+    missing_peers,
+    ratio_spread,
+    spread,
     start_gloo,
     write_json,
 )
@@ -201,11 +204,13 @@ def run(repeats: int, use_torch: bool) -> dict[str, Any]:
     numel = sum(int(np.prod(s)) for s in shapes)
     dist = start_gloo(comm) if use_torch else None
     results: dict[str, Any] = {"world_size": comm.size, "arrays": len(shapes),
-                               "values": numel, "mib": numel * 4 / 2**20}
+                               "values": numel, "mib": numel * 4 / 2**20, "repeats": repeats,
+                               "missing_peers": (missing_peers({"torch DDP (gloo)": "torch"})
+                                                 if use_torch else
+                                                 {"torch DDP (gloo)": "skipped (--no-torch)"})}
     for part, fns in (("sync", sync_variants(shapes, comm, MPI)),
                       ("step", step_variants(shapes, dist))):
-        times = alternate(fns, batch=3, repeats=repeats, sync=comm.Barrier)
-        results[part] = {k: comm.bcast(v, root=0) for k, v in times.items()}
+        results[part] = alternate(fns, batch=3, repeats=repeats, comm=comm)  # slowest rank
     if dist is not None:
         dist.destroy_process_group()
     return results
@@ -217,59 +222,59 @@ def _extra(times: dict[str, list[float]], name: str) -> list[float]:
 
 
 def summarize(results: dict[str, Any]) -> dict[str, Any]:
+    """Every figure as a spread over the timed batches (each the slowest rank's time)."""
     sync, step = results["sync"], results["step"]
     ours = sync["axondist sync"]
-    summary: dict[str, Any] = {
-        "sync_ms": {k: median(v) * 1e3 for k, v in sync.items()},
-        "step_ms": {k: median(v) * 1e3 for k, v in step.items()},
-        "ratios": {
-            "sync / raw (a)": paired_ratio(ours, sync["raw (a)"]),
-            "sync / raw (a)+mean": paired_ratio(ours, sync["raw (a)+mean"]),
-            "sync / raw (b)": paired_ratio(ours, sync["raw (b)"]),
-            "sync / raw (c)": paired_ratio(ours, sync["raw (c)"]),
-            "overlapped / sync (sync_gradients)": paired_ratio(sync["axondist overlapped"], ours),
-        },
-        "extra_ms": {},
+    extra = {"axondist step sync": _extra(step, "axondist step sync"),
+             "axondist step overlapped": _extra(step, "axondist step overlapped")}
+    ratios = {
+        "sync / raw (a)": ratio_spread(ours, sync["raw (a)"]),
+        "sync / raw (a)+mean": ratio_spread(ours, sync["raw (a)+mean"]),
+        "sync / raw (b)": ratio_spread(ours, sync["raw (b)"]),
+        "sync / raw (c)": ratio_spread(ours, sync["raw (c)"]),
+        "overlapped / sync (sync_gradients)": ratio_spread(sync["axondist overlapped"], ours),
+        "overlapped / sync (step extra)": spread([o / s if s > 0 else float("nan") for o, s in
+                                                  zip(extra["axondist step overlapped"],
+                                                      extra["axondist step sync"])]),
     }
-    extra_sync = _extra(step, "axondist step sync")
-    extra_over = _extra(step, "axondist step overlapped")
-    summary["extra_ms"]["axondist step sync"] = median(extra_sync) * 1e3
-    summary["extra_ms"]["axondist step overlapped"] = median(extra_over) * 1e3
-    summary["ratios"]["overlapped / sync (step extra)"] = (
-        median(extra_over) / median(extra_sync) if median(extra_sync) > 0 else float("nan"))
     if "torch ddp step" in step:
-        extra_torch = _extra(step, "torch ddp step")
-        summary["extra_ms"]["torch ddp step"] = median(extra_torch) * 1e3
-        summary["ratios"]["torch extra / axondist sync"] = median(extra_torch) / median(ours)
-        summary["ratios"]["torch extra / axondist step extra"] = (
-            median(extra_torch) / median(extra_sync))
-    r = summary["ratios"]
-    summary["targets"] = {
-        "sync <= 1.15x raw (a)": r["sync / raw (a)"] <= 1.15,
-        "sync < raw (b)": r["sync / raw (b)"] < 1.0,
-        "sync < raw (c)": r["sync / raw (c)"] < 1.0,
+        extra["torch ddp step"] = _extra(step, "torch ddp step")
+        ratios["torch extra / axondist sync"] = ratio_spread(extra["torch ddp step"], ours)
+        ratios["torch extra / axondist step extra"] = ratio_spread(
+            extra["torch ddp step"], extra["axondist step sync"])
+    med = {k: v["median"] for k, v in ratios.items()}
+    targets = {
+        "sync <= 1.15x raw (a)": med["sync / raw (a)"] <= 1.15,
+        "sync < raw (b)": med["sync / raw (b)"] < 1.0,
+        "sync < raw (c)": med["sync / raw (c)"] < 1.0,
     }
-    if "torch extra / axondist sync" in r:
-        summary["targets"]["torch extra >= 3x axondist sync"] = (
-            r["torch extra / axondist sync"] >= 3)
-    return summary
+    if "torch extra / axondist sync" in med:
+        targets["torch extra >= 3x axondist sync"] = med["torch extra / axondist sync"] >= 3
+    return {
+        "gradient sync": [{"variant": k, "time_ms": spread(v, 1e3)} for k, v in sync.items()],
+        "training step": [{"variant": k, "time_ms": spread(v, 1e3)} for k, v in step.items()],
+        "extra over no_sync": [{"variant": k, "time_ms": spread(v, 1e3)}
+                               for k, v in extra.items()],
+        "ratios": [{"ratio": k, "value": v} for k, v in ratios.items()],
+        "targets": targets,
+    }
 
 
 def report(results: dict[str, Any], summary: dict[str, Any]) -> str:
     title = (f"world size {results['world_size']}; {results['arrays']} float32 arrays, "
              f"{results['values'] / 1e6:.2f}M values ({results['mib']:.1f} MiB); "
-             "median ms per call")
+             f"median (min-max) over {results['repeats']} timed batches, slowest rank")
     lines = [title, ""]
-    lines.append(format_table(["gradient sync", "ms"], list(summary["sync_ms"].items())))
+    for part in ("gradient sync", "training step", "extra over no_sync"):
+        rows = [(r["variant"], format_spread(r["time_ms"])) for r in summary[part]]
+        lines += [format_table([part, "ms"], rows), ""]
+    lines.append(format_table(["ratio", "value"], [(r["ratio"], format_spread(r["value"]))
+                                                   for r in summary["ratios"]]))
     lines.append("")
-    lines.append(format_table(["training step", "ms"], list(summary["step_ms"].items())))
-    lines.append("")
-    lines.append(format_table(["extra over no_sync", "ms"], list(summary["extra_ms"].items())))
-    lines.append("")
-    lines.append(format_table(["ratio", "value"], list(summary["ratios"].items())))
-    lines.append("")
-    lines.append(format_table(["target", "met"], [(k, "ok" if v else "MISSED")
+    lines.append(format_table(["target", "met"], [(k, "met" if v else "MISSED")
                                                   for k, v in summary["targets"].items()]))
+    for peer, why in results["missing_peers"].items():
+        lines.append(f"not measured: {peer} ({why})")
     return "\n".join(lines)
 
 
@@ -283,8 +288,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     summary = summarize(results)
     if ad.rank() == 0:
         print(report(results, summary), flush=True)
-        write_json(args.json, {"summary": summary, "world_size": results["world_size"],
-                               "arrays": results["arrays"], "mib": results["mib"]})
+        write_json(args.json, {**summary, "world_size": results["world_size"],
+                               "arrays": results["arrays"], "mib": results["mib"],
+                               "repeats": results["repeats"],
+                               "missing_peers": results["missing_peers"]})
     return summary
 
 

@@ -13,10 +13,17 @@ dict ``RUNNER = {"ranks": 4, "args": [...], "quick_args": [...],
 
 Every benchmark is asked for ``--json PATH`` when its source mentions that
 option; the JSON's tables (lists of row dicts, however nested) go into the
-report, with a plot of each ratio column against the size column when
-matplotlib is installed. Its own printed table is kept too, so one without
-``--json`` is reported as text. A benchmark that fails, times out or is
-skipped is reported as such; the others still run.
+report under readable column names, with a plot of each ratio column against
+the size column when matplotlib is installed. A figure given as a spread
+(``{"median", "min", "max", "n", ...}``, see ``_common.spread``) is printed as
+``median (min-max)`` with the number of repeats behind it; a bare number in a
+timing column is flagged as having no spread. Booleans in target columns (and
+``{"targets": {name: bool}}``) are counted as met or missed in the summary; a
+benchmark with none says so. Peers named under ``"missing_peers"``, and peer
+libraries the source imports but this machine lacks, are listed as not
+compared. Its own printed table is kept too, so one without ``--json`` is
+reported as text. A benchmark that fails, times out or is skipped is reported
+as such; the others still run.
 
 ``--quick`` passes ``RUNNER["quick_args"]``, else ``--quick`` when the
 benchmark accepts it, else fewer repeats (``--repeats 3``) when it accepts
@@ -49,6 +56,7 @@ ROOT = HERE.parent
 DEFAULT_OUT = HERE / "results"
 
 _MPIEXEC_RE = re.compile(r"mpiexec\s+-n(?:p)?\s+(\d+)")
+_PEER_RE = re.compile(r"^\s*(?:import|from)\s+(torch|jax|cupy)\b|\b(start_gloo)\(", re.MULTILINE)
 
 
 # --- planning ------------------------------------------------------------------------
@@ -69,6 +77,8 @@ class Plan:
     needs: list[str] = field(default_factory=list)
     """Modules that must be importable (mpi4py is added for MPI runs)."""
     summary: str = ""
+    peers: list[str] = field(default_factory=list)
+    """Peer libraries its source imports (compared against when installed)."""
 
     @property
     def how(self) -> str:
@@ -108,10 +118,11 @@ def plan_benchmark(path: Path, quick: bool, timeout: float | None) -> Plan:
             args += ["--repeats", "3"]
     default_timeout = 180.0 if quick else 900.0
     needs = [str(m) for m in spec.get("needs", [])] + (["mpi4py"] if ranks else [])
+    peers = sorted({m.group(1) or "torch" for m in _PEER_RE.finditer(source)} - set(needs))
     return Plan(name=path.stem, path=path, ranks=int(ranks) if ranks else None, args=args,
                 json_option="--json" in source,
                 timeout=float(timeout or spec.get("timeout", default_timeout)),
-                needs=needs, summary=doc.strip().split("\n")[0] if doc else "")
+                needs=needs, summary=doc.strip().split("\n")[0] if doc else "", peers=peers)
 
 
 def discover(directory: Path = HERE, only: Sequence[str] = ()) -> list[Path]:
@@ -213,6 +224,22 @@ def run_benchmark(plan: Plan, out_dir: Path) -> Outcome:
 
 # --- tables and plots ----------------------------------------------------------------
 
+_SPREAD_KEYS = frozenset({"median", "min", "max", "n"})
+
+
+def is_spread(value: Any) -> bool:
+    """True for a figure with its spread: ``{"median", "min", "max", "n", ...}``."""
+    return isinstance(value, dict) and _SPREAD_KEYS <= value.keys()
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _median(value: Any) -> Any:
+    """The median of a spread, or the value itself."""
+    return value["median"] if is_spread(value) else value
+
 
 @dataclass
 class Table:
@@ -229,7 +256,7 @@ def _flatten(row: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     flat: dict[str, Any] = {}
     for key, value in row.items():
         name = f"{prefix}{key}"
-        if isinstance(value, dict):
+        if isinstance(value, dict) and not is_spread(value):
             flat.update(_flatten(value, name + "."))
         elif isinstance(value, list) and not all(isinstance(v, (int, float, str)) for v in value):
             continue
@@ -238,8 +265,13 @@ def _flatten(row: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return flat
 
 
+#: JSON keys that are about the run, not tables of figures.
+_NOT_TABLES = ("missing_peers",)
+
+
 def find_tables(data: Any, title: str = "") -> list[Table]:
-    """Every list of dicts in ``data`` (depth first, in order) as a Table."""
+    """Every list of dicts in ``data`` (depth first, in order) as a Table; a dict of
+    scalars or spreads under a key becomes a two-column table."""
     tables: list[Table] = []
     if isinstance(data, list) and data and all(isinstance(r, dict) for r in data):
         rows = [_flatten(r) for r in data]
@@ -247,13 +279,17 @@ def find_tables(data: Any, title: str = "") -> list[Table]:
         for r in rows:
             columns += [c for c in r if c not in columns]
         return [Table(title, columns, rows)]
-    if isinstance(data, dict):
+    if isinstance(data, dict) and not is_spread(data):
         scalars = {k: v for k, v in data.items() if isinstance(v, (int, float, str, bool))}
-        if title and data and len(scalars) == len(data):  # {name: value}: a two-column table
+        leaves = {k: v for k, v in data.items()
+                  if isinstance(v, (int, float, str, bool)) or is_spread(v)}
+        if title and data and len(leaves) == len(data):  # {name: value}: a two-column table
             return [Table(title, ["name", "value"],
                           [{"name": k, "value": v} for k, v in data.items()])]
         for key, value in data.items():
-            if isinstance(value, (dict, list)):
+            if key in _NOT_TABLES:
+                continue
+            if isinstance(value, (dict, list)) and not is_spread(value):
                 for t in find_tables(value, f"{title}.{key}" if title else str(key)):
                     t.context = {**scalars, **t.context}
                     tables.append(t)
@@ -277,8 +313,18 @@ def ratio_columns(table: Table) -> list[str]:
     return [c for c in table.columns
             if ("/" in c or "ratio" in c.lower() or "speedup" in c.lower()
                 or c.lower().startswith("vs ") or " vs " in c.lower())
-            and all(isinstance(r.get(c), (int, float)) and not isinstance(r.get(c), bool)
-                    for r in table.rows if c in r)]
+            and all(_is_number(_median(r.get(c))) for r in table.rows if c in r)]
+
+
+_TIMING = re.compile(r"(^|[\s_.])(us|ms|s|seconds|time)($|[\s_.])", re.IGNORECASE)
+
+
+def unspread_columns(table: Table) -> list[str]:
+    """Timing and ratio columns holding bare numbers: figures reported without a spread."""
+    sizes, ratios = size_column(table), set(ratio_columns(table))
+    return [c for c in table.columns
+            if c != sizes and (c in ratios or _TIMING.search(c))
+            and any(isinstance(r.get(c), float) for r in table.rows)]
 
 
 def format_bytes(n: float) -> str:
@@ -289,18 +335,58 @@ def format_bytes(n: float) -> str:
     return f"{n} B"
 
 
-def _cell(value: Any, column: str, sizes: str | None) -> str:
+_UNITS = {"us": "µs", "ms": "ms", "s": "s", "seconds": "s", "mib": "MiB", "kib": "KiB",
+          "gib": "GiB"}
+_UNIT_SUFFIX = re.compile(r"^(.*?)[ _](us|ms|s|mib|kib|gib)$", re.IGNORECASE)
+_LABELS = {"bytes": "size", "nbytes": "size", "size_bytes": "size",
+           "meets_target": "target", "target": "target"}
+
+
+def column_label(column: str) -> str:
+    """A readable header for a flattened JSON key: ``us.ours`` -> ``ours (µs)``,
+    ``numpy_sum_us`` -> ``numpy sum (µs)``, ``meets_target`` -> ``target``."""
+    if column in _LABELS:
+        return _LABELS[column]
+    unit = None
+    words = []
+    for part in column.split("."):
+        if part.lower() in _UNITS and unit is None:
+            unit = _UNITS[part.lower()]
+            continue
+        m = _UNIT_SUFFIX.match(part)
+        if m and unit is None:
+            part, unit = m.group(1), _UNITS[m.group(2).lower()]
+        words.append(part.replace("_", " ").replace("/", " / ").strip())
+    label = ": ".join(w for w in words if w)
+    if not label:
+        return unit or column
+    return f"{label} ({unit})" if unit else label
+
+
+def table_title(title: str) -> str:
+    """``summary.sync_ms`` -> ``summary: sync (ms)``."""
+    return ": ".join(column_label(part) for part in title.split(".")) if title else ""
+
+
+def _number(value: float) -> str:
+    mag = abs(value)
+    return f"{value:.0f}" if mag >= 100 else f"{value:.1f}" if mag >= 10 else f"{value:.3g}"
+
+
+def _cell(value: Any, column: str, sizes: str | None, n_shown: bool = False) -> str:
     if value is None:
         return ""
     if isinstance(value, bool):
         if "target" in column or column == "value":
-            return "ok" if value else "**MISSED**"
+            return "met" if value else "**missed**"
         return str(value)
+    if is_spread(value):
+        text = f"{_number(value['median'])} ({_number(value['min'])}–{_number(value['max'])})"
+        return text + (f", n={value['n']}" if n_shown else "")
     if column == sizes:
         return format_bytes(value)
     if isinstance(value, float):
-        mag = abs(value)
-        return f"{value:.0f}" if mag >= 100 else f"{value:.1f}" if mag >= 10 else f"{value:.3g}"
+        return _number(value)
     return str(value).replace("|", "\\|")
 
 
@@ -318,20 +404,52 @@ def column_order(table: Table) -> list[str]:
     return sorted(table.columns, key=rank)  # stable: the JSON's order within each kind
 
 
+def repeat_counts(table: Table) -> set[int]:
+    """The ``n`` of every spread in the table."""
+    return {int(v["n"]) for r in table.rows for v in r.values() if is_spread(v)}
+
+
 def markdown_table(table: Table) -> str:
-    """The table in Markdown; ratio columns are set in bold headings."""
+    """The table in Markdown under readable headers; ratio columns in bold, columns of
+    figures without a spread marked with a dagger."""
     sizes = size_column(table)
     ratios = set(ratio_columns(table))
+    bare = set(unspread_columns(table))
     columns = column_order(table)
-    head = [f"**{c}**" if c in ratios else c for c in columns]
+    if columns == ["name", "value"] and table.title.split(".")[-1] == "targets":
+        head = ["target", "result"]
+    elif columns == ["name", "value"]:
+        head = ["", "value"]
+    else:
+        head = [column_label(c) for c in columns]
+    head = [(f"**{h}**" if c in ratios else h) + (" †" if c in bare else "")
+            for c, h in zip(columns, head)]
+    n_shown = len(repeat_counts(table)) > 1
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in table.rows:
-        lines.append("| " + " | ".join(_cell(r.get(c), c, sizes) for c in columns) + " |")
+        lines.append("| " + " | ".join(_cell(r.get(c), c, sizes, n_shown) for c in columns)
+                     + " |")
     return "\n".join(lines)
 
 
+def table_notes(table: Table) -> list[str]:
+    """What backs the figures: how many repeats, and which have no spread."""
+    notes = []
+    counts = repeat_counts(table)
+    if len(counts) == 1:
+        n = counts.pop()
+        notes.append(f"Each figure: median (min–max) over n = {n} timed repeats"
+                     + (" (fewer than 3: the spread means little)." if n < 3 else "."))
+    elif counts:
+        notes.append("Each figure: median (min–max) over the n repeats shown beside it.")
+    if unspread_columns(table):
+        notes.append("† a median the benchmark reported without its spread or repeat count.")
+    return notes
+
+
 def plot_table(table: Table, path: Path) -> bool:
-    """Plot the ratio columns against the size column into ``path`` (needs matplotlib).
+    """Plot the ratio columns against the size column into ``path`` (needs matplotlib);
+    spreads are drawn as min-max error bars around the median.
 
     Returns False (and draws nothing) without matplotlib, a size column or a
     ratio column.
@@ -348,18 +466,23 @@ def plot_table(table: Table, path: Path) -> bool:
         return False
     fig, ax = plt.subplots(figsize=(6, 3.5))
     xs = [r[sizes] for r in table.rows]
+    values = []
     for c in ratios:
-        pts = [(r[sizes], r[c]) for r in table.rows if isinstance(r.get(c), (int, float))]
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=c)
+        pts = [(r[sizes], r[c]) for r in table.rows if _is_number(_median(r.get(c)))]
+        meds = [_median(v) for _, v in pts]
+        low = [m - (v["min"] if is_spread(v) else m) for m, (_, v) in zip(meds, pts)]
+        high = [(v["max"] if is_spread(v) else m) - m for m, (_, v) in zip(meds, pts)]
+        ax.errorbar([p[0] for p in pts], meds, yerr=[low, high], marker="o", capsize=3,
+                    label=column_label(c))
+        values += [m - lo for m, lo in zip(meds, low)] + [m + h for m, h in zip(meds, high)]
     ax.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
     if min(xs) > 0:
         ax.set_xscale("log", base=2)
-    values = [r[c] for c in ratios for r in table.rows if isinstance(r.get(c), (int, float))]
     if values and min(values) > 0 and max(values) / min(values) > 20:
         ax.set_yscale("log")
-    ax.set_xlabel(sizes)
-    ax.set_ylabel("ratio")
-    ax.set_title(table.title or path.stem, fontsize=10)
+    ax.set_xlabel(column_label(sizes) + " (bytes)")
+    ax.set_ylabel("ratio, median (min–max)")
+    ax.set_title(table_title(table.title) or path.stem, fontsize=10)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -370,17 +493,48 @@ def plot_table(table: Table, path: Path) -> bool:
 # --- the report ----------------------------------------------------------------------
 
 
-def _targets(outcome: Outcome) -> str:
-    """``3/4 met`` from boolean ``meets_target``-like columns, else ``-``."""
-    met = total = 0
+def target_results(outcome: Outcome) -> list[tuple[str, bool]]:
+    """``(what, met)`` for every boolean target the benchmark reported."""
+    found = []
     for t in find_tables(outcome.data) if outcome.data is not None else []:
+        targets_table = "target" in t.title.split(".")[-1]
+        sizes = size_column(t)
         for c in t.columns:
-            if "target" in c or (c == "value" and "target" in t.title):
-                for r in t.rows:
-                    if isinstance(r.get(c), bool):
-                        total += 1
-                        met += bool(r[c])
-    return f"{met}/{total} met" if total else "-"
+            if "target" not in c and not (c == "value" and targets_table):
+                continue
+            for r in t.rows:
+                if not isinstance(r.get(c), bool):
+                    continue
+                first = sizes or next((k for k in t.columns if isinstance(r.get(k), str)), c)
+                where = _cell(r.get(first), first, sizes) if first != c else ""
+                what = ": ".join(x for x in (table_title(t.title), where) if x)
+                found.append((what or outcome.plan.name, r[c]))
+    return found
+
+
+def targets_summary(outcome: Outcome) -> str:
+    """``2/3 met; missed: ...``, or why there is no verdict."""
+    if outcome.status != "ok":
+        return f"not measured ({outcome.status})"
+    found = target_results(outcome)
+    if not found:
+        return "none defined" if outcome.data is not None else "none reported"
+    missed = [what for what, met in found if not met]
+    met = len(found) - len(missed)
+    text = f"{met}/{len(found)} met"
+    return text + ("; **missed**: " + ", ".join(missed) if missed else "")
+
+
+def not_compared(outcome: Outcome) -> dict[str, str]:
+    """Peers the benchmark could not compare against here, and why."""
+    named: dict[str, str] = {}
+    if isinstance(outcome.data, dict) and isinstance(outcome.data.get("missing_peers"), dict):
+        named = {str(k): str(v) for k, v in outcome.data["missing_peers"].items()}
+    for module in outcome.plan.peers:
+        if importlib.util.find_spec(module) is None and not any(
+                module in k or module in v for k, v in named.items()):
+            named[module] = f"{module} not installed"
+    return named
 
 
 def _tail(text: str, lines: int = 25) -> str:
@@ -395,32 +549,42 @@ def write_report(outcomes: list[Outcome], out_dir: Path, quick: bool) -> Path:
     md = ["# axondist benchmarks", "",
           (f"{time.strftime('%Y-%m-%d %H:%M:%S')} on {platform.node() or 'this machine'} "
            f"({platform.machine()}, {os.cpu_count()} CPUs), Python {platform.python_version()}"
-           f"{', quick mode' if quick else ''}."), "",
+           f"{', quick mode (fewer repeats: wider spreads)' if quick else ''}."), "",
           ("Ratios compare variants timed in alternating batches within one run; each "
-           "benchmark's docstring says which way is better and its target."), "",
-          "| benchmark | run with | status | seconds | targets |", "|---|---|---|---|---|"]
+           "benchmark's docstring says which way is better and its target. Figures read "
+           "`median (min–max)` over the timed repeats (their number is under each table); "
+           "under MPI each repeat is the slowest rank's time. Targets are judged on the "
+           "median: a spread that straddles a target means the verdict may flip on a rerun."),
+          "",
+          "| benchmark | run with | status | seconds | targets | not compared |",
+          "|---|---|---|---|---|---|"]
     for o in outcomes:
         status = o.status + (f" ({o.note})" if o.note and o.status != "ok" else "")
+        peers = "; ".join(f"{k} ({v})" for k, v in not_compared(o).items())
         md.append(f"| [{o.plan.name}](#{o.plan.name.replace('_', '-')}) | {o.plan.how} | "
-                  f"{status} | {o.seconds:.1f} | {_targets(o)} |")
+                  f"{status} | {o.seconds:.1f} | {targets_summary(o)} | {peers} |")
     for o in outcomes:
         md += ["", f"## {o.plan.name}", ""]
         if o.plan.summary:
             md += [o.plan.summary, ""]
         md += [f"`{' '.join(_display(c) for c in o.command)}` — **{o.status}**"
                + (f": {o.note}" if o.note else ""), ""]
+        for peer, why in not_compared(o).items():
+            md += [f"Not compared: {peer} ({why}).", ""]
         (out_dir / f"{o.plan.name}.txt").write_text(o.stdout + ("\n--- stderr ---\n" + o.stderr
                                                                  if o.stderr else ""))
         tables = find_tables(o.data) if o.data is not None else []
         for k, t in enumerate(tables):
             if t.title:
-                md += [f"### {t.title}", ""]
+                md += [f"### {table_title(t.title)}", ""]
             if t.context:
-                md += [", ".join(f"{key} = {v}" for key, v in t.context.items()), ""]
+                md += [", ".join(f"{column_label(key)} = {_cell(v, key, None)}"
+                                 for key, v in t.context.items()), ""]
             md += [markdown_table(t), ""]
+            md += [" ".join(table_notes(t)), ""] if table_notes(t) else []
             png = out_dir / f"{o.plan.name}_{k}.png"
             if plot_table(t, png):
-                md += [f"![{t.title or o.plan.name}]({png.name})", ""]
+                md += [f"![{table_title(t.title) or o.plan.name}]({png.name})", ""]
         if o.stdout.strip() and (not tables or o.status != "ok"):
             md += ["Printed output:", "", "```text", _tail(o.stdout, 60), "```", ""]
         elif o.stdout.strip():  # the benchmark's own table, folded away
@@ -459,8 +623,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--list", action="store_true", help="show the plan and run nothing")
     parser.add_argument("--strict", action="store_true",
                         help="exit 1 when a benchmark fails or times out")
+    parser.add_argument("--dir", type=Path, default=HERE,
+                        help="folder of bench_*.py files (default: this one)")
     args = parser.parse_args(argv)
-    plans = [plan_benchmark(p, args.quick, args.timeout) for p in discover(HERE, args.only)]
+    plans = [plan_benchmark(p, args.quick, args.timeout) for p in discover(args.dir, args.only)]
     if not plans:
         print("no benchmarks matched", file=sys.stderr)
         return 1
