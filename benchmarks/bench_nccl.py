@@ -11,8 +11,10 @@ from one thread inside ``group_calls()``. Launched by torchrun or mpiexec,
 
 Each size runs ``--warmup`` untimed steps, then ``--iters`` steps back to
 back (float32 SUM, in place, ``async_op=True``) and one synchronization; a
-step's time is the total over ``iters`` (the slowest rank's, under several
-processes). As in nccl-tests: ``algbw = bytes / time`` and
+step's time is that total over ``iters`` (the slowest rank's, under several
+processes). The two variants alternate for ``REPEATS`` rounds: the time and
+the ``axondist/raw`` ratio are the median (min-max) over those rounds, the
+bandwidths are at the median time. As in nccl-tests: ``algbw = bytes / time`` and
 ``busbw = algbw * 2 (n - 1) / n``, the bandwidth each link must carry in a
 ring, comparable across world sizes (on one GPU it is 0 by definition).
 The ``raw`` column times CuPy's ``NcclCommunicator.allReduce`` on the same
@@ -34,9 +36,19 @@ from typing import Any
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(_HERE), _HERE]  # the checkout's axondist, and _common
 
-from _common import format_size, format_table, write_json  # noqa: E402
+from _common import (  # noqa: E402
+    format_size,
+    format_spread,
+    format_table,
+    ratio_spread,
+    spread,
+    write_json,
+)
 
 RUNNER = {"needs": ["cupy"], "quick_args": ["--quick"], "timeout": 900}
+
+REPEATS = 3
+"""Alternating rounds of (axondist, raw) per size: each figure's spread is over these."""
 
 MIN_BYTES, MAX_BYTES = 1 << 20, 1 << 30
 
@@ -145,30 +157,31 @@ def run(sizes: list[int], iters: int, warmup: int,
 
         # alternate the variants so drift in machine load hits both alike
         t_ad, t_raw = [], []
-        for _ in range(3):
+        for _ in range(REPEATS):
             t_ad.append(_time_steps(axondist_step, sync, warmup, iters))
             t_raw.append(_time_steps(raw_step, sync, warmup, iters))
-        seconds, raw = min(t_ad), min(t_raw)
-        if len(backends) == 1 and world_size > 1:  # the slowest rank decides
-            seconds = max(backends[0].allgather_object(seconds))
-            raw = max(backends[0].allgather_object(raw))
-        algbw = nbytes / seconds / 1e9
-        rows.append({"bytes": nbytes, "us": seconds * 1e6, "algbw_GBps": algbw,
+        if len(backends) == 1 and world_size > 1:  # each round: the slowest rank decides
+            t_ad = [max(v) for v in zip(*backends[0].allgather_object(t_ad))]
+            t_raw = [max(v) for v in zip(*backends[0].allgather_object(t_raw))]
+        time_us = spread(t_ad, 1e6)
+        algbw = nbytes / (time_us["median"] * 1e-6) / 1e9  # at the median time
+        rows.append({"bytes": nbytes, "us": time_us, "algbw_GBps": algbw,
                      "busbw_GBps": bus_bandwidth(algbw, world_size),
-                     "axondist/raw": seconds / raw})
+                     "axondist/raw": ratio_spread(t_ad, t_raw)})
         bufs.clear()  # free this size before allocating the next
     devices_used = [b.device for b in backends]
     is_rank0 = backends[0].rank == 0
     for b in backends:
         b.close()
-    return {"world_size": world_size, "devices_of_rank0": devices_used,
+    return {"world_size": world_size, "repeats": REPEATS, "devices_of_rank0": devices_used,
             "all_reduce": rows}, is_rank0
 
 
 def report(results: dict[str, Any]) -> str:
-    rows = [[format_size(r["bytes"]), r["us"], r["algbw_GBps"], r["busbw_GBps"], r["axondist/raw"]]
-            for r in results["all_reduce"]]
-    text = [f"NCCL all_reduce, float32 SUM in place, world size {results['world_size']}",
+    rows = [[format_size(r["bytes"]), format_spread(r["us"]), r["algbw_GBps"], r["busbw_GBps"],
+             format_spread(r["axondist/raw"])] for r in results["all_reduce"]]
+    text = [f"NCCL all_reduce, float32 SUM in place, world size {results['world_size']}; "
+            f"median (min-max) over {results['repeats']} rounds",
             format_table(["size", "time us", "algbw GB/s", "busbw GB/s", "axondist/raw"], rows)]
     if results["world_size"] == 1:
         text.append("(one GPU: busbw is 0 by the nccl-tests convention; algbw is the local "
