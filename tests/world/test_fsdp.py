@@ -16,7 +16,10 @@ import logging
 import math
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -822,6 +825,40 @@ def test_different_models_are_refused_on_every_rank(world_size: int, strategy: S
         if change != "count":
             assert "parameter 1" in m
     assert len(set(messages)) == 1  # the same text on every rank
+
+
+MISMATCH_SCRIPT = """
+import numpy as np
+import axondist as ad
+from axondist.errors import CollectiveMismatchError
+world = ad.init("mpi")
+shape = (2, 2 + world.rank)
+params = [ad.Parameter(np.zeros(3, np.float32), name="a"),
+          ad.Parameter(np.zeros(shape, np.float32), name="b")]
+try:
+    ad.FSDP(params, world)
+except CollectiveMismatchError as exc:
+    print(f"rank {world.rank} refused: {exc}", flush=True)
+"""
+
+
+@mock_only
+def test_different_models_under_mpiexec_fail_fast_on_every_rank() -> None:
+    """Without the check MPI would truncate or hang; with it both ranks name rank 1."""
+    mpiexec = Path(sys.executable).parent / "mpiexec"
+    if not mpiexec.exists():
+        pytest.skip(f"no mpiexec next to {sys.executable}")
+    pytest.importorskip("mpi4py")
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(repo), "AXONDIST_TIMEOUT": "30"}
+    run = subprocess.run([str(mpiexec), "-n", "2", sys.executable, "-c", MISMATCH_SCRIPT],
+                         capture_output=True, text=True, timeout=120, env=env, cwd=repo)
+    want = ("models differ: parameter 1 is 'b' float32[2, 3] on rank 1 but 'b' float32[2, 2] "
+            "on rank 0")
+    for r in range(2):
+        assert f"rank {r} refused: FullyShardedDataParallel: the ranks' {want}" in run.stdout, (
+            run.stdout + run.stderr)
+    assert run.returncode == 0, run.stdout + run.stderr
 
 
 def test_sync_module_states_is_the_default() -> None:
