@@ -1,4 +1,4 @@
-"""The command line: ``python -m axondist demo`` (also installed as ``axondist demo``).
+"""The command line: ``axondist demo`` and ``axondist run`` (also ``python -m axondist``).
 
 ``demo`` trains a small NumPy MLP with a parallel strategy and checks the
 result against single-process training on the full batch. By default the
@@ -6,8 +6,11 @@ ranks are threads of a mock world in this process; under
 ``mpiexec -n K python -m axondist demo`` each process is one rank of the MPI
 world and only rank 0 prints.
 
-Exit status: 0 when the check passed, 1 when it failed, 2 when the strategy
-is not available or the arguments are invalid.
+``run`` launches a script on N processes through mpiexec (see
+:mod:`axondist.launcher`); it exits with the failed rank's status.
+
+Exit status of ``demo``: 0 when the check passed, 1 when it failed, 2 when
+the arguments are invalid.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+
+from . import launcher
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -53,11 +58,17 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--backend", choices=("auto", "mock", "mpi"), default="auto",
                       help="auto: MPI when launched by mpiexec, else the mock world")
     demo.add_argument("--no-progress", action="store_true", help="no progress bar")
+    sub.add_parser("run", add_help=False,
+                   help="launch a script on N processes through mpiexec: axondist run -n N "
+                        "script.py args (axondist run --help for the options)")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse ``argv`` (``sys.argv[1:]`` when None), run the command, return the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["run"]:  # everything after the script belongs to the script
+        return launcher.main(argv[1:])
     args = _parser().parse_args(argv)
     if args.command == "demo":
         from .demo import run_demo

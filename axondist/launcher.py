@@ -1,0 +1,668 @@
+"""``axondist run``: launch a script on N processes through ``mpiexec``, tag each output line
+with its rank, say in one line which rank failed and how, and relaunch the whole job after a
+failure (``--max-restarts``) so a script that resumes from its latest checkpoint carries on.
+Design notes: docs/launching.md."""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import faulthandler
+import os
+import re
+import runpy
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+from .errors import LaunchError
+
+#: The environment variable a launched script reads to know how often the job was restarted.
+RESTART_COUNT_VAR = "AXONDIST_RESTART_COUNT"
+# Where ranks on the launching host also leave their reports (hydra may drop the last output of
+# an aborting job; a file cannot be dropped).
+_RUN_DIR_VAR = "AXONDIST_RUN_DIR"
+
+# A line a rank writes to stderr for the launcher only (never shown): "<MARK> rank event ...".
+_MARK = "\x1eaxondist-run"
+_RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID")
+_POLL_S = 0.05
+_KILL_AFTER_S = 5.0  # after asking mpiexec to stop, how long before it is killed outright
+_ABORT_PAUSE_S = 0.25  # lets mpiexec forward a failing rank's last lines before MPI_Abort
+
+
+# --- what to launch ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """One ``axondist run`` invocation, validated."""
+
+    nprocs: int
+    """Processes (ranks) in the job."""
+    target: tuple[str, ...]
+    """The script and its arguments, or ``("-m", module, args...)``."""
+    nproc_per_node: int | None = None
+    """Ranks per host (hydra's ``-ppn``); None lets mpiexec decide."""
+    hosts: tuple[str, ...] = ()
+    """Hosts to run on (``host`` or ``host:slots``); empty for this machine."""
+    hostfile: str | None = None
+    """A file listing the hosts, one a line (instead of ``hosts``)."""
+    max_restarts: int = 0
+    """Relaunches of the whole job after a failure."""
+    mpiexec: str | None = None
+    """The launcher to use; None finds one (see :func:`find_mpiexec`)."""
+    tail_lines: int = 10
+    """Lines of the failed rank's output quoted in the failure summary."""
+    stop_grace: float = 5.0
+    """Seconds the other ranks get to end on their own after one fails, before the job is
+    stopped."""
+
+
+@dataclass
+class RankFailure:
+    """Which rank failed first, and how."""
+
+    rank: int | None
+    exit_code: int | None = None
+    signal_number: int | None = None
+    reason: str = ""
+    tail: list[str] = field(default_factory=list)
+
+    def describe(self) -> str:
+        """"exit code 3" or "signal 9 (SIGKILL)", plus the reason when one is known."""
+        if self.signal_number is not None:
+            how = f"killed by signal {self.signal_number} ({_signal_name(self.signal_number)})"
+        else:
+            how = f"exit code {self.exit_code}"
+        return f"{how}: {self.reason}" if self.reason else how
+
+    @property
+    def exit_status(self) -> int:
+        """The status the launcher exits with (128 + N for signal N, as a shell reports it)."""
+        if self.signal_number is not None:
+            return 128 + self.signal_number
+        return self.exit_code if self.exit_code else 1
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return "unknown signal"
+
+
+# --- finding and driving mpiexec -------------------------------------------------------------
+
+
+def find_mpiexec(explicit: str | None = None) -> str:
+    """The ``mpiexec`` to launch with.
+
+    Args:
+        explicit: a path or command name given by the user; used as is when it resolves.
+
+    Returns:
+        ``explicit``, else the ``mpiexec`` next to ``sys.executable`` (the MPICH wheel
+        installed by ``pip install 'axondist[mpi]'``), else the first ``mpiexec`` on PATH.
+
+    Raises:
+        LaunchError: none of those exists; the message names the places looked at.
+    """
+    if explicit is not None:
+        found = shutil.which(explicit)
+        if found is None:
+            raise LaunchError(f"axondist run: --mpiexec {explicit!r} is not an executable; give "
+                              "the path of an mpiexec")
+        return found
+    beside = Path(sys.executable).parent / "mpiexec"
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return str(beside)
+    on_path = shutil.which("mpiexec")
+    if on_path is not None:
+        return on_path
+    raise LaunchError(f"axondist run: no mpiexec next to the Python interpreter ({beside}) and "
+                      "none on PATH; install the MPICH wheel with `pip install 'axondist[mpi]'` "
+                      "or a system MPI, or pass --mpiexec PATH")
+
+
+def mpiexec_flavour(mpiexec: str) -> str:
+    """``"hydra"`` (MPICH, Intel MPI), ``"openmpi"`` or ``"unknown"``, from ``--version``."""
+    try:
+        text = subprocess.run([mpiexec, "--version"], capture_output=True, text=True,
+                              timeout=30, check=False).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    if "HYDRA" in text or "Intel(R) MPI" in text:
+        return "hydra"
+    if "Open MPI" in text or "OpenRTE" in text or "open-mpi" in text.lower():
+        return "openmpi"
+    return "unknown"
+
+
+_RANK_ENTRY = "from axondist.launcher import rank_main; rank_main()"
+
+
+def build_command(cfg: RunConfig, mpiexec: str, flavour: str, outdir: str | None,
+                  python: str = sys.executable) -> list[str]:
+    """The mpiexec command line of one launch (a pure function of its arguments).
+
+    Under hydra each rank's stdout and stderr go to ``outdir/out.R`` and ``outdir/err.R``
+    (on the launching host, even for remote ranks), which the launcher tails and tags; Open
+    MPI tags lines itself (``--tag-output``). Every rank runs :func:`rank_main`, which runs the
+    target and reports how it ended.
+    """
+    cmd = [mpiexec, "-n", str(cfg.nprocs)]
+    if flavour == "openmpi":
+        if cfg.nproc_per_node is not None:
+            cmd += ["--map-by", f"ppr:{cfg.nproc_per_node}:node"]
+        if cfg.hosts:
+            cmd += ["--host", ",".join(cfg.hosts)]
+        if cfg.hostfile:
+            cmd += ["--hostfile", cfg.hostfile]
+        cmd.append("--tag-output")
+    else:
+        if cfg.nproc_per_node is not None:
+            cmd += ["-ppn", str(cfg.nproc_per_node)]
+        if cfg.hosts:
+            cmd += ["-hosts", ",".join(cfg.hosts)]
+        if cfg.hostfile:
+            cmd += ["-f", cfg.hostfile]
+        if flavour == "hydra" and outdir is not None:
+            cmd += ["-outfile-pattern", os.path.join(outdir, "out.%r"),
+                    "-errfile-pattern", os.path.join(outdir, "err.%r")]
+    return cmd + [python, "-c", _RANK_ENTRY, *cfg.target]
+
+
+# Hydra's banner when a rank dies without calling MPI_Abort (a signal, a crash).
+_BANNER_PID = re.compile(r"^=\s+PID (\d+) RUNNING AT (\S+)")
+_BANNER_CODE = re.compile(r"^=\s+EXIT CODE: (-?\d+)")
+_BANNER_SIGNAL = re.compile(r"EXIT STRING: .*\(signal (\d+)\)")
+_BANNER_LINE = re.compile(r"^(=+|=\s.*|YOUR APPLICATION TERMINATED.*|This typically refers.*|"
+                          r"Please see the FAQ page.*)$")
+_FATAL = re.compile(r"^Fatal Python error: (.+?)\s*$")
+_FATAL_SIGNALS = {"Segmentation fault": 11, "Floating-point exception": 8,
+                  "Floating point exception": 8, "Aborted": 6, "Bus error": 7,
+                  "Illegal instruction": 4}
+_OPENMPI_TAG = re.compile(r"^\[\d+,(\d+)\]<(stdout|stderr)>:\s?(.*)$")
+
+
+class _Job:
+    """One launch of the job: tails the ranks' output, notices the first failure."""
+
+    def __init__(self, cfg: RunConfig, cmd: list[str], flavour: str, outdir: str | None,
+                 env: dict[str, str], out: TextIO, err: TextIO) -> None:
+        self.cfg, self.flavour, self.outdir, self.out, self.err = cfg, flavour, outdir, out, err
+        self.lock = threading.Lock()
+        self.tails = [collections.deque[str](maxlen=cfg.tail_lines) for _ in range(cfg.nprocs)]
+        self.pids: dict[int, tuple[int, str]] = {}  # rank -> (pid, host)
+        self.ended: set[int] = set()  # ranks whose script returned normally
+        self.failure: RankFailure | None = None
+        self.banner: dict[str, int | str] = {}
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     env=env)
+        self.readers = [threading.Thread(target=self._read_launcher, args=(s, name),
+                                         daemon=True)
+                        for s, name in ((self.proc.stdout, "out"), (self.proc.stderr, "err"))]
+        for t in self.readers:
+            t.start()
+        self.offsets: dict[str, int] = {}
+        self.partial: dict[str, bytes] = {}
+
+    # Output of mpiexec itself (and, without hydra, of every rank).
+    def _read_launcher(self, stream: Any, name: str) -> None:
+        for raw in iter(stream.readline, b""):
+            line = raw.decode(errors="replace").rstrip("\r\n")
+            match = _OPENMPI_TAG.match(line)
+            if match:
+                self._rank_line(int(match[1]), match[3], match[2] == "stderr")
+            elif line.startswith(_MARK):
+                self._marker(None, line)
+            elif not self._banner_line(line):
+                self._emit(line, name == "err")
+        stream.close()
+
+    def _banner_line(self, line: str) -> bool:
+        """Record hydra's bad-termination banner (shown instead as one summary line)."""
+        if m := _BANNER_PID.match(line):
+            self.banner.update(pid=int(m[1]), host=m[2])
+        elif m := _BANNER_CODE.match(line):
+            self.banner["code"] = int(m[1])
+        elif m := _BANNER_SIGNAL.search(line):
+            self.banner["signal"] = int(m[1])
+        return not line.strip() or bool(_BANNER_LINE.match(line))
+
+    def _emit(self, line: str, to_err: bool) -> None:
+        stream = self.err if to_err else self.out
+        with self.lock:
+            stream.write(line + "\n")
+            stream.flush()
+
+    def _rank_line(self, rank: int, line: str, to_err: bool) -> None:
+        if line.startswith(_MARK):
+            self._marker(rank, line)
+            return
+        if 0 <= rank < len(self.tails):
+            self.tails[rank].append(line)
+        self._emit(f"[rank {rank}] {line}", to_err)
+
+    def _marker(self, rank: int | None, line: str) -> None:
+        fields = line[len(_MARK):].strip().split(" ", 3)
+        if len(fields) < 2:
+            return
+        rank = int(fields[0]) if fields[0].lstrip("-").isdigit() else rank
+        if rank is None:
+            return
+        if fields[1] == "start" and len(fields) >= 4:
+            self.pids[rank] = (int(fields[2]), fields[3])
+        elif fields[1] == "end":
+            self.ended.add(rank)
+        elif fields[1] == "failed" and len(fields) >= 3 and self.failure is None:
+            reason = fields[3] if len(fields) > 3 else ""
+            self.failure = RankFailure(rank, exit_code=int(fields[2]), reason=reason)
+
+    def _fault_line(self, rank: int, line: str) -> None:
+        """A fatal signal's report (faulthandler's "Fatal Python error: Segmentation fault")."""
+        m = _FATAL.match(line)
+        if m and self.failure is None:
+            number = _FATAL_SIGNALS.get(m[1])
+            self.failure = RankFailure(rank, signal_number=number, exit_code=None if number
+                                       else 1, reason="" if number else m[1])
+
+    # Per-rank files under hydra.
+    def _poll_files(self) -> None:
+        if self.outdir is None:
+            return
+        kinds = ("out", "err", "status", "fault") if self.flavour == "hydra" else (
+            "status", "fault")
+        for rank in range(self.cfg.nprocs):
+            for kind in kinds:
+                path = os.path.join(self.outdir, f"{kind}.{rank}")
+                try:
+                    with open(path, "rb") as f:
+                        f.seek(self.offsets.get(path, 0))
+                        data = f.read()
+                except FileNotFoundError:
+                    continue
+                if not data:
+                    continue
+                self.offsets[path] = self.offsets.get(path, 0) + len(data)
+                *lines, rest = (self.partial.pop(path, b"") + data).split(b"\n")
+                if rest:
+                    self.partial[path] = rest
+                for raw in lines:
+                    line = raw.decode(errors="replace").rstrip("\r")
+                    if kind == "fault":
+                        self._fault_line(rank, line)
+                    self._rank_line(rank, line, kind != "out")
+
+    def _flush_partial(self) -> None:
+        for path, rest in sorted(self.partial.items()):
+            kind, rank = os.path.basename(path).split(".")
+            self._rank_line(int(rank), rest.decode(errors="replace"), kind == "err")
+        self.partial.clear()
+
+    def wait(self) -> int:
+        """Tail the output until mpiexec ends; stop the job when a rank fails and the others
+        do not end within ``stop_grace``. Returns mpiexec's exit status."""
+        stop_at: float | None = None
+        stopping_since: float | None = None
+        while True:
+            self._poll_files()
+            code = self.proc.poll()
+            if code is not None:
+                break
+            now = time.monotonic()
+            if self.failure is not None and stop_at is None:
+                stop_at = now + self.cfg.stop_grace
+            if stop_at is not None and now >= stop_at and stopping_since is None:
+                stopping_since = now
+                self.proc.send_signal(signal.SIGINT)  # hydra passes it on to every rank
+            if stopping_since is not None and now - stopping_since > _KILL_AFTER_S:
+                self.proc.kill()
+            time.sleep(_POLL_S)
+        for t in self.readers:
+            t.join(timeout=10)
+        self._poll_files()
+        self._flush_partial()
+        return code
+
+    def stop(self) -> None:
+        """Interrupt the job (Ctrl-C on the launcher) and wait for mpiexec to end."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout=_KILL_AFTER_S)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def outcome(self, code: int) -> RankFailure | None:
+        """The first failure, from the ranks' own report, hydra's banner or the exit status."""
+        failure = self.failure
+        if failure is None and (self.banner or code != 0):
+            failure = self._unreported_failure(code)
+        if failure is not None and failure.rank is not None:
+            failure.tail = list(self.tails[failure.rank])
+        return failure
+
+
+    def _unreported_failure(self, code: int) -> RankFailure:
+        """A rank died without a word (SIGKILL, the OOM killer): the one rank that started
+        and did not end, or, when several did not (the others were killed in the clean-up),
+        the one hydra's banner names, which is only a best guess."""
+        sig = self.banner.get("signal")
+        number = self.banner.get("code", code)
+        signum = int(sig) if sig is not None else (-code if code < 0 else None)
+        silent = sorted(set(self.pids) - self.ended)
+        pid = self.banner.get("pid")
+        named = [r for r in silent if self.pids[r][0] == pid]
+        rank = silent[0] if len(silent) == 1 else None
+        reason = ""
+        if len(silent) > 1:
+            guess = (f"mpiexec names rank {named[0]}, the most likely" if named
+                     else "mpiexec did not say which")
+            reason = f"one of ranks {', '.join(map(str, silent))}; {guess}"
+        elif not silent:
+            reason = "mpiexec failed before the ranks started"
+        failure = RankFailure(rank, exit_code=None if signum else int(number) or code,
+                              signal_number=signum, reason=reason)
+        if named and rank is None:
+            failure.tail = list(self.tails[named[0]])
+        return failure
+
+
+def _last_lines(n: int) -> str:
+    return "last line" if n == 1 else f"last {n} lines"
+
+
+def summary(failure: RankFailure, nprocs: int, seconds: float) -> list[str]:
+    """The failure summary: one line, then the failed rank's last output lines indented."""
+    who = (f"rank {failure.rank} of {nprocs}" if failure.rank is not None
+           else f"the job ({nprocs} ranks)")
+    whose = f"rank {failure.rank}" if failure.rank is not None else "that rank"
+    lines = [f"axondist run: {who} failed after {seconds:.1f} s ({failure.describe()})"
+             + (f"; {_last_lines(len(failure.tail))} of {whose}:" if failure.tail else "")]
+    return lines + [f"    | {line}" for line in failure.tail]
+
+
+def run_job(cfg: RunConfig, out: TextIO | None = None, err: TextIO | None = None) -> int:
+    """Launch ``cfg`` (with restarts) and return the exit status ``axondist run`` exits with.
+
+    Args:
+        cfg: what to launch.
+        out, err: where the ranks' tagged stdout and stderr go (the launcher's own streams when
+            None); the failure summary and restart notes go to ``err``.
+
+    Returns:
+        0 when an attempt succeeded; else the failed rank's exit code (128 + N for signal N),
+        or 130 when interrupted.
+
+    Raises:
+        LaunchError: no mpiexec could be found.
+    """
+    out = out or sys.stdout
+    err = err or sys.stderr
+    mpiexec = find_mpiexec(cfg.mpiexec)
+    flavour = mpiexec_flavour(mpiexec)
+    status = 1
+    for attempt in range(cfg.max_restarts + 1):
+        env = dict(os.environ)
+        env[RESTART_COUNT_VAR] = str(attempt)
+        with tempfile.TemporaryDirectory(prefix="axondist-run-") as outdir:
+            cmd = build_command(cfg, mpiexec, flavour, outdir)
+            env[_RUN_DIR_VAR] = outdir
+            start = time.monotonic()
+            job = _Job(cfg, cmd, flavour, outdir, env, out, err)
+            try:
+                code = job.wait()
+            except KeyboardInterrupt:
+                job.stop()
+                print("axondist run: interrupted; the job was stopped", file=err)
+                return 130
+            failure = job.outcome(code)
+        if failure is None:
+            return 0
+        status = failure.exit_status
+        err.write("\n".join(summary(failure, cfg.nprocs, time.monotonic() - start)) + "\n")
+        if attempt < cfg.max_restarts:
+            print(f"axondist run: restarting the job (restart {attempt + 1} of "
+                  f"{cfg.max_restarts}; the script sees {RESTART_COUNT_VAR}={attempt + 1})",
+                  file=err)
+        elif cfg.max_restarts:
+            print(f"axondist run: giving up after {cfg.max_restarts} restart"
+                  f"{'s' if cfg.max_restarts > 1 else ''}", file=err)
+        err.flush()
+    return status
+
+
+# --- the command line ----------------------------------------------------------------------
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="axondist run",
+        description="Run a script on N processes through mpiexec (the MPICH wheel's, else one on "
+                    "PATH). Each output line is prefixed with its rank; when a rank fails, one "
+                    "summary line says which, how, and quotes its last lines. The script reads "
+                    f"{RESTART_COUNT_VAR} (0, then 1, 2... after --max-restarts relaunches).",
+        usage="axondist run -n N [options] (script.py | -m module) [args ...]")
+    parser.add_argument("-n", "--nprocs", type=int, default=None, metavar="N",
+                        help="processes in the job (default: --nproc-per-node x hosts)")
+    parser.add_argument("--nproc-per-node", type=int, default=None, metavar="K",
+                        help="ranks per host")
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--hosts", default=None, metavar="H1,H2",
+                       help="comma-separated hosts (host or host:slots)")
+    where.add_argument("--hostfile", default=None, metavar="FILE",
+                       help="file listing the hosts, one a line")
+    parser.add_argument("--max-restarts", type=int, default=0, metavar="K",
+                        help="relaunch the whole job up to K times after a failure (default 0)")
+    parser.add_argument("--stop-grace", type=float, default=RunConfig.stop_grace,
+                        metavar="SECONDS", help="after a rank fails, how long the others may "
+                        "run on before the job is stopped (default %(default)s)")
+    parser.add_argument("--tail-lines", type=int, default=RunConfig.tail_lines, metavar="L",
+                        help="lines of the failed rank's output to quote (default %(default)s)")
+    parser.add_argument("--mpiexec", default=None, metavar="PATH",
+                        help="the mpiexec to use (default: next to python, else on PATH)")
+    parser.add_argument("-m", dest="module", default=None, metavar="MODULE",
+                        help="run a module, as python -m does (its arguments follow)")
+    parser.add_argument("script", nargs="?", default=None, metavar="script.py",
+                        help="the script; its arguments follow")
+    return parser
+
+
+_VALUED = {"-n", "--nprocs", "--nproc-per-node", "--hosts", "--hostfile", "--max-restarts",
+           "--stop-grace", "--tail-lines", "--mpiexec"}
+
+
+def _split_target(argv: list[str]) -> tuple[list[str], list[str]]:
+    """``argv`` as (the launcher's options up to the script, the script's own arguments): the
+    script (or ``-m MODULE``) ends the launcher's options, as with ``python`` itself."""
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--":
+            return argv[:i] + argv[i + 1:i + 2], argv[i + 2:]
+        if arg == "-m":
+            return argv[:i + 2], argv[i + 2:]
+        if arg.startswith("-m") and not arg.startswith("--"):  # -mpkg.train
+            return argv[:i + 1], argv[i + 1:]
+        if not arg.startswith("-") or arg == "-":
+            return argv[:i + 1], argv[i + 1:]
+        i += 2 if arg in _VALUED else 1
+    return argv, []
+
+
+def parse_args(argv: Sequence[str]) -> RunConfig:
+    """``axondist run``'s arguments as a :class:`RunConfig`.
+
+    Raises:
+        ValueError: a count below its minimum, no script, or a host file that does not exist;
+            the message names the option and what to give.
+    """
+    own, rest = _split_target(list(argv))
+    ns = _parser().parse_args(own)
+    if ns.module is not None:
+        target: tuple[str, ...] = ("-m", ns.module, *rest)
+    else:
+        target = (ns.script, *rest) if ns.script is not None else ()
+    if not target:
+        raise ValueError("axondist run: no script given; usage: axondist run -n N script.py "
+                         "[args ...] (or -m module)")
+    hosts = tuple(h for h in (ns.hosts or "").split(",") if h.strip())
+    if ns.hosts is not None and not hosts:
+        raise ValueError(f"axondist run: --hosts {ns.hosts!r} names no host; give h1,h2")
+    if ns.hostfile is not None and not os.path.isfile(ns.hostfile):
+        raise ValueError(f"axondist run: --hostfile {ns.hostfile!r} does not exist")
+    if ns.nproc_per_node is not None and ns.nproc_per_node < 1:
+        raise ValueError(f"axondist run: --nproc-per-node must be >= 1, got {ns.nproc_per_node}")
+    nprocs = ns.nprocs
+    if nprocs is None:
+        if ns.nproc_per_node is None or ns.hostfile is not None:
+            raise ValueError("axondist run: give the number of processes with -n N")
+        nprocs = ns.nproc_per_node * max(1, len(hosts))
+    if nprocs < 1:
+        raise ValueError(f"axondist run: -n must be >= 1, got {nprocs}")
+    if ns.max_restarts < 0:
+        raise ValueError(f"axondist run: --max-restarts must be >= 0, got {ns.max_restarts}")
+    if ns.tail_lines < 0:
+        raise ValueError(f"axondist run: --tail-lines must be >= 0, got {ns.tail_lines}")
+    if not ns.stop_grace >= 0:
+        raise ValueError(f"axondist run: --stop-grace must be >= 0 seconds, got {ns.stop_grace}")
+    return RunConfig(nprocs=nprocs, target=target, nproc_per_node=ns.nproc_per_node,
+                     hosts=hosts, hostfile=ns.hostfile, max_restarts=ns.max_restarts,
+                     mpiexec=ns.mpiexec, tail_lines=ns.tail_lines, stop_grace=ns.stop_grace)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``axondist run ARGS``: parse, launch, return the exit status (2 for bad arguments)."""
+    try:
+        cfg = parse_args(sys.argv[1:] if argv is None else argv)
+        return run_job(cfg)
+    except (ValueError, LaunchError) as exc:
+        print(exc, file=sys.stderr)
+        return 2
+
+
+# --- inside each rank ----------------------------------------------------------------------
+
+
+def _env_rank() -> int:
+    for var in _RANK_VARS:
+        value = os.environ.get(var)
+        if value is not None and value.isdigit():
+            return int(value)
+    return -1
+
+
+def _report(rank: int, *fields: object) -> None:
+    line = " ".join([_MARK, str(rank), *map(str, fields)]) + "\n"
+    sys.stdout.flush()
+    sys.stderr.write(line)
+    sys.stderr.flush()
+    run_dir = os.environ.get(_RUN_DIR_VAR)
+    if run_dir and os.path.isdir(run_dir):  # on the launching host only
+        try:
+            with open(os.path.join(run_dir, f"status.{rank}"), "a") as f:
+                f.write(line)
+        except OSError:
+            pass
+
+
+def _exit_code(code: Any) -> int:
+    """The process exit status ``sys.exit(code)`` gives (None: 0, an int: itself, else 1)."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    return 1
+
+
+def _abort_mpi(code: int) -> None:
+    """End every rank's MPI if this rank started it: the others would wait forever."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+        time.sleep(_ABORT_PAUSE_S)
+        mpi.COMM_WORLD.Abort(code or 1)
+
+
+def _user_traceback(exc: BaseException) -> None:
+    """Print ``exc`` as Python would for the script, without the launcher's own frames."""
+    tb = exc.__traceback__
+    ours = {__file__, runpy.__file__, "<frozen runpy>"}
+    while tb is not None and tb.tb_frame.f_code.co_filename in ours:
+        tb = tb.tb_next
+    traceback.print_exception(type(exc), exc, tb)
+
+
+_fault_file: Any = None  # kept open for the life of the process
+
+
+def _enable_faulthandler(rank: int) -> None:
+    """Show the Python stack when C code crashes (SIGSEGV...): in a file the launcher reads
+    when this rank runs on the launching host (so it knows which rank crashed), else on
+    stderr."""
+    global _fault_file
+    run_dir = os.environ.get(_RUN_DIR_VAR)
+    if run_dir and os.path.isdir(run_dir):
+        try:
+            _fault_file = open(os.path.join(run_dir, f"fault.{rank}"), "w")  # noqa: SIM115
+        except OSError:
+            _fault_file = None
+    faulthandler.enable(file=_fault_file or sys.stderr)
+
+
+def rank_main(argv: Sequence[str] | None = None) -> None:
+    """Run the target on this rank as ``python script.py args`` (or ``python -m``) would, and
+    tell the launcher how it ended; on failure, abort MPI so the other ranks do not hang.
+
+    Args:
+        argv: the script and its arguments, or ``["-m", module, args...]`` (default:
+            ``sys.argv[1:]``).
+    """
+    args = list(sys.argv[1:] if argv is None else argv)
+    rank = _env_rank()
+    for stream in (sys.stdout, sys.stderr):  # whole lines reach the launcher as printed
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(line_buffering=True)
+    _report(rank, "start", os.getpid(), socket.gethostname())
+    _enable_faulthandler(rank)
+    try:
+        if args[:1] == ["-m"]:
+            sys.argv = args[1:]
+            sys.path[0] = os.getcwd()
+            runpy.run_module(args[1], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = args
+            sys.path[0] = os.path.dirname(os.path.abspath(args[0]))
+            runpy.run_path(args[0], run_name="__main__")
+    except SystemExit as exc:
+        code = _exit_code(exc.code)
+        if code != 0:
+            _report(rank, "failed", code, f"sys.exit({exc.code!r})")
+            _abort_mpi(code)
+        else:
+            _report(rank, "end", 0)
+        raise
+    except BaseException as exc:  # noqa: BLE001 - reported, then the process exits with 1
+        _user_traceback(exc)
+        reason = traceback.format_exception_only(type(exc), exc)[-1].strip()[:300]
+        code = 130 if isinstance(exc, KeyboardInterrupt) else 1
+        _report(rank, "failed", code, reason)
+        _abort_mpi(code)
+        sys.exit(code)
+    _report(rank, "end", 0)
+
+
+__all__ = ["RESTART_COUNT_VAR", "RankFailure", "RunConfig", "build_command", "find_mpiexec",
+           "main", "mpiexec_flavour", "parse_args", "rank_main", "run_job", "summary"]

@@ -1,0 +1,301 @@
+"""``axondist run``: rank-tagged output, one summary line for a failed rank (an exception, an
+exit code, a signal, a rank left waiting), restarts that let a job carry on, and the argument
+checks. Every launch runs in its own session under a timeout, so a hang fails the test."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from axondist import launcher
+from axondist._environment import launched_by_mpi
+from axondist.errors import LaunchError
+from axondist.launcher import RankFailure, RunConfig, build_command, parse_args, summary
+
+ROOT = Path(__file__).resolve().parents[2]
+_LAUNCH_PREFIXES = ("PMI_", "PMIX_", "OMPI_", "HYDI_", "HYDRA_", "MPI_LOCAL", "SLURM_")
+TIMEOUT = 120
+
+
+def _why_no_launch() -> str | None:
+    if launched_by_mpi():
+        return "already under mpiexec: the launcher tests do not recurse"
+    if importlib.util.find_spec("mpi4py") is None:
+        return "needs mpi4py (pip install 'axondist[mpi]')"
+    try:
+        mpiexec = launcher.find_mpiexec()
+    except LaunchError as exc:
+        return str(exc)
+    if launcher.mpiexec_flavour(mpiexec) != "hydra":
+        return "the launch tests read hydra's (MPICH's) behaviour"
+    return None
+
+
+_NO_LAUNCH = _why_no_launch()
+
+
+def launches(test):
+    """Mark a test that starts mpiexec: skipped where it cannot."""
+    return pytest.mark.mpi(pytest.mark.skipif(_NO_LAUNCH is not None,
+                                              reason=str(_NO_LAUNCH))(test))
+
+
+def axondist_run(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """``python -m axondist run ARGS`` in its own session; the whole session is killed when it
+    outlives the timeout, so a hung rank cannot outlive the test."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCH_PREFIXES)}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env.pop(launcher.RESTART_COUNT_VAR, None)
+    proc = subprocess.Popen([sys.executable, "-m", "axondist", "run", *args], cwd=cwd or ROOT,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"axondist run {' '.join(args)} hung for {TIMEOUT} s:\n{out}\n{err}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def script(tmp_path: Path, body: str, name: str = "job.py") -> str:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(body))
+    return str(path)
+
+
+# --- pure parts ----------------------------------------------------------------------------
+
+def test_command_under_hydra_tags_through_per_rank_files():
+    cfg = RunConfig(nprocs=4, target=("train.py", "--lr", "0.1"), nproc_per_node=2,
+                    hosts=("a", "b"))
+    cmd = build_command(cfg, "/x/mpiexec", "hydra", "/tmp/d", python="/py")
+    assert cmd[:9] == ["/x/mpiexec", "-n", "4", "-ppn", "2", "-hosts", "a,b",
+                       "-outfile-pattern", "/tmp/d/out.%r"]
+    assert cmd[-6:] == ["/py", "-c", launcher._RANK_ENTRY, "train.py", "--lr", "0.1"]
+    hostfile = build_command(RunConfig(nprocs=2, target=("-m", "pkg"), hostfile="hf"),
+                             "mpiexec", "hydra", None, python="py")
+    assert hostfile == ["mpiexec", "-n", "2", "-f", "hf", "py", "-c", launcher._RANK_ENTRY,
+                        "-m", "pkg"]
+    ompi = build_command(cfg, "mpirun", "openmpi", "/tmp/d", python="py")
+    assert ["--map-by", "ppr:2:node"] == ompi[3:5] and "--tag-output" in ompi
+    assert "-outfile-pattern" not in ompi
+
+
+@given(n=st.integers(1, 64), ppn=st.one_of(st.none(), st.integers(1, 8)),
+       restarts=st.integers(0, 5), args=st.lists(st.sampled_from(["-n", "x", "--lr", "-m"]),
+                                                 max_size=4))
+def test_parse_args_keeps_the_scripts_own_arguments(n, ppn, restarts, args):
+    argv = ["-n", str(n), "--max-restarts", str(restarts)]
+    if ppn is not None:
+        argv += ["--nproc-per-node", str(ppn)]
+    cfg = parse_args([*argv, "train.py", *args])
+    assert cfg.nprocs == n and cfg.nproc_per_node == ppn and cfg.max_restarts == restarts
+    assert cfg.target == ("train.py", *args)
+
+
+def test_parse_args_module_and_derived_size():
+    cfg = parse_args(["--nproc-per-node", "3", "--hosts", "a,b", "-m", "pkg.train", "--x"])
+    assert cfg.nprocs == 6 and cfg.hosts == ("a", "b")
+    assert cfg.target == ("-m", "pkg.train", "--x")
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["-n", "0", "s.py"], "-n must be >= 1, got 0"),
+    (["-n", "2"], "no script given"),
+    (["s.py"], "give the number of processes with -n N"),
+    (["-n", "2", "--max-restarts", "-1", "s.py"], "--max-restarts must be >= 0, got -1"),
+    (["-n", "2", "--nproc-per-node", "0", "s.py"], "--nproc-per-node must be >= 1"),
+    (["-n", "2", "--hostfile", "/no/such/file", "s.py"], "--hostfile '/no/such/file' does not"),
+    (["-n", "2", "--hosts", ",", "s.py"], "names no host"),
+    (["-n", "2", "--stop-grace", "nan", "s.py"], "--stop-grace must be >= 0"),
+])
+def test_bad_arguments_are_named(argv, match):
+    with pytest.raises(ValueError, match=match):
+        parse_args(argv)
+
+
+def test_bad_arguments_exit_2_from_the_command_line(capsys):
+    assert launcher.main(["-n", "0", "s.py"]) == 2
+    assert "axondist run: -n must be >= 1" in capsys.readouterr().err
+
+
+def test_no_mpiexec_names_both_places(monkeypatch, tmp_path):
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "python"))
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(LaunchError) as info:
+        launcher.find_mpiexec()
+    text = str(info.value)
+    assert str(tmp_path / "mpiexec") in text and "none on PATH" in text
+    assert "pip install 'axondist[mpi]'" in text
+    with pytest.raises(LaunchError, match="--mpiexec 'nope' is not an executable"):
+        launcher.find_mpiexec("nope")
+
+
+def test_summary_is_one_line_then_the_tail():
+    failure = RankFailure(1, signal_number=9, tail=["a", "b"])
+    lines = summary(failure, 3, 2.04)
+    assert lines == ["axondist run: rank 1 of 3 failed after 2.0 s (killed by signal 9 "
+                     "(SIGKILL)); last 2 lines of rank 1:", "    | a", "    | b"]
+    assert failure.exit_status == 137
+    bare = RankFailure(None, exit_code=5, reason="mpiexec failed")
+    assert summary(bare, 2, 0.0) == ["axondist run: the job (2 ranks) failed after 0.0 s "
+                                     "(exit code 5: mpiexec failed)"]
+    assert bare.exit_status == 5
+
+
+# --- real launches -------------------------------------------------------------------------
+
+@launches
+@pytest.mark.parametrize("n", [2, 3])
+def test_output_is_tagged_with_the_rank(n, tmp_path):
+    path = script(tmp_path, """
+        import os, sys
+        print("out of", os.environ["PMI_RANK"], sys.argv[1:])
+        print("err of", os.environ["PMI_RANK"], file=sys.stderr)
+        print("restart", os.environ["AXONDIST_RESTART_COUNT"])
+    """)
+    proc = axondist_run("-n", str(n), path, "--flag", "x")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for r in range(n):
+        assert f"[rank {r}] out of {r} ['--flag', 'x']" in proc.stdout.splitlines()
+        assert f"[rank {r}] err of {r}" in proc.stderr.splitlines()
+    assert proc.stdout.count("restart 0") == n
+    assert "\x1e" not in proc.stdout + proc.stderr  # the ranks' reports stay hidden
+
+
+@launches
+def test_an_exception_on_one_rank_ends_the_job_with_one_summary_line(tmp_path):
+    path = script(tmp_path, """
+        from mpi4py import MPI
+        rank = MPI.COMM_WORLD.rank
+        print("step 1 on", rank, flush=True)
+        if rank == 1:
+            raise RuntimeError("loss is nan")
+        MPI.COMM_WORLD.Barrier()  # rank 0 would wait here forever without the abort
+    """)
+    proc = axondist_run("-n", "2", path)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("axondist run:")]
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("axondist run: rank 1 of 2 failed after")
+    assert "(exit code 1: RuntimeError: loss is nan)" in lines[0]
+    assert "    | RuntimeError: loss is nan" in proc.stderr
+    assert "    | step 1 on 1" in proc.stderr
+    assert "[rank 1] Traceback (most recent call last):" in proc.stderr
+    assert "runpy" not in proc.stderr and "launcher.py" not in proc.stderr
+    assert "BAD TERMINATION" not in proc.stdout + proc.stderr
+
+
+@launches
+def test_a_signal_is_named(tmp_path):
+    # The other ranks end first, so hydra's report of the killed process is unambiguous.
+    path = script(tmp_path, """
+        import os, signal, time
+        if os.environ["PMI_RANK"] == "2":
+            time.sleep(0.5)
+            print("about to die", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    proc = axondist_run("-n", "3", path)
+    assert proc.returncode == 128 + 9, proc.stdout + proc.stderr
+    assert "axondist run: rank 2 of 3 failed" in proc.stderr
+    assert "killed by signal 9 (SIGKILL)" in proc.stderr
+    assert "    | about to die" in proc.stderr
+    assert "BAD TERMINATION" not in proc.stdout + proc.stderr
+
+
+@launches
+def test_a_crash_prints_the_python_stack(tmp_path):
+    path = script(tmp_path, """
+        import ctypes, os
+        if os.environ["PMI_RANK"] == "1":
+            ctypes.string_at(0)  # a segmentation fault
+    """)
+    proc = axondist_run("-n", "2", path)
+    assert proc.returncode == 128 + 11, proc.stdout + proc.stderr
+    assert "axondist run: rank 1 of 2 failed" in proc.stderr
+    assert "killed by signal 11 (SIGSEGV)" in proc.stderr
+    assert "[rank 1] Fatal Python error: Segmentation fault" in proc.stderr
+
+
+@launches
+def test_an_exit_code_without_mpi_stops_the_waiting_ranks(tmp_path):
+    path = script(tmp_path, """
+        import os, sys, time
+        if os.environ["PMI_RANK"] == "0":
+            sys.exit(3)
+        time.sleep(300)  # no MPI here: only the launcher can end this rank
+    """)
+    proc = axondist_run("-n", "2", "--stop-grace", "0.5", path)
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert "axondist run: rank 0 of 2 failed" in proc.stderr
+    assert "exit code 3: sys.exit(3)" in proc.stderr
+
+
+@launches
+def test_max_restarts_relaunches_a_job_that_fails_once(tmp_path):
+    marker = tmp_path / "failed-once"
+    path = script(tmp_path, f"""
+        import os, pathlib, sys
+        from mpi4py import MPI
+        rank, restarts = MPI.COMM_WORLD.rank, os.environ["AXONDIST_RESTART_COUNT"]
+        marker = pathlib.Path({str(marker)!r})
+        print("attempt", restarts, "rank", rank, flush=True)
+        if rank == 1 and not marker.exists():
+            marker.write_text("x")
+            raise SystemExit("rank 1 lost its node")
+        MPI.COMM_WORLD.Barrier()
+        print("finished", restarts)
+    """)
+    proc = axondist_run("-n", "2", "--max-restarts", "1", path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "axondist run: rank 1 of 2 failed" in proc.stderr
+    assert "rank 1 lost its node" in proc.stderr
+    assert ("axondist run: restarting the job (restart 1 of 1; the script sees "
+            "AXONDIST_RESTART_COUNT=1)") in proc.stderr
+    assert "[rank 0] finished 1" in proc.stdout and "[rank 1] finished 1" in proc.stdout
+    assert "finished 0" not in proc.stdout
+
+
+@launches
+def test_restarts_run_out(tmp_path):
+    path = script(tmp_path, """
+        import os, sys
+        print("try", os.environ["AXONDIST_RESTART_COUNT"])
+        sys.exit(4)
+    """)
+    proc = axondist_run("-n", "2", "--max-restarts", "2", path)
+    assert proc.returncode == 4, proc.stdout + proc.stderr
+    assert proc.stderr.count("axondist run: restarting the job") == 2
+    assert "axondist run: giving up after 2 restarts" in proc.stderr
+    assert "[rank 0] try 2" in proc.stdout
+
+
+@launches
+def test_a_module_runs_with_python_m_semantics(tmp_path):
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "train.py").write_text(
+        "import os, sys\nprint(__name__, os.environ['PMI_RANK'], sys.argv[1:])\n")
+    proc = axondist_run("-n", "2", "-m", "pkg.train", "--steps", "3", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "[rank 1] __main__ 1 ['--steps', '3']" in proc.stdout
+
+
+@launches
+def test_a_script_imports_modules_beside_it(tmp_path):
+    (tmp_path / "helper.py").write_text("VALUE = 42\n")
+    path = script(tmp_path, "import helper\nprint('value', helper.VALUE, __name__)\n")
+    proc = axondist_run("-n", "2", path)  # cwd is the repository, not the script's folder
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "[rank 0] value 42 __main__" in proc.stdout
