@@ -144,12 +144,18 @@ def load_sharded_checkpoint(path: str | os.PathLike, target: Any, optimizer: Any
     """
     step = _checked_step(step, "load_sharded_checkpoint")
     reader = CheckpointReader(path, verify=verify, step=step)
-    if hasattr(target, "load_sharded_checkpoint_state"):
-        if optimizer is not None and strict:
-            _check_fsdp_optimizer(reader, target)
-        target.load_sharded_checkpoint_state(reader, optimizer)
-    else:
-        load_layout(reader, target, optimizer, strict)
+    try:
+        if hasattr(target, "load_sharded_checkpoint_state"):
+            if optimizer is not None and strict:
+                _check_fsdp_optimizer(reader, target)
+            target.load_sharded_checkpoint_state(reader, optimizer)
+        else:
+            load_layout(reader, target, optimizer, strict)
+    except CheckpointError:
+        raise
+    except (KeyError, TypeError, ValueError) as exc:  # e.g. hyper-parameters the optimizer refuses
+        raise CheckpointError(f"load_sharded_checkpoint: {reader.path}/index.json does not fit "
+                              f"the target or optimizer ({type(exc).__name__}: {exc})") from None
     return reader.metadata
 
 
@@ -201,9 +207,10 @@ class Checkpointer:
         return handle
 
     def wait(self) -> None:
-        """Finish the save in flight, if any (collective); raises its CheckpointError."""
+        """Finish the save in flight, if any (collective); raises its CheckpointError unless
+        its handle's ``wait()`` already reported it."""
         pending, self._pending = self._pending, None
-        if pending is not None:
+        if pending is not None and not pending.collected:
             pending.wait()
 
     def load(self, target: Any, optimizer: Any = None, *, step: int | None = None,

@@ -183,12 +183,17 @@ def acquire_lock(root: str, what: str, wait: float) -> Lock:
                 f"{what}: {root} is being written by another writer (host {holder.get('host')}, "
                 f"pid {pid}, since {time.ctime(holder.get('since', 0))}); two jobs must not "
                 f"save to one directory. If that writer is gone, delete {path}") from None
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(me, f)
-            f.flush()
-            os.fsync(f.fileno())
-        fault_point("done")
-        return Lock(root, token)
+        lock = Lock(root, token)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                json.dump(me, f)
+                f.flush()
+                os.fsync(f.fileno())
+            fault_point("done")
+        except BaseException:
+            _remove_quietly(path)
+            raise
+        return lock
 
 
 def _holder(path: str) -> dict[str, Any] | None:
@@ -262,9 +267,17 @@ def commit(root: str, staging: str, step: int, keep_last: int | None) -> str:
     history = [h for h in (pointer.history if pointer else ()) if step_of(h) != step] + [name]
     if keep_last is not None:
         history = history[-keep_last:]
-    write_pointer(root, Pointer(name, tuple(history)))
-    remove_debris(root, Pointer(name, tuple(history)))
-    fsync_dir(root)
+    new = Pointer(name, tuple(history))
+    try:
+        write_pointer(root, new)
+    except BaseException:
+        if read_pointer(root) != new:  # not swapped: the save failed, the old one stands
+            raise
+    try:  # committed: what is left is clean-up, which the next save redoes when this fails
+        remove_debris(root, new)
+        fsync_dir(root)
+    except OSError:
+        pass
     return name
 
 

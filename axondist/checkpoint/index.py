@@ -168,6 +168,8 @@ def validate_index(index: Mapping[str, Any], where: str) -> None:
         _check_covered(c, f, flat_name, flat, offset, offset + numel)
     if index["optimizer"] is not None:
         _validate_optimizer(c, index["optimizer"], tensors)
+    elif any(t.startswith("optim/") for t in tensors):
+        raise c.fail("optimizer", "null, but the tensors hold optimizer state")
 
 
 def _validate_flats(c: _Checker, flats: dict[str, Any]) -> dict[str, Any]:
@@ -229,6 +231,12 @@ def _validate_optimizer(c: _Checker, opt: Any, tensors: Mapping[str, Any]) -> No
             if f"optim/{name}/{key}" not in tensors:
                 raise c.fail("tensors", f"the optimizer state {key!r} of parameter {name!r} "
                                         f"(tensor 'optim/{name}/{key}') is missing")
+    for t in tensors:
+        if t.startswith("optim/"):
+            owner, _, key = t[len("optim/"):].rpartition("/")
+            if owner not in steps or key not in keys:
+                raise c.fail(f"tensors[{t!r}]", f"optimizer state of {owner!r} that "
+                                                "'optimizer.steps' and 'state_keys' do not list")
     params = opt.get("params")
     if params is not None and (not isinstance(params, list)
                                or not all(isinstance(p, str) for p in params)):

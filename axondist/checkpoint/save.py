@@ -60,6 +60,11 @@ class SaveHandle:
         self._result = result
         self._error: CheckpointError | None = None
 
+    @property
+    def collected(self) -> bool:
+        """True once :meth:`wait` has run (its outcome is kept and re-raised by later waits)."""
+        return self._job is None
+
     def done(self) -> bool:
         """True once this rank's files are written (``wait`` will not block on I/O)."""
         return self._job is None or not self._job.thread_alive()

@@ -8,8 +8,11 @@ tests/faults/test_checkpoint_faults.py.)
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -206,3 +209,363 @@ def test_full_checkpoint_takes_any_parameter_name(tmp_path, world) -> None:
     state = load_full_checkpoint(path)
     np.testing.assert_array_equal(state["file"], np.arange(3.0))
     np.testing.assert_array_equal(state["allow_pickle"], np.ones((2, 2), np.float32))
+
+
+# --- the index: checksum and schema --------------------------------------------------------
+
+_TEMPLATE: dict[str, Path] = {}
+
+
+def _saved(root, world) -> tuple[Path, bytes]:
+    """A checkpoint of ``trained(0)`` in ``root`` (saved once, then copied: no fsyncs)."""
+    if "root" not in _TEMPLATE:
+        template = Path(tempfile.mkdtemp(prefix="axondist-ckpt-template-"))
+        params, opt = trained(0)
+        save_sharded_checkpoint(template, params, opt, group=world, metadata={"epoch": 1})
+        _TEMPLATE["root"] = template
+        atexit.register(shutil.rmtree, template, True)
+    shutil.copytree(_TEMPLATE["root"], root, dirs_exist_ok=True)
+    ckpt = latest_dir(root)
+    return ckpt, (ckpt / "index.json").read_bytes()
+
+
+def _load_fresh(root) -> None:
+    p = model(5)
+    load_sharded_checkpoint(root, p, Adam(p[:3]))
+
+
+def _leaves(obj, path=()):
+    """Every (path, value) leaf of a JSON value, containers included."""
+    yield path, obj
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list) else ()
+    for k, v in items:
+        yield from _leaves(v, (*path, k))
+
+
+def _edit(obj, path, change):
+    parent = obj
+    for k in path[:-1]:
+        parent = parent[k]
+    change(parent, path[-1])
+
+
+@given(bit=st.integers(0, 10**9))
+@settings(max_examples=50)
+def test_any_flipped_bit_of_the_index_is_refused(tmp_path_factory, bit: int) -> None:
+    root = tmp_path_factory.mktemp("flip")
+    ckpt, raw = _saved(root, ad.World.mock())
+    flipped = bytearray(raw)
+    flipped[(bit // 8) % len(raw)] ^= 1 << (bit % 8)
+    (ckpt / "index.json").write_bytes(bytes(flipped))
+    with pytest.raises(CheckpointError, match="index.json"):
+        _load_fresh(root)
+
+
+EDITS = {
+    "int+1": lambda parent, k: parent.__setitem__(k, parent[k] + 1),
+    "to string": lambda parent, k: parent.__setitem__(k, str(parent[k])),
+    "to null": lambda parent, k: parent.__setitem__(k, None),
+    "delete": lambda parent, k: parent.__delitem__(k),
+}
+
+
+def _load_all(root) -> tuple[list[np.ndarray], dict]:
+    p = model(5)
+    opt = Adam(p[:3])
+    load_sharded_checkpoint(root, p, opt)
+    return _values(p), opt.state_dict()
+
+
+def _same_state(a: dict, b: dict) -> bool:
+    if a.keys() != b.keys():
+        return False
+    return all(np.array_equal(a[k][n], b[k][n]) for k in a for n in a[k])
+
+
+@given(data=st.data())
+@settings(max_examples=60)
+def test_any_edited_field_is_refused_with_or_without_a_fresh_checksum(tmp_path_factory,
+                                                                       data) -> None:
+    """Every edit is caught by the checksum. An edit whose author also recomputed the checksum
+    and that removes a field or changes its type is refused by the schema, or (an optional
+    field) changes nothing that loads: never silently different values."""
+    from axondist.checkpoint.index import with_checksum
+
+    root = tmp_path_factory.mktemp("edit")
+    ckpt, raw = _saved(root, ad.World.mock())
+    want, want_opt = _load_all(root)
+    index = json.loads(raw)
+    leaves = [p for p, v in _leaves(index) if p and p[0] not in ("checksum",)]
+    path = data.draw(st.sampled_from(leaves), label="field")
+    value = dict(_leaves(index))[path]
+    kinds = ["delete", "to null"] + (["int+1"] if type(value) is int else []) + \
+        (["to string"] if not isinstance(value, str) else [])
+    kind = data.draw(st.sampled_from(kinds), label="edit")
+    _edit(index, path, EDITS[kind])
+    (ckpt / "index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match="checksum mismatch"):
+        _load_fresh(root)
+    if kind == "int+1" or path[0] == "metadata":
+        return  # a valid value in a re-checksummed file is a different, valid checkpoint
+    (ckpt / "index.json").write_text(json.dumps(with_checksum(index)))
+    try:
+        got, got_opt = _load_all(root)
+    except CheckpointError as exc:
+        assert "index.json" in str(exc) or "no tensor named" in str(exc) or \
+            "holds no optimizer state" in str(exc) or ".npy" in str(exc), str(exc)
+        return
+    assert all(np.array_equal(a, b) for a, b in zip(got, want))
+    assert _same_state(got_opt["state"], want_opt["state"])
+    assert got_opt["hyperparameters"] == want_opt["hyperparameters"] or "hyperparameters" in path
+
+
+def test_the_issues_hand_edits_are_refused_even_with_a_fresh_checksum(tmp_path, world) -> None:
+    from axondist.checkpoint.index import with_checksum
+
+    ckpt, raw = _saved(tmp_path, world)
+
+    def attempt(change, match: str) -> None:
+        index = json.loads(raw)
+        change(index)
+        (ckpt / "index.json").write_text(json.dumps(index))
+        with pytest.raises(CheckpointError, match="index.json fails its 'checksum' check"):
+            _load_fresh(tmp_path)
+        (ckpt / "index.json").write_text(json.dumps(with_checksum(index)))
+        with pytest.raises(CheckpointError, match=match):
+            _load_fresh(tmp_path)
+
+    def offset(i):
+        i["tensors"]["fc.w"]["offset"] += 1
+
+    def dtype(i):
+        i["tensors"]["fc.w"]["dtype"] = "int8"
+        i["flats"][i["tensors"]["fc.w"]["flat"]]["dtype"] = "int8"
+
+    def swap(i):
+        a, b = (i["tensors"][n]["flat"] for n in ("fc.w", "fc.b"))
+        i["flats"][a]["shards"], i["flats"][b]["shards"] = (i["flats"][b]["shards"],
+                                                            i["flats"][a]["shards"])
+
+    def drop_optim(i):
+        del i["tensors"]["optim/fc.b/exp_avg"]
+
+    attempt(offset, "run past the end of flat")
+    attempt(dtype, "holds float32 .* the index says int8")
+    attempt(swap, "index.json field flats.*stop: 12 is outside 1..4")
+    attempt(drop_optim, "optimizer state 'exp_avg' of parameter 'fc.b'")
+
+
+def test_swapped_shard_entries_of_one_flat_are_refused(tmp_path, world) -> None:
+    from axondist.checkpoint.index import with_checksum
+
+    flat = np.arange(10, dtype=np.float32)
+    write_sharded(tmp_path, ShardedState([TensorSpec("t", (10,), "float32", "f", 0)],
+                                         [FlatShard("f", 10, 0, flat[:4]),
+                                          FlatShard("f", 10, 4, flat[4:])]), group=world)
+    ckpt = latest_dir(tmp_path)
+    index = json.loads((ckpt / "index.json").read_text())
+    shards = index["flats"]["f"]["shards"]
+    shards[0], shards[1] = shards[1], shards[0]
+    (ckpt / "index.json").write_text(json.dumps(with_checksum(index)))
+    with pytest.raises(CheckpointError, match="shards\\[1\\].start: 0 overlaps the previous "
+                                              "shard"):
+        CheckpointReader(tmp_path)
+    for s in shards:  # the entries swapped back, their files swapped
+        s["start"], s["stop"] = (0, 4) if s["start"] == 4 else (4, 10)
+    (ckpt / "index.json").write_text(json.dumps(with_checksum(index)))
+    with pytest.raises(CheckpointError, match="holds float32 \\((6|4),\\), the index says"):
+        CheckpointReader(tmp_path, verify=False).read("t")
+
+
+@given(data=st.data())
+@settings(max_examples=40)
+def test_any_flipped_bit_of_a_shard_file_is_refused(tmp_path_factory, data) -> None:
+    root = tmp_path_factory.mktemp("shardflip")
+    ckpt, raw = _saved(root, ad.World.mock())
+    files = sorted(f for f in os.listdir(ckpt) if f.endswith(".npy"))
+    name = data.draw(st.sampled_from(files), label="file")
+    blob = bytearray((ckpt / name).read_bytes())
+    bit = data.draw(st.integers(0, len(blob) * 8 - 1), label="bit")
+    blob[bit // 8] ^= 1 << (bit % 8)
+    (ckpt / name).write_bytes(bytes(blob))
+    with pytest.raises(CheckpointError, match=name.replace(".", "\\.")):
+        _load_fresh(root)
+
+
+def test_corrupted_pointer_is_refused(tmp_path, world) -> None:
+    save_sharded_checkpoint(tmp_path, model(0), group=world)
+    raw = bytearray((tmp_path / "latest").read_bytes())
+    raw[len(raw) // 2] ^= 4
+    (tmp_path / "latest").write_bytes(bytes(raw))
+    with pytest.raises(CheckpointError, match="latest (fails its 'checksum' check|is not valid)"):
+        load_sharded_checkpoint(tmp_path, model(1))
+
+
+# --- atomic re-saves, keep_last, the lock ----------------------------------------------------
+
+def _values(params) -> list[np.ndarray]:
+    return [np.asarray(p.data).copy() for p in params]
+
+
+def _assert_holds(root, want: list[np.ndarray]) -> None:
+    got = model(9)
+    load_sharded_checkpoint(root, got)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g.data, w)
+
+
+@pytest.mark.parametrize("kind", ["enospc", "erofs"])
+def test_a_failing_resave_at_any_point_leaves_the_old_checkpoint(tmp_path, world, monkeypatch,
+                                                                 kind: str) -> None:
+    """A full disk or read-only file system at the k-th change of the directory, for every k:
+    the old checkpoint stays the latest, and the next save cleans up and succeeds."""
+    from axondist.checkpoint import files
+
+    old = model(0)
+    save_sharded_checkpoint(tmp_path, old, group=world, step=1)
+    k = 1
+    while True:
+        monkeypatch.setattr(files, "_events", __import__("itertools").count(1))
+        monkeypatch.setenv(files.FAULT_ENV, f"{kind}:{k}")
+        try:
+            save_sharded_checkpoint(tmp_path, model(k), group=world, step=2)
+        except CheckpointError as exc:
+            assert "(injected)" in str(exc) and "save_sharded_checkpoint" in str(exc)
+            _assert_holds(tmp_path, _values(old))
+            k += 1
+            continue
+        finally:
+            monkeypatch.delenv(files.FAULT_ENV)
+        break
+    assert k > 6  # the fault hit every file, the rename, the pointer and the clean-up
+    # the save whose fault fell after its commit (pruning) succeeded: it is the latest
+    _assert_holds(tmp_path, _values(model(k)))
+    save_sharded_checkpoint(tmp_path, model(100), group=world, step=3)
+    assert sorted(os.listdir(tmp_path)) == ["latest", "step-00000001", "step-00000002",
+                                            "step-00000003"]
+    _assert_holds(tmp_path, _values(model(100)))
+
+
+def test_keep_last_and_loading_an_earlier_step(tmp_path, world) -> None:
+    ckpt = ad.checkpoint.Checkpointer(tmp_path, keep_last=2, group=world)
+    assert ckpt.latest_step() is None and ckpt.steps() == []
+    for step in range(5):
+        ckpt.save(model(step), step=step, metadata={"at": step})
+    assert ckpt.steps() == [3, 4] and ckpt.latest_step() == 4
+    assert sorted(os.listdir(tmp_path)) == ["latest", "step-00000003", "step-00000004"]
+    target = model(9)
+    assert ckpt.load(target, step=3) == {"at": 3}
+    np.testing.assert_array_equal(target[0].data, model(3)[0].data)
+    with pytest.raises(CheckpointError, match="no checkpoint of step 1; it holds steps \\[3, 4\\]"):
+        ckpt.load(target, step=1)
+    ckpt.save(model(7), step=4)  # a re-save of a step replaces it, atomically
+    assert ckpt.steps() == [3, 4]
+    assert sorted(os.listdir(tmp_path)) == ["latest", "step-00000003", "step-00000004.1"]
+    with pytest.raises(ValueError, match="keep_last=0 must be an int >= 1"):
+        ad.checkpoint.Checkpointer(tmp_path, keep_last=0)
+    with pytest.raises(ValueError, match="step=-1 must be an int >= 0"):
+        save_sharded_checkpoint(tmp_path, model(0), group=world, step=-1)
+
+
+def test_a_second_writer_is_refused_naming_the_first(tmp_path, world) -> None:
+    import socket
+    import subprocess
+    import sys
+
+    save_sharded_checkpoint(tmp_path, model(0), group=world)
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        (tmp_path / ".lock").write_text(json.dumps(
+            {"host": socket.gethostname(), "pid": holder.pid, "token": "x", "since": 0}))
+        with pytest.raises(CheckpointError, match=f"another writer \\(host {socket.gethostname()}, "
+                                                  f"pid {holder.pid}"):
+            save_sharded_checkpoint(tmp_path, model(1), group=world)
+        _assert_holds(tmp_path, _values(model(0)))
+    finally:
+        holder.kill()
+        holder.wait()
+    # the holder is gone: its stale lock is taken over
+    save_sharded_checkpoint(tmp_path, model(1), group=world)
+    _assert_holds(tmp_path, _values(model(1)))
+    assert not (tmp_path / ".lock").exists()
+
+
+def test_two_worlds_of_one_process_saving_to_one_root_are_serialised(tmp_path) -> None:
+    def job(world: ad.World, seed: int) -> str:
+        params = model(seed + world.rank * 0)
+        return save_sharded_checkpoint(tmp_path, params, step=seed).wait()
+
+    import threading
+
+    done: list[str] = []
+    threads = [threading.Thread(target=lambda s=s: done.extend(ad.spawn(job, 2, s)))
+               for s in (1, 2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert len(done) == 4
+    assert sorted(ad.checkpoint.Checkpointer(tmp_path).steps()) == [1, 2]  # in either order
+
+
+# --- asynchronous saves ----------------------------------------------------------------------
+
+def test_async_save_snapshots_the_state_and_commits_on_wait(tmp_path, world) -> None:
+    params, opt = trained(0)
+    want = _values(params)
+    ckpt = ad.checkpoint.Checkpointer(tmp_path, group=world)
+    handle = ckpt.save(params, opt, step=1, async_save=True)
+    for p in params:  # training goes on: the checkpoint keeps the values at save time
+        p.data[...] = 0
+    assert ckpt.latest_step() is None or handle.done()
+    path = handle.wait()
+    assert handle.done() and path.endswith("step-00000001")
+    _assert_holds(tmp_path, want)
+    ckpt.save(params, opt, step=2, async_save=True)
+    ckpt.save(params, opt, step=3, async_save=True)  # waits for step 2 first
+    ckpt.wait()
+    assert ckpt.steps() == [1, 2, 3]
+
+
+def test_async_save_failure_is_reported_by_wait(tmp_path, world, monkeypatch) -> None:
+    from axondist.checkpoint import files
+
+    params, opt = trained(0)
+    ckpt = ad.checkpoint.Checkpointer(tmp_path, group=world)
+    ckpt.save(params, opt, step=1)
+    monkeypatch.setattr(files, "_events", __import__("itertools").count(1))
+    monkeypatch.setenv(files.FAULT_ENV, "enospc:3")
+    handle = ckpt.save(model(3), step=2, async_save=True)
+    with pytest.raises(CheckpointError, match="failed on 1 rank.*rank 0: .*No space left"):
+        handle.wait()
+    with pytest.raises(CheckpointError, match="No space left"):
+        handle.wait()  # the outcome stays
+    monkeypatch.delenv(files.FAULT_ENV)
+    ckpt.wait()  # nothing pending: the error was collected by handle.wait()
+    assert ckpt.steps() == [1]
+    _assert_holds(tmp_path, _values(params))
+
+
+# --- optimizer entries ----------------------------------------------------------------------
+
+def test_missing_optimizer_entry_is_an_error_unless_not_strict(tmp_path, world) -> None:
+    params, opt = trained(0)
+    save_sharded_checkpoint(tmp_path, params[:2], Adam(params[:2]), group=world)
+    target = model(1)
+    opt2 = Adam(target[:3])
+    with pytest.raises(CheckpointError, match="no tensor named 'scale'"):
+        load_sharded_checkpoint(tmp_path, target, opt2)
+    target = target[:2] + [ad.Parameter(np.zeros(2), "extra")]
+    opt2 = Adam(target)
+    with pytest.raises(CheckpointError, match="no tensor named 'extra'"):
+        load_sharded_checkpoint(tmp_path, target, opt2)
+    # the same model, its optimizer over one more parameter than was saved
+    p2 = model(2)[:2]
+    save_sharded_checkpoint(tmp_path, p2, Adam(p2[:1]), group=world)
+    q = model(3)[:2]
+    with pytest.raises(CheckpointError, match="no optimizer entry for parameter 'fc.b'; pass "
+                                              "strict=False"):
+        load_sharded_checkpoint(tmp_path, q, Adam(q))
+    opt3 = Adam(q)
+    load_sharded_checkpoint(tmp_path, q, opt3, strict=False)
+    assert list(opt3.state_dict()["state"]) == []  # Adam(p2[:1]) had taken no step
