@@ -237,7 +237,8 @@ def _load_fresh(root) -> None:
 def _leaves(obj, path=()):
     """Every (path, value) leaf of a JSON value, containers included."""
     yield path, obj
-    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list) else ()
+    items = obj.items() if isinstance(obj, dict) else \
+        enumerate(obj) if isinstance(obj, list) else ()
     for k, v in items:
         yield from _leaves(v, (*path, k))
 
