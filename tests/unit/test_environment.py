@@ -134,8 +134,6 @@ def test_a_torchrun_style_process_without_mpi_gets_the_error():
     assert plain.returncode == 0 and "no error" in plain.stdout, plain.stderr
 
 
-@pytest.mark.xfail(strict=True, reason="init() does not call check_env_launch yet; once it "
-                                       "does, this passes and the marker must go")
 def test_init_in_a_torchrun_style_process_raises_instead_of_one_rank():
     script = "import axondist as ad; w = ad.init(); print('rank', w.rank, 'of', w.world_size)"
     proc = subprocess.run([sys.executable, "-c", script], env=clean_env(**TORCHRUN),
