@@ -10,8 +10,10 @@ library when it is created.
 
 from ._array import as_array, flatten, namespace, to_device, to_host, unflatten
 from .backends.base import Work
+from .backends.registry import register_backend
 from .comm import (
     all_gather,
+    all_gather_object,
     all_reduce,
     all_reduce_max,
     all_reduce_mean,
@@ -21,6 +23,10 @@ from .comm import (
     barrier,
     broadcast,
     broadcast_from,
+    broadcast_object,
+    broadcast_object_list,
+    flight_recorder,
+    gather_object,
     gather_tensor,
     is_main_process,
     rank,
@@ -28,6 +34,7 @@ from .comm import (
     reduce_scatter,
     reduce_scatter_mean,
     reduce_scatter_sum,
+    scatter_object_list,
     scatter_tensor,
     send,
     sync_gradient,
@@ -42,10 +49,11 @@ from .errors import (
     InvalidBufferError,
     NotAMemberError,
     RankError,
+    RankExitedError,
     UnsupportedDTypeError,
     WorldAbortedError,
 )
-from .launch import init, spawn
+from .launch import init, run, spawn, spawn_on_devices
 from .ops import ReduceOp
 from .parameter import Parameter, parameters_of
 from .process_group import ProcessGroup, World, current_world
@@ -70,11 +78,13 @@ _LAZY = {
     "TensorParallelMLP": "tensor_parallel",
     "DeviceMesh": "mesh", "make_mesh": "mesh",
     "DistributedSampler": "data",
+    "print0": "log", "all_reduce_scalar": "log",
+    "MockBackend": "backends", "NcclBackend": "backends",
 }
 
 
-_SUBMODULES = {"backends", "bucketing", "checkpoint", "comm", "data", "ddp", "fsdp", "mesh",
-               "optim", "pipeline", "tensor_parallel"}
+_SUBMODULES = {"backends", "bucketing", "checkpoint", "comm", "data", "ddp", "fsdp", "log",
+               "mesh", "optim", "pipeline", "tensor_parallel"}
 
 
 def __getattr__(name: str) -> object:
@@ -104,12 +114,14 @@ __all__ = [
     "Parameter",
     "ProcessGroup",
     "RankError",
+    "RankExitedError",
     "ReduceOp",
     "UnsupportedDTypeError",
     "Work",
     "World",
     "WorldAbortedError",
     "all_gather",
+    "all_gather_object",
     "all_reduce",
     "all_reduce_max",
     "all_reduce_mean",
@@ -120,6 +132,10 @@ __all__ = [
     "barrier",
     "broadcast",
     "broadcast_from",
+    "broadcast_object",
+    "broadcast_object_list",
+    "flight_recorder",
+    "gather_object",
     "current_world",
     "flatten",
     "gather_tensor",
@@ -132,9 +148,13 @@ __all__ = [
     "reduce_scatter",
     "reduce_scatter_mean",
     "reduce_scatter_sum",
+    "register_backend",
+    "run",
+    "scatter_object_list",
     "scatter_tensor",
     "send",
     "spawn",
+    "spawn_on_devices",
     "sync_gradient",
     "sync_gradients",
     "to_device",

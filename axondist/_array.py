@@ -143,6 +143,12 @@ def check_dtype(dtype: Any, where: str) -> np.dtype:
     return dtype
 
 
+def is_writable(x: Any) -> bool:
+    """True when a collective may write into ``x`` in place (writable, C-contiguous)."""
+    flags = x.flags
+    return bool(flags.c_contiguous and (not isinstance(x, np.ndarray) or flags.writeable))
+
+
 def check_writable(x: Any, where: str) -> None:
     """Refuse a buffer that a collective must write in place but cannot."""
     flags = x.flags  # one flags object: this runs on every in-place collective

@@ -35,7 +35,7 @@ def as_rank(value: Any, size: int, what: str, arg: str) -> int:
                         f"got {type(value).__name__}")
     rank = int(value)
     if not 0 <= rank < size:
-        raise RankError(f"{what}: {arg}={rank} is not a rank of the group of {size} ranks "
+        raise RankError(f"{what}: {arg}={rank} is outside the group of {size} ranks "
                         f"(valid: 0..{size - 1}, ranks within the group)")
     return rank
 

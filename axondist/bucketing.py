@@ -31,7 +31,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from . import _array
-from .backends.base import CompletedWork, Work
+from .backends.base import Backend, CompletedWork, Work
 from .comm import all_reduce
 from .ops import ReduceOp
 from .parameter import Parameter
@@ -603,14 +603,13 @@ class GradientSynchronizer:
             state.work = work if isinstance(work, Work) else None
         state.launched = True
 
-    def _fused_backend(self, data: Any, async_op: bool) -> Any:
-        """The MPI backend when it can weight and sum this bucket in one pass over memory
-        (``scaled_sum_blocking``: blocking, default hook, NumPy buffer, not debugging), else
-        None. Depends on nothing rank-local, so every rank makes the same MPI calls."""
+    def _fused_backend(self, data: Any, async_op: bool) -> Backend | None:
+        """The backend when it can weight and sum this bucket in one call
+        (``scaled_sum_blocking``: blocking, default hook, NumPy buffer), else None.
+        Depends on nothing rank-local, so every rank makes the same calls."""
         if async_op or self.hook is not sum_hook or type(data) is not np.ndarray:
             return None
-        backend = self._group.backend_for("GradientSynchronizer")  # type: ignore[union-attr]
-        return backend if getattr(backend, "blocking_fast_path", False) else None
+        return self._group.backend_for("GradientSynchronizer")  # type: ignore[union-attr]
 
     def _progress(self) -> None:
         """Test the oldest bucket in flight.

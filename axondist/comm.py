@@ -20,6 +20,7 @@ from math import prod
 from typing import Any
 
 from . import _array
+from ._validate import as_rank
 from .backends.base import Backend, CompletedWork, Work
 from .errors import CollectiveMismatchError, InvalidBufferError, RankError
 from .ops import ReduceOp, check_op_dtype
@@ -56,14 +57,6 @@ _last_sizes: tuple[list[Any], list[int], int] = ([], [], 0)
 
 def _wants_signature(b: Backend) -> bool:
     return b.needs_signature
-
-
-# Only backends whose blocking_fast_path is true define the *_blocking methods, so
-# mypy cannot see them on Backend: their calls below carry type: ignore[attr-defined].
-def _fast_path(b: Backend) -> bool:
-    """Whether ``b`` offers ``all_reduce_blocking``/``broadcast_blocking``/
-    ``all_gather_blocking`` for NumPy arrays (the MPI backend outside debug)."""
-    return b.blocking_fast_path
 
 
 def _checked_reduce_args(x: Any, op: Any, what: str) -> tuple[Any, ReduceOp]:
@@ -154,8 +147,8 @@ def all_reduce(x: Any, op: ReduceOp | str = ReduceOp.SUM, group: ProcessGroup | 
     """
     b = (current_world() if group is None else resolve_group(group)).backend_for("all_reduce")
     if (x.__class__ is _HOST_ARRAY and x.flags.carray and op in _REDUCE_OK.get(x.dtype, ())):
-        if not async_op and b.blocking_fast_path:
-            b.all_reduce_blocking(x, op)  # type: ignore[attr-defined]
+        if not async_op:
+            b.all_reduce_blocking(x, op)
             return x
     else:
         x, op = _checked_reduce_args(x, op, "all_reduce")
@@ -233,8 +226,8 @@ def broadcast(x: Any, group: ProcessGroup | None = None, *, src: int = 0,
     if src.__class__ is not int or not 0 <= src < b.world_size:
         _check_rank(g, src, "broadcast", "src")
     if x.__class__ is _HOST_ARRAY and x.flags.carray and x.dtype in _MOVE_OK:
-        if not async_op and b.blocking_fast_path:
-            b.broadcast_blocking(x, src)  # type: ignore[attr-defined]
+        if not async_op:
+            b.broadcast_blocking(x, src)
             return x
     else:
         x = _array.as_array(x)
@@ -262,7 +255,7 @@ def _gather_counts(g: ProcessGroup, b: Backend, x: Any, what: str,
                 f"{what}: sizes={sizes} must list {g.world_size} row counts with this rank's "
                 f"({x.shape[0]}) at index {g.rank}")
         return sizes
-    if b.blocking_fast_path:
+    if b.host_collectives:
         # MPI: one small all-gather of host numbers (rows and a fingerprint of dtype
         # and trailing shape), ~10x cheaper than exchanging pickled objects. Every
         # rank sees every fingerprint, so when they differ all ranks fall back to
@@ -271,7 +264,7 @@ def _gather_counts(g: ProcessGroup, b: Backend, x: Any, what: str,
         n = g.world_size
         header = _array.np.array((x.shape[0],) + _fingerprint(x.dtype, trailing), _INT64)
         table = _HOST_ARRAY((4 * n,), _INT64)
-        b.all_gather_blocking(header, table, [4] * n)  # type: ignore[attr-defined]
+        b.all_gather_blocking(header, table, [4] * n)
         values = table.tolist()  # small: Python lists beat NumPy calls here
         prints = values[1:4]
         if all(values[k:k + 3] == prints for k in range(5, 4 * n, 4)):
@@ -322,8 +315,7 @@ def all_gather(x: Any, group: ProcessGroup | None = None, *, sizes: Sequence[int
     b = g.backend_for("all_gather")
     host = x.__class__ is _HOST_ARRAY and x.flags.c_contiguous and x.dtype in _MOVE_OK
     if (host and sizes is not None and out is not None and not async_op
-            and out.__class__ is _HOST_ARRAY and x.ndim == 1 and out.flags.carray
-            and b.blocking_fast_path):
+            and out.__class__ is _HOST_ARRAY and x.ndim == 1 and out.flags.carray):
         # The hot path: 1-D NumPy in and out, sizes given (the checks below, inlined).
         last = _last_sizes
         if sizes.__class__ is list and sizes == last[0]:
@@ -334,7 +326,7 @@ def all_gather(x: Any, group: ProcessGroup | None = None, *, sizes: Sequence[int
             raise _bad_sizes(g, rows, x)
         if (out.dtype is not x.dtype and out.dtype != x.dtype) or out.shape != (total,):
             raise _bad_out(out, x, (total,))
-        b.all_gather_blocking(x, out, rows)  # type: ignore[attr-defined]
+        b.all_gather_blocking(x, out, rows)
         return out
     if not host:
         x = _array.contiguous(_array.as_array(x))
@@ -363,8 +355,8 @@ def all_gather(x: Any, group: ProcessGroup | None = None, *, sizes: Sequence[int
         if (out.dtype is not x.dtype and out.dtype != x.dtype) or tuple(out.shape) != shape:
             raise _bad_out(out, x, shape)
     counts = rows if row_size == 1 else [r * row_size for r in rows]
-    if host and not async_op and out.__class__ is _HOST_ARRAY and _fast_path(b):
-        b.all_gather_blocking(x, out, counts)  # type: ignore[attr-defined]
+    if host and not async_op and out.__class__ is _HOST_ARRAY:
+        b.all_gather_blocking(x, out, counts)
         return out
     sig = (("dtype", x.dtype),) if _wants_signature(b) else ()
     work = b.all_gather(x, out, counts, signature=sig, async_op=async_op)
@@ -463,15 +455,90 @@ def recv(src: int, group: ProcessGroup | None = None, tag: int = 0, *, out: Any 
     if src == g.rank:
         raise RankError(f"recv: src={src} is this rank; a rank cannot receive from itself")
     shape, dtype, lib = b.recv_object(src, tag)
+    message = _array.module_named(lib).empty(shape, dtype=_array.dtype_named(dtype))
     if out is None:
-        out = _array.module_named(lib).empty(shape, dtype=_array.dtype_named(dtype))
-    else:
+        out = message
+    elif (tuple(out.shape) != tuple(shape) or str(out.dtype) != dtype
+          or not _array.is_writable(out)):
+        b.recv(message, src, tag)  # consume it: the next recv gets the next message
         _array.check_writable(out, "recv")
-        if tuple(out.shape) != tuple(shape) or str(out.dtype) != dtype:
-            raise CollectiveMismatchError(
-                f"recv: rank {src} sent {dtype}{list(shape)} but out is {_array.describe(out)}")
+        raise CollectiveMismatchError(
+            f"recv: rank {src} sent {dtype}{list(shape)} (tag {tag}) but out is "
+            f"{_array.describe(out)}; the message was discarded, so the next recv gets the "
+            "next one")
     b.recv(out, src, tag)
     return out
+
+
+# --- small Python objects ------------------------------------------------------------
+
+def all_gather_object(obj: Any, group: ProcessGroup | None = None) -> list[Any]:
+    """Every rank's picklable ``obj``, in rank order, on every rank (for metadata)."""
+    return _member(group, "all_gather_object")[1].allgather_object(obj)
+
+
+def broadcast_object(obj: Any, group: ProcessGroup | None = None, *, src: int = 0) -> Any:
+    """Group rank ``src``'s picklable ``obj`` on every rank (``obj`` is ignored elsewhere)."""
+    g, b = _member(group, "broadcast_object")
+    return b.broadcast_object(obj, as_rank(src, g.world_size, "broadcast_object", "src"))
+
+
+def broadcast_object_list(object_list: list[Any], src: int = 0,
+                          group: ProcessGroup | None = None) -> list[Any]:
+    """Replace ``object_list``'s items, in place, by those of group rank ``src`` (torch's
+    call); every rank passes a list of the same length. Returns the list."""
+    if not isinstance(object_list, list):
+        raise TypeError(f"broadcast_object_list: object_list must be a list, got "
+                        f"{type(object_list).__name__}")
+    items = broadcast_object(list(object_list), group, src=src)
+    if len(items) != len(object_list):
+        raise CollectiveMismatchError(
+            f"broadcast_object_list: rank {src} sent {len(items)} objects but this rank's list "
+            f"holds {len(object_list)}; pass lists of the same length on every rank")
+    object_list[:] = items
+    return object_list
+
+
+def gather_object(obj: Any, group: ProcessGroup | None = None, dst: int = 0) -> list[Any] | None:
+    """Every rank's picklable ``obj`` in rank order on group rank ``dst``; None elsewhere."""
+    g, b = _member(group, "gather_object")
+    dst = as_rank(dst, g.world_size, "gather_object", "dst")
+    objects = b.allgather_object(obj)
+    return objects if g.rank == dst else None
+
+
+def scatter_object_list(objects: Sequence[Any] | None, group: ProcessGroup | None = None,
+                        src: int = 0) -> Any:
+    """Item r of group rank ``src``'s ``objects`` (one per rank) on rank r.
+
+    Raises:
+        ValueError: on the source, ``objects`` does not hold one item per rank.
+    """
+    g, b = _member(group, "scatter_object_list")
+    src = as_rank(src, g.world_size, "scatter_object_list", "src")
+    problem = None
+    if g.rank == src and (objects is None or len(objects) != g.world_size):
+        problem = (f"scatter_object_list: the source (rank {src}) must pass one object per "
+                   f"rank ({g.world_size}), got "
+                   f"{'None' if objects is None else len(objects)}")
+    mine = list(objects) if problem is None and objects is not None and g.rank == src else None
+    items = b.broadcast_object((problem, mine), src)
+    if items[0] is not None:
+        raise ValueError(items[0])
+    return items[1][g.rank]
+
+
+def flight_recorder(group: ProcessGroup | None = None, last: int | None = None
+                    ) -> list[dict[str, Any]]:
+    """This rank's recent calls, oldest first, for a post-mortem (see the guide).
+
+    Each entry has ``group``, ``seq``, ``op``, ``detail``, ``blocking``,
+    ``state`` (``"running"`` or ``"done"``), ``started_s_ago`` and, once done,
+    ``duration_s``. Empty for a backend that records nothing.
+    """
+    g = resolve_group(group)
+    recorder = g.backend_for("flight_recorder").recorder
+    return [] if recorder is None else recorder.entries(last)
 
 
 # --- gradients and queries ----------------------------------------------------------
@@ -514,6 +581,7 @@ def is_main_process(group: ProcessGroup | None = None) -> bool:
 
 __all__ = [
     "all_gather",
+    "all_gather_object",
     "all_reduce",
     "all_reduce_max",
     "all_reduce_mean",
@@ -523,6 +591,10 @@ __all__ = [
     "barrier",
     "broadcast",
     "broadcast_from",
+    "broadcast_object",
+    "broadcast_object_list",
+    "flight_recorder",
+    "gather_object",
     "gather_tensor",
     "is_main_process",
     "rank",
@@ -530,6 +602,7 @@ __all__ = [
     "reduce_scatter",
     "reduce_scatter_mean",
     "reduce_scatter_sum",
+    "scatter_object_list",
     "scatter_tensor",
     "send",
     "split_sizes",

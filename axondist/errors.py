@@ -43,6 +43,11 @@ class WorldAbortedError(AxondistError, RuntimeError):
     """Another rank failed, so this rank's pending communication was cancelled."""
 
 
+class RankExitedError(WorldAbortedError):
+    """A rank this call needs has left (its function returned, it called sys.exit, or its
+    process ended) without making the call."""
+
+
 class BackendUnavailableError(AxondistError, ImportError):
     """The requested backend's library is not installed or cannot start."""
 
@@ -130,6 +135,7 @@ __all__ = [
     "InvalidBufferError",
     "NotAMemberError",
     "RankError",
+    "RankExitedError",
     "UnsupportedDTypeError",
     "WorldAbortedError",
 ]

@@ -1,67 +1,26 @@
-"""Starting a world: :func:`init` for the launched job, :func:`spawn` for threads."""
+"""Starting worlds: :func:`init` for a launched job, :func:`spawn` for ranks on threads,
+:func:`run` for a script that should work both ways."""
 
 from __future__ import annotations
 
-import os
 import threading
-from collections.abc import Callable
+import time
+import warnings
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from ._environment import launched_by_mpi
+from .backends import nccl
 from .backends.base import Backend
 from .backends.mock import MockBackend
-from .errors import WorldAbortedError
-from .process_group import World, set_process_world, use_world
+from .errors import RankExitedError, WorldAbortedError
+from .process_group import World, current_world, init, use_world
 
 T = TypeVar("T")
 
-def _mock_backend(**options: Any) -> Backend:
-    return MockBackend.create_world(1, options.get("timeout"))[0]
-
-
-def _mpi_backend(**options: Any) -> Backend:
-    from .backends import mpi
-
-    return mpi.create_world_backend(**options)
-
-
-def _nccl_backend(**options: Any) -> Backend:
-    from .backends import nccl
-
-    return nccl.create_world_backend(**options)
-
-
-#: name -> factory of this process's world backend.
-BACKENDS: dict[str, Callable[..., Backend]] = {
-    "mock": _mock_backend,
-    "mpi": _mpi_backend,
-    "nccl": _nccl_backend,
-}
-
-
-def init(backend: str | None = None, **options: Any) -> World:
-    """Start this process's world and make it the default group.
-
-    Args:
-        backend: ``"mock"``, ``"mpi"`` or ``"nccl"``; when None, the
-            ``AXONDIST_BACKEND`` environment variable, else ``"mpi"`` when the
-            process was launched by mpiexec/mpirun/srun, else a one-rank
-            ``"mock"`` world.
-        **options: passed to the backend (e.g. ``timeout`` for mock).
-
-    Raises:
-        ValueError: an unknown backend name (the message lists the valid ones).
-        BackendUnavailableError: the backend's library is missing (the message
-            says what to install).
-    """
-    name = backend or os.environ.get("AXONDIST_BACKEND") or (
-        "mpi" if launched_by_mpi() else "mock")
-    name = name.lower()
-    if name not in BACKENDS:
-        raise ValueError(f"init: unknown backend {name!r}; choose one of {sorted(BACKENDS)}")
-    world = World(BACKENDS[name](**options))
-    set_process_world(world)
-    return world
+#: Seconds spawn waits for the remaining ranks once one failed: a rank stuck in its
+#: own code must not keep spawn from reporting the failure.
+_GRACE = 2.0
 
 
 def spawn(fn: Callable[..., T], world_size: int, *args: Any, timeout: float | None = None,
@@ -70,60 +29,183 @@ def spawn(fn: Callable[..., T], world_size: int, *args: Any, timeout: float | No
 
     Each rank runs on its own thread with ``world`` (a :class:`World`, usable
     as a group) as its default group, so collectives called without a group
-    use it.
+    use it. A rank whose function returns (or calls ``sys.exit``) has left:
+    a peer still waiting for it fails at once with :class:`RankExitedError`.
 
     Args:
         fn: the per-rank function.
         world_size: number of ranks (threads).
-        timeout: seconds a collective waits for missing ranks before failing
-            (``AXONDIST_TIMEOUT``, default 300, when None).
+        timeout: seconds a call waits for missing ranks before failing
+            (``AXONDIST_TIMEOUT``, default 600, when None).
 
     Returns:
         The ranks' return values, in rank order.
 
     Raises:
-        The first failing rank's own exception (a rank whose error was not
-        merely caused by another rank's failure), with a note naming the
-        rank; the other ranks are released rather than left waiting.
+        The first failing rank's own exception with a note naming the rank
+        (an error caused only by another rank's failure or departure comes
+        second). When the only failures are ``sys.exit`` calls that no other
+        rank waited for, that ``SystemExit`` is raised.
     """
-    if not isinstance(world_size, int) or world_size < 1:
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"spawn: world_size must be a positive int, got {world_size!r}")
+    if launched_by_mpi():
+        warnings.warn(
+            f"axondist.spawn runs {world_size} ranks on threads inside each of the processes "
+            "mpiexec started, as separate one-process worlds; to use the MPI world, call "
+            "axondist.run(fn, world_size) (MPI under mpiexec, threads otherwise) or "
+            "axondist.init()", RuntimeWarning, stacklevel=2)
     backends = MockBackend.create_world(world_size, timeout)
     mock_world = backends[0].world
-    results: list[Any] = [None] * world_size
-    errors: list[BaseException | None] = [None] * world_size
+    return run_ranks(backends, fn, args, kwargs, abort=mock_world.abort,
+                     left=mock_world.mark_left, label="axondist.spawn")
 
-    def run(rank: int) -> None:
-        with use_world(World(backends[rank])) as world:
-            try:
+
+def spawn_on_devices(fn: Callable[..., T], devices: Sequence[int], *args: Any,
+                     timeout: float | None = None, **kwargs: Any) -> list[T]:
+    """Run ``fn(world, *args, **kwargs)`` on one thread per GPU of ``devices`` (NCCL).
+
+    The ranks are the devices in order; each thread has its GPU as the
+    current CuPy device and its :class:`World` as the default group.
+
+    Returns:
+        The ranks' return values, in rank order.
+
+    Raises:
+        As :func:`spawn`; the communicators of the other ranks are aborted.
+    """
+    backends = nccl.NcclBackend.create_world(list(devices), timeout=timeout)
+    link = backends[0]._link
+
+    def use_device(rank: int) -> None:
+        nccl.use_device(backends[rank].device)
+
+    return run_ranks(backends, fn, args, kwargs, abort=link.abort, before=use_device,
+                     label="axondist.spawn_on_devices")
+
+
+def run(fn: Callable[..., T], world_size: int, *args: Any, timeout: float | None = None,
+        **kwargs: Any) -> list[T]:
+    """Run ``fn(world, *args, **kwargs)`` on every rank, wherever the script was started.
+
+    Under ``mpiexec`` (or ``axondist run``) this process is one rank of the
+    MPI world: ``fn`` runs once here, ``world_size`` is ignored, and the list
+    holds this rank's result only. Otherwise ``world_size`` ranks run on
+    threads, as :func:`spawn`, and the list holds every rank's result.
+
+    Returns:
+        This process's ranks' results, in rank order.
+    """
+    if launched_by_mpi():
+        world = current_world() if _has_mpi_world() else init(timeout=timeout)
+        return [fn(world, *args, **kwargs)]
+    return spawn(fn, world_size, *args, timeout=timeout, **kwargs)
+
+
+def _has_mpi_world() -> bool:
+    try:
+        world = current_world()
+    except Exception:  # noqa: BLE001 - no world yet: init() will say what is wrong
+        return False
+    backend = world.backend
+    return backend is not None and backend.name == "mpi"
+
+
+def run_ranks(backends: Sequence[Backend], fn: Callable[..., T], args: Sequence[Any],
+              kwargs: dict[str, Any], *, abort: Callable[[int, BaseException], None],
+              left: Callable[[int, str], None] | None = None,
+              before: Callable[[int], None] | None = None, label: str) -> list[T]:
+    """Run ``fn(world, ...)`` for each backend on its own thread; what spawn and
+    spawn_on_devices share (failure, departure and stuck-rank handling)."""
+    n = len(backends)
+    results: list[Any] = [None] * n
+    errors: list[BaseException | None] = [None] * n
+    finished = threading.Semaphore(0)
+
+    def body(rank: int) -> None:
+        backend = backends[rank]
+        try:
+            if before is not None:
+                before(rank)
+            with use_world(World(backend)) as world:
                 results[rank] = fn(world, *args, **kwargs)
-            except BaseException as exc:  # noqa: BLE001 - re-raised by spawn below
-                errors[rank] = exc
-                mock_world.abort(rank, exc)
-            finally:
-                backends[rank].close()
+            _drain(backend)
+            if left is not None:
+                left(rank, "its function returned")
+        except SystemExit as exc:
+            errors[rank] = exc
+            if left is not None:
+                left(rank, f"it called sys.exit({exc.code!r})")
+            else:
+                abort(rank, exc)
+        except BaseException as exc:  # noqa: BLE001 - re-raised by run_ranks below
+            errors[rank] = exc
+            abort(rank, exc)
+        finally:
+            backend.close()
+            finished.release()
 
-    threads = [threading.Thread(target=run, args=(r,), name=f"axondist-rank{r}", daemon=True)
-               for r in range(world_size)]
+    threads = [threading.Thread(target=body, args=(r,), name=f"axondist-rank{r}", daemon=True)
+               for r in range(n)]
     for t in threads:
         t.start()
-    for t in threads:
-        t.join()
+    done, deadline = 0, None
+    while done < n:
+        if finished.acquire(timeout=None if deadline is None else
+                            max(0.0, deadline - time.monotonic())):
+            done += 1
+            if deadline is None and any(e is not None for e in errors):
+                deadline = time.monotonic() + _GRACE
+        else:
+            break  # some ranks are stuck in their own code after another one failed
+    stuck = [r for r, t in enumerate(threads) if t.is_alive()]
+    return _results_or_raise(results, errors, stuck, label)
+
+
+def _drain(backend: Backend) -> None:
+    """Wait for the rank's own non-blocking calls before it counts as having left."""
+    drain = getattr(backend, "drain", None)
+    if drain is not None:
+        drain()
+
+
+def _results_or_raise(results: list[Any], errors: list[BaseException | None],
+                      stuck: list[int], label: str) -> list[Any]:
+    n = len(errors)
     failed = [r for r, e in enumerate(errors) if e is not None]
-    if failed:
-        primary = [r for r in failed if not isinstance(errors[r], WorldAbortedError)] or failed
-        rank = primary[0]
-        exc = errors[rank]
-        assert exc is not None
-        note = f"raised on rank {rank} of {world_size} (axondist.spawn)"
-        if hasattr(exc, "add_note"):
-            exc.add_note(note)
-        try:
-            exc.axondist_rank = rank  # type: ignore[attr-defined]
-        except AttributeError:  # exceptions with __slots__
-            pass
-        raise exc
-    return results
+    if not failed:
+        return results
+    exits = [r for r in failed if isinstance(errors[r], SystemExit)]
+    if len(exits) == len(failed) and not stuck:
+        raise errors[exits[0]]  # type: ignore[misc]  # no other rank was harmed by the exit
+
+    def rank_of_kind(kind: Callable[[BaseException], bool]) -> int | None:
+        return next((r for r in failed if kind(errors[r])), None)  # type: ignore[arg-type]
+
+    rank = rank_of_kind(lambda e: not isinstance(e, (WorldAbortedError, SystemExit)))
+    if rank is None:
+        rank = rank_of_kind(lambda e: isinstance(e, RankExitedError))
+    if rank is None:
+        rank = rank_of_kind(lambda e: isinstance(e, WorldAbortedError))
+    if rank is None:
+        rank = exits[0]
+    exc = errors[rank]
+    assert exc is not None
+    if isinstance(exc, SystemExit):
+        exc = RankExitedError(f"rank {rank} called sys.exit({exc.code!r}) while ranks {stuck} "
+                              "were still running")
+    note = f"raised on rank {rank} of {n} ({label})"
+    if stuck:
+        note += (f"; ranks {stuck} were still running {_GRACE:g} s later (stuck in their own "
+                 "code) and were left behind")
+    add_note = getattr(exc, "add_note", None)  # Python >= 3.11
+    if add_note is not None:
+        add_note(note)
+    try:
+        exc.axondist_rank = rank  # type: ignore[attr-defined]
+    except AttributeError:  # exceptions with __slots__
+        pass
+    raise exc
 
 
-__all__ = ["BACKENDS", "init", "launched_by_mpi", "spawn"]
+__all__ = ["init", "launched_by_mpi", "run", "run_ranks", "spawn", "spawn_on_devices"]

@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import logging
+import os
 import threading
 from collections.abc import Sequence
 from typing import Any
 
+from ._environment import check_env_launch, launched_by_mpi
+from ._validate import as_members
 from .backends.base import Backend
-from .errors import NotAMemberError, RankError
+from .backends.mock import MockBackend
+from .backends.registry import create_backend
+from .errors import NotAMemberError
+
+log = logging.getLogger("axondist")
 
 
 class ProcessGroup:
@@ -88,18 +96,29 @@ class ProcessGroup:
         Raises:
             RankError: a rank outside this group, or a repeated rank.
         """
-        ranks = [int(r) for r in ranks]
-        for r in ranks:
-            if not 0 <= r < self.world_size:
-                raise RankError(f"new_group: rank {r} is outside the group of {self.world_size} "
-                                f"ranks (valid: 0..{self.world_size - 1})")
-        if len(set(ranks)) != len(ranks):
-            raise RankError(f"new_group: ranks {ranks} contain duplicates")
-        if not ranks:
-            raise RankError("new_group: ranks must not be empty")
+        ranks = as_members(ranks, self.world_size, "new_group")
         backend = self.backend_for("new_group").new_group(ranks)
         world_ranks = [self._ranks[r] for r in ranks]
-        return ProcessGroup(backend, world_ranks, world_rank=self._ranks[self.rank])
+        group = ProcessGroup(backend, world_ranks, world_rank=self._ranks[self.rank])
+        log.debug("new_group: ranks %s (%s)", world_ranks,
+                  "a member" if group.is_member else "not a member")
+        return group
+
+    def destroy(self) -> None:
+        """Free the group's communicator; afterwards the group cannot communicate.
+
+        Collective over the members (as ``MPI_Comm_free``), idempotent, and a
+        no-op on non-members. Also the exit of ``with group:``.
+        """
+        backend, self._backend = self._backend, None
+        if backend is not None:
+            backend.close()
+
+    def __enter__(self) -> ProcessGroup:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.destroy()
 
     def node_info(self) -> tuple[int, int, int]:
         """``(node_id, local_rank, local_size)`` of this rank (for hybrid sharding)."""
@@ -130,8 +149,6 @@ class World(ProcessGroup):
     @classmethod
     def mock(cls, timeout: float | None = None) -> World:
         """A one-rank in-process world (collectives are identities)."""
-        from .backends.mock import MockBackend
-
         return cls(MockBackend.create_world(1, timeout)[0])
 
     def __repr__(self) -> str:
@@ -167,11 +184,39 @@ def current_world() -> World:
     if world is not None:
         return world
     if _process_world is None:
-        from .launch import init
-
-        init()
-    assert _process_world is not None
+        return init()
     return _process_world
+
+
+def init(backend: str | None = None, **options: Any) -> World:
+    """Start this process's world and make it the default group.
+
+    Args:
+        backend: a registered backend name (``"mock"``, ``"mpi"``, ``"nccl"``,
+            or one added with :func:`axondist.backends.register_backend`);
+            when None, the ``AXONDIST_BACKEND`` environment variable, else
+            ``"mpi"`` when the process was launched by mpiexec/mpirun/srun,
+            else a one-rank ``"mock"`` world.
+        **options: passed to the backend's factory (``timeout`` for every
+            built-in backend).
+
+    Raises:
+        ValueError: an unknown backend name (the message lists the valid ones).
+        BackendUnavailableError: the backend's library is missing (the message
+            says what to install).
+        RuntimeError: an env-style launcher (torchrun) started several processes
+            that this backend cannot join into one world.
+    """
+    name = backend or os.environ.get("AXONDIST_BACKEND") or (
+        "mpi" if launched_by_mpi() else "mock")
+    name = str(name).strip().lower()
+    check_env_launch(name)
+    world = World(create_backend(name, **options))
+    set_process_world(world)
+    node, local_rank, local_size = world.node_info()
+    log.info("init: backend %s, rank %d of %d (node %d, local rank %d of %d)", name,
+             world.rank, world.world_size, node, local_rank, local_size)
+    return world
 
 
 class use_world:

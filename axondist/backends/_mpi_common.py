@@ -26,7 +26,7 @@ from ..errors import (
     UnsupportedDTypeError,
 )
 from ..ops import ReduceOp
-from .base import Work, debug_enabled
+from .base import Work, checks_enabled, debug_enabled
 
 #: mpi4py's ``MPI`` module once :func:`load_mpi` ran (importing it initializes MPI).
 MPI: Any = None
@@ -57,8 +57,14 @@ class MPIOptions:
     host copy: tests that path without a GPU). Env: ``AXONDIST_MPI_HOST_STAGING``."""
 
     debug: bool = False
-    """Compare every collective's arguments across ranks (one small extra
-    allgather per call). Env: ``AXONDIST_DEBUG=1``."""
+    """Compare every collective's full arguments across ranks with a pickled
+    allgather per call (slow; names every argument). Env: ``AXONDIST_DEBUG=1``."""
+
+    checks: bool = True
+    """Check before every collective, with one 16-byte all-reduce, that all
+    ranks call the same collective with the same arguments. Turning it off
+    (``AXONDIST_CHECKS=0``) is unsafe: a mismatch then hangs, truncates or
+    returns wrong numbers. Env: ``AXONDIST_CHECKS``."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.chunk_bytes, int) or self.chunk_bytes < 0:
@@ -77,7 +83,7 @@ class MPIOptions:
             raise TypeError(f"mpi backend: unknown option(s) {unknown}; valid options are "
                             f"{valid + ['comm', 'abort_on_exception', 'timeout']}")
         env = os.environ
-        opts = cls(debug=debug_enabled())
+        opts = cls(debug=debug_enabled(), checks=checks_enabled())
         if "AXONDIST_MPI_CHUNK_BYTES" in env:
             opts = replace(opts, chunk_bytes=int(env["AXONDIST_MPI_CHUNK_BYTES"]))
         if "AXONDIST_MPI_HOST_STAGING" in env:
@@ -254,7 +260,7 @@ class MPIWork(Work):
     """Handle of non-blocking MPI requests; ``wait()`` also runs the finishing
     step (AVERAGE division) once, then returns the result."""
 
-    __slots__ = ("_requests", "_finish", "_result", "_done", "_what")
+    __slots__ = ("_requests", "_finish", "_result", "_done", "_what", "_track")
 
     def __init__(self, requests: list[Any], finish: Callable[[], None] | None, result: Any,
                  what: str) -> None:
@@ -263,6 +269,11 @@ class MPIWork(Work):
         self._result = result
         self._done = False
         self._what = what
+        self._track: tuple[Any, str, int] | None = None
+
+    def track(self, recorder: Any, group: str, seq: int) -> None:
+        """Record waits on this Work in ``recorder`` as call ``seq`` of ``group``."""
+        self._track = (recorder, group, seq)
 
     def _complete(self) -> None:
         self._done = True
@@ -281,6 +292,10 @@ class MPIWork(Work):
         """
         if self._done:
             return self._result
+        slot = None
+        if self._track is not None:
+            recorder, group, seq = self._track
+            slot = recorder.begin(group, seq, f"wait {self._what}", None)
         try:
             if timeout is None:
                 MPI.Request.Waitall(self._requests)
@@ -294,6 +309,9 @@ class MPIWork(Work):
                     time.sleep(1e-4)
         except MPI.Exception as exc:
             raise_mpi_error(exc, self._what)
+        finally:
+            if slot is not None:
+                self._track[0].end(slot)  # type: ignore[index]
         self._complete()
         return self._result
 

@@ -21,24 +21,65 @@ from __future__ import annotations
 
 import abc
 import concurrent.futures
+import math
 import os
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
-from ..errors import CollectiveMismatchError
+from .._array import namespace
+from ..errors import CollectiveMismatchError, CollectiveTimeoutError
 from ..ops import ReduceOp
+from .recorder import FlightRecorder
 
 Signature = tuple[tuple[str, Any], ...]
 
 
+def _env_flag(name: str, default: bool) -> bool:
+    value = os.environ.get(name)
+    if value is None or value.strip() == "":
+        return default
+    return value.strip().lower() not in ("0", "false", "no", "off")
+
+
 def debug_enabled() -> bool:
-    """True when ``AXONDIST_DEBUG`` asks for cross-rank argument checks."""
-    return os.environ.get("AXONDIST_DEBUG", "0").lower() not in ("", "0", "false", "no")
+    """True when ``AXONDIST_DEBUG`` asks for the extra debug checks."""
+    return _env_flag("AXONDIST_DEBUG", False)
+
+
+def checks_enabled() -> bool:
+    """False when ``AXONDIST_CHECKS=0`` turns off the cross-rank argument checks (unsafe)."""
+    return _env_flag("AXONDIST_CHECKS", True)
+
+
+#: Seconds a call may wait for its peers before the job ends (``AXONDIST_TIMEOUT``):
+#: torch's default for NCCL, long enough for a slow checkpoint write on one rank.
+DEFAULT_TIMEOUT = 600.0
+#: Seconds before the first stall warning (``AXONDIST_STALL_WARNING``), as Horovod's.
+DEFAULT_STALL_WARNING = 60.0
+
+
+def _env_seconds(name: str, default: float) -> float:
+    text = os.environ.get(name)
+    if text is None or text.strip() == "":
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"{name}={text!r} is not a number of seconds") from None
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name}={text!r} must be a finite number of seconds > 0")
+    return value
 
 
 def default_timeout() -> float:
-    """Seconds a collective may wait for peers (``AXONDIST_TIMEOUT``, default 300)."""
-    return float(os.environ.get("AXONDIST_TIMEOUT", "300"))
+    """Seconds a call may wait for peers (``AXONDIST_TIMEOUT``, default 600)."""
+    return _env_seconds("AXONDIST_TIMEOUT", DEFAULT_TIMEOUT)
+
+
+def stall_warning_after(timeout: float) -> float:
+    """Seconds before the first stall warning (``AXONDIST_STALL_WARNING``, default 60),
+    never later than half of ``timeout``."""
+    return min(_env_seconds("AXONDIST_STALL_WARNING", DEFAULT_STALL_WARNING), timeout / 2)
 
 
 class Work:
@@ -90,11 +131,13 @@ class CompletedWork(Work):
 class FutureWork(Work):
     """A Work backed by a ``concurrent.futures.Future``; ``then`` maps its result."""
 
-    __slots__ = ("_future", "_then", "_done", "_result")
+    __slots__ = ("_future", "_then", "_done", "_result", "what")
 
-    def __init__(self, future: concurrent.futures.Future, then: Callable[[Any], Any] | None = None):
+    def __init__(self, future: concurrent.futures.Future, then: Callable[[Any], Any] | None = None,
+                 what: str = "the operation") -> None:
         self._future = future
         self._then = then
+        self.what = what
         self._done = False
         self._result: Any = None
 
@@ -102,13 +145,18 @@ class FutureWork(Work):
         """The future's result passed through ``then`` (applied once, then cached).
 
         Raises:
-            Exception: the future's error, re-raised on every call;
-                ``concurrent.futures.TimeoutError`` (the built-in
-                ``TimeoutError`` from Python 3.11) when ``timeout`` seconds
-                pass first.
+            Exception: the future's error, re-raised on every call.
+            CollectiveTimeoutError: ``timeout`` seconds passed first (the
+                operation keeps running).
         """
         if not self._done:
-            value = self._future.result(timeout)
+            try:
+                value = self._future.result(timeout)
+            except concurrent.futures.TimeoutError:
+                raise CollectiveTimeoutError(
+                    f"Work.wait: {self.what} did not complete within timeout={timeout:g} s; "
+                    "it is still running (call wait() again, or check that every rank "
+                    "issued it)") from None
             self._result = self._then(value) if self._then else value
             self._done = True
         return self._result
@@ -130,12 +178,14 @@ class Backend(abc.ABC):
     name: ClassVar[str]
     rank: int
     world_size: int
-    #: False when the backend ignores ``signature`` (MPI outside debug mode), so
+    #: False when the backend ignores ``signature`` (MPI computes its own), so
     #: callers may skip building it.
     needs_signature: bool = True
-    #: True when the backend offers ``all_reduce_blocking``, ``broadcast_blocking``
-    #: and ``all_gather_blocking`` (no Work object) for the blocking hot path.
-    blocking_fast_path: bool = False
+    #: The rank's flight recorder (None for a backend that records nothing).
+    recorder: FlightRecorder | None = None
+    #: True when collectives accept host (NumPy) buffers: callers may exchange
+    #: small metadata arrays on it (NCCL takes device memory only).
+    host_collectives: ClassVar[bool] = True
 
     # --- collectives on buffers -------------------------------------------------
     @abc.abstractmethod
@@ -171,6 +221,36 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def barrier(self) -> None:
         """Return once every rank has entered the barrier."""
+
+    # --- the blocking hot path ------------------------------------------------------
+    # What axondist.comm calls for blocking calls on host arrays whose arguments it
+    # already checked: no signature tuple, no Work object. The defaults go through the
+    # general methods; a backend overrides them where that saves time per call.
+    def all_reduce_blocking(self, buf: Any, op: ReduceOp) -> None:
+        """:meth:`all_reduce` of a checked, contiguous ``buf``, blocking, returning nothing."""
+        self.all_reduce(buf, op, signature=(("dtype", buf.dtype), ("shape", buf.shape))).wait()
+
+    def broadcast_blocking(self, buf: Any, root: int) -> None:
+        """:meth:`broadcast` of a checked, contiguous ``buf``, blocking."""
+        self.broadcast(buf, root, signature=(("dtype", buf.dtype), ("shape", buf.shape))).wait()
+
+    def all_gather_blocking(self, send: Any, recv: Any, counts: list[int]) -> None:
+        """:meth:`all_gather` with ``counts`` already checked against the group, blocking."""
+        self.all_gather(send, recv, counts, signature=(("dtype", send.dtype),)).wait()
+
+    def scaled_sum_blocking(self, buf: Any, factor: float = 1.0) -> None:
+        """``buf *= factor`` (unless 1), then a SUM all-reduce of ``buf`` in place.
+
+        Ranks may pass different factors (sample weights). Backends may fuse the
+        multiplication with the reduction (the MPI backend weights each piece
+        just before sending it).
+        """
+        if factor != 1.0:
+            xp = namespace(buf)
+            xp.multiply(buf, factor, out=buf, casting="unsafe")
+        self.all_reduce(buf, ReduceOp.SUM,
+                        signature=(("dtype", buf.dtype), ("shape", buf.shape),
+                                   ("weighted", True))).wait()
 
     # --- point to point -----------------------------------------------------------
     @abc.abstractmethod

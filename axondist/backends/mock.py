@@ -1,17 +1,11 @@
-"""An in-process world: N ranks on N threads of one process.
+"""An in-process world: N ranks on N threads of one process, deterministic.
 
-Each collective is a *round*: every rank deposits its buffers, the last one to
-arrive checks that all ranks agree on the arguments, then every rank computes
-its own share of the result from all inputs (a reduction is split into
-slices, one per rank, so the work runs in parallel where NumPy releases the
-GIL) and a second barrier keeps input buffers alive until everyone has read
-them. Reductions combine values in rank order, so a float sum gives the same
-bits on every run.
-
-A rank that never joins a round makes the others fail after ``timeout``
-seconds with an error naming the operation and the missing ranks; a rank
-that raises (under :func:`axondist.spawn`) aborts the world, which wakes
-every waiting rank with :class:`WorldAbortedError`.
+Each collective is a round: every rank deposits its buffers, the last to
+arrive checks that all ranks agree on the arguments, and each rank computes
+its share of the result in rank order (the same bits on every run). A call
+whose peers do not come warns after the stall time, naming them and their
+last calls, and fails at the world's timeout; a peer that left or failed, or
+a cycle of receives, fails it at once.
 """
 
 from __future__ import annotations
@@ -19,16 +13,19 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import copy
+import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from .. import _array
+from .._validate import positive_seconds
 from ..errors import (
     CollectiveMismatchError,
     CollectiveTimeoutError,
     RankError,
+    RankExitedError,
     WorldAbortedError,
 )
 from ..ops import ReduceOp, combine_into
@@ -40,7 +37,15 @@ from .base import (
     Work,
     compare_signatures,
     default_timeout,
+    stall_warning_after,
 )
+from .recorder import FlightRecorder, describe_call, describe_status
+
+log = logging.getLogger("axondist.watchdog")
+
+#: Seconds a cycle of receives must hold, with no message or round completing anywhere,
+#: before it is reported as a deadlock.
+_CYCLE_STILL = 1.0
 
 # Below this many elements one rank reduces everything: slicing costs more
 # than it saves.
@@ -69,7 +74,17 @@ class MockWorld:
         if world_size < 1:
             raise ValueError(f"MockWorld: world_size must be >= 1, got {world_size}")
         self.world_size = world_size
-        self.timeout = default_timeout() if timeout is None else float(timeout)
+        self.timeout = default_timeout() if timeout is None else positive_seconds(
+            timeout, "mock world")
+        self.stall = stall_warning_after(self.timeout)
+        self.recorders = [FlightRecorder(r, world_size, "in-process") for r in range(world_size)]
+        #: world rank -> why it left (its function returned, sys.exit, an error).
+        self.left: dict[int, str] = {}
+        #: world rank -> (its mailbox, the world rank it receives from) while it waits.
+        self.receiving: dict[int, tuple[collections.deque, int]] = {}
+        #: Counts posted messages and completed rounds: a receive cycle is a deadlock
+        #: only when it holds while nothing moves anywhere in the world.
+        self.progress = 0
         self.cond = threading.Condition()
         self.rounds: dict[tuple[Any, int], _Round] = {}
         self.mailboxes: dict[tuple[Any, int, int, int], collections.deque] = (
@@ -84,23 +99,59 @@ class MockWorld:
                 self.abort_reason = f"rank {rank} failed with {type(exc).__name__}: {exc}"
             self.cond.notify_all()
 
+    def mark_left(self, rank: int, why: str) -> None:
+        """Record that ``rank`` will make no more calls, and wake the ranks waiting for it."""
+        with self.cond:
+            self.left[rank] = why
+            self.cond.notify_all()
+
     def _check_abort(self, what: str) -> None:
         if self.abort_reason is not None:
             raise WorldAbortedError(f"{what} cancelled: {self.abort_reason}")
 
+    def describe_rank(self, rank: int) -> str:
+        """What ``rank`` is doing, from its flight recorder."""
+        status = self.recorders[rank].status()
+        if rank not in self.left:
+            return describe_status(status)
+        last = status["last"]
+        done = (f"after {describe_call(last)}" if last else "before making any call")
+        return f"rank {rank} left {done}"
+
     def wait_for(self, ready: Callable[[], bool], what: str,
-                 missing: Callable[[], str]) -> None:
-        """Wait (holding ``cond``) until ``ready()``; abort/timeout become errors."""
-        deadline = time.monotonic() + self.timeout
+                 missing: Callable[[], str],
+                 waiting_for: Callable[[], list[int]] | None = None) -> None:
+        """Wait (holding ``cond``) until ``ready()``.
+
+        ``waiting_for`` lists the world ranks the wait needs: one that left
+        fails the wait at once, and the stall warning names each with its last
+        calls. Abort, departure and timeout become errors.
+        """
+        start = time.monotonic()
+        deadline = start + self.timeout
+        warn_at = start + self.stall
         while not ready():
             self._check_abort(what)
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
+            needed = waiting_for() if waiting_for is not None else []
+            gone = [r for r in needed if r in self.left]
+            if gone:
+                raise RankExitedError(
+                    f"{what}: " + "; ".join(f"{self.describe_rank(r)} ({self.left[r]})"
+                                            for r in gone)
+                    + ": it will never join this call")
+            now = time.monotonic()
+            if now >= deadline:
+                detail = "".join(f"; {self.describe_rank(r)}" for r in needed)
                 raise CollectiveTimeoutError(
-                    f"{what}: {missing()} within {self.timeout:g} s; every rank of the group "
-                    "must make the same collective calls in the same order"
+                    f"{what}: {missing()} within {self.timeout:g} s{detail}; every rank of the "
+                    "group must make the same collective calls in the same order"
                 )
-            self.cond.wait(min(remaining, 1.0))
+            if now >= warn_at and needed:
+                log.warning("stall: %s has waited %.1f s (fails at %g s); missing ranks %s:\n%s",
+                            what, now - start, self.timeout, needed,
+                            "\n".join("  " + self.describe_rank(r) for r in needed))
+                warn_at = now + self.stall
+            self.cond.wait(min(deadline - now, warn_at - now, 1.0))
 
 
 class MockBackend(Backend):
@@ -120,6 +171,9 @@ class MockBackend(Backend):
         self.world_size = len(ranks)
         self._seq = 0
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self.recorder: FlightRecorder = world.recorders[self.global_ranks[rank]]
+        self.group_name = _group_name(group_key)
+        self.recorder.groups[self.group_name] = self.global_ranks
 
     @classmethod
     def create_world(cls, world_size: int, timeout: float | None = None) -> list[MockBackend]:
@@ -130,7 +184,8 @@ class MockBackend(Backend):
 
     # --- the round machinery -------------------------------------------------------
     def _describe(self, op_name: str, seq: int) -> str:
-        return f"{op_name} (call #{seq} on group of ranks {list(self.global_ranks)})"
+        return (f"{op_name} #{seq + 1} on {self.group_name} of ranks {list(self.global_ranks)} "
+                f"(rank {self.global_ranks[self.rank]})")
 
     def _arrive(self, op_name: str, seq: int, payload: Any, signature: Signature) -> _Round:
         """Deposit this rank's payload and wait for every rank of the group."""
@@ -147,14 +202,17 @@ class MockBackend(Backend):
             rnd.arrived += 1
             if rnd.arrived == n:
                 rnd.error = compare_signatures(op_name, rnd.signatures)
+                w.progress += 1
                 w.cond.notify_all()
             else:
+                def absent() -> list[int]:
+                    return [self.global_ranks[r] for r in range(n) if rnd.signatures[r] is None]
+
                 def missing() -> str:
-                    gone = [r for r in range(n) if rnd.signatures[r] is None]
-                    return f"ranks {gone} of {n} did not join"
+                    return f"ranks {absent()} of {n} did not join"
 
                 try:
-                    w.wait_for(lambda: rnd.arrived == n, what, missing)
+                    w.wait_for(lambda: rnd.arrived == n, what, missing, absent)
                 except BaseException:
                     w.rounds.pop(key, None)
                     raise
@@ -183,13 +241,18 @@ class MockBackend(Backend):
              compute: Callable[[_Round], Any], async_op: bool, wait_all: bool = True) -> Work:
         seq = self._seq
         self._seq += 1
+        recorder = self.recorder
 
         def execute() -> Any:
-            rnd = self._arrive(op_name, seq, payload, signature)
+            slot = recorder.begin(self.group_name, seq + 1, op_name, signature)
             try:
-                result = compute(rnd)
+                rnd = self._arrive(op_name, seq, payload, signature)
+                try:
+                    result = compute(rnd)
+                finally:
+                    self._depart(seq, rnd, wait_all)
             finally:
-                self._depart(seq, rnd, wait_all)
+                recorder.end(slot)
             return result
 
         if not async_op:
@@ -197,7 +260,8 @@ class MockBackend(Backend):
         if self._executor is None:
             self._executor = concurrent.futures.ThreadPoolExecutor(
                 max_workers=1, thread_name_prefix=f"axondist-mock-r{self.rank}")
-        return FutureWork(self._executor.submit(execute))
+        return FutureWork(self._executor.submit(execute),
+                          what=self._describe(op_name, seq))
 
     # --- collectives -----------------------------------------------------------------
     def all_reduce(self, buf: Any, op: ReduceOp, *, signature: Signature = (),
@@ -348,18 +412,58 @@ class MockBackend(Backend):
         with self.world.cond:
             self.world._check_abort(what)
             self._mailbox(self.rank, dst, tag).append(item)
+            self.world.progress += 1
             self.world.cond.notify_all()
 
-    def _take(self, src: int, tag: int, what: str) -> Any:
+    def _take(self, src: int, tag: int, what: str, pop: bool = True) -> Any:
+        """The next message from ``src`` with ``tag`` (removed from the mailbox if ``pop``)."""
         self._check_rank(src, what, "src")
         w = self.world
         box = self._mailbox(src, self.rank, tag)
+        me, peer = self.global_ranks[self.rank], self.global_ranks[src]
+        description = f"{what} on rank {me} from rank {peer} (tag {tag})"
+
+        seen: list[float] = []  # (progress, since) while a cycle is seen
+
+        def ready() -> bool:
+            if box:
+                return True
+            if not self._receive_cycle(me, peer):
+                seen.clear()
+            elif not seen or seen[0] != w.progress:
+                seen[:] = [w.progress, time.monotonic()]
+            elif time.monotonic() - seen[1] >= _CYCLE_STILL:
+                raise CollectiveTimeoutError(
+                    f"{description}: deadlock: every rank in the cycle "
+                    + " -> ".join(f"rank {r}" for r in self._receive_cycle(me, peer))
+                    + " waits to receive from the next one and no message moved for "
+                    f"{_CYCLE_STILL:g} s; make one side send first")
+            return False
+
         with w.cond:
-            w.wait_for(lambda: len(box) > 0,
-                       f"{what} on rank {self.global_ranks[self.rank]} from group rank {src} "
-                       f"(tag {tag})",
-                       lambda: f"rank {self.global_ranks[src]} sent nothing")
-            return box.popleft()
+            if not box:
+                slot = self.recorder.begin(self.group_name, 0, what,
+                                           (("peer", peer), ("tag", tag)))
+                w.receiving[me] = (box, peer)
+                try:
+                    w.wait_for(ready, description, lambda: f"rank {peer} sent nothing",
+                               lambda: [peer])
+                finally:
+                    w.receiving.pop(me, None)
+                    self.recorder.end(slot)
+            return box.popleft() if pop else box[0]
+
+    def _receive_cycle(self, me: int, peer: int) -> list[int]:
+        """The ranks of a cycle of pending receives from this rank back to it (empty when
+        there is none). Alone it proves nothing: another thread of a rank may still send."""
+        w, chain, at = self.world, [me], peer
+        while at in w.receiving and at not in chain:
+            mailbox, source = w.receiving[at]
+            if mailbox:
+                return []  # its message is there: it is about to wake up
+            chain.append(at)
+            at = source
+        return chain + [me] if at == me and len(chain) > 1 else []
 
     def recv(self, buf: Any, src: int, tag: int = 0) -> None:
         """Wait for the next message from ``src`` with ``tag`` and copy it into ``buf``.
@@ -368,17 +472,17 @@ class MockBackend(Backend):
             CollectiveMismatchError: the message's size or dtype differs from ``buf``'s.
             CollectiveTimeoutError: nothing arrived within the world's timeout.
         """
-        data = self._take(src, tag, "recv")
-        if data.size != buf.size or data.dtype != buf.dtype:
+        data = self._take(src, tag, "recv")  # consumed even when it does not fit: the next
+        if data.size != buf.size or data.dtype != buf.dtype:  # recv gets the next message
             raise CollectiveMismatchError(
                 f"recv from rank {src} (tag {tag}): message is {_array.describe(data)} but the "
-                f"receive buffer is {_array.describe(buf)}"
+                f"receive buffer is {_array.describe(buf)}; the message was discarded"
             )
         buf.reshape(-1)[...] = data.reshape(-1)
 
     def recv_object(self, src: int, tag: int = 0) -> Any:
         """Wait for the next object ``src`` sent with ``tag`` (a deep copy of what it sent)."""
-        return self._take(src, tag, "recv_object")
+        return self._take(src, tag, "recv")
 
     # --- groups ------------------------------------------------------------------------
     def new_group(self, ranks: Sequence[int]) -> MockBackend | None:
@@ -405,9 +509,26 @@ class MockBackend(Backend):
             raise RankError(f"{what}: {arg}={r} is outside the group of {self.world_size} ranks "
                             f"(valid: 0..{self.world_size - 1})")
 
+    def drain(self) -> None:
+        """Wait until this rank's ``async_op`` calls finished (they may still fail)."""
+        if self._executor is not None:
+            self._executor.submit(lambda: None).result()
+
     def close(self) -> None:
         """Shut down this rank's thread for ``async_op`` work without waiting; idempotent."""
         if self._executor is not None:
             self._executor.shutdown(wait=False)
             self._executor = None
 
+
+def _group_name(group_key: Any) -> str:
+    """``"world"``, ``"world.3"``...: a group's name in flight-recorder entries."""
+    if group_key == ("world",):
+        return "world"
+    parent, seq = group_key
+    return f"{_group_name(parent)}.{seq}"
+
+
+def create_world_backend(timeout: float | None = None) -> MockBackend:
+    """A one-rank mock world (``axondist.init("mock")``)."""
+    return MockBackend.create_world(1, timeout)[0]

@@ -56,6 +56,7 @@ launch and calls :func:`create_world_backend`. What the code does not show:
 from __future__ import annotations
 
 import copy
+import secrets
 import sys
 import traceback
 from collections.abc import Callable, Sequence
@@ -64,6 +65,7 @@ from typing import Any
 import numpy as np
 
 from .. import _array
+from .._validate import positive_seconds
 from ..errors import CollectiveMismatchError, InvalidBufferError, RankError
 from ..ops import ReduceOp
 from ._mpi_common import (
@@ -83,7 +85,18 @@ from ._mpi_common import (
     type_table,
     unsupported,
 )
-from .base import Backend, CompletedWork, Signature, Work, compare_signatures
+from ._mpi_guard import CallGuard
+from ._watchdog import Watchdog, exit_soon, print_and_flush
+from .base import (
+    Backend,
+    CompletedWork,
+    Signature,
+    Work,
+    compare_signatures,
+    default_timeout,
+    stall_warning_after,
+)
+from .recorder import FlightRecorder
 
 # Bound by _load_mpi(): module globals keep the hot path to plain lookups.
 MPI: Any = None
@@ -119,7 +132,9 @@ class MPIBackend(Backend):
 
     name = "mpi"
 
-    def __init__(self, comm: Any, options: MPIOptions | None = None) -> None:
+    def __init__(self, comm: Any, options: MPIOptions | None = None, *,
+                 recorder: FlightRecorder | None = None, group_name: str = "world",
+                 members: Sequence[int] | None = None) -> None:
         _load_mpi()
         self._comm = comm
         self.options = options if options is not None else MPIOptions.from_env()
@@ -132,17 +147,30 @@ class MPIBackend(Backend):
         self._plans_by_name = {op._name_: plans for op, plans in self._reduce_plans.items()}
         self._transfer_plans = self._types.transfer
         self._debug = self.options.debug
-        #: axondist.comm builds the signature tuples only when this is true.
+        #: axondist.comm builds the signature tuples only when this is true (the
+        #: backend computes its own checks from the buffers otherwise).
         self.needs_signature = self._debug
         self._chunk = self.options.chunk_bytes or sys.maxsize
         self._stage_always = self.options.host_staging == "always"
-        #: axondist.comm's blocking calls on NumPy arrays may call the
-        #: ``*_blocking`` methods directly (no signature, no Work object).
-        self.blocking_fast_path = not (self._debug or self._stage_always)
+        #: The *_blocking entry points take the general path (debug checks, staging).
+        self._slow = self._debug or self._stage_always
+        if recorder is None:
+            recorder = FlightRecorder(MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size(),
+                                      MPI.Get_processor_name())
+        self._guard = CallGuard(comm, MPI, recorder, group_name,
+                                range(self.world_size) if members is None else members,
+                                self.options.checks and not self._debug)
         self._cuda_aware: bool | None = True if self.options.host_staging == "never" else None
         self._tag_ub = int(MPI.COMM_WORLD.Get_attr(MPI.TAG_UB))
         self._node = self._compute_node_info()
         self._host_twin: MPIBackend | None = None
+        #: The rank's watchdog (the world backend of a job of several ranks only).
+        self.watchdog: Watchdog | None = None
+
+    @property
+    def recorder(self) -> FlightRecorder:  # type: ignore[override]
+        """The rank's flight recorder (shared by its groups)."""
+        return self._guard.rec
 
     @property
     def comm(self) -> Any:
@@ -224,7 +252,7 @@ class MPIBackend(Backend):
         if self._host_twin is None:
             twin = copy.copy(self)
             twin._stage_always = False
-            twin.blocking_fast_path = not twin._debug
+            twin._slow = twin._debug
             twin._host_twin = twin
             self._host_twin = twin
         return self._host_twin
@@ -285,23 +313,65 @@ class MPIBackend(Backend):
                 [buf], (0,), (0,), 0, async_op)
         if self._debug:
             self._agree("all_reduce", signature + (("reduce_op", op.name),), async_op)
+        key = (buf.dtype, buf.shape, op._name_, async_op)
         if not async_op:
-            self.all_reduce_blocking(buf, op)
+            self._blocking("all_reduce", key, self._all_reduce_now, buf, op)
             return CompletedWork(buf)
         plan = self._plans_by_name[op._name_].get(buf.dtype)
         if plan is None:
             raise unsupported("all_reduce", buf.dtype, op)
         view, mtype, mop, average = plan
-        return self._all_reduce_pieces(buf, buf if view is None else buf.view(view), mtype, mop,
-                                       average, True)
+        return self._issue("all_reduce", key, self._all_reduce_pieces, buf,
+                           buf if view is None else buf.view(view), mtype, mop, average, True)
 
     def all_reduce_blocking(self, buf: Any, op: ReduceOp) -> None:
-        """The blocking part of :meth:`all_reduce`: no staging, no debug check, no Work.
+        """The blocking :meth:`all_reduce` without a Work object: axondist.comm's hot path.
 
-        ``buf`` is a NumPy array (or a device array MPI reads directly). What
-        :meth:`all_reduce` runs, and what :mod:`axondist.comm` calls directly
-        on its hot path when :attr:`blocking_fast_path` is true.
+        ``buf`` is a NumPy array (or a device array MPI reads directly). Under
+        debug or host staging it takes the general path.
         """
+        if self._slow:
+            self.all_reduce(buf, op, signature=(("dtype", buf.dtype), ("shape", buf.shape)))
+            return
+        guard = self._guard
+        key = (buf.dtype, buf.shape, op._name_, False)
+        seq, slot = guard.begin("all_reduce", key)
+        try:
+            if guard.checks:
+                guard.agree("all_reduce", key)
+            self._all_reduce_now(buf, op)
+        finally:
+            guard.rec.end(slot)
+
+    def _blocking(self, op: str, key: tuple[Any, ...], run: Callable[..., Any],
+                  *args: Any) -> Any:
+        """``run(*args)`` as call ``op``: numbered, recorded, checked across ranks first."""
+        guard = self._guard
+        seq, slot = guard.begin(op, key)
+        try:
+            if guard.checks:
+                guard.agree(op, key)
+            return run(*args)
+        finally:
+            guard.rec.end(slot)
+
+    def _issue(self, op: str, key: tuple[Any, ...], start: Callable[..., Work],
+               *args: Any) -> Work:
+        """Start non-blocking call ``op`` (checked first); its Work records the wait."""
+        guard = self._guard
+        seq, slot = guard.begin(op, key, blocking=False)
+        try:
+            if guard.checks:
+                guard.agree(op, key)
+            work = start(*args)
+        finally:
+            guard.rec.end(slot)
+        if isinstance(work, MPIWork):
+            work.track(guard.rec, guard.group, seq)
+        return work
+
+    def _all_reduce_now(self, buf: Any, op: ReduceOp) -> None:
+        """The MPI calls of a blocking all-reduce (no check, no record)."""
         plan = self._plans_by_name[op._name_].get(buf.dtype)
         if plan is None:
             raise unsupported("all_reduce", buf.dtype, op)
@@ -334,9 +404,12 @@ class MPIBackend(Backend):
         plan = self._plans_by_name["SUM"].get(buf.dtype)
         if plan is None:
             raise unsupported("all_reduce", buf.dtype, ReduceOp.SUM)
+        if self._slow:
+            super().scaled_sum_blocking(buf, factor)
+            return
         view, mtype, mop, _ = plan
-        self._fused_pieces(buf, buf if view is None else buf.view(view), mtype, mop, factor,
-                           False)
+        self._blocking("scaled_sum", (buf.dtype, buf.shape), self._fused_pieces, buf,
+                       buf if view is None else buf.view(view), mtype, mop, factor, False)
 
     def _fused_pieces(self, buf: Any, data: Any, mtype: Any, mop: Any, factor: float,
                       average: bool) -> None:
@@ -387,32 +460,36 @@ class MPIBackend(Backend):
                 [buf], (0,) if self.rank == root else (), (0,), 0, async_op)
         if self._debug:
             self._agree("broadcast", signature + (("root", root),), async_op)
+        key = (buf.dtype, buf.shape, root, async_op)
         if not async_op:
-            self.broadcast_blocking(buf, root)
+            self._blocking("broadcast", key, self._broadcast_now, buf, root)
             return CompletedWork(buf)
+        return self._issue("broadcast", key, self._broadcast_pieces, buf, root)
+
+    def _broadcast_pieces(self, buf: Any, root: int) -> Work:
         plan = self._transfer_plans.get(buf.dtype)
         if plan is None:
             raise unsupported("broadcast", buf.dtype)
         view, mtype = plan
-        data = buf if view is None else buf.view(view)
-        comm = self._comm
+        flat = (buf if view is None else buf.view(view)).reshape(-1)
         try:
-            flat = data.reshape(-1)
-            pieces = [flat[lo:hi] for lo, hi in
-                      piece_bounds(flat.size, flat.itemsize, self._chunk)]
-            if not async_op:
-                for piece in pieces:
-                    comm.Bcast([piece, mtype], root)
-                return CompletedWork(buf)
-            requests = [comm.Ibcast([p, mtype], root) for p in pieces]
+            requests = [self._comm.Ibcast([flat[lo:hi], mtype], root)
+                        for lo, hi in piece_bounds(flat.size, flat.itemsize, self._chunk)]
         except MPI.Exception as exc:
             raise_mpi_error(exc, "broadcast")
         return MPIWork(requests, None, buf, "broadcast")
 
     def broadcast_blocking(self, buf: Any, root: int) -> None:
-        """The blocking part of :meth:`broadcast` (see :meth:`all_reduce_blocking`)."""
+        """The blocking :meth:`broadcast` without a Work object (as :meth:`all_reduce_blocking`)."""
         if not 0 <= root < self.world_size:
             self._check_rank(root, "broadcast", "root")
+        if self._slow:
+            self.broadcast(buf, root, signature=(("dtype", buf.dtype), ("shape", buf.shape)))
+            return
+        self._blocking("broadcast", (buf.dtype, buf.shape, root, False), self._broadcast_now,
+                       buf, root)
+
+    def _broadcast_now(self, buf: Any, root: int) -> None:
         plan = self._transfer_plans.get(buf.dtype)
         if plan is None:
             raise unsupported("broadcast", buf.dtype)
@@ -451,9 +528,13 @@ class MPIBackend(Backend):
                 [send, recv], (0,), (1,), 1, async_op)
         if self._debug:
             self._agree("all_gather", signature + (("counts", tuple(counts)),), async_op)
+        key = (send.dtype, tuple(counts), async_op)
         if not async_op:
-            self.all_gather_blocking(send, recv, counts)
+            self._blocking("all_gather", key, self._all_gather_now, send, recv, counts)
             return CompletedWork(recv)
+        return self._issue("all_gather", key, self._all_gather_start, send, recv, counts)
+
+    def _all_gather_start(self, send: Any, recv: Any, counts: list[int]) -> Work:
         s, r, mtype = self._gather_buffers(send, recv)
         try:
             if counts.count(counts[0]) == len(counts):
@@ -476,11 +557,16 @@ class MPIBackend(Backend):
                 recv if rplan[0] is None else recv.view(rplan[0]), mtype)
 
     def all_gather_blocking(self, send: Any, recv: Any, counts: list[int]) -> None:
-        """The blocking part of :meth:`all_gather` (see :meth:`all_reduce_blocking`).
+        """The blocking :meth:`all_gather` without a Work object (see
+        :meth:`all_reduce_blocking`); ``counts`` is a list of ints the caller checked
+        against the group and the buffers."""
+        if self._slow:
+            self.all_gather(send, recv, counts, signature=(("dtype", send.dtype),))
+            return
+        self._blocking("all_gather", (send.dtype, tuple(counts), False), self._all_gather_now,
+                       send, recv, counts)
 
-        ``counts`` is a list of ints that the caller checked against the
-        group and the buffers (:meth:`all_gather` and :mod:`axondist.comm` do).
-        """
+    def _all_gather_now(self, send: Any, recv: Any, counts: list[int]) -> None:
         plan = self._transfer_plans.get(send.dtype)
         if plan is not None and plan[0] is None and recv.dtype is send.dtype:
             s, r, mtype = send, recv, plan[1]  # a native MPI type: no views
@@ -515,6 +601,16 @@ class MPIBackend(Backend):
         if self._debug:
             self._agree("reduce_scatter",
                         signature + (("counts", tuple(counts)), ("reduce_op", op.name)), async_op)
+        key = (send.dtype, tuple(counts), op._name_, async_op)
+        if not async_op:
+            self._blocking("reduce_scatter", key, self._reduce_scatter_call, send, recv, counts,
+                           op, False)
+            return CompletedWork(recv)
+        return self._issue("reduce_scatter", key, self._reduce_scatter_call, send, recv, counts,
+                           op, True)
+
+    def _reduce_scatter_call(self, send: Any, recv: Any, counts: list[int], op: ReduceOp,
+                             async_op: bool) -> Work:
         s, mtype, mop, average = self._reduction(send, op, "reduce_scatter")
         r, _, _, _ = self._reduction(recv, op, "reduce_scatter")
         try:
@@ -529,6 +625,23 @@ class MPIBackend(Backend):
         return MPIWork([request], (lambda: self._divide(recv)) if average else None, recv,
                        "reduce_scatter")
 
+    def _rooted(self, what: str, root: int, counts: Sequence[int], mine: Any,
+                full: Any | None, mine_arg: str, full_arg: str) -> tuple[list[int], Any]:
+        """Checks shared by gather and scatter: ``counts`` as ints, and ``full`` (the
+        root's whole buffer) kept on the root only."""
+        self._check_rank(root, what, "root")
+        counts = counts if type(counts) is list else [int(c) for c in counts]
+        if self.rank != root:
+            full = None
+        elif full is None:
+            raise InvalidBufferError(f"{what}: the root (rank {root}) must pass a {full_arg} "
+                                     "buffer")
+        if (len(counts) != self.world_size or mine.size != counts[self.rank]
+                or (full is not None and full.size != sum(counts))):
+            raise self._bad_counts(what, counts, ((mine_arg, mine, counts[self.rank]),
+                                                  (full_arg, full, sum(counts))))
+        return counts, full
+
     def gather(self, send: Any, recv: Any | None, counts: Sequence[int], root: int, *,
                signature: Signature = (), async_op: bool = False) -> Work:
         """``Gatherv`` into ``root``'s ``recv``; elsewhere ``recv`` is ignored and the result None.
@@ -537,16 +650,7 @@ class MPIBackend(Backend):
             InvalidBufferError: the root passed no ``recv``, or a buffer does not
                 hold what ``counts`` says.
         """
-        self._check_rank(root, "gather", "root")
-        counts = counts if type(counts) is list else [int(c) for c in counts]
-        if self.rank != root:
-            recv = None
-        elif recv is None:
-            raise InvalidBufferError(f"gather: the root (rank {root}) must pass a recv buffer")
-        if (len(counts) != self.world_size or send.size != counts[self.rank]
-                or (recv is not None and recv.size != sum(counts))):
-            raise self._bad_counts("gather", counts, (("send", send, counts[self.rank]),
-                                                      ("recv", recv, sum(counts))))
+        counts, recv = self._rooted("gather", root, counts, send, recv, "send", "recv")
         if self._needs_host(send, recv):
             return self._via_host(
                 lambda s, r: self._host.gather(s, r, counts, root, signature=signature,
@@ -555,19 +659,10 @@ class MPIBackend(Backend):
         if self._debug:
             self._agree("gather", signature + (("root", root), ("counts", tuple(counts))),
                         async_op)
-        s, mtype = self._transfer(send, "gather")
-        spec = None
-        if recv is not None:
-            r, _ = self._transfer(recv, "gather")
-            spec = [r, counts, displacements(counts), mtype]
-        try:
-            if not async_op:
-                self._comm.Gatherv([s, mtype], spec, root)
-                return CompletedWork(recv)
-            request = self._comm.Igatherv([s, mtype], spec, root)
-        except MPI.Exception as exc:
-            raise_mpi_error(exc, "gather")
-        return MPIWork([request], None, recv, "gather")
+        key = (send.dtype, tuple(counts), root, async_op)
+        call = self._issue if async_op else self._blocking
+        return call("gather", key, self._rooted_call, "gather", send, recv, counts, root,
+                    async_op)
 
     def scatter(self, send: Any | None, recv: Any, counts: Sequence[int], root: int, *,
                 signature: Signature = (), async_op: bool = False) -> Work:
@@ -577,16 +672,7 @@ class MPIBackend(Backend):
             InvalidBufferError: the root passed no ``send``, or a buffer does not
                 hold what ``counts`` says.
         """
-        self._check_rank(root, "scatter", "root")
-        counts = counts if type(counts) is list else [int(c) for c in counts]
-        if self.rank != root:
-            send = None
-        elif send is None:
-            raise InvalidBufferError(f"scatter: the root (rank {root}) must pass a send buffer")
-        if (len(counts) != self.world_size or recv.size != counts[self.rank]
-                or (send is not None and send.size != sum(counts))):
-            raise self._bad_counts("scatter", counts, (("send", send, sum(counts)),
-                                                       ("recv", recv, counts[self.rank])))
+        counts, send = self._rooted("scatter", root, counts, recv, send, "recv", "send")
         if self._needs_host(send, recv):
             return self._via_host(
                 lambda s, r: self._host.scatter(s, r, counts, root, signature=signature,
@@ -595,25 +681,43 @@ class MPIBackend(Backend):
         if self._debug:
             self._agree("scatter", signature + (("root", root), ("counts", tuple(counts))),
                         async_op)
-        r, mtype = self._transfer(recv, "scatter")
+        key = (recv.dtype, tuple(counts), root, async_op)
+        call = self._issue if async_op else self._blocking
+        return call("scatter", key, self._rooted_call, "scatter", recv, send, counts, root,
+                    async_op)
+
+    def _rooted_call(self, what: str, mine: Any, full: Any | None, counts: list[int],
+                     root: int, async_op: bool) -> Work:
+        """``Gatherv``/``Scatterv`` (or their non-blocking forms): ``mine`` is this rank's
+        block, ``full`` the root's whole buffer (None elsewhere)."""
+        m, mtype = self._transfer(mine, what)
         spec = None
-        if send is not None:
-            s, _ = self._transfer(send, "scatter")
-            spec = [s, counts, displacements(counts), mtype]
+        if full is not None:
+            f, _ = self._transfer(full, what)
+            spec = [f, counts, displacements(counts), mtype]
+        comm = self._comm
+        args: tuple[Any, ...]
         try:
+            if what == "gather":
+                args = ([m, mtype], spec, root)
+                call = comm.Igatherv if async_op else comm.Gatherv
+            else:
+                args = (spec, [m, mtype], root)
+                call = comm.Iscatterv if async_op else comm.Scatterv
             if not async_op:
-                self._comm.Scatterv(spec, [r, mtype], root)
-                return CompletedWork(recv)
-            request = self._comm.Iscatterv(spec, [r, mtype], root)
+                call(*args)
+                return CompletedWork(full if what == "gather" else mine)
+            request = call(*args)
         except MPI.Exception as exc:
-            raise_mpi_error(exc, "scatter")
-        return MPIWork([request], None, recv, "scatter")
+            raise_mpi_error(exc, what)
+        return MPIWork([request], None, full if what == "gather" else mine, what)
 
     def barrier(self) -> None:
-        """``Barrier`` on the backend's communicator (it cannot time out)."""
+        """``Barrier`` on the backend's communicator (the watchdog ends a barrier that
+        some rank never enters)."""
         if self._debug:
             self._agree("barrier", ())
-        self._comm.Barrier()
+        self._blocking("barrier", (), self._comm.Barrier)
 
     # --- point to point (arrays as bytes; headers in their own tag space) ------------------
     def send(self, buf: Any, dst: int, tag: int = 0) -> None:
@@ -627,10 +731,15 @@ class MPIBackend(Backend):
         data_tag, _ = split_tag(tag, self._tag_ub)
         if self._needs_host(buf):
             buf = host_copy(buf)
+        guard = self._guard
+        _, slot = guard.begin("send", (("peer", guard.members[dst]), ("tag", tag),
+                                       ("bytes", buf.nbytes)))
         try:
             self._comm.Send(buf.reshape(-1).view(BYTES), dst, data_tag)
         except MPI.Exception as exc:
             raise_mpi_error(exc, "send")
+        finally:
+            guard.rec.end(slot)
 
     def recv(self, buf: Any, src: int, tag: int = 0) -> None:
         """``Recv`` of the next message from ``src`` with ``tag`` into ``buf``.
@@ -644,10 +753,15 @@ class MPIBackend(Backend):
         target = np.empty(buf.shape, buf.dtype) if self._needs_host(buf) else buf
         status = MPI.Status()
         what = f"recv from rank {src} (tag {tag}) into {_array.describe(buf)}"
+        guard = self._guard
+        _, slot = guard.begin("recv", (("peer", guard.members[src]), ("tag", tag),
+                                       ("bytes", target.nbytes)))
         try:
             self._comm.Recv(target.reshape(-1).view(BYTES), src, data_tag, status)
         except MPI.Exception as exc:
             raise_mpi_error(exc, what)
+        finally:
+            guard.rec.end(slot)
         got = status.Get_count(MPI.BYTE)
         if got != target.nbytes:
             raise CollectiveMismatchError(
@@ -660,46 +774,64 @@ class MPIBackend(Backend):
         """mpi4py's pickled ``send`` of ``obj``, in a tag space apart from the arrays'."""
         self._check_rank(dst, "send_object", "dst")
         _, header_tag = split_tag(tag, self._tag_ub)
-        self._comm.send(obj, dst, header_tag)
+        guard = self._guard
+        _, slot = guard.begin("send", (("peer", guard.members[dst]), ("tag", tag)))
+        try:
+            self._comm.send(obj, dst, header_tag)
+        finally:
+            guard.rec.end(slot)
 
     def recv_object(self, src: int, tag: int = 0) -> Any:
         """The next object ``src`` sent with ``tag`` (mpi4py's pickled ``recv``)."""
         self._check_rank(src, "recv_object", "src")
         _, header_tag = split_tag(tag, self._tag_ub)
-        return self._comm.recv(None, src, header_tag)
+        guard = self._guard
+        _, slot = guard.begin("recv", (("peer", guard.members[src]), ("tag", tag)))
+        try:
+            return self._comm.recv(None, src, header_tag)
+        finally:
+            guard.rec.end(slot)
 
     # --- small objects -----------------------------------------------------------------------
     def allgather_object(self, obj: Any) -> list[Any]:
         """Copies of every rank's ``obj``, in rank order (mpi4py's pickled ``allgather``)."""
         if self._debug:
             self._agree("allgather_object", ())
-        return self._comm.allgather(obj)
+        result: list[Any] = self._blocking("allgather_object", (), self._comm.allgather, obj)
+        return result
 
     def broadcast_object(self, obj: Any, root: int) -> Any:
         """``root``'s ``obj`` on every rank (mpi4py's pickled ``bcast``: a copy, also on root)."""
         self._check_rank(root, "broadcast_object", "root")
         if self._debug:
             self._agree("broadcast_object", (("root", root),))
-        return self._comm.bcast(obj, root)
+        return self._blocking("broadcast_object", (root,), self._comm.bcast, obj, root)
 
     # --- groups and life cycle -------------------------------------------------------------
     def new_group(self, ranks: Sequence[int]) -> MPIBackend | None:
         """``Split`` of this communicator: members get keys in ``ranks`` order, others
         pass ``MPI.UNDEFINED`` (and get None)."""
         ranks = tuple(int(r) for r in ranks)
-        all_ranks = self._comm.allgather(ranks)
+        for r in ranks:
+            self._check_rank(r, "new_group", "rank")
+        if self._debug:
+            self._agree("new_group", ())
+        all_ranks = self._blocking("new_group", (), self._comm.allgather, ranks)
         if any(r != ranks for r in all_ranks):
             raise CollectiveMismatchError(
                 "new_group: ranks disagree on the members: "
                 + ", ".join(f"rank {k} passed {list(r)}" for k, r in enumerate(all_ranks)))
-        for r in ranks:
-            self._check_rank(r, "new_group", "rank")
+        guard = self._guard
+        name = f"{guard.group}.{guard.groups_made}"
+        guard.groups_made += 1
         member = self.rank in ranks
         sub = self._comm.Split(0 if member else MPI.UNDEFINED,
                                ranks.index(self.rank) if member else 0)
         if not member:
             return None
-        return MPIBackend(sub, self.options)
+        sub.Set_errhandler(MPI.ERRORS_RETURN)
+        return MPIBackend(sub, self.options, recorder=guard.rec, group_name=name,
+                          members=[guard.members[r] for r in ranks])
 
     def node_info(self) -> tuple[int, int, int]:
         """``(node_id, local_rank, local_size)`` from ``Split_type(COMM_TYPE_SHARED)``,
@@ -713,6 +845,7 @@ class MPIBackend(Backend):
         """
         comm, self._comm, self._host_twin = self._comm, None, None
         if comm is not None and not MPI.Is_finalized() and comm != MPI.COMM_NULL:
+            self._guard.rec.groups.pop(self._guard.group, None)
             comm.Free()
 
 
@@ -755,26 +888,64 @@ def create_world_backend(*, comm: Any = None, abort_on_exception: bool = True,
                          timeout: float | None = None, **options: Any) -> MPIBackend:
     """This process's endpoint in the world of the MPI job (``axondist.init("mpi")``).
 
+    Also starts the rank's watchdog (for more than one rank): a call that
+    waits past ``timeout`` seconds, or for a rank that left, ends the job on
+    every rank with one message naming the ranks and what each was doing.
+
     Args:
         comm: the mpi4py communicator whose ranks form the world
             (``MPI.COMM_WORLD`` when None); axondist communicates on a
             duplicate of it, never on it.
         abort_on_exception: install :func:`install_abort_hook`.
-        timeout: accepted so ``init(timeout=...)`` works for every backend;
-            blocking MPI collectives cannot time out (see the module docs).
+        timeout: seconds a call may wait for its peers (``AXONDIST_TIMEOUT``,
+            default 600); stall warnings start at ``AXONDIST_STALL_WARNING``
+            (default 60, at most half the timeout).
         **options: fields of :class:`MPIOptions` (``chunk_bytes``,
-            ``host_staging``, ``debug``), overriding the environment.
+            ``host_staging``, ``debug``, ``checks``), overriding the environment.
 
     Raises:
         BackendUnavailableError: mpi4py or the MPI library is missing.
         TypeError: an unknown option.
+        ValueError: a timeout that is not a finite number > 0, or ranks started
+            with different settings.
     """
     _load_mpi()
     policy = MPIOptions.from_env(**options)
+    wait = default_timeout() if timeout is None else positive_seconds(timeout, "init")
     if abort_on_exception:
         install_abort_hook()
     base = MPI.COMM_WORLD if comm is None else comm
-    return MPIBackend(base.Dup(), policy)
+    dup = base.Dup()
+    dup.Set_errhandler(MPI.ERRORS_RETURN)
+    rank, size = dup.Get_rank(), dup.Get_size()
+    recorder = FlightRecorder(rank, size, MPI.Get_processor_name())
+    watchdog = None
+    if size > 1:
+        watchdog = Watchdog(recorder, timeout=wait, stall=stall_warning_after(wait),
+                            abort=_abort_job, token=dup.bcast(secrets.token_hex(16), root=0))
+    settings = (policy.checks, policy.debug, policy.chunk_bytes, wait)
+    table = dup.allgather((settings, watchdog.address if watchdog else None))
+    if any(t[0] != settings for t in table):
+        detail = ", ".join(f"rank {k}: checks={t[0][0]}, debug={t[0][1]}, chunk_bytes={t[0][2]}, "
+                           f"timeout={t[0][3]:g}" for k, t in enumerate(table))
+        dup.Free()
+        raise ValueError("init: the ranks were started with different axondist settings "
+                         f"({detail}); set AXONDIST_CHECKS, AXONDIST_DEBUG, "
+                         "AXONDIST_MPI_CHUNK_BYTES and AXONDIST_TIMEOUT alike on every rank")
+    if watchdog is not None:
+        watchdog.start([t[1] for t in table])
+    backend = MPIBackend(dup, policy, recorder=recorder)
+    backend.watchdog = watchdog
+    return backend
+
+
+def _abort_job(message: str) -> None:
+    """Print ``message`` on this rank and end the job on every rank (the watchdog's end)."""
+    world = MPI.COMM_WORLD
+    rank, size = world.Get_rank(), world.Get_size()
+    print_and_flush(f"[axondist rank {rank}/{size}] ", message)
+    exit_soon(1, 10.0)  # should MPI_Abort itself hang
+    world.Abort(1)
 
 
 __all__ = ["MPIBackend", "MPIOptions", "MPIWork", "create_world_backend", "install_abort_hook"]

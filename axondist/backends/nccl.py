@@ -90,11 +90,10 @@ One backend is used by one thread at a time.
 from __future__ import annotations
 
 import os
-import threading
-from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any
 
-from ..errors import BackendUnavailableError, WorldAbortedError
+from .._environment import launched_by_mpi
+from ..errors import BackendUnavailableError
 from ._nccl_backend import NcclBackend
 from ._nccl_runtime import NcclWork, _device_count, _load, group_calls
 from ._nccl_types import (
@@ -106,8 +105,6 @@ from ._nccl_types import (
 )
 from ._rendezvous import LaunchEnv, exchange_from_rank0
 from .base import default_timeout
-
-T = TypeVar("T")
 
 _UNIQUE_ID_KEY = "axondist/nccl/unique_id"
 
@@ -142,8 +139,6 @@ def create_world_backend(**options: Any) -> NcclBackend:
     timeout = options.get("timeout")
     device = options.get("device")
     cupy, _ = _load()
-    from ..launch import launched_by_mpi
-
     if launched_by_mpi():
         backend = _bootstrap_mpi(timeout, device)
     elif LaunchEnv.present(os.environ):
@@ -195,59 +190,10 @@ def _bootstrap_mpi(timeout: float | None, device: int | None) -> NcclBackend:
 
 # --- one process, one thread per GPU ------------------------------------------------------------
 
-def spawn_on_devices(fn: Callable[..., T], devices: Sequence[int], *args: Any,
-                     timeout: float | None = None, **kwargs: Any) -> list[T]:
-    """Run ``fn(world, *args, **kwargs)`` on one thread per GPU of ``devices``.
-
-    The NCCL counterpart of :func:`axondist.spawn`: the ranks are the
-    devices in order (:meth:`NcclBackend.create_world`), each thread has its
-    GPU as the current CuPy device and its :class:`~axondist.World` as the
-    default group, so ``axondist.all_reduce(x)`` etc. work unchanged.
-
-    Returns:
-        The ranks' return values, in rank order.
-
-    Raises:
-        The first failing rank's own exception (with a note naming the
-        rank); the other ranks are released with WorldAbortedError rather
-        than left waiting, and the communicators are aborted.
-    """
-    from ..process_group import World, use_world
-
+def use_device(device: int) -> None:
+    """Make GPU ``device`` the calling thread's current CuPy device."""
     cupy, _ = _load()
-    backends = NcclBackend.create_world(devices, timeout=timeout)
-    link = backends[0]._link
-    n = len(backends)
-    results: list[Any] = [None] * n
-    errors: list[BaseException | None] = [None] * n
-
-    def run(rank: int) -> None:
-        backend = backends[rank]
-        try:
-            cupy.cuda.Device(backend.device).use()
-            with use_world(World(backend)) as world:
-                results[rank] = fn(world, *args, **kwargs)
-        except BaseException as exc:  # noqa: BLE001 - re-raised below
-            errors[rank] = exc
-            link.abort(rank, exc)
-
-    threads = [threading.Thread(target=run, args=(r,), name=f"axondist-gpu{b.device}", daemon=True)
-               for r, b in enumerate(backends)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    for b in backends:
-        b.close()
-    failed = [r for r, e in enumerate(errors) if e is not None]
-    if failed:
-        primary = [r for r in failed if not isinstance(errors[r], WorldAbortedError)] or failed
-        exc = errors[primary[0]]
-        assert exc is not None
-        if hasattr(exc, "add_note"):
-            exc.add_note(f"raised on rank {primary[0]} of {n} (axondist spawn_on_devices)")
-        raise exc
-    return results
+    cupy.cuda.Device(device).use()
 
 
 __all__ = [
@@ -260,5 +206,5 @@ __all__ = [
     "bootstrap_from_env",
     "create_world_backend",
     "group_calls",
-    "spawn_on_devices",
+    "use_device",
 ]

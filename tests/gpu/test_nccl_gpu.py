@@ -68,7 +68,7 @@ def _cupy_has_bfloat16() -> bool:
 
 
 def spawn(body, world_size, *args):
-    from axondist.backends.nccl import spawn_on_devices
+    from axondist.launch import spawn_on_devices
 
     return spawn_on_devices(body, list(range(world_size)), *args, timeout=120.0)
 

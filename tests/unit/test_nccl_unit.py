@@ -369,7 +369,7 @@ def fake(monkeypatch):
 
 
 def spawn(body, world_size, *args, timeout=20.0):
-    from axondist.backends.nccl import spawn_on_devices
+    from axondist.launch import spawn_on_devices
 
     return spawn_on_devices(body, list(range(world_size)), *args, timeout=timeout)
 

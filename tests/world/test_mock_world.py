@@ -57,11 +57,27 @@ def test_missing_rank_times_out_naming_operation_and_ranks():
     def body(world):
         if world.rank != 2:
             ad.all_reduce(np.ones(4))
+        else:
+            time.sleep(1.0)  # busy in its own code, past the timeout
 
     start = time.monotonic()
     with pytest.raises(ad.CollectiveTimeoutError,
-                       match=r"all_reduce .*ranks \[2\] of 4 did not join"):
+                       match=r"all_reduce .*ranks \[2\] of 4 did not join.*rank 2 .*not in any "
+                             r"axondist call"):
         ad.spawn(body, 4, timeout=0.3)
+    assert time.monotonic() - start < 10
+
+
+def test_rank_that_returned_fails_its_peers_at_once():
+    def body(world):
+        if world.rank != 2:
+            ad.all_reduce(np.ones(4))
+
+    start = time.monotonic()
+    with pytest.raises(ad.RankExitedError,
+                       match=r"all_reduce #1 on world .*rank 2 left before making any call "
+                             r"\(its function returned\): it will never join"):
+        ad.spawn(body, 4, timeout=30)
     assert time.monotonic() - start < 10
 
 
@@ -69,9 +85,20 @@ def test_recv_without_send_times_out():
     def body(world):
         if world.rank == 1:
             ad.recv(0)
+        else:
+            time.sleep(1.0)
 
     with pytest.raises(ad.CollectiveTimeoutError, match="rank 0 sent nothing"):
         ad.spawn(body, 2, timeout=0.3)
+
+
+def test_recv_from_a_rank_that_returned_fails_at_once():
+    def body(world):
+        if world.rank == 1:
+            ad.recv(0)
+
+    with pytest.raises(ad.RankExitedError, match=r"recv on rank 1 from rank 0 .*rank 0 left"):
+        ad.spawn(body, 2, timeout=30)
 
 
 def test_failing_rank_releases_the_others_and_is_named():

@@ -1,0 +1,121 @@
+"""What runs around every MPI call: its sequence number, its flight-recorder entry, and
+the cross-rank check that the ranks called the same thing with the same arguments.
+
+The check is one extra ``Allreduce`` of two int64 (``MAX`` of ``[h, -h]``,
+where ``h`` hashes the call's name and arguments): the ranks agree exactly
+when the result is ``[h, -h]``. Every collective starts with it, so a rank
+in ``barrier`` meets a rank in ``all_reduce`` inside the check, and both
+raise :class:`~axondist.errors.CollectiveMismatchError` before any data
+moves. Only then do the ranks exchange their full arguments (pickled) to say
+what differs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+
+from .base import compare_signatures
+from .recorder import FlightRecorder
+
+#: The arguments each call's key holds, in order (what a mismatch message names).
+FIELDS: dict[str, tuple[str, ...]] = {
+    "all_reduce": ("dtype", "shape", "reduce_op", "async_op"),
+    "scaled_sum": ("dtype", "shape"),
+    "broadcast": ("dtype", "shape", "root", "async_op"),
+    "all_gather": ("dtype", "counts", "async_op"),
+    "reduce_scatter": ("dtype", "counts", "reduce_op", "async_op"),
+    "gather": ("dtype", "counts", "root", "async_op"),
+    "scatter": ("dtype", "counts", "root", "async_op"),
+    "all_to_all": ("dtype", "send_counts", "async_op"),
+    "barrier": (),
+    "allgather_object": (),
+    "broadcast_object": ("root",),
+    "new_group": (),
+    "destroy": (),
+}
+
+_CACHE_LIMIT = 4096
+
+
+def _hash_pair(op: str, key: tuple[Any, ...]) -> np.ndarray:
+    """``[h, -h]`` for a 62-bit hash of the call's name and key (the same on every rank)."""
+    digest = hashlib.blake2b(repr((op, key)).encode(), digest_size=8).digest()
+    h = int.from_bytes(digest, "little") >> 2
+    return np.array([h, -h], dtype=np.int64)
+
+
+class CallGuard:
+    """Sequence numbers, recording and argument checks of one MPI communicator.
+
+    Args:
+        comm: the communicator the checks run on (the backend's own).
+        mpi: mpi4py's ``MPI`` module.
+        recorder: the rank's flight recorder (shared by all its groups).
+        group: the group's name in the recorder (``"world"``, ``"world.0"``...).
+        members: the group's members as world ranks, in group-rank order.
+        checks: run the cross-rank check before each collective.
+    """
+
+    def __init__(self, comm: Any, mpi: Any, recorder: FlightRecorder, group: str,
+                 members: Iterable[int], checks: bool) -> None:
+        self.comm = comm
+        self.rec = recorder
+        self.group = group
+        self.members = tuple(members)
+        self.checks = checks
+        recorder.groups[group] = self.members
+        self._seqs = itertools.count(1)
+        self._int64 = mpi.INT64_T
+        self._max = mpi.MAX
+        self._out = np.zeros(2, dtype=np.int64)
+        self._view = self._out.data  # a memoryview: indexing gives Python ints
+        self._caches: dict[str, dict[tuple[Any, ...], np.ndarray]] = {}
+        self.groups_made = 0
+
+    def begin(self, op: str, detail: Any, blocking: bool = True) -> tuple[int, int]:
+        """Number and record a call starting now: ``(seq, recorder slot)``."""
+        seq = next(self._seqs)
+        return seq, self.rec.begin(self.group, seq, op, detail, blocking)
+
+    def agree(self, op: str, key: tuple[Any, ...]) -> None:
+        """Return when every rank of the group calls ``op`` with this ``key``.
+
+        Raises:
+            CollectiveMismatchError: on every rank, naming what differs.
+        """
+        cache = self._caches.get(op)
+        if cache is None:
+            cache = self._caches[op] = {}
+        pair = cache.get(key)
+        if pair is None:
+            if len(cache) >= _CACHE_LIMIT:
+                cache.clear()
+            pair = cache[key] = _hash_pair(op, key)
+        self.comm.Allreduce([pair, self._int64], [self._out, self._int64], self._max)
+        view = self._view
+        if view[0] != -view[1]:
+            self._disagree(op, key)
+
+    def _disagree(self, op: str, key: tuple[Any, ...]) -> None:
+        calls = self.comm.allgather((op, key))
+        signatures = [(("op", name),) + tuple(zip(FIELDS.get(name, ()), _printable(k)))
+                      for name, k in calls]
+        error = compare_signatures(op, signatures)
+        if error is None:  # equal arguments that hash differently cannot happen; be explicit
+            error = compare_signatures(op, [(("op", name), ("key", repr(k))) for name, k in calls])
+        if error is not None:
+            raise error
+
+
+def _printable(key: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The key's values as they print in messages (dtypes by name, shapes as lists)."""
+    return tuple(str(v) if isinstance(v, np.dtype) else list(v) if isinstance(v, tuple) else v
+                 for v in key)
+
+
+__all__ = ["FIELDS", "CallGuard"]

@@ -1,0 +1,206 @@
+"""The flight recorder: each rank's last calls, for stall warnings and post-mortems.
+
+Every collective and point-to-point call of a rank is written to a ring of
+the last ``capacity`` calls (``AXONDIST_FLIGHT_RECORDER``, default 256) when
+it starts and stamped when it ends; per group it also counts the calls issued
+and completed. Recording costs two clock reads and a tuple per call. The
+watchdog reads the recorders of the ranks a stalled call waits for, and
+:func:`axondist.flight_recorder` returns this rank's for a post-mortem.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+from collections.abc import Sequence
+from typing import Any
+
+_monotonic = time.monotonic
+
+# Fields of a ring slot (a tuple, so a reader never sees half of an update).
+_GROUP, _SEQ, _OP, _DETAIL, _START, _BLOCKING = range(6)
+
+
+def _capacity() -> int:
+    text = os.environ.get("AXONDIST_FLIGHT_RECORDER", "256")
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"AXONDIST_FLIGHT_RECORDER={text!r} must be a number of calls") from None
+    if value < 1:
+        raise ValueError(f"AXONDIST_FLIGHT_RECORDER={text!r} must be >= 1")
+    return 1 << (value - 1).bit_length()  # a power of two: slots by masking
+
+
+def describe_detail(detail: Any) -> str:
+    """A call's detail (dtype, shape, op, root, peer...) as short text."""
+    if detail is None:
+        return ""
+    if isinstance(detail, tuple):
+        return ", ".join(_describe_item(d) for d in detail if d is not None and d != ())
+    return _describe_item(detail)
+
+
+def _describe_item(item: Any) -> str:
+    if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str):
+        return f"{item[0]}={item[1]}"
+    if isinstance(item, tuple):
+        return str(list(item))
+    return str(item)
+
+
+def _peer_of(detail: Any) -> int | None:
+    """The world rank a point-to-point call's detail names (its ``("peer", rank)`` pair)."""
+    if isinstance(detail, tuple) and detail and isinstance(detail[0], tuple) \
+            and len(detail[0]) == 2 and detail[0][0] == "peer":
+        return int(detail[0][1])
+    return None
+
+
+class FlightRecorder:
+    """One rank's ring of recent calls and its per-group call counts.
+
+    Calls ``begin``/``end`` come from the rank's own threads; readers
+    (the watchdog thread, a peer's status query) only read tuples and ints,
+    so no lock is taken on the hot path.
+
+    Args:
+        rank: this process's rank in the world.
+        world_size: ranks in the world.
+        host: the host name, for messages.
+    """
+
+    def __init__(self, rank: int, world_size: int, host: str = "") -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.host = host
+        self.pid = os.getpid()
+        capacity = _capacity()
+        self._mask = capacity - 1
+        self._slots: list[tuple[Any, ...] | None] = [None] * capacity
+        self._ends: list[float] = [0.0] * capacity
+        self._next = 0
+        #: group name -> highest sequence number issued (started) on it.
+        self.issued: dict[str, int] = {}
+        #: group name -> highest sequence number completed on it.
+        self.completed: dict[str, int] = {}
+        #: group name -> its members' world ranks.
+        self.groups: dict[str, tuple[int, ...]] = {}
+        self._counter = itertools.count()
+
+    # --- writing (the owner's threads) --------------------------------------------------
+    def begin(self, group: str, seq: int, op: str, detail: Any, blocking: bool = True) -> int:
+        """Record the start of call ``seq`` of ``group``; the slot to pass to :meth:`end`."""
+        i = next(self._counter)  # atomic under the GIL: threads never share a slot
+        self._next = i + 1
+        j = i & self._mask
+        self._ends[j] = 0.0
+        self._slots[j] = (group, seq, op, detail, _monotonic(), blocking)
+        if self.issued.get(group, 0) < seq:
+            self.issued[group] = seq
+        return j
+
+    def end(self, slot: int) -> None:
+        """Record that the call in ``slot`` completed (returned or raised)."""
+        entry = self._slots[slot]
+        self._ends[slot] = _monotonic()
+        if entry is not None and entry[_BLOCKING]:
+            group, seq = entry[_GROUP], entry[_SEQ]
+            if self.completed.get(group, 0) < seq:
+                self.completed[group] = seq
+
+    def complete(self, group: str, seq: int) -> None:
+        """Count call ``seq`` of ``group`` as completed (a non-blocking call's wait ended)."""
+        if self.completed.get(group, 0) < seq:
+            self.completed[group] = seq
+
+    # --- reading --------------------------------------------------------------------------
+    def entries(self, last: int | None = None) -> list[dict[str, Any]]:
+        """The recorded calls, oldest first, as dicts (``last``: only the newest ones).
+
+        Each has ``group``, ``seq``, ``op``, ``detail`` (text), ``blocking``,
+        ``started_s_ago`` and ``state`` (``"running"`` or ``"done"``) with
+        ``duration_s`` once done.
+        """
+        now = _monotonic()
+        n = self._next
+        count = min(n, self._mask + 1)
+        if last is not None:
+            count = min(count, last)
+        out = []
+        for i in range(n - count, n):
+            j = i & self._mask
+            entry, end = self._slots[j], self._ends[j]
+            if entry is None:
+                continue
+            item = {"group": entry[_GROUP], "seq": entry[_SEQ], "op": entry[_OP],
+                    "detail": describe_detail(entry[_DETAIL]), "blocking": entry[_BLOCKING],
+                    "started_s_ago": round(now - entry[_START], 3),
+                    "state": "done" if end else "running"}
+            if end:
+                item["duration_s"] = round(end - entry[_START], 6)
+            peer = _peer_of(entry[_DETAIL])
+            if peer is not None:
+                item["peer"] = peer
+            out.append(item)
+        return out
+
+    def running(self) -> list[dict[str, Any]]:
+        """Blocking calls in progress (normally one per thread that communicates)."""
+        return [e for e in self.entries() if e["state"] == "running" and e["blocking"]]
+
+    def last_completed(self) -> dict[str, Any] | None:
+        """The newest completed call, with ``ended_s_ago``; None before the first."""
+        now = _monotonic()
+        n = self._next
+        for i in range(n - 1, max(n - self._mask - 2, -1), -1):
+            j = i & self._mask
+            entry, end = self._slots[j], self._ends[j]
+            if entry is not None and end:
+                return {"group": entry[_GROUP], "seq": entry[_SEQ], "op": entry[_OP],
+                        "detail": describe_detail(entry[_DETAIL]),
+                        "ended_s_ago": round(now - end, 3)}
+        return None
+
+    def status(self, recent: int = 8) -> dict[str, Any]:
+        """What a peer's watchdog asks for: running calls, the last completed, counts."""
+        return {"rank": self.rank, "host": self.host, "pid": self.pid,
+                "running": self.running(), "last": self.last_completed(),
+                "issued": dict(self.issued), "completed": dict(self.completed),
+                "recent": self.entries(recent)}
+
+
+def describe_call(entry: dict[str, Any]) -> str:
+    """``all_reduce #5 on world (float32[1024], op=sum)`` from an entry of :meth:`entries`."""
+    detail = f" ({entry['detail']})" if entry.get("detail") else ""
+    return f"{entry['op']} #{entry['seq']} on {entry['group']}{detail}"
+
+
+def describe_status(status: dict[str, Any]) -> str:
+    """One line saying what a rank is doing, from :meth:`FlightRecorder.status`."""
+    where = f"rank {status['rank']} (host {status.get('host') or '?'}, pid {status.get('pid')})"
+    running = status.get("running") or []
+    last = status.get("last")
+    last_text = (f"its last completed call was {describe_call(last)}, "
+                 f"{last['ended_s_ago']:.1f} s ago" if last else "it completed no call yet")
+    if running:
+        calls = "; ".join(f"{describe_call(e)} for {e['started_s_ago']:.1f} s" for e in running)
+        return f"{where} waits in {calls}; {last_text}"
+    return f"{where} is not in any axondist call (busy in its own code); {last_text}"
+
+
+def format_entries(entries: Sequence[dict[str, Any]]) -> str:
+    """A flight-recorder dump as lines (oldest first)."""
+    lines = []
+    for e in entries:
+        state = (f"done in {e['duration_s'] * 1e3:.3f} ms" if e["state"] == "done"
+                 else f"RUNNING for {e['started_s_ago']:.1f} s")
+        kind = "" if e["blocking"] else " (async)"
+        lines.append(f"  {describe_call(e)}{kind}: started {e['started_s_ago']:.3f} s ago, "
+                     f"{state}")
+    return "\n".join(lines)
+
+
+__all__ = ["FlightRecorder", "describe_call", "describe_detail", "describe_status",
+           "format_entries"]
