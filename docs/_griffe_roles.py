@@ -10,7 +10,9 @@ build time fails ``mkdocs build --strict``, so the links cannot rot silently. Tw
 conventions of the docstrings that Google style lacks are spelled out too: an ``Args`` entry
 naming several parameters (``bias, dtype: ...`` or ``a / b: ...``) becomes one entry per name
 (each still checked against the signature), and a ``Raises`` entry that names no class
-(``The first failing rank's own exception...``) is listed under ``Exception``.
+(``The first failing rank's own exception...``) is listed under ``Exception``. Two
+reStructuredText block forms are translated as well: ``text::`` before a literal block
+loses its second colon, and a simple table (``=== ===`` borders) is shown preformatted.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ _SECTION = re.compile(r"^(\s*)(Args|Arguments|Parameters|Raises|Returns|Yields|A
                       r"Examples?|Notes?|Warnings?|See Also|Other Parameters):\s*$")
 _MULTI_NAME = re.compile(r"^(\s+)(\w+(?:\s*[,/]\s*\w+)+)(\s*\([^)]*\))?:(\s.*)?$")
 _NAMED_RAISE = re.compile(r"^\s+[\w.]+(\s*\([^)]*\))?:(\s|$)")
+_BORDER = re.compile(r"^\s*=+( +=+)+\s*$")
+_LITERAL_INTRO = re.compile(r"^(\s*)(.*?)\s*::\s*$")
 _ROLE = re.compile(r":(?:py:)?(func|class|meth|attr|mod|data|exc|obj|const):`(~?)\.?([^`<>]+)`")
 PACKAGE = "axondist"
 
@@ -126,6 +130,32 @@ def normalize_sections(text: str) -> str:
     return "\n".join(out)
 
 
+def rst_blocks(text: str) -> str:
+    """``text`` with ``::`` literal-block intros made plain and simple tables fenced."""
+    lines = text.splitlines()
+    out: list[str] = []
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        if _BORDER.match(line):
+            borders = [j for j in range(i, len(lines)) if _BORDER.match(lines[j])][:3]
+            if len(borders) == 3:
+                pad = line[:len(line) - len(line.lstrip())]
+                out += [f"{pad}```text", *lines[i:borders[2] + 1], f"{pad}```"]
+                i = borders[2] + 1
+                continue
+        m = _LITERAL_INTRO.match(line)
+        if m and i + 1 < len(lines) and not lines[i + 1].strip():
+            words = m.group(2)
+            if words.lower() in ("example", "examples"):
+                words = "For example"
+            out.append(f"{m.group(1)}{words}:" if words else "")
+        else:
+            out.append(line)
+        i += 1
+    return "\n".join(out)
+
+
 class RstRoles(griffe.Extension):
     """Rewrite roles in every docstring of the package once it is loaded."""
 
@@ -137,6 +167,6 @@ class RstRoles(griffe.Extension):
         while stack:
             obj = stack.pop()
             if obj.docstring is not None:
-                text = normalize_sections(obj.docstring.value)
+                text = normalize_sections(rst_blocks(obj.docstring.value))
                 obj.docstring.value = rewrite(text, loader.modules_collection, obj)
             stack.extend(m for m in obj.members.values() if not m.is_alias)

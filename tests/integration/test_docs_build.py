@@ -213,3 +213,13 @@ def test_a_raises_entry_that_names_no_class_is_named() -> None:
         "Do.\n\nRaises:\n    Exception: The first failing rank's error,\n        named.")
     named = "Do.\n\nRaises:\n    ValueError: when x < 0.\n"
     assert _griffe_roles.normalize_sections(named) == named.rstrip("\n")
+
+
+def test_rst_literal_intros_and_simple_tables_are_translated() -> None:
+    text = ("Layout::\n\n    {x: 1}\n\nExample::\n\n    f(1)\n\n::\n\n    g()\n\n"
+            "=== ===\na   b\n=== ===\n1   2\n=== ===\nafter")
+    assert _griffe_roles.rst_blocks(text) == (
+        "Layout:\n\n    {x: 1}\n\nFor example:\n\n    f(1)\n\n\n\n    g()\n\n"
+        "```text\n=== ===\na   b\n=== ===\n1   2\n=== ===\n```\nafter")
+    # "::" inside a line, or not before a blank line, is left alone
+    assert _griffe_roles.rst_blocks("a :: b\nc::\nd") == "a :: b\nc::\nd"
