@@ -23,7 +23,7 @@ from . import launcher
 
 
 def _parser() -> argparse.ArgumentParser:
-    from .demo import STRATEGIES, DemoConfig
+    from .demo import PROGRESS_MODES, STRATEGIES, DemoConfig
 
     d = DemoConfig()
     parser = argparse.ArgumentParser(
@@ -57,7 +57,12 @@ def _parser() -> argparse.ArgumentParser:
                       "interleaved_1f1b puts 2 stages on each rank)")
     demo.add_argument("--backend", choices=("auto", "mock", "mpi"), default="auto",
                       help="auto: MPI when launched by mpiexec, else the mock world")
-    demo.add_argument("--no-progress", action="store_true", help="no progress bar")
+    demo.add_argument("--progress", choices=PROGRESS_MODES, default="auto",
+                      help="auto: a bar on a terminal, a plain line every tenth of the run "
+                           "elsewhere (logs, pipes, mpiexec); bar: a bar even through a pipe "
+                           "(mpiexec from a terminal); only rank 0 shows it (default: auto)")
+    demo.add_argument("--no-progress", dest="progress", action="store_const", const="off",
+                      help="same as --progress off")
     sub.add_parser("run", add_help=False,
                    help="launch a script on N processes through mpiexec: axondist run -n N "
                         "script.py args (axondist run --help for the options)")
@@ -76,7 +81,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             return run_demo(world_size=args.world_size, strategy=args.strategy,
                             steps=args.steps, backend=args.backend,
-                            progress=False if args.no_progress else None,
+                            progress=args.progress,
                             batch_size=args.batch_size, lr=args.lr, seed=args.seed,
                             dtype=args.dtype, tol=args.tol, schedule=args.schedule)
         except ValueError as exc:

@@ -1,32 +1,13 @@
-"""The demo behind ``python -m axondist demo``: train a small MLP, then check it.
-
-A NumPy MLP (``depth`` linear layers, tanh between them, hand-written forward
-and backward) learns a synthetic regression task (targets from a random
-"teacher" MLP plus noise, all seeded) with one of the parallel strategies.
-The same number of steps of plain single-process training on the same
-global batches gives the reference; the demo reports the largest absolute
-difference between the two runs' parameters and fails when it exceeds the
-tolerance. Data parallelism does not change the maths, only where it runs,
-so the two must agree to rounding.
-
-* ``ddp``: every rank holds the model and trains on its share of each
-  global batch (a :class:`~axondist.data.DistributedSampler`);
-  DistributedDataParallel averages the gradients.
-* ``fsdp``: as ddp, but each rank keeps only a shard of the parameters,
-  gradients and optimizer state (FullyShardedDataParallel).
-* ``pipeline``: the layers are split into one stage per rank; the global
-  batch runs through them as micro-batches on a pipeline schedule.
-* ``tp``: every linear layer is split across the ranks (column-parallel and
-  row-parallel layers in turn); every rank sees the whole batch.
-
-On the mock world the ranks are threads of this process
-(:func:`axondist.spawn`); under ``mpiexec -n K`` each process is one rank of
-the MPI world (:func:`axondist.init`) and only rank 0 prints.
-"""
+"""The demo behind ``axondist demo``: a hand-written NumPy MLP learns a seeded synthetic
+regression task with one parallel strategy (``ddp``, ``fsdp``, ``pipeline`` or ``tp``), on
+threads of a mock world or, under ``mpiexec``/``axondist run``, one rank per process; the same
+steps of single-process training on the same global batches give the reference, and the demo
+fails when the parameters differ by more than the tolerance (parallelism changes where the maths
+runs, not the maths). Rank 0 alone prints the report and the progress."""
 
 from __future__ import annotations
 
-import importlib
+import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -37,20 +18,22 @@ from typing import Any, TextIO
 import numpy as np
 
 from . import comm
+from ._environment import launched_by_mpi
 from .comm import split_sizes
 from .data import DistributedSampler
+from .ddp import DistributedDataParallel
+from .fsdp import FullyShardedDataParallel
+from .launch import init, spawn
 from .optim import SGD
 from .parameter import Parameter
+from .pipeline import Pipeline, PipelineStage
 from .process_group import ProcessGroup
+from .tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
 STRATEGIES = ("ddp", "fsdp", "pipeline", "tp")
 
-#: exit status when a strategy's module is not part of this installation.
-EXIT_UNAVAILABLE = 2
-
-
-class StrategyUnavailable(RuntimeError):
-    """The module a strategy needs is missing from this installation."""
+#: How progress is shown: a bar (tqdm) on a terminal, plain lines elsewhere, or nothing.
+PROGRESS_MODES = ("auto", "bar", "lines", "off")
 
 
 # --- configuration -----------------------------------------------------------------
@@ -256,26 +239,67 @@ def train_reference(cfg: DemoConfig) -> Reference:
 # --- progress ------------------------------------------------------------------------
 
 
-class ProgressBar:
-    """``[#####-----] 12/40  loss 0.1234`` rewritten in place on a terminal."""
+class Progress:
+    """Shows training progress: ``update(step, loss)`` after each step, ``close()`` at the end.
 
-    def __init__(self, total: int, stream: TextIO, enabled: bool, width: int = 30) -> None:
-        self.total, self.stream, self.enabled, self.width = total, stream, enabled, width
+    ``"bar"``: a tqdm bar that fits the terminal's width (narrow ones too: tqdm trims the line
+    instead of wrapping it); without tqdm installed, plain lines instead. ``"lines"``: a plain
+    ``step 10/40  loss 0.12345`` line about every tenth of the run, for logs and pipes.
+    ``"off"``: nothing.
+    """
+
+    def __init__(self, total: int, stream: TextIO, mode: str) -> None:
+        self.total, self.stream = total, stream
+        self.every = max(1, total // 10)
+        self.bar: Any = _tqdm_bar(total, stream) if mode == "bar" else None
+        self.mode = "lines" if mode == "bar" and self.bar is None else mode
 
     def update(self, step: int, loss: float) -> None:
-        """Redraw the bar at ``step`` of ``total`` with ``loss``; does nothing when disabled."""
-        if not self.enabled:
-            return
-        filled = self.width * step // max(1, self.total)
-        bar = "#" * filled + "-" * (self.width - filled)
-        self.stream.write(f"\r[{bar}] {step}/{self.total}  loss {loss:.5f}")
-        self.stream.flush()
+        """Record that ``step`` of ``total`` finished with ``loss``."""
+        if self.bar is not None:
+            self.bar.set_postfix_str(f"loss {loss:.5f}", refresh=False)
+            self.bar.update(step - self.bar.n)
+        elif self.mode == "lines" and (step % self.every == 0 or step == self.total):
+            self.stream.write(f"step {step}/{self.total}  loss {loss:.5f}\n")
+            self.stream.flush()
 
     def close(self) -> None:
-        """End the bar's line (when enabled), so later output starts on a new line."""
-        if self.enabled:
-            self.stream.write("\n")
-            self.stream.flush()
+        """End the bar (later output starts on a new line)."""
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _tqdm_bar(total: int, stream: TextIO) -> Any:
+    """A tqdm bar on ``stream``, or None when tqdm is not installed (an optional extra)."""
+    try:
+        from tqdm import tqdm  # optional dependency: imported only when a bar is wanted
+    except ImportError:
+        return None
+    tty = bool(getattr(stream, "isatty", lambda: False)())
+    # On a terminal tqdm follows its width as it changes; through a pipe (mpiexec forwards
+    # rank 0's output) it cannot ask, so it takes $COLUMNS or 80.
+    width = None if tty else shutil.get_terminal_size((80, 24)).columns
+    return tqdm(total=total, file=stream, desc="train", unit="step", dynamic_ncols=tty,
+                ncols=width, mininterval=0.1, leave=True,
+                bar_format="{desc} {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt}{postfix}")
+
+
+def progress_mode(progress: bool | str | None, stream: TextIO) -> str:
+    """The mode :class:`Progress` uses: ``progress`` as given (True: ``"auto"``, False:
+    ``"off"``); ``"auto"`` and None give a bar on a terminal, plain lines elsewhere.
+
+    Raises:
+        ValueError: a mode not in :data:`PROGRESS_MODES`.
+    """
+    if progress is None or progress is True:
+        progress = "auto"
+    elif progress is False:
+        progress = "off"
+    if progress not in PROGRESS_MODES:
+        raise ValueError(f"demo: progress={progress!r} is not one of {', '.join(PROGRESS_MODES)}")
+    if progress == "auto":
+        return "bar" if getattr(stream, "isatty", lambda: False)() else "lines"
+    return str(progress)
 
 
 def _no_progress(step: int, loss: float) -> None:
@@ -296,25 +320,8 @@ class RankResult:
     details: dict[str, Any] = field(default_factory=dict)
 
 
-Progress = Callable[[int, float], None]
-StrategyFn = Callable[[ProcessGroup, DemoConfig, Reference, Progress], RankResult]
-
-
-def _require(module: str, names: tuple[str, ...], strategy: str) -> Any:
-    """Import ``axondist.<module>`` and check it has ``names``; else StrategyUnavailable."""
-    try:
-        mod = importlib.import_module(f"axondist.{module}")
-    except ModuleNotFoundError as exc:
-        if exc.name and exc.name.startswith("axondist"):
-            raise StrategyUnavailable(
-                f"the {strategy} strategy needs axondist.{module}, which this installation does "
-                "not have yet") from exc
-        raise
-    missing = [n for n in names if not hasattr(mod, n)]
-    if missing:
-        raise StrategyUnavailable(f"the {strategy} strategy needs axondist.{module}."
-                                  f"{', '.join(missing)}, which this installation does not have")
-    return mod
+OnStep = Callable[[int, float], None]
+StrategyFn = Callable[[ProcessGroup, DemoConfig, Reference, OnStep], RankResult]
 
 
 def _global_max(value: float, group: ProcessGroup) -> float:
@@ -332,17 +339,16 @@ def _flat_reference(ref: Reference) -> list[np.ndarray]:
     return [a.astype(np.float64) for wb in ref.weights for a in wb]
 
 
-def run_tp(group: ProcessGroup, cfg: DemoConfig, ref: Reference, progress: Progress) -> RankResult:
+def run_tp(group: ProcessGroup, cfg: DemoConfig, ref: Reference, progress: OnStep) -> RankResult:
     """Every linear layer split across the group; every rank sees the whole batch."""
-    tp = _require("tensor_parallel", ("ColumnParallelLinear", "RowParallelLinear"), "tp")
     x, y = make_data(cfg)
     layers: list[Any] = []
     for i, (w, b) in enumerate(init_weights(cfg)):
         if i % 2 == 0:  # column-parallel: output features split; gathered only at the end
-            layers.append(tp.ColumnParallelLinear.from_dense(
+            layers.append(ColumnParallelLinear.from_dense(
                 w, b, group, gather_output=(i == cfg.depth - 1)))
         else:  # row-parallel: consumes the column layer's split output, returns the full sum
-            layers.append(tp.RowParallelLinear.from_dense(w, b, group, input_is_parallel=True))
+            layers.append(RowParallelLinear.from_dense(w, b, group, input_is_parallel=True))
     params = [p for layer in layers for p in layer.parameters()]
     opt = SGD(params, lr=cfg.lr, momentum=cfg.momentum)
     losses = []
@@ -376,12 +382,11 @@ def _data_parallel_loss(loss: float, group: ProcessGroup) -> float:
 
 
 def run_ddp(group: ProcessGroup, cfg: DemoConfig, ref: Reference,
-            progress: Progress) -> RankResult:
+            progress: OnStep) -> RankResult:
     """Every rank holds the model and trains on its share; DDP averages the gradients."""
-    ddp_mod = _require("ddp", ("DistributedDataParallel",), "ddp")
     x, y = make_data(cfg)
     params = as_parameters(init_weights(cfg))
-    ddp = ddp_mod.DistributedDataParallel(params, group, grad_fn=mse_grad_fn)
+    ddp = DistributedDataParallel(params, group, grad_fn=mse_grad_fn)
     opt = SGD(ddp.parameters(), lr=cfg.lr, momentum=cfg.momentum)
     losses = []
     for step in range(cfg.steps):
@@ -396,13 +401,12 @@ def run_ddp(group: ProcessGroup, cfg: DemoConfig, ref: Reference,
 
 
 def run_fsdp(group: ProcessGroup, cfg: DemoConfig, ref: Reference,
-             progress: Progress) -> RankResult:
+             progress: OnStep) -> RankResult:
     """As ddp, with parameters, gradients and optimizer state sharded (one unit per layer)."""
-    fsdp_mod = _require("fsdp", ("FullyShardedDataParallel",), "fsdp")
     x, y = make_data(cfg)
     params = as_parameters(init_weights(cfg))
     units = [[2 * i, 2 * i + 1] for i in range(cfg.depth)]
-    fsdp = fsdp_mod.FullyShardedDataParallel(params, group, units=units)
+    fsdp = FullyShardedDataParallel(params, group, units=units)
     opt = SGD(fsdp.sharded_parameters(), lr=cfg.lr, momentum=cfg.momentum)
     losses = []
     for step in range(cfg.steps):
@@ -425,9 +429,8 @@ def stage_layers(depth: int, stages: int) -> list[range]:
 
 
 def run_pipeline(group: ProcessGroup, cfg: DemoConfig, ref: Reference,
-                 progress: Progress) -> RankResult:
+                 progress: OnStep) -> RankResult:
     """One stage (consecutive layers) per rank; the batch flows through as micro-batches."""
-    pipe_mod = _require("pipeline", ("Pipeline", "PipelineStage"), "pipeline")
     x, y = make_data(cfg)
     chunks = pipeline_chunks(cfg.schedule)
     stages_total = group.world_size * chunks
@@ -442,9 +445,9 @@ def run_pipeline(group: ProcessGroup, cfg: DemoConfig, ref: Reference,
         def forward(arrays: list[np.ndarray], h: np.ndarray, last: bool = last) -> Any:
             return layers_forward(arrays, h, output=last)
 
-        mine.append((s, pipe_mod.PipelineStage(forward, layers_backward, params,
+        mine.append((s, PipelineStage(forward, layers_backward, params,
                                                name=f"layers {layout[s][0]}..{layout[s][-1]}")))
-    pipe = pipe_mod.Pipeline([st for _, st in mine], group, num_microbatches=2 * group.world_size,
+    pipe = Pipeline([st for _, st in mine], group, num_microbatches=2 * group.world_size,
                              schedule=cfg.schedule, chunks=chunks)
     opt = SGD(pipe.parameters(), lr=cfg.lr, momentum=cfg.momentum)
 
@@ -482,20 +485,6 @@ STRATEGY_FNS: dict[str, StrategyFn] = {"ddp": run_ddp, "fsdp": run_fsdp,
 def data_ranks(strategy: str, world_size: int) -> int:
     """How many ranks share each global batch (the others see all of it)."""
     return world_size if strategy in ("ddp", "fsdp") else 1
-
-
-def check_available(strategy: str) -> None:
-    """Raise StrategyUnavailable when ``strategy`` cannot run in this installation."""
-    if strategy not in STRATEGIES:
-        raise ValueError(f"demo: unknown strategy {strategy!r}; choose one of {STRATEGIES}")
-    if strategy not in STRATEGY_FNS:
-        raise StrategyUnavailable(f"the {strategy} strategy is not available in this version")
-    requirements = {"ddp": ("ddp", ("DistributedDataParallel",)),
-                    "fsdp": ("fsdp", ("FullyShardedDataParallel",)),
-                    "pipeline": ("pipeline", ("Pipeline",)),
-                    "tp": ("tensor_parallel", ("ColumnParallelLinear", "RowParallelLinear"))}
-    module, names = requirements[strategy]
-    _require(module, names, strategy)
 
 
 def check_config(cfg: DemoConfig) -> None:
@@ -550,7 +539,8 @@ def report(cfg: DemoConfig, result: RankResult, ref: Reference, where: str, seco
 
 
 def run_demo(world_size: int = 4, strategy: str = "ddp", steps: int = 40, *,
-             backend: str = "auto", progress: bool | None = None, out: TextIO | None = None,
+             backend: str = "auto", progress: bool | str | None = None,
+             out: TextIO | None = None,
              err: TextIO | None = None, **options: Any) -> int:
     """Run the demo and return the process exit status.
 
@@ -560,43 +550,38 @@ def run_demo(world_size: int = 4, strategy: str = "ddp", steps: int = 40, *,
         steps: optimizer steps.
         backend: ``"mock"`` (threads), ``"mpi"`` (this process is one rank of an
             ``mpiexec`` launch) or ``"auto"`` (mpi when launched by mpiexec).
-        progress: draw a progress bar on ``err`` (default: when it is a terminal).
-        out, err: where the report and the progress bar go (stdout, stderr).
+        progress: one of :data:`PROGRESS_MODES` (True: ``"auto"``, False: ``"off"``):
+            how rank 0 shows progress on ``err``; ``"auto"`` (the default) draws a bar on a
+            terminal and prints a plain line every tenth of the run elsewhere (a log, a
+            pipe, mpiexec's forwarding). The other ranks stay quiet.
+        out, err: where the report and the progress go (stdout, stderr).
         **options: other :class:`DemoConfig` fields (``batch_size``, ``lr``, ...).
 
     Returns:
         0 when the check passed, 1 when the parameters differ by more than the
-        tolerance, 2 when the strategy is not available.
+        tolerance.
 
     Raises:
-        ValueError: settings the strategy cannot run with (the message says
-            what to change).
+        ValueError: an unknown strategy, backend or progress mode, or settings the
+            strategy cannot run with (the message says what to change).
     """
-    from .launch import init, launched_by_mpi, spawn
-
     out = out or sys.stdout
     err = err or sys.stderr
+    if strategy not in STRATEGIES:
+        raise ValueError(f"demo: unknown strategy {strategy!r}; choose one of "
+                         f"{', '.join(STRATEGIES)}")
     if backend not in ("auto", "mock", "mpi"):
         raise ValueError(f"demo: backend must be auto, mock or mpi, got {backend!r}")
+    mode = progress_mode(progress, err)
     world = init("mpi") if backend == "mpi" or (backend == "auto" and launched_by_mpi()) else None
     if world is not None:
         world_size = world.world_size
     speaks = world is None or world.rank == 0
-    try:
-        check_available(strategy)
-    except StrategyUnavailable as exc:
-        if speaks:
-            usable = " or ".join(s for s in STRATEGIES if _available(s))
-            print(f"axondist demo: {exc}" + (f"; try --strategy {usable}" if usable else ""),
-                  file=err)
-        return EXIT_UNAVAILABLE
     if strategy == "pipeline" and "depth" not in options:  # a layer per stage at least
         stages = world_size * pipeline_chunks(options.get("schedule", DemoConfig.schedule))
         options["depth"] = max(DemoConfig.depth, stages)
     cfg = DemoConfig(strategy=strategy, world_size=world_size, steps=steps, **options)
     check_config(cfg)
-    if progress is None:
-        progress = bool(getattr(err, "isatty", lambda: False)())
     where = (f"an MPI world of {world_size} processes" if world is not None
              else f"a mock world of {world_size} ranks (threads)")
     if speaks:
@@ -605,7 +590,7 @@ def run_demo(world_size: int = 4, strategy: str = "ddp", steps: int = 40, *,
               f"{cfg.batch_size * world_size}", file=out)
         out.flush()
     ref = train_reference(cfg)  # every MPI rank makes its own: cheaper than sending it
-    bar = ProgressBar(cfg.steps, err, progress and speaks)
+    bar = Progress(cfg.steps, err, mode if speaks else "off")
     run = STRATEGY_FNS[strategy]
     start = time.perf_counter()
     if world is None:
@@ -621,12 +606,4 @@ def run_demo(world_size: int = 4, strategy: str = "ddp", steps: int = 40, *,
     return 0 if report(cfg, result, ref, where, seconds, out) else 1
 
 
-def _available(strategy: str) -> bool:
-    try:
-        check_available(strategy)
-    except StrategyUnavailable:
-        return False
-    return True
-
-
-__all__ = ["STRATEGIES", "DemoConfig", "run_demo"]
+__all__ = ["PROGRESS_MODES", "STRATEGIES", "DemoConfig", "Progress", "run_demo"]

@@ -1,10 +1,12 @@
-"""The demo CLI: every strategy trains, the check passes, and a wrong result fails it."""
+"""The demo CLI: every strategy trains, the check passes, a wrong result fails it, and the
+progress display fits narrow terminals, pipes and mpiexec."""
 
 from __future__ import annotations
 
 import importlib.util
 import io
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -14,7 +16,7 @@ import numpy as np
 import pytest
 from harness import UNDER_MPI
 
-from axondist import demo
+from axondist import demo, spawn
 from axondist.__main__ import main
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -34,27 +36,16 @@ def _kwargs(args: tuple[str, ...]) -> dict:
 
     ns = _parser().parse_args(["demo", *args])
     return {"world_size": ns.world_size, "strategy": ns.strategy, "steps": ns.steps,
-            "backend": "mock", "progress": False if ns.no_progress else None,
+            "backend": "mock", "progress": ns.progress,
             "batch_size": ns.batch_size, "lr": ns.lr, "seed": ns.seed, "dtype": ns.dtype,
             "tol": ns.tol, "schedule": ns.schedule}
-
-
-def available(strategy: str) -> bool:
-    try:
-        demo.check_available(strategy)
-    except demo.StrategyUnavailable:
-        return False
-    return True
 
 
 @pytest.mark.parametrize("strategy", demo.STRATEGIES)
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 def test_each_strategy_matches_single_process_training(strategy, world_size):
     status, out, err = run_cli("--strategy", strategy, "--world-size", str(world_size),
-                               "--steps", "6")
-    if not available(strategy):
-        assert status == demo.EXIT_UNAVAILABLE and strategy in err
-        return
+                               "--steps", "6", "--no-progress")
     assert status == 0, out + err
     assert f"{strategy} on a mock world of {world_size} ranks" in out
     assert "max abs parameter difference" in out and ": OK" in out
@@ -65,9 +56,6 @@ def test_each_strategy_matches_single_process_training(strategy, world_size):
 
 @pytest.mark.parametrize("strategy", demo.STRATEGIES)
 def test_rank_results_agree_with_the_reference_in_float64(strategy):
-    if not available(strategy):
-        pytest.skip(f"{strategy} not available")
-    from axondist import spawn
 
     cfg = demo.DemoConfig(strategy=strategy, world_size=2, steps=5, dtype="float64")
     ref = demo.train_reference(cfg)
@@ -79,8 +67,6 @@ def test_rank_results_agree_with_the_reference_in_float64(strategy):
 
 
 def test_pipeline_schedules_including_interleaved():
-    if not available("pipeline"):
-        pytest.skip("pipeline not available")
     for schedule in ("gpipe", "interleaved_1f1b", "zb_h1"):
         status, out, err = run_cli("--strategy", "pipeline", "--world-size", "2", "--steps", "3",
                                    "--schedule", schedule)
@@ -98,39 +84,112 @@ def test_a_wrong_result_fails_the_check(monkeypatch):
         return ref
 
     monkeypatch.setattr(demo, "train_reference", off_by_a_little)
-    status, out, _ = run_cli("--strategy", "tp", "--world-size", "2", "--steps", "2")
+    status, out, _ = run_cli("--strategy", "tp", "--world-size", "2", "--steps", "2",
+                             "--no-progress")
     assert status == 1
     assert "FAILED" in out
 
 
-def test_unavailable_strategy_exits_2(monkeypatch):
-    def missing(strategy):
-        raise demo.StrategyUnavailable(f"the {strategy} strategy needs axondist.nothing")
-
-    monkeypatch.setattr(demo, "check_available", missing)
-    status, out, err = run_cli("--strategy", "ddp", "--steps", "1")
-    assert status == demo.EXIT_UNAVAILABLE
-    assert "needs axondist.nothing" in err and out == ""
+def test_every_strategy_is_part_of_the_library():
+    assert not hasattr(demo, "StrategyUnavailable")
+    assert set(demo.STRATEGY_FNS) == set(demo.STRATEGIES)
+    with pytest.raises(ValueError, match="demo: unknown strategy 'moe'; choose one of ddp"):
+        demo.run_demo(strategy="moe", backend="mock", out=io.StringIO(), err=io.StringIO())
 
 
-def test_progress_bar_draws_in_place():
-    stream = io.StringIO()
-    bar = demo.ProgressBar(4, stream, enabled=True, width=8)
-    bar.update(2, 0.5)
-    bar.close()
-    assert stream.getvalue() == "\r[####----] 2/4  loss 0.50000\n"
-    quiet = io.StringIO()
-    demo.ProgressBar(4, quiet, enabled=False).update(1, 1.0)
-    assert quiet.getvalue() == ""
+def test_plain_lines_when_not_a_terminal():
+    status, out, err = run_cli("--strategy", "tp", "--world-size", "2", "--steps", "20")
+    assert status == 0, out + err
+    lines = err.splitlines()
+    assert [line.split()[1] for line in lines] == [f"{s}/20" for s in range(2, 21, 2)]
+    assert all(line.startswith("step ") and "  loss " in line for line in lines)
+    assert "\r" not in err
 
 
-def test_progress_bar_only_when_asked():
-    status, _, err = run_cli("--strategy", "tp", "--world-size", "2", "--steps", "2")
-    assert status == 0 and err == ""  # StringIO is not a terminal: no bar
-    out, err2 = io.StringIO(), io.StringIO()
-    status = demo.run_demo(world_size=2, strategy="tp", steps=3, backend="mock", progress=True,
-                           out=out, err=err2)
-    assert status == 0 and "3/3" in err2.getvalue()
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_only_rank_0_reports_progress(world_size):
+    err = io.StringIO()
+    status = demo.run_demo(world_size=world_size, strategy="ddp", steps=3, backend="mock",
+                           progress="lines", out=io.StringIO(), err=err)
+    assert status == 0 and err.getvalue().count("step 3/3") == 1
+
+
+def test_no_progress_is_silent():
+    status, _, err = run_cli("--strategy", "tp", "--world-size", "2", "--steps", "2",
+                             "--no-progress")
+    assert status == 0 and err == ""
+    with pytest.raises(ValueError, match="progress='fancy' is not one of auto, bar, lines, off"):
+        demo.run_demo(world_size=1, steps=1, backend="mock", progress="fancy")
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_auto_is_a_bar_on_a_terminal_and_lines_elsewhere():
+    assert demo.progress_mode(None, _Terminal()) == "bar"
+    assert demo.progress_mode(True, io.StringIO()) == "lines"
+    assert demo.progress_mode(False, _Terminal()) == "off"
+    assert demo.progress_mode("bar", io.StringIO()) == "bar"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tqdm") is None, reason="needs tqdm")
+def test_bar_through_a_pipe_fits_columns(monkeypatch):
+    monkeypatch.setenv("COLUMNS", "40")
+    err = io.StringIO()
+    status = demo.run_demo(world_size=2, strategy="tp", steps=25, backend="mock",
+                           progress="bar", out=io.StringIO(), err=err)
+    assert status == 0
+    frames = [f for f in err.getvalue().replace("\n", "\r").split("\r") if f]
+    assert frames and all(len(f) <= 40 for f in frames), frames
+    assert "25/25" in frames[-1] and "loss" in frames[-1]
+
+
+def test_without_tqdm_a_bar_falls_back_to_lines(monkeypatch):
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # `import tqdm` now raises ImportError
+    err = io.StringIO()
+    progress = demo.Progress(10, err, "bar")
+    for step in range(1, 11):
+        progress.update(step, 0.5)
+    progress.close()
+    assert err.getvalue() == "".join(f"step {s}/10  loss 0.50000\n" for s in range(1, 11))
+
+
+_PTY_SCRIPT = """
+import fcntl, os, pty, struct, sys, termios
+pid, fd = pty.fork()
+if pid == 0:
+    os.execv(sys.executable, [sys.executable, "-m", "axondist", "demo", "--backend", "mock",
+                              "--world-size", "2", "--steps", "60", "--strategy", "tp"])
+fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 40, 0, 0))
+chunks = []
+while True:
+    try:
+        data = os.read(fd, 4096)
+    except OSError:
+        break
+    if not data:
+        break
+    chunks.append(data)
+os.waitpid(pid, 0)
+sys.stdout.write(b"".join(chunks).decode(errors="replace"))
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tqdm") is None or sys.platform == "win32",
+                    reason="needs tqdm and a pseudo-terminal")
+def test_a_40_column_terminal_gets_a_bar_that_never_wraps():
+    env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCH_PREFIXES)}
+    env.pop("COLUMNS", None)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    proc = subprocess.run([sys.executable, "-c", _PTY_SCRIPT], env=env, capture_output=True,
+                          text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr
+    frames = [f for f in re.split(r"[\r\n]", proc.stdout) if "%|" in f]
+    assert len(frames) >= 2, proc.stdout  # redrawn in place
+    assert all(len(f) <= 40 for f in frames), frames
+    assert "60/60" in frames[-1] and ": OK" in proc.stdout
 
 
 @pytest.mark.parametrize("args, match", [
@@ -176,3 +235,22 @@ def test_demo_under_mpiexec_uses_the_mpi_world():
     assert "on an MPI world of 2 processes" in proc.stdout
     assert proc.stdout.count("axondist demo:") == 1  # only rank 0 prints
     assert ": OK" in proc.stdout
+    assert proc.stderr.count("step 5/5  loss") == 1  # rank 0's progress, as plain lines
+
+
+@pytest.mark.mpi
+@pytest.mark.skipif(UNDER_MPI, reason="launches its own mpiexec")
+@pytest.mark.skipif(importlib.util.find_spec("mpi4py") is None or _mpi_launcher() is None
+                    or importlib.util.find_spec("tqdm") is None,
+                    reason="needs mpi4py, mpiexec and tqdm")
+def test_rank_0_draws_the_bar_under_mpiexec():
+    env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCH_PREFIXES)}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env["COLUMNS"] = "40"
+    proc = subprocess.run([_mpi_launcher(), "-n", "3", sys.executable, "-m", "axondist", "demo",
+                           "--steps", "8", "--progress", "bar"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    frames = [f for f in re.split(r"[\r\n]", proc.stderr) if "%|" in f]
+    assert frames and all(len(f) <= 40 for f in frames), proc.stderr
+    assert proc.stderr.count("| 0/8") == 1 and "8/8" in frames[-1]  # one bar: rank 0's
