@@ -11,6 +11,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -570,3 +571,52 @@ def test_missing_optimizer_entry_is_an_error_unless_not_strict(tmp_path, world) 
     opt3 = Adam(q)
     load_sharded_checkpoint(tmp_path, q, opt3, strict=False)
     assert list(opt3.state_dict()["state"]) == []  # Adam(p2[:1]) had taken no step
+
+
+# --- the documented NumPy-only reader --------------------------------------------------------
+
+def _numpy_only_reader() -> str:
+    text = (Path(__file__).resolve().parents[2] / "docs" / "checkpoints.md").read_text()
+    blocks = re.findall(r"```python\n(# numpy-only reader\n.*?)```", text, re.DOTALL)
+    assert len(blocks) == 1, "docs/checkpoints.md must hold one '# numpy-only reader' block"
+    return blocks[0]
+
+
+def test_the_documented_numpy_only_reader_reads_every_tensor(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    reader = _numpy_only_reader()
+    assert len(reader.splitlines()) <= 35
+
+    def save(world: ad.World) -> None:
+        params = model(0)[:3]
+        f = ad.FSDP(params, world, sharding_strategy="full_shard")
+        opt = Adam(f.sharded_parameters(), lr=0.1)
+        for p in f.sharded_parameters():
+            p.grad = np.ones_like(p.data)
+        opt.step()
+        save_sharded_checkpoint(tmp_path, f, opt, step=1)
+        save_sharded_checkpoint(tmp_path, f, opt, step=2)
+
+    ad.spawn(save, 3)
+    program = reader + (
+        "\nimport sys\nout = read_checkpoint(sys.argv[1])\n"
+        "assert not [m for m in sys.modules if m.startswith('axondist')]\n"
+        "np.savez(sys.argv[2], **{k.replace('/', '|'): v for k, v in out.items()})\n")
+    dump = tmp_path.parent / "dump.npz"
+    run = subprocess.run([sys.executable, "-I", "-c", program, str(tmp_path), str(dump)],
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    want = CheckpointReader(tmp_path)
+    with np.load(dump) as got:
+        assert sorted(k.replace("|", "/") for k in got.files) == sorted(want.names)
+        for name in want.names:
+            np.testing.assert_array_equal(got[name.replace("/", "|")], want.read_full(name))
+    ckpt, name = latest_dir(tmp_path), "unit0.rank1.npy"
+    blob = bytearray((ckpt / name).read_bytes())
+    blob[-1] ^= 1
+    (ckpt / name).write_bytes(bytes(blob))
+    run = subprocess.run([sys.executable, "-I", "-c", program, str(tmp_path), str(dump)],
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode != 0 and f"{name}: checksum mismatch" in run.stderr
