@@ -83,6 +83,10 @@ class ScheduleError(AxondistError, ValueError):
         super().__init__(f"{prefix}: {reason}" if prefix else reason)
 
 
+class NonFiniteNormError(AxondistError, RuntimeError):
+    """A gradient norm to clip by is NaN or inf and ``error_if_nonfinite`` was set."""
+
+
 class NcclError(AxondistError, RuntimeError):
     """An NCCL call failed; the message names the operation and what to check.
 
@@ -126,6 +130,7 @@ __all__ = [
     "GroupedCallError",
     "LaunchError",
     "NcclError",
+    "NonFiniteNormError",
     "NotOnDeviceError",
     "RendezvousError",
     "ScheduleError",
