@@ -24,8 +24,9 @@ Columns, per rank (the maximum over ranks):
   gradients just computed (the one-call step gathers the whole model);
 * ``model MiB``: the ZeRO-accounting estimate (``memory_estimate``);
 * ``vs NO_SHARD``: resident bytes / NO_SHARD's;
-* ``step ms``: median time per step (strategies timed in alternating
-  batches, see ``_common.alternate``); ``time ratio``: paired ratio to NO_SHARD.
+* ``step ms``: time per step, median (min-max) over the timed batches, each
+  batch the slowest rank's (strategies timed in alternating batches, see
+  ``_common.alternate``); ``time ratio``: paired ratio to NO_SHARD, the same way.
 """
 
 from __future__ import annotations
@@ -39,7 +40,14 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(_HERE), _HERE]  # the checkout's axondist, and _common
 
 import numpy as np  # noqa: E402
-from _common import alternate, format_table, median, paired_ratio, write_json  # noqa: E402
+from _common import (  # noqa: E402
+    alternate,
+    format_spread,
+    format_table,
+    ratio_spread,
+    spread,
+    write_json,
+)
 
 import axondist as ad  # noqa: E402
 from axondist import comm  # noqa: E402
@@ -129,20 +137,21 @@ def run_rank(world: ad.World, repeats: int, batch: int) -> list[dict[str, Any]] 
 
     times = alternate({name: stepper(name) for name in setups}, batch=batch, repeats=repeats,
                       sync=lambda: comm.barrier(world))
+    every = comm.all_gather_object(times, world)  # each batch: the slowest rank's time
+    times = {k: [max(batch) for batch in zip(*(t[k] for t in every))] for k in times}
     rows = []
     base_resident = None
     for name, (f, _opt, peak) in setups.items():
         resident = f.memory_stats().total_bytes_per_rank
-        mine = [resident, peak["peak"], f.memory_estimate().total_bytes_per_rank,
-                median(times[name])]
-        worst = world.backend.allgather_object(mine)
-        resident, peak_b, model_b, step_s = (max(col) for col in zip(*worst))
+        mine = [resident, peak["peak"], f.memory_estimate().total_bytes_per_rank]
+        worst = comm.all_gather_object(mine, world)
+        resident, peak_b, model_b = (max(col) for col in zip(*worst))
         base_resident = base_resident or resident
         rows.append({"ranks": world.world_size, "strategy": name,
                      "resident MiB": resident / MIB, "peak MiB": peak_b / MIB,
                      "model MiB": model_b / MIB, "vs NO_SHARD": resident / base_resident,
-                     "step ms": 1e3 * step_s,
-                     "time ratio": paired_ratio(times[name], times["NO_SHARD"])})
+                     "step ms": spread(times[name], 1e3),
+                     "time ratio": ratio_spread(times[name], times["NO_SHARD"])})
     return rows if world.rank == 0 else None
 
 
@@ -168,7 +177,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             rows += ad.spawn(run_rank, size, repeats, batch, timeout=600)[0]
         is_root = True
     if is_root:
-        print(format_table(HEADER, [[r[h] for h in HEADER] for r in rows]))
+        print(format_table(HEADER, [[format_spread(r[h]) if isinstance(r[h], dict) else r[h]
+                                     for h in HEADER] for r in rows]))
         write_json(args.json, {"fsdp": rows})
     return rows
 

@@ -320,10 +320,12 @@ _TIMING = re.compile(r"(^|[\s_.])(us|ms|s|seconds|time)($|[\s_.])", re.IGNORECAS
 
 
 def unspread_columns(table: Table) -> list[str]:
-    """Timing and ratio columns holding bare numbers: figures reported without a spread."""
-    sizes, ratios = size_column(table), set(ratio_columns(table))
+    """Timing columns and timing ratios (``a/b``, "ratio") holding bare numbers: figures
+    reported without a spread. Ratios of deterministic quantities (memory ``vs X``) are not
+    timings and are not flagged."""
+    sizes = size_column(table)
     return [c for c in table.columns
-            if c != sizes and (c in ratios or _TIMING.search(c))
+            if c != sizes and ("/" in c or "ratio" in c.lower() or _TIMING.search(c))
             and any(isinstance(r.get(c), float) for r in table.rows)]
 
 
