@@ -373,7 +373,8 @@ class _Job:
                      else "mpiexec did not say which")
             reason = f"one of ranks {', '.join(map(str, silent))}; {guess}"
         elif not silent:
-            reason = "mpiexec failed before the ranks started"
+            reason = (f"mpiexec exited with status {code} after every rank ended" if self.pids
+                      else "mpiexec failed before the ranks started")
         failure = RankFailure(rank, exit_code=None if signum else int(number) or code,
                               signal_number=signum, reason=reason)
         if named and rank is None:
@@ -414,6 +415,22 @@ def run_job(cfg: RunConfig, out: TextIO | None = None, err: TextIO | None = None
     err = err or sys.stderr
     mpiexec = find_mpiexec(cfg.mpiexec)
     flavour = mpiexec_flavour(mpiexec)
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _interrupt) if in_main_thread else None
+    try:
+        return _attempts(cfg, mpiexec, flavour, out, err)
+    finally:
+        if in_main_thread:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    """SIGTERM (a scheduler ending the launcher) stops the job as Ctrl-C does."""
+    raise KeyboardInterrupt
+
+
+def _attempts(cfg: RunConfig, mpiexec: str, flavour: str, out: TextIO, err: TextIO) -> int:
+    """Launch until an attempt succeeds or the restarts run out; the exit status."""
     status = 1
     for attempt in range(cfg.max_restarts + 1):
         env = dict(os.environ)

@@ -299,3 +299,36 @@ def test_a_script_imports_modules_beside_it(tmp_path):
     proc = axondist_run("-n", "2", path)  # cwd is the repository, not the script's folder
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "[rank 0] value 42 __main__" in proc.stdout
+
+
+@launches
+def test_sigterm_to_the_launcher_stops_every_rank(tmp_path):
+    path = script(tmp_path, f"""
+        import os, pathlib, time
+        pathlib.Path({str(tmp_path)!r}, "pid." + os.environ["PMI_RANK"]).write_text(
+            str(os.getpid()))
+        print("ready", flush=True)
+        time.sleep(300)
+    """)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCH_PREFIXES)}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    proc = subprocess.Popen([sys.executable, "-m", "axondist", "run", "-n", "2", path],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        ready = 0
+        for line in proc.stdout:
+            ready += line.endswith("ready\n")
+            if ready == 2:
+                break
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail("the launcher did not stop after SIGTERM")
+    assert proc.returncode == 130, err
+    assert "axondist run: interrupted; the job was stopped" in err
+    for rank in range(2):
+        pid = int((tmp_path / f"pid.{rank}").read_text())
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
