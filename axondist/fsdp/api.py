@@ -460,23 +460,26 @@ class FullyShardedDataParallel:
         if st.accum is not None:
             buf[:flat.numel] += self._to_compute(st.accum).astype(rdt)
             st.accum = None
+        keep_full = self.shard_group is not None and not self.spec.gradients
         if self.shard_group is None:
             part = buf
-        elif self.spec.gradients:
-            part = comm.reduce_scatter(buf, ReduceOp.AVERAGE, self.shard_group)
+        elif keep_full:
+            part = comm.all_reduce(buf, ReduceOp.AVERAGE, self.shard_group)
         else:
-            self._reduce_replicated(st, comm.all_reduce(buf, ReduceOp.AVERAGE, self.shard_group))
-            return
+            part = comm.reduce_scatter(buf, ReduceOp.AVERAGE, self.shard_group)
         del buf
         if self.replica_group is not None:
             comm.all_reduce(part, ReduceOp.AVERAGE, self.replica_group)
+        if keep_full:
+            self._keep_full_gradient(st, part)
+            return
         part = self._to_rest(part.astype(flat.dtype, copy=part.dtype != flat.dtype))
         if st.shard.grad is None:
             st.shard.grad = part
         else:
             st.shard.grad += part
 
-    def _reduce_replicated(self, st: _Unit, full: Any) -> None:
+    def _keep_full_gradient(self, st: _Unit, full: Any) -> None:
         """Unsharded gradients (SHARD_OPTIMIZER): keep the full average, hand the shard a view.
 
         The shard gradient is a view of the full padded average in the master

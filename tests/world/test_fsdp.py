@@ -43,6 +43,7 @@ from axondist.fsdp import (
     MixedPrecision,
     ShardingStrategy,
 )
+from axondist.fsdp.policies import SHARDING_SPECS, ShardingSpec, Span
 from axondist.optim import SGD, Adam, AdamW
 
 BATCH = 4
@@ -716,6 +717,30 @@ def test_shard_optimizer_keeps_full_gradients_and_shards_state(world_size: int,
         assert stats.optim_bytes_per_rank == sum(8 * u.shard_size for u in f.units)
         opt.zero_grad()  # drops the views, and with them the full gradients
         assert f.memory_stats(opt).grad_bytes_per_rank == 0
+
+    run_world(body, world_size)
+
+
+@given(world_size=world_sizes(1, 4), gradients=st.booleans(), seed=st.integers(0, 10_000))
+@settings(max_examples=10)
+def test_a_new_strategy_is_one_table_row(monkeypatch, world_size: int, gradients: bool,
+                                         seed: int) -> None:
+    """ZeRO-2 / ZeRO-1 within a node, replicated across nodes: only the spec row changes."""
+    spec = ShardingSpec(Span.NODE, Span.ACROSS_NODES, False, gradients, True)
+    monkeypatch.setitem(SHARDING_SPECS, ShardingStrategy.HYBRID_SHARD, spec)
+
+    def body(world: ad.World) -> None:
+        f = wrap(make_params(seed), world, ShardingStrategy.HYBRID_SHARD, seed)
+        opt = Adam(f.sharded_parameters(), lr=0.01)
+        for step in range(2):
+            f.backward(grad_fn, *batch(seed, world.rank, step))
+            opt.step()
+            assert dataclasses.replace(f.memory_stats(opt), measured=False) == \
+                f.memory_estimate(opt)
+            opt.zero_grad()
+        assert all(p.data.size > 0 for p in f.full_parameters())  # parameters kept
+        want, _ = reference(seed, world.world_size, 2, "adam")
+        assert_close(full_values(f), [p.data for p in want])
 
     run_world(body, world_size)
 
