@@ -21,15 +21,15 @@ import numpy as np
 
 from .. import _array, comm
 from ..checkpoint import CheckpointReader, ShardedState, param_names
-from ..errors import CollectiveMismatchError
 from ..ops import ReduceOp
 from ..parameter import Parameter, parameters_of
 from ..process_group import ProcessGroup, resolve_group
 from . import clip as _clip
 from . import state_dict as _state_dict
+from .groups import check_same_model, sharding_groups
 from .memory import Footprint, FSDPMemoryStats, HeldBytes, OptimizerModel, owner, unit_footprint
-from .policies import CPUOffload, MixedPrecision, ShardingSpec, ShardingStrategy, Span
-from .sharding import DEFAULT_UNIT_BYTES, FlatUnit, hybrid_groups, node_of_ranks, plan_units
+from .policies import CPUOffload, MixedPrecision, ShardingSpec, ShardingStrategy
+from .sharding import DEFAULT_UNIT_BYTES, FlatUnit, plan_units, unit_indices
 
 logger = logging.getLogger("axondist.fsdp")
 
@@ -106,13 +106,16 @@ class FullyShardedDataParallel:
         if not self._params:
             raise ValueError("FullyShardedDataParallel: the model has no parameters")
         self._names = param_names(self._params)
-        self._check_same_model()
+        check_same_model(self.group, [(n, tuple(p.shape), str(p.dtype))
+                                      for n, p in zip(self._names, self._params)],
+                         "FullyShardedDataParallel")
         self._xp = _array.namespace(*(p.data for p in self._params))
         self._on_device = _array.is_cupy(self._params[0].data)
         self._shapes = [p.shape for p in self._params]
         self._no_sync_depth = 0
         self._optimizer: Any = None
-        self.shard_group, self.replica_group = self._make_groups(ranks_per_node)
+        self.shard_group, self.replica_group = sharding_groups(
+            self.group, self.spec, ranks_per_node, self.sharding_strategy.name)
         self._units = self._build_units(self._unit_plan(units, unit_size_mb), sync_module_states)
         self._cast_buffers(model)
         if logger.isEnabledFor(logging.INFO):
@@ -125,71 +128,10 @@ class FullyShardedDataParallel:
         """What the strategy shards and over which ranks (``sharding_strategy.spec``)."""
         return self.sharding_strategy.spec
 
-    def _check_same_model(self) -> None:
-        """Every rank must wrap the same names, shapes and dtypes (the same error everywhere)."""
-        mine = [(n, tuple(p.shape), str(p.dtype)) for n, p in zip(self._names, self._params)]
-        backend = self.group.backend_for("FullyShardedDataParallel")
-        everyone = backend.allgather_object(mine)
-        first = everyone[0]
-        for r, other in enumerate(everyone):
-            if other == first:
-                continue
-            if len(other) != len(first):
-                detail = f"rank {r} wraps {len(other)} parameters, rank 0 wraps {len(first)}"
-            else:
-                k = next(i for i, (a, b) in enumerate(zip(other, first)) if a != b)
-                detail = (f"parameter {k} is {_describe(other[k])} on rank {r} but "
-                          f"{_describe(first[k])} on rank 0")
-            raise CollectiveMismatchError(
-                f"FullyShardedDataParallel: the ranks' models differ: {detail}. Every rank must "
-                "wrap the same parameters (names, shapes, dtypes) in the same order")
-
-    def _make_groups(self, ranks_per_node: int | None
-                     ) -> tuple[ProcessGroup | None, ProcessGroup | None]:
-        """(shard group, replica group) from the spec; None stands for a group of one."""
-        g, spec = self.group, self.spec
-        if ranks_per_node is not None and not spec.uses_nodes:
-            raise ValueError(f"FullyShardedDataParallel: ranks_per_node={ranks_per_node} only "
-                             f"applies to HYBRID_SHARD (strategies that shard within a node), "
-                             f"not {self.sharding_strategy.name}")
-        whole = g if g.world_size > 1 else None
-        if not spec.uses_nodes:
-            return ((whole if spec.shard_over is Span.GROUP else None),
-                    (whole if spec.replicate_over is Span.GROUP else None))
-        if ranks_per_node is not None:
-            nodes: list[Any] = node_of_ranks(g.world_size, ranks_per_node)
-        else:
-            nodes = [info[0] for info in g.backend_for("HYBRID_SHARD").allgather_object(
-                g.node_info())]
-        shard_lists, replica_lists = hybrid_groups(nodes)
-        return self._member_group(shard_lists), self._member_group(replica_lists)
-
-    def _member_group(self, rank_lists: list[list[int]]) -> ProcessGroup | None:
-        """Create a group per list (collective: every rank, in one order); return this rank's."""
-        mine = None
-        for ranks in rank_lists:
-            sub = self.group.new_group(ranks)
-            if sub.is_member:
-                mine = sub
-        assert mine is not None  # every rank is in exactly one list
-        return mine if mine.world_size > 1 else None
-
     def _unit_plan(self, units: Sequence[Sequence[Any]] | None,
                    unit_size_mb: float) -> list[list[int]]:
         if units is None and callable(getattr(self.module, "units", None)):
-            index_of = {id(p): i for i, p in enumerate(self._params)}
-            units = []
-            for u in self.module.units():
-                members = []
-                for item in u:
-                    if isinstance(item, Parameter):
-                        if id(item) not in index_of:
-                            raise ValueError("FullyShardedDataParallel: model.units() names a "
-                                             "Parameter that model.parameters() does not return")
-                        members.append(index_of[id(item)])
-                    else:
-                        members.append(int(item))
-                units.append(members)
+            units = unit_indices(self.module.units(), self._params)
         return plan_units([p.size for p in self._params], [p.dtype for p in self._params],
                           units, int(unit_size_mb * 2**20))
 
@@ -773,12 +715,6 @@ class FullyShardedDataParallel:
         return (f"FullyShardedDataParallel({self.sharding_strategy.name}, {len(self._params)} "
                 f"parameters ({numel} elements) in {len(self._units)} units, shards over "
                 f"{self._shards} of {self.group.world_size} ranks)")
-
-
-def _describe(entry: tuple[str, tuple[int, ...], str]) -> str:
-    """``'w' float32[3, 4]`` for a (name, shape, dtype) entry."""
-    name, shape, dtype = entry
-    return f"{name!r} {dtype}{list(shape)}"
 
 
 FSDP = FullyShardedDataParallel

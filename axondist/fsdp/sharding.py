@@ -229,6 +229,28 @@ def plan_units(sizes: Sequence[int], dtypes: Sequence[Any], units: Sequence[Sequ
     return planned
 
 
+def unit_indices(units: Sequence[Sequence[Any]], params: Sequence[Any]) -> list[list[int]]:
+    """A model's ``.units()`` as parameter indices: each item an index or one of ``params``.
+
+    Raises:
+        ValueError: a unit names a Parameter that is not in ``params``.
+    """
+    index_of = {id(p): i for i, p in enumerate(params)}
+    out = []
+    for u in units:
+        members = []
+        for item in u:
+            if isinstance(item, (int, np.integer)):
+                members.append(int(item))
+            elif id(item) in index_of:
+                members.append(index_of[id(item)])
+            else:
+                raise ValueError("FullyShardedDataParallel: model.units() names a "
+                                 "Parameter that model.parameters() does not return")
+        out.append(members)
+    return out
+
+
 def node_of_ranks(world_size: int, ranks_per_node: int) -> list[int]:
     """Node index of each rank when consecutive blocks of ``ranks_per_node`` share a node.
 
@@ -285,5 +307,6 @@ __all__ = [
     "plan_units",
     "shard_bounds",
     "shard_size",
+    "unit_indices",
     "valid_bounds",
 ]

@@ -1,0 +1,94 @@
+"""Which ranks FSDP talks to: the model check across ranks and the shard / replica groups.
+
+Both run once, at construction, and are collective over the wrapper's group:
+:func:`check_same_model` compares every rank's parameter list with rank 0's
+and raises the same error on every rank, and :func:`sharding_groups` turns a
+:class:`~axondist.fsdp.policies.ShardingSpec` into this rank's shard group
+and replica group (creating node sub-groups when the spec shards by node).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from ..errors import CollectiveMismatchError
+from ..process_group import ProcessGroup
+from .policies import ShardingSpec, Span
+from .sharding import hybrid_groups, node_of_ranks
+
+
+def check_same_model(group: ProcessGroup, entries: Sequence[tuple[str, tuple[int, ...], str]],
+                     where: str) -> None:
+    """Refuse ranks whose ``(name, shape, dtype)`` lists differ from rank 0's.
+
+    Collective over ``group`` (one small all-gather of the lists), so every
+    rank reaches the same verdict and raises the same message.
+
+    Raises:
+        CollectiveMismatchError: on every rank, naming the first rank and the
+            first parameter that differ from rank 0's.
+    """
+    everyone = group.backend_for(where).allgather_object([tuple(e) for e in entries])
+    first = everyone[0]
+    for r, other in enumerate(everyone):
+        if other == first:
+            continue
+        if len(other) != len(first):
+            detail = f"rank {r} wraps {len(other)} parameters, rank 0 wraps {len(first)}"
+        else:
+            k = next(i for i, (a, b) in enumerate(zip(other, first)) if a != b)
+            detail = (f"parameter {k} is {_describe(other[k])} on rank {r} but "
+                      f"{_describe(first[k])} on rank 0")
+        raise CollectiveMismatchError(
+            f"{where}: the ranks' models differ: {detail}. Every rank must wrap the same "
+            "parameters (names, shapes, dtypes) in the same order")
+
+
+def _describe(entry: tuple[str, tuple[int, ...], str]) -> str:
+    """``'w' float32[3, 4]`` for a (name, shape, dtype) entry."""
+    name, shape, dtype = entry
+    return f"{name!r} {dtype}{list(shape)}"
+
+
+def sharding_groups(group: ProcessGroup, spec: ShardingSpec, ranks_per_node: int | None,
+                    strategy_name: str) -> tuple[ProcessGroup | None, ProcessGroup | None]:
+    """This rank's (shard group, replica group) under ``spec``; None stands for a group of one.
+
+    Collective when the spec shards by node: every rank creates every node
+    group, in one order. The node layout comes from ``ranks_per_node`` or,
+    when None, from each rank's ``group.node_info()``.
+
+    Raises:
+        ValueError: ``ranks_per_node`` given to a spec that does not shard by
+            node, or not dividing the group.
+    """
+    if ranks_per_node is not None and not spec.uses_nodes:
+        raise ValueError(f"FullyShardedDataParallel: ranks_per_node={ranks_per_node} only "
+                         f"applies to HYBRID_SHARD (strategies that shard within a node), "
+                         f"not {strategy_name}")
+    whole = group if group.world_size > 1 else None
+    if not spec.uses_nodes:
+        return ((whole if spec.shard_over is Span.GROUP else None),
+                (whole if spec.replicate_over is Span.GROUP else None))
+    if ranks_per_node is not None:
+        nodes: list[Any] = node_of_ranks(group.world_size, ranks_per_node)
+    else:
+        nodes = [info[0] for info in group.backend_for("HYBRID_SHARD").allgather_object(
+            group.node_info())]
+    shard_lists, replica_lists = hybrid_groups(nodes)
+    return _member_group(group, shard_lists), _member_group(group, replica_lists)
+
+
+def _member_group(group: ProcessGroup, rank_lists: list[list[int]]) -> ProcessGroup | None:
+    """Create a group per list (collective: every rank, in one order); return this rank's."""
+    mine = None
+    for ranks in rank_lists:
+        sub = group.new_group(ranks)
+        if sub.is_member:
+            mine = sub
+    assert mine is not None  # every rank is in exactly one list
+    return mine if mine.world_size > 1 else None
+
+
+__all__ = ["check_same_model", "sharding_groups"]
