@@ -26,7 +26,7 @@ from ..parameter import Parameter, parameters_of
 from ..process_group import ProcessGroup, resolve_group
 from . import clip as _clip
 from . import state_dict as _state_dict
-from .groups import check_same_model, sharding_groups
+from ._groups import check_same_model, sharding_groups
 from .memory import Footprint, FSDPMemoryStats, HeldBytes, OptimizerModel, owner, unit_footprint
 from .policies import CPUOffload, MixedPrecision, ShardingSpec, ShardingStrategy
 from .sharding import DEFAULT_UNIT_BYTES, FlatUnit, plan_units, unit_indices
