@@ -102,6 +102,29 @@ def _expand_args(lines: list[str]) -> list[str]:
     return out
 
 
+def _name_raises(body: list[str]) -> list[str]:
+    """Entries of a ``Raises`` section that name no class: ``Exception: text``, their
+    continuation lines (at the entry's own indent) indented under it."""
+    first = next((line for line in body if line.strip()), None)
+    if first is None:
+        return body
+    item = _indent(first)
+    out: list[str] = []
+    unnamed = False
+    for line in body:
+        if not line.strip() or _indent(line) > item:
+            out.append(line)
+        elif _NAMED_RAISE.match(line):
+            unnamed = False
+            out.append(line)
+        elif unnamed:
+            out.append("    " + line)
+        else:
+            unnamed = True
+            out.append(f"{' ' * item}Exception: {line.strip()}")
+    return out
+
+
 def normalize_sections(text: str) -> str:
     """``text`` with multi-name ``Args`` entries split and unnamed ``Raises`` entries named."""
     lines = text.splitlines()
@@ -118,11 +141,7 @@ def normalize_sections(text: str) -> str:
             j += 1
         body = lines[i:j]
         if head.group(2) == "Raises":
-            first = next((k for k, line in enumerate(body) if line.strip()), None)
-            if first is not None and not _NAMED_RAISE.match(body[first]):
-                pad = " " * _indent(body[first])
-                body = ([*body[:first], f"{pad}Exception: {body[first].strip()}"]
-                        + [("    " + line) if line.strip() else line for line in body[first + 1:]])
+            body = _name_raises(body)
         else:
             body = _expand_args(body)
         out.extend(body)

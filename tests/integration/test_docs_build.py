@@ -213,6 +213,11 @@ def test_a_raises_entry_that_names_no_class_is_named() -> None:
         "Do.\n\nRaises:\n    Exception: The first failing rank's error,\n        named.")
     named = "Do.\n\nRaises:\n    ValueError: when x < 0.\n"
     assert _griffe_roles.normalize_sections(named) == named.rstrip("\n")
+    after = ("Do.\n\nRaises:\n    ValueError: when x < 0,\n        or more.\n"
+             "    Whatever the rank raised,\n    with a note.\n\nReturns:\n    x.")
+    assert _griffe_roles.normalize_sections(after) == (
+        "Do.\n\nRaises:\n    ValueError: when x < 0,\n        or more.\n"
+        "    Exception: Whatever the rank raised,\n        with a note.\n\nReturns:\n    x.")
 
 
 def test_rst_literal_intros_and_simple_tables_are_translated() -> None:

@@ -187,6 +187,15 @@ def test_every_public_module_has_a_reference_page():
         assert exists, f"docs/reference/{rendered[path]} renders {path}, which does not exist"
 
 
+def test_every_docs_page_is_in_the_nav():
+    config = (ROOT / "mkdocs.yml").read_text(encoding="utf-8")
+    in_nav = set(re.findall(r"^\s+- [^:]+: ([\w/-]+\.md)$", config, flags=re.MULTILINE))
+    pages = {str(p.relative_to(DOCS)) for p in DOCS.rglob("*.md")}
+    assert not pages - in_nav, (f"{sorted(pages - in_nav)} are in docs/ but not in the nav: "
+                                "add a '- Title: page.md' line to mkdocs.yml")
+    assert not in_nav - pages, f"the nav of mkdocs.yml names missing pages {in_nav - pages}"
+
+
 def test_reference_pages_are_all_in_the_nav_user_facing_first():
     config = (ROOT / "mkdocs.yml").read_text(encoding="utf-8")
     in_nav = re.findall(r"^\s+- [^:]+: (reference/[\w-]+\.md)$", config, flags=re.MULTILINE)
