@@ -23,6 +23,7 @@ from axondist.fsdp.sharding import (
     plan_units,
     shard_bounds,
     shard_size,
+    unit_indices,
     valid_bounds,
 )
 
@@ -128,6 +129,13 @@ def test_explicit_plan_errors() -> None:
         plan_units([1, 2, 3], f32, [[0, 1, 2], []])
     with pytest.raises(ValueError, match="mixes dtypes"):
         plan_units([1, 2], ["float32", "float16"], [[0, 1]])
+
+
+def test_model_units_as_indices() -> None:
+    params = [object(), object(), object()]
+    assert unit_indices([[params[2]], [0, np.int64(1)]], params) == [[2], [0, 1]]
+    with pytest.raises(ValueError, match="names a Parameter that model.parameters\\(\\) does not"):
+        unit_indices([[object()]], params)
 
 
 # --- node layouts -------------------------------------------------------------------------
@@ -241,3 +249,26 @@ def test_clip_coefficient_and_norm_type() -> None:
     assert fsdp_clip.clip_coefficient(0.5, 1.0) is None
     with pytest.raises(ValueError, match="norm_type must be > 0 or inf"):
         fsdp_clip.check_norm_type(0, "clip_grad_norm")
+
+
+@pytest.mark.parametrize("p", [1.0, 2.0, 3.0, math.inf])
+def test_local_norm_term_keeps_nan_and_inf(p: float) -> None:
+    """Python's max(0.5, nan) is 0.5; the norm of a NaN gradient must be NaN, for every p."""
+    nan_last = [np.array([0.5], np.float32), np.array([np.nan], np.float32)]
+    nan_first = nan_last[::-1]
+    for grads in (nan_last, nan_first):
+        assert math.isnan(fsdp_clip.local_norm_term(grads, p))
+    assert fsdp_clip.local_norm_term([np.array([1.0, -np.inf])], p) == math.inf
+    assert math.isnan(fsdp_clip.local_norm_term([np.array([np.inf, np.nan])], p))
+
+
+def test_nonfinite_norms_scale_as_torch() -> None:
+    assert math.isnan(fsdp_clip.clip_coefficient(math.nan, 1.0))
+    assert fsdp_clip.clip_coefficient(math.inf, 1.0) == 0.0
+    g = np.array([1.0, np.inf, np.nan])
+    fsdp_clip.scale([g], 0.0)  # no RuntimeWarning for inf * 0 (warnings are errors here)
+    assert g[0] == 0 and np.isnan(g[1]) and np.isnan(g[2])
+    fsdp_clip.check_finite(3.0, 2.0, "clip_grad_norm")
+    with pytest.raises(RuntimeError, match="clip_grad_norm: the total norm of order inf of the "
+                                           "gradients is nan.*error_if_nonfinite=False"):
+        fsdp_clip.check_finite(math.nan, math.inf, "clip_grad_norm")
