@@ -142,7 +142,7 @@ def communication_plan(schedule: Schedule) -> CommunicationPlan:
 
     Does not check that the schedule is consistent (a recv is planned even
     when its producer is missing); :func:`check_channels` and
-    :func:`~axondist.pipeline.schedules.validate` do that.
+    :func:`~axondist.pipeline.validation.validate` do that.
     """
     S = schedule.num_stages
     ops_rows: list[tuple[CommOp, ...]] = []

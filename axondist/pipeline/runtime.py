@@ -1,54 +1,17 @@
-"""Pipeline: run a model split into stages through a pipeline schedule.
+"""Pipeline: run a model split into stages through a pipeline schedule, in one process or many.
 
-Each pipeline rank walks its program from
-:func:`~axondist.pipeline.communication_plan` top to bottom: a recv right
-before the action that consumes the message, the action (``F``, ``B``,
-``I`` or ``W`` of one microbatch on one local stage), the sends right after
-the action that produced them.  Two ways to run the same programs:
-
-* **single process** (:meth:`Pipeline.from_stages`): every stage lives in
-  this process; the ranks' programs are interleaved in one thread (each rank
-  runs until it needs a message not sent yet, then the next rank), and
-  messages pass through in-memory FIFO queues, one per rank pair.  For tests,
-  debugging and small models.
-* **distributed** (:class:`Pipeline` with a group): each rank of the group
-  holds its stage (or its ``chunks`` stages) and activations and gradients
-  move with :func:`axondist.send` / :func:`axondist.recv` on a private copy
-  of the group (made when the Pipeline is built, so pipeline messages never
-  match the caller's own sends).  A schedule needs *buffered* sends (a rank
-  sends and goes on before its peer receives: 1F1B ranks send to each other
-  at the same moment), but an MPI ``Send`` of more than a few KiB waits for
-  the receiver; so sends go through a helper thread (one per Pipeline, in
-  program order), and every step waits for them to finish before it returns.
-
-Microbatches: the batch is split along axis 0 with ``numpy.array_split``
-(the first ``rows % m`` microbatches get one row more).  Loss scaling: with
-``loss_fn`` returning the *mean* loss over its rows and ``grad_y`` its
-gradient, the full-batch mean loss is ``L = sum_i (rows_i / N) * loss_i``, so
-``train_step`` returns exactly that and feeds the last stage's backward
-``(rows_i / N) * grad_y_i``; the parameter gradients summed over
-microbatches are then those of ``L`` on the full batch, also when ``N`` does
-not split evenly.  A ``loss_fn`` that *sums* over its rows must be made a
-mean first (divide its loss and grad_y by ``y.shape[0]``); the step then
-returns the full-batch mean, and the full-batch sum's loss and gradients
-are ``N`` times it.  Empty microbatches (fewer rows than microbatches) are
-refused with a ValueError.
-
-Per-rank inputs and results in distributed mode: ``x`` is read only on the
-rank holding stage 0 and ``target`` only on the last stage's rank (others
-may pass None); ``train_step`` returns the loss on every rank (broadcast
-from the last stage's rank); ``forward`` returns the output on the last
-stage's rank and None elsewhere.  The batch size is exchanged at the start
-of every step (one small all-gather), so a bad batch raises the same error
-on every rank instead of leaving some waiting.
-
-Zero-bubble (``ZERO_BUBBLE_H1``) with a stage that has only a full
-``backward``: that stage runs it at ``I`` and only adds the weight gradient
-at ``W`` (see :class:`~axondist.pipeline.PipelineStage`).
+Each pipeline rank walks its program from :func:`~axondist.pipeline.communication_plan`
+(recv, action, send) with the user's :class:`~axondist.pipeline.PipelineStage`
+callables; :meth:`Pipeline.from_stages` runs every rank in this process over
+in-memory queues, and :class:`Pipeline` on a group runs one rank per process
+over send/recv on a private copy of the group. How batches split into
+microbatches, how the loss is scaled, which rank needs which input and why
+sends go through a helper thread: ``docs/guide.md`` ("Pipeline runtime").
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import weakref
 from collections.abc import Sequence
@@ -57,7 +20,9 @@ from typing import Any
 import numpy as np
 
 from axondist import _array, comm
+from axondist.errors import ScheduleError
 from axondist.parameter import Parameter
+from axondist.pipeline.clip import clip_gradients
 from axondist.pipeline.communication import (
     CommunicationPlan,
     check_channels,
@@ -72,14 +37,17 @@ from axondist.pipeline.schedules import (
     PipelineSchedule,
     Schedule,
     build_schedule,
-    validate,
+    schedule_names,
 )
-from axondist.pipeline.simulate import simulate
+from axondist.pipeline.simulate import SimulationResult, simulate
 from axondist.pipeline.stage import PipelineStage
 from axondist.pipeline.transport import GroupTransport, InProcessTransport, Transport
+from axondist.pipeline.validation import validate
 from axondist.process_group import ProcessGroup, resolve_group
 
 __all__ = ["LossFn", "Pipeline"]
+
+logger = logging.getLogger("axondist.pipeline")
 
 _ABSENT, _NONE, _SCALAR = -3, -1, -2  # batch-size codes exchanged by _agree_on_rows
 
@@ -108,16 +76,22 @@ class Pipeline:
             ``r`` is pipeline rank ``r``, stage 0 is on rank 0 and the last
             stage on rank ``p - 1``.
         num_microbatches: microbatches per step, ``m >= 1``; fewer than the
-            number of stages works (with a larger bubble).
-        schedule: a :class:`PipelineSchedule` or its value (``"gpipe"``,
-            ``"1f1b"``, ``"interleaved_1f1b"``, ``"zb_h1"``).
-        chunks: stages per rank (``INTERLEAVED_ONE_F_ONE_B`` and ``GPIPE``
-            accept more than 1).
+            number of stages works (with a larger bubble). May be left out
+            when ``schedule`` is a :class:`Schedule` (it says).
+        schedule: a :class:`PipelineSchedule` or its name in any case
+            (``"gpipe"``, ``"1F1B"``, ... :func:`~axondist.pipeline.schedule_names`),
+            or a hand-made :class:`Schedule` (for example from
+            :func:`~axondist.pipeline.parse_schedule`), validated before use.
+        chunks: stages per rank (kinds whose ``SCHEDULES[kind].multi_chunk`` is
+            True accept more than 1); 1 when left out, or the schedule's own.
 
     Raises:
-        ValueError: a bad count, a schedule that does not take ``chunks``, or
-            the wrong number of stages for ``chunks``.
-        TypeError: a stage that is not a :class:`PipelineStage`.
+        ValueError: a bad count, a schedule that does not take ``chunks``, an
+            unknown schedule name, or the wrong number of stages for ``chunks``.
+        ScheduleError: a hand-made schedule that is invalid or does not fit the
+            pipeline (ranks, microbatches, chunks).
+        TypeError: a stage that is not a :class:`PipelineStage`, or a schedule
+            that is neither a kind, a name nor a :class:`Schedule`.
     """
 
     def __init__(
@@ -125,21 +99,21 @@ class Pipeline:
         stages: PipelineStage | Sequence[PipelineStage],
         group: ProcessGroup | None = None,
         *,
-        num_microbatches: int,
-        schedule: PipelineSchedule | str = PipelineSchedule.ONE_F_ONE_B,
-        chunks: int = 1,
+        num_microbatches: int | None = None,
+        schedule: PipelineSchedule | str | Schedule = PipelineSchedule.ONE_F_ONE_B,
+        chunks: int | None = None,
     ) -> None:
         g = resolve_group(group)
         g.backend_for("Pipeline")  # non-members get a clear error
-        _check_counts("Pipeline", num_microbatches, chunks)
+        m, v = _shape_of("Pipeline", schedule, num_microbatches, chunks)
         local = _stage_list(stages, "Pipeline")
-        if len(local) != chunks:
+        if len(local) != v:
             raise ValueError(
-                f"Pipeline: rank {g.rank} passed {len(local)} stage(s) but chunks={chunks}; "
+                f"Pipeline: rank {g.rank} passed {len(local)} stage(s) but chunks={v}; "
                 f"with chunks=v each rank passes its v stages (virtual stages rank, "
                 f"rank + {g.world_size}, ...)")
         p = g.world_size
-        self._setup(schedule, p, num_microbatches, chunks,
+        self._setup("Pipeline", schedule, p, m, v,
                     {c * p + g.rank: st for c, st in enumerate(local)}, (g.rank,))
         # Pipeline traffic on its own communicator, never matching the caller's messages.
         self._group: ProcessGroup | None = g.new_group(list(range(p)))
@@ -151,49 +125,63 @@ class Pipeline:
         cls,
         stages: Sequence[PipelineStage],
         *,
-        num_microbatches: int,
-        schedule: PipelineSchedule | str = PipelineSchedule.ONE_F_ONE_B,
-        chunks: int = 1,
+        num_microbatches: int | None = None,
+        schedule: PipelineSchedule | str | Schedule = PipelineSchedule.ONE_F_ONE_B,
+        chunks: int | None = None,
     ) -> Pipeline:
         """A single-process pipeline holding every stage (no communication).
 
-        ``stages`` lists all ``p * chunks`` virtual stages in model order;
-        virtual stage ``s`` plays rank ``s % p``'s chunk ``s // p``, so the
+        Virtual stage ``s`` plays rank ``s % p``'s chunk ``s // p``, so the
         schedule, the messages and the memory accounting are those of ``p``
-        ranks.  ``len(stages)`` must be a multiple of ``chunks``.
+        ranks.
+
+        Args:
+            stages: all ``p * chunks`` virtual stages in model order
+                (``len(stages)`` a multiple of ``chunks``).
+            num_microbatches: as for :class:`Pipeline`.
+            schedule: as for :class:`Pipeline` (a kind, a name or a :class:`Schedule`).
+            chunks: as for :class:`Pipeline`.
+
+        Returns:
+            The Pipeline; it needs no :meth:`close`.
+
+        Raises:
+            ValueError, ScheduleError, TypeError: as for :class:`Pipeline`.
         """
-        _check_counts("Pipeline.from_stages", num_microbatches, chunks)
+        m, v = _shape_of("Pipeline.from_stages", schedule, num_microbatches, chunks)
         local = _stage_list(stages, "Pipeline.from_stages")
-        if len(local) % chunks:
+        if len(local) % v:
             raise ValueError(
-                f"Pipeline.from_stages: {len(local)} stages do not split into chunks={chunks} "
+                f"Pipeline.from_stages: {len(local)} stages do not split into chunks={v} "
                 "per rank; pass a multiple of chunks stages")
-        p = len(local) // chunks
+        p = len(local) // v
         self = cls.__new__(cls)
-        self._setup(schedule, p, num_microbatches, chunks, dict(enumerate(local)),
+        self._setup("Pipeline.from_stages", schedule, p, m, v, dict(enumerate(local)),
                     tuple(range(p)))
         self._group = None
         self._transport = None
         return self
 
-    def _setup(self, schedule: PipelineSchedule | str, p: int, m: int, v: int,
-               stages: dict[int, PipelineStage], ranks: tuple[int, ...]) -> None:
-        if not isinstance(schedule, (PipelineSchedule, str)):
-            raise TypeError(f"Pipeline: schedule must be a PipelineSchedule or one of "
-                            f"{[k.value for k in PipelineSchedule]}, got {schedule!r}")
-        try:
-            kind = PipelineSchedule(schedule)
-        except ValueError:
-            raise ValueError(f"Pipeline: unknown schedule {schedule!r}; choose one of "
-                             f"{[k.value for k in PipelineSchedule]}") from None
-        self._schedule = build_schedule(kind, p, m, v)
+    def _setup(self, what: str, schedule: PipelineSchedule | str | Schedule, p: int, m: int,
+               v: int, stages: dict[int, PipelineStage], ranks: tuple[int, ...]) -> None:
+        if isinstance(schedule, Schedule):
+            if schedule.num_ranks != p:
+                raise ScheduleError(
+                    f"{what}: the schedule is for {schedule.num_ranks} rank(s) but the pipeline "
+                    f"has {p} (the group's size, or len(stages) // chunks); build it for {p}")
+            self._schedule = schedule
+        else:
+            kind = PipelineSchedule.parse(schedule, f"{what}: schedule")
+            self._schedule = build_schedule(kind, p, m, v)
         validate(self._schedule)
         self._plan = communication_plan(self._schedule)
         self._forward_schedule = _forwards_only(self._schedule)
         self._forward_plan = communication_plan(self._forward_schedule)
         check_channels(self._forward_plan)
-        simulate(self._forward_schedule)  # raises on deadlock (never, for generated schedules)
-        self._expected_peaks = simulate(self._schedule).peak_activations
+        simulate(self._forward_schedule)  # raises on deadlock (never, for a valid schedule)
+        dry_run = simulate(self._schedule)
+        self._expected_peaks = dry_run.peak_activations
+        _log_schedule(dry_run)
         self._stages = stages
         self._ranks = ranks
         self.last_stats: PipelineRunStats | None = None
@@ -267,6 +255,36 @@ class Pipeline:
                 seen.setdefault(id(prm), prm)
         return list(seen.values())
 
+    def clip_grad_norm(self, max_norm: float, norm_type: float | str = 2.0, *,
+                       error_if_nonfinite: bool = False) -> float:
+        """Scale the stages' gradients so their norm over the whole model is at most ``max_norm``.
+
+        The norm covers every stage of every pipeline rank (collective over the
+        pipeline's group in distributed mode: call it on every rank, after
+        :meth:`train_step`). As ``torch.nn.utils.clip_grad_norm_``: the
+        gradients are multiplied by ``min(max_norm / (norm + 1e-6), 1)``; a NaN
+        anywhere makes the norm NaN (also for ``norm_type=inf``) and every
+        gradient NaN, an infinite element makes the norm inf and the finite
+        gradients 0. Sums are taken in float64.
+
+        Args:
+            max_norm: the largest norm kept, a finite number > 0.
+            norm_type: the order p of the norm (> 0), or ``inf`` for the largest
+                absolute element.
+            error_if_nonfinite: raise instead of scaling when the norm is NaN or inf.
+
+        Returns:
+            The norm before clipping, the same float on every rank.
+
+        Raises:
+            NonFiniteNormError: the norm is NaN or inf and ``error_if_nonfinite``
+                (on every rank; no gradient changes).
+            ValueError: a bad ``max_norm`` or ``norm_type``.
+        """
+        grads = [prm.grad for prm in self.parameters() if prm.grad is not None]
+        return clip_gradients(grads, max_norm, norm_type, error_if_nonfinite, self._group,
+                              "Pipeline.clip_grad_norm")
+
     def schedule_text(self, **kwargs: Any) -> str:
         """:func:`~axondist.pipeline.render_text` of the schedule (``costs``, ``comm``,
         ``slot`` pass through): the rank x time grid with the bubble shown as dots."""
@@ -283,7 +301,7 @@ class Pipeline:
 
     def __repr__(self) -> str:
         where = "single process" if self._group is None else f"rank {self.rank}"
-        kind = self._schedule.kind  # never None: the Pipeline builds its schedule by kind
+        kind = self._schedule.kind  # None for a hand-made schedule
         return (f"Pipeline({kind.value if kind else 'custom'}, {self.num_ranks} ranks x "
                 f"{self.chunks} chunk(s), {self.num_microbatches} microbatches, {where})")
 
@@ -413,10 +431,39 @@ class Pipeline:
 # --- helpers ---------------------------------------------------------------------------
 
 
-def _check_counts(what: str, num_microbatches: Any, chunks: Any) -> None:
+def _shape_of(what: str, schedule: Any, num_microbatches: Any, chunks: Any) -> tuple[int, int]:
+    """``(num_microbatches, chunks)``: the arguments, checked, or those of a Schedule value."""
+    if isinstance(schedule, Schedule):
+        for name, value, own in (("num_microbatches", num_microbatches,
+                                  schedule.num_microbatches), ("chunks", chunks, schedule.chunks)):
+            if value is not None and value != own:
+                raise ScheduleError(f"{what}: {name}={value!r} but the schedule has {name}="
+                                    f"{own}; leave {name} out to use the schedule's")
+        return schedule.num_microbatches, schedule.chunks
+    if not isinstance(schedule, (PipelineSchedule, str)):
+        raise TypeError(f"{what}: schedule must be a PipelineSchedule, one of "
+                        f"{list(schedule_names())} or a Schedule, got "
+                        f"{type(schedule).__name__} {schedule!r}")
+    if num_microbatches is None:
+        raise ValueError(f"{what}: num_microbatches is required with a schedule kind "
+                         f"({schedule!r}); pass num_microbatches=m (m >= 1)")
+    chunks = 1 if chunks is None else chunks
     for name, value in (("num_microbatches", num_microbatches), ("chunks", chunks)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{what}: {name} must be an int >= 1, got {value!r}")
+    return num_microbatches, chunks
+
+
+def _log_schedule(dry_run: SimulationResult) -> None:
+    """The schedule at INFO on ``axondist.pipeline``: its shape, dry-run numbers and actions."""
+    if not logger.isEnabledFor(logging.INFO):
+        return
+    s = dry_run.schedule
+    logger.info(
+        "pipeline schedule %s: %d rank(s) x %d chunk(s), %d microbatch(es); dry run (F=1, "
+        "B=2): bubble %.3f, peak activations per rank %s\n%s",
+        s.kind.value if s.kind is not None else "custom", s.num_ranks, s.chunks,
+        s.num_microbatches, dry_run.bubble_fraction, list(dry_run.peak_activations), s.text())
 
 
 def _stage_list(stages: Any, what: str) -> list[PipelineStage]:

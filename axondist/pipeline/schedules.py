@@ -1,34 +1,25 @@
-"""Pipeline-parallel schedules: which forward/backward step each rank runs, in what order.
+"""Pipeline schedules as values: per-rank ordered action lists, and the table that builds them.
 
-This module is pure bookkeeping: it never communicates.  A :class:`Schedule`
-holds, for every pipeline rank, the ordered list of compute :class:`Action` s
-that rank performs.  Communication is implicit in the stage numbering:
-
-* there are ``num_stages = num_ranks * chunks`` *virtual* stages; virtual stage
-  ``s`` lives on rank ``s % num_ranks`` as its chunk ``s // num_ranks`` (the
-  Megatron interleaved layout; with ``chunks == 1`` stage ``s`` is rank ``s``);
-* the forward ``F`` of stage ``s`` consumes the activation produced by the
-  forward of stage ``s - 1`` and produces the one stage ``s + 1`` consumes;
-* the backward (``B``, or its input-gradient half ``I``) of stage ``s``
-  consumes the gradient produced by the backward of stage ``s + 1`` and
-  produces the gradient stage ``s - 1`` consumes.  The last stage's backward
-  starts from the loss, so it needs only its own forward.
-* ``W`` (weight gradient, zero-bubble schedules only) needs only the ``I`` of
-  the same microbatch and stage, so it can be deferred to fill idle time.
-
-:func:`communication_plan` (in :mod:`axondist.pipeline.communication`) turns
-a schedule into the per-rank send/recv sequence; :func:`validate` checks a
-schedule statically and by a dry run (:func:`~axondist.pipeline.simulate.simulate`).
+A :class:`Schedule` holds, for every pipeline rank, the ordered :class:`Action` s
+(``F``, ``B``, or the split backward ``I``/``W``) of one training step; the
+messages between ranks follow from the stage numbering (virtual stage ``s`` lives
+on rank ``s % num_ranks``), see ``docs/guide.md`` ("Pipeline schedules").
+:data:`SCHEDULES` maps every :class:`PipelineSchedule` kind to its builder, and
+:func:`build_schedule`, the demo CLI and the tests all read it. Nothing here
+communicates; :func:`~axondist.pipeline.validate` checks a schedule.
 """
 
 from __future__ import annotations
 
 import enum
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
+from types import MappingProxyType
+from typing import Any
 
+from axondist._validate import parse_choice
 from axondist.errors import ScheduleError
 
 __all__ = [
@@ -36,21 +27,42 @@ __all__ = [
     "ActionKind",
     "PipelineMemoryStats",
     "PipelineSchedule",
+    "SCHEDULES",
     "Schedule",
     "ScheduleError",
+    "ScheduleSpec",
     "build_schedule",
+    "interleaved_rounds",
     "parse_schedule",
-    "validate",
+    "schedule_names",
 ]
 
 
 class PipelineSchedule(enum.Enum):
-    """The schedules :func:`build_schedule` can generate."""
+    """The schedule kinds :func:`build_schedule` generates (:data:`SCHEDULES` says how)."""
 
     GPIPE = "gpipe"
     ONE_F_ONE_B = "1f1b"
     INTERLEAVED_ONE_F_ONE_B = "interleaved_1f1b"
+    INTERLEAVED_ONE_F_ONE_B_LEAN = "interleaved_1f1b_lean"
     ZERO_BUBBLE_H1 = "zb_h1"
+
+    @classmethod
+    def parse(cls, value: Any, what: str = "schedule") -> PipelineSchedule:
+        """The kind named by ``value``: a member, its value or its name, in any case.
+
+        Args:
+            value: ``PipelineSchedule.GPIPE``, ``"gpipe"``, ``"GPIPE"``, ``"1F1B"``...
+            what: how the caller names the argument in errors
+                (``"build_schedule: schedule"``).
+
+        Returns:
+            The member.
+
+        Raises:
+            ValueError: ``value`` names no kind; the message lists the valid names.
+        """
+        return parse_choice(cls, value, what)
 
 
 class ActionKind(enum.Enum):
@@ -249,11 +261,18 @@ def parse_schedule(
     )
 
 
-def _numbered(rank: int, items: Sequence[tuple[ActionKind, int, int]]) -> tuple[Action, ...]:
+Step = tuple[ActionKind, int, int]
+"""One entry of a builder's order: (kind, microbatch, chunk)."""
+
+RankOrder = Callable[[int, int, int, int], list[Step]]
+"""A builder: ``(num_ranks, num_microbatches, chunks, rank) -> that rank's order``."""
+
+
+def _numbered(rank: int, items: Sequence[Step]) -> tuple[Action, ...]:
     return tuple(Action(rank, k, kind, mb, chunk) for k, (kind, mb, chunk) in enumerate(items))
 
 
-def _gpipe(p: int, m: int, v: int, rank: int) -> list[tuple[ActionKind, int, int]]:
+def _gpipe(p: int, m: int, v: int, rank: int) -> list[Step]:
     # All forwards (chunk by chunk, microbatches ascending), then all backwards
     # (last chunk first, microbatches ascending, as torch.distributed.pipelining's
     # ScheduleGPipe does).  With chunks > 1 this is the "looped breadth-first" order.
@@ -262,7 +281,7 @@ def _gpipe(p: int, m: int, v: int, rank: int) -> list[tuple[ActionKind, int, int
     return order
 
 
-def _one_f_one_b(p: int, m: int, rank: int) -> list[tuple[ActionKind, int, int]]:
+def _one_f_one_b(p: int, m: int, v: int, rank: int) -> list[Step]:
     # PipeDream-flush: min(p - rank - 1, m) warm-up forwards, then alternate
     # F(i + warmup), B(i), then the remaining backwards.
     warmup = min(p - rank - 1, m)
@@ -274,46 +293,73 @@ def _one_f_one_b(p: int, m: int, rank: int) -> list[tuple[ActionKind, int, int]]
     return order
 
 
-def _interleaved(p: int, m: int, v: int, rank: int) -> list[tuple[ActionKind, int, int]]:
-    """Megatron's interleaved 1F1B order for any ``m``.
+def interleaved_rounds(num_ranks: int, num_microbatches: int) -> list[int]:
+    """Microbatches per round of :attr:`PipelineSchedule.INTERLEAVED_ONE_F_ONE_B`.
 
-    Megatron's construction (Narayanan et al. 2021) needs ``m % p == 0``: the
-    forward order is a table of (microbatch, chunk) pairs taken in groups of
-    ``p`` microbatches -- chunk 0 of the group, then chunk 1, ... -- and the
-    backward order is the same table with the chunk order mirrored; rank ``r``
-    runs ``2 * (p - r - 1) + (v - 1) * p`` warm-up forwards, then alternates
-    one forward and one backward, then drains the backwards.
+    ``max(1, m // p)`` rounds of as equal a size as possible, the larger
+    first; every round holds at least ``p`` microbatches when ``m >= p``.
+    When ``p`` divides ``m`` these are torch's rounds of ``p``; when torch
+    accepts ``m`` (``m`` a multiple of the number of rounds) they are its
+    ``microbatches_per_round``.
 
-    For other ``m`` we build that order for ``m`` rounded up to a multiple of
-    ``p`` and delete the actions of the padding microbatches.  Deleting
-    actions keeps the schedule deadlock-free (every remaining wait was
-    already implied, transitively, by the padded schedule) and keeps the
-    send/recv sequences of every rank pair equal (a padding microbatch's
-    messages disappear at both ends).  The padding slots turn into idle time,
-    so such ``m`` get a somewhat larger bubble than a multiple of ``p`` would.
+    Args:
+        num_ranks: pipeline ranks ``p``.
+        num_microbatches: ``m``.
+
+    Returns:
+        The round sizes, summing to ``m``.
     """
-    if v == 1:
-        return _one_f_one_b(p, m, rank)
-    padded = -(-m // p) * p
-    table = [
-        (mb, c)
-        for start in range(0, padded, p)
-        for c in range(v)
-        for mb in range(start, start + p)
-    ]
-    total = len(table)
-    forwards = [(ActionKind.F, mb, c) for mb, c in table]
-    backwards = [(ActionKind.B, mb, v - 1 - c) for mb, c in table]
-    warmup = min((p - rank - 1) * 2 + (v - 1) * p, total)
+    n = max(1, num_microbatches // num_ranks)
+    base, extra = divmod(num_microbatches, n)
+    return [base + 1] * extra + [base] * (n - extra)
+
+
+def _interleaved_order(p: int, v: int, rank: int, rounds: Sequence[range]) -> list[Step]:
+    # Depth first within a round: chunk 0 of the round's microbatches, then
+    # chunk 1, ...; backwards mirror the chunk order.  Rank r warms up with
+    # 2 * (p - r - 1) + (v - 1) * len(first round) forwards, then alternates
+    # one forward and one backward, then drains the backwards.
+    forwards = [(ActionKind.F, mb, c) for mbs in rounds for c in range(v) for mb in mbs]
+    backwards = [(ActionKind.B, mb, c) for mbs in rounds for c in reversed(range(v)) for mb in mbs]
+    total = len(forwards)
+    warmup = min(2 * (p - rank - 1) + (v - 1) * len(rounds[0]), total)
     order = forwards[:warmup]
     for i in range(total - warmup):
         order.append(forwards[warmup + i])
         order.append(backwards[i])
-    order += backwards[total - warmup:]
-    return [item for item in order if item[1] < m]
+    return order + backwards[total - warmup:]
 
 
-def _zero_bubble_h1(p: int, m: int, rank: int) -> list[tuple[ActionKind, int, int]]:
+def _interleaved_lean(p: int, m: int, v: int, rank: int) -> list[Step]:
+    # Rounds of exactly p microbatches (Megatron's order), built for m rounded
+    # up to a multiple of p; the padding microbatches' actions are then deleted.
+    # Deleting actions keeps every wait implied by the padded schedule and
+    # removes a padding message at both ends, so the result stays valid; the
+    # holes become idle time, and the short warm-up keeps few activations.
+    if v == 1:
+        return _one_f_one_b(p, m, v, rank)
+    padded = -(-m // p) * p
+    rounds = [range(start, start + p) for start in range(0, padded, p)]
+    return [step for step in _interleaved_order(p, v, rank, rounds) if step[1] < m]
+
+
+def _interleaved(p: int, m: int, v: int, rank: int) -> list[Step]:
+    # torch.distributed.pipelining's ScheduleInterleaved1F1B order, extended to
+    # every m by rounds of unequal size (interleaved_rounds).  With two ranks
+    # one channel carries activations and gradients both ways, and unequal
+    # rounds would make a rank receive them in another order than its peer
+    # sends them, so there the lean order runs instead.
+    if v == 1:
+        return _one_f_one_b(p, m, v, rank)
+    sizes = interleaved_rounds(p, m)
+    if p == 2 and len(set(sizes)) > 1:
+        return _interleaved_lean(p, m, v, rank)
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    rounds = [range(start, start + size) for start, size in zip(starts, sizes, strict=True)]
+    return _interleaved_order(p, v, rank, rounds)
+
+
+def _zero_bubble_h1(p: int, m: int, v: int, rank: int) -> list[Step]:
     # The 1F1B skeleton with every B replaced by its I, and W(j) issued after
     # I(j + rank): rank r keeps up to r input-gradients whose W is pending, so
     # every rank holds at most min(p, m) activations -- the first rank's 1F1B
@@ -335,154 +381,96 @@ def _zero_bubble_h1(p: int, m: int, rank: int) -> list[tuple[ActionKind, int, in
     return order
 
 
+@dataclass(frozen=True)
+class ScheduleSpec:
+    """How :func:`build_schedule` makes one :class:`PipelineSchedule` kind."""
+
+    builder: RankOrder
+    """``(num_ranks, num_microbatches, chunks, rank) -> [(ActionKind, microbatch, chunk)]``."""
+    multi_chunk: bool
+    """True when it takes several chunks (virtual stages) per rank."""
+    interleaved: bool
+    """True when its point is several chunks per rank (the demo gives it 2)."""
+    split_backward: bool
+    """True when it splits each backward into ``I`` and ``W``."""
+    summary: str
+    """One line for help texts and logs."""
+
+
+SCHEDULES: Mapping[PipelineSchedule, ScheduleSpec] = MappingProxyType({
+    PipelineSchedule.GPIPE: ScheduleSpec(
+        _gpipe, multi_chunk=True, interleaved=False, split_backward=False,
+        summary="all forwards, then all backwards (looped breadth-first with chunks)"),
+    PipelineSchedule.ONE_F_ONE_B: ScheduleSpec(
+        _one_f_one_b, multi_chunk=False, interleaved=False, split_backward=False,
+        summary="PipeDream-flush: warm-up forwards, then one forward and one backward"),
+    PipelineSchedule.INTERLEAVED_ONE_F_ONE_B: ScheduleSpec(
+        _interleaved, multi_chunk=True, interleaved=True, split_backward=False,
+        summary="interleaved 1F1B as torch's ScheduleInterleaved1F1B, for any microbatches"),
+    PipelineSchedule.INTERLEAVED_ONE_F_ONE_B_LEAN: ScheduleSpec(
+        _interleaved_lean, multi_chunk=True, interleaved=True, split_backward=False,
+        summary="interleaved 1F1B in rounds of num_ranks microbatches: fewer activations, "
+                "a larger bubble when num_ranks does not divide the microbatches"),
+    PipelineSchedule.ZERO_BUBBLE_H1: ScheduleSpec(
+        _zero_bubble_h1, multi_chunk=False, interleaved=False, split_backward=True,
+        summary="ZB-H1: 1F1B with the weight gradient W deferred into the bubble"),
+})
+"""Every schedule kind and how to build it: read by build_schedule, the CLI and the tests."""
+
+
+def schedule_names() -> tuple[str, ...]:
+    """The values of every kind in :data:`SCHEDULES` (``"gpipe"``, ``"1f1b"``...), in order."""
+    return tuple(kind.value for kind in SCHEDULES)
+
+
+def _count(value: Any, what: str, arg: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{what}: {arg} must be an int >= 1, got {value!r}")
+    return value
+
+
 def build_schedule(
     schedule: PipelineSchedule | str,
     num_ranks: int,
     num_microbatches: int,
     chunks: int = 1,
 ) -> Schedule:
-    """Generate the per-rank action lists of ``schedule``.
+    """Generate the per-rank action lists of one :data:`SCHEDULES` kind.
 
-    Works for every ``num_microbatches >= 1``, including fewer microbatches
-    than stages and counts not divisible by ``num_ranks``:
+    Works for every ``num_microbatches >= 1``, also fewer than the stages and
+    counts ``num_ranks`` does not divide. Every generated schedule passes
+    :func:`~axondist.pipeline.validate`; the unit tests check this for every
+    kind over a grid of shapes, and that ``INTERLEAVED_ONE_F_ONE_B`` reaches
+    the bubble ``(p - 1) / (v * m + p - 1)`` of torch's schedule whenever
+    ``m >= p`` (two ranks with an odd ``m`` excepted: see ``docs/guide.md``).
 
-    * ``GPIPE``: all forwards, then all backwards in the same microbatch order
-      (chunk by chunk, last chunk's backwards first, when ``chunks > 1``).
-    * ``ONE_F_ONE_B``: PipeDream-flush; needs ``chunks == 1``.
-    * ``INTERLEAVED_ONE_F_ONE_B``: Megatron's interleaved order (microbatch
-      groups of ``num_ranks``, warm-up ``2 * (p - rank - 1) + (chunks - 1) * p``
-      forwards); when ``num_microbatches`` is not a multiple of ``num_ranks``
-      it is built for the next multiple and the padding microbatches are
-      deleted (see ``_interleaved``).  With ``chunks == 1`` it is exactly
-      ``ONE_F_ONE_B``.
-    * ``ZERO_BUBBLE_H1``: 1F1B with B split into I and W, W deferred by
-      ``rank`` microbatches; needs ``chunks == 1``.
+    Args:
+        schedule: a :class:`PipelineSchedule` or its name in any case (``"1F1B"``).
+        num_ranks: pipeline ranks ``p >= 1``.
+        num_microbatches: microbatches ``m >= 1``.
+        chunks: stages per rank ``v >= 1``; above 1 only for the kinds whose
+            :attr:`ScheduleSpec.multi_chunk` is True.
 
-    Every generated schedule passes :func:`validate` (no deadlock, matching
-    send/recv order on every rank pair); the unit tests check this over a
-    grid of shapes.
+    Returns:
+        The :class:`Schedule`, with ``kind`` set.
+
+    Raises:
+        ValueError: an unknown name (the message lists the valid ones), a count
+            below 1, or ``chunks > 1`` for a one-chunk kind.
     """
-    kind = PipelineSchedule(schedule) if isinstance(schedule, str) else schedule
-    p, m, v = num_ranks, num_microbatches, chunks
-    for name, value in (("num_ranks", p), ("num_microbatches", m), ("chunks", v)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-    if v != 1 and kind in (PipelineSchedule.ONE_F_ONE_B, PipelineSchedule.ZERO_BUBBLE_H1):
+    kind = PipelineSchedule.parse(schedule, "build_schedule: schedule")
+    spec = SCHEDULES[kind]
+    p = _count(num_ranks, "build_schedule", "num_ranks")
+    m = _count(num_microbatches, "build_schedule", "num_microbatches")
+    v = _count(chunks, "build_schedule", "chunks")
+    if v != 1 and not spec.multi_chunk:
+        several = ", ".join(k.name for k, s in SCHEDULES.items() if s.multi_chunk)
         raise ValueError(
-            f"{kind.name} runs one chunk per rank, got chunks={v}; use "
-            "INTERLEAVED_ONE_F_ONE_B (or GPIPE) for several chunks per rank"
-        )
-    rows = []
-    for r in range(p):
-        if kind is PipelineSchedule.GPIPE:
-            items = _gpipe(p, m, v, r)
-        elif kind is PipelineSchedule.ONE_F_ONE_B:
-            items = _one_f_one_b(p, m, r)
-        elif kind is PipelineSchedule.INTERLEAVED_ONE_F_ONE_B:
-            items = _interleaved(p, m, v, r)
-        else:
-            items = _zero_bubble_h1(p, m, r)
-        rows.append(_numbered(r, items))
-    return Schedule(kind=kind, num_ranks=p, num_microbatches=m, chunks=v, actions=tuple(rows))
+            f"build_schedule: {kind.name} runs one chunk per rank, got chunks={v}; use one of "
+            f"{several} for several chunks per rank, or chunks=1")
+    rows = tuple(_numbered(r, spec.builder(p, m, v, r)) for r in range(p))
+    return Schedule(kind=kind, num_ranks=p, num_microbatches=m, chunks=v, actions=rows)
 
-
-# ---------------------------------------------------------------------------
-# validation
-# ---------------------------------------------------------------------------
-
-
-def _check_structure(schedule: Schedule) -> None:
-    p, m, v = schedule.num_ranks, schedule.num_microbatches, schedule.chunks
-    if len(schedule.actions) != p:
-        raise ScheduleError(f"expected action lists for {p} ranks, got {len(schedule.actions)}")
-    for r, row in enumerate(schedule.actions):
-        for k, a in enumerate(row):
-            if not isinstance(a, Action) or not isinstance(a.kind, ActionKind):
-                raise ScheduleError(f"expected an Action, got {a!r}", rank=r, step=k)
-            reason = None
-            if a.rank != r:
-                reason = f"is listed for rank {r} but says rank {a.rank}"
-            elif a.step != k:
-                reason = f"is at index {k} but says step {a.step}"
-            elif not 0 <= a.microbatch < m:
-                reason = f"microbatch must be in [0, {m}), got {a.microbatch}"
-            elif not 0 <= a.chunk < v:
-                reason = f"chunk must be in [0, {v}), got {a.chunk}"
-            if reason is not None:
-                raise ScheduleError(reason, rank=r, step=k, action=a)
-
-
-def _check_completeness(schedule: Schedule) -> None:
-    seen: dict[tuple[ActionKind, int, int], Action] = {}
-    for a in schedule:
-        key = (a.kind, a.microbatch, schedule.stage_of(a))
-        if key in seen:
-            first = seen[key]
-            raise ScheduleError(
-                f"duplicate: {a.kind.value}{a.microbatch} of stage {key[2]} already runs at "
-                f"rank {first.rank} step {first.step}",
-                rank=a.rank, step=a.step, action=a,
-            )
-        seen[key] = a
-    for s in range(schedule.num_stages):
-        r, c = schedule.rank_of_stage(s), schedule.chunk_of_stage(s)
-        for mb in range(schedule.num_microbatches):
-            has = {k: (k, mb, s) in seen for k in ActionKind}
-            label = f"microbatch {mb} of stage {s} (chunk {c})"
-            if not has[ActionKind.F]:
-                raise ScheduleError(f"missing the forward F of {label}", rank=r)
-            if has[ActionKind.B] and (has[ActionKind.I] or has[ActionKind.W]):
-                a = seen[(ActionKind.B, mb, s)]
-                raise ScheduleError(
-                    f"{label} has both a full backward B and a split I/W backward; "
-                    "expected exactly one of the two forms",
-                    rank=a.rank, step=a.step, action=a,
-                )
-            if not (has[ActionKind.B] or has[ActionKind.I] or has[ActionKind.W]):
-                raise ScheduleError(f"missing the backward (B, or I and W) of {label}", rank=r)
-            if has[ActionKind.I] != has[ActionKind.W]:
-                missing = "W" if has[ActionKind.I] else "I"
-                raise ScheduleError(
-                    f"{label} has a split backward but no {missing}; expected both I and W",
-                    rank=r,
-                )
-
-
-def _check_local_order(schedule: Schedule) -> None:
-    # Dependencies between actions of the same rank must respect program order;
-    # otherwise that rank waits for itself.  (Cross-rank cycles are found by
-    # the dry run.)
-    for a in schedule:
-        for what, dep in schedule.dependencies(a):
-            if dep is not None and dep.rank == a.rank and dep.step > a.step:
-                raise ScheduleError(
-                    f"{a.kind.value}{a.microbatch} of stage {schedule.stage_of(a)} comes before "
-                    f"{what} (step {dep.step}) which it needs; expected {what} first",
-                    rank=a.rank, step=a.step, action=a,
-                )
-
-
-def validate(schedule: Schedule, *, check_deadlock: bool = True) -> None:
-    """Raise :class:`ScheduleError` unless ``schedule`` is executable.
-
-    Checks, in order: well-formed actions (rank/step/microbatch/chunk in
-    range); exactly one F and exactly one B (or one I and one W) per
-    (microbatch, stage); per-rank order of local dependencies (F before its
-    B/I, I before its W, neighbouring stages on the same rank); that every
-    rank pair's send sequence equals the receiver's recv sequence (see
-    :func:`~axondist.pipeline.communication.communication_plan`); and, with
-    ``check_deadlock``, a dry run that finds cross-rank wait cycles.  The
-    error names the first offending rank, step and action and says why.
-    """
-    from axondist.pipeline.communication import check_channels, communication_plan
-    from axondist.pipeline.simulate import simulate
-
-    _check_structure(schedule)
-    _check_completeness(schedule)
-    _check_local_order(schedule)
-    check_channels(communication_plan(schedule))
-    if check_deadlock:
-        simulate(schedule)
 
 
 # ---------------------------------------------------------------------------
@@ -520,7 +508,9 @@ class PipelineMemoryStats:
         ``v == 1`` this is ``(p - 1) / (m + p - 1)``, exact for GPipe and 1F1B
         when every stage takes the same forward and backward time and
         communication is free; for interleaved schedules it is Narayanan et
-        al.'s approximation (bubble time divided by ``v``).
+        al.'s approximation (bubble time divided by ``v``), which
+        ``INTERLEAVED_ONE_F_ONE_B`` reaches exactly (F=1, B=2 per chunk) when
+        ``m >= p``.
         """
         p, m, v = stages, microbatches, chunks
         return (p - 1) / (v * m + p - 1)

@@ -123,7 +123,7 @@ def simulate(
     Raises :class:`ScheduleError` on deadlock -- no rank can start its next
     action -- listing, for every stuck rank, the action it is stuck at and
     what that action waits for.  It does not check anything else; see
-    :func:`~axondist.pipeline.schedules.validate`.
+    :func:`~axondist.pipeline.validation.validate`.
     """
     if comm < 0:
         raise ValueError(f"comm latency must be >= 0, got {comm!r}")

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import ast
 import itertools
+import pathlib
 import sys
-from collections import Counter
+from collections import Counter, defaultdict
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import axondist.pipeline as pipeline_pkg
 from axondist.pipeline import (
+    SCHEDULES,
     Action,
     ActionKind,
     CommKind,
@@ -18,24 +22,27 @@ from axondist.pipeline import (
     Payload,
     PipelineMemoryStats,
     PipelineSchedule,
+    Schedule,
     ScheduleError,
     build_schedule,
     check_channels,
     communication_plan,
+    interleaved_rounds,
     parse_schedule,
     render_image,
     render_text,
+    schedule_names,
     simulate,
     validate,
 )
 
 K = PipelineSchedule
-SINGLE_CHUNK = (K.ONE_F_ONE_B, K.ZERO_BUBBLE_H1)
+SINGLE_CHUNK = tuple(kind for kind, spec in SCHEDULES.items() if not spec.multi_chunk)
 FAST = settings(max_examples=120, deadline=None)
 
 
 @st.composite
-def shapes(draw, kinds=tuple(PipelineSchedule)):
+def shapes(draw, kinds=tuple(SCHEDULES)):
     kind = draw(st.sampled_from(kinds))
     p = draw(st.integers(1, 6))
     m = draw(st.integers(1, 12))
@@ -57,7 +64,8 @@ def test_generated_schedules_are_valid_complete_and_simulate(shape):
         assert [a.step for a in row] == list(range(len(row)))
         assert all(a.rank == r for a in row)
     counts = Counter((a.kind, a.microbatch, s.stage_of(a)) for a in s)
-    split = kind is K.ZERO_BUBBLE_H1
+    split = SCHEDULES[kind].split_backward
+    assert s.uses_split_backward == split
     backward_kinds = (ActionKind.I, ActionKind.W) if split else (ActionKind.B,)
     for stage in range(p * v):
         assert s.rank_of_stage(stage) == stage % p
@@ -95,14 +103,74 @@ def test_render_text_shows_every_action(shape):
 
 def test_string_kind_and_bad_arguments():
     assert build_schedule("1f1b", 2, 3).kind is K.ONE_F_ONE_B
-    with pytest.raises(ValueError, match="INTERLEAVED"):
-        build_schedule(K.ONE_F_ONE_B, 2, 4, chunks=2)
-    with pytest.raises(ValueError, match="INTERLEAVED"):
-        build_schedule(K.ZERO_BUBBLE_H1, 2, 4, chunks=2)
+    for kind in SINGLE_CHUNK:
+        with pytest.raises(ValueError, match="INTERLEAVED_ONE_F_ONE_B") as info:
+            build_schedule(kind, 2, 4, chunks=2)
+        assert f"build_schedule: {kind.name} runs one chunk per rank, got chunks=2" in str(
+            info.value)
     with pytest.raises(ValueError, match="num_microbatches"):
         build_schedule(K.GPIPE, 2, 0)
     with pytest.raises(ValueError, match="num_ranks"):
         build_schedule(K.GPIPE, 0, 2)
+    with pytest.raises(ValueError, match=r"build_schedule: chunks must be an int >= 1, got 1\.5"):
+        build_schedule(K.GPIPE, 2, 2, 1.5)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="num_ranks must be an int >= 1, got True"):
+        build_schedule(K.GPIPE, True, 2)
+
+
+# ---------------------------------------------------------------- the table and names
+
+
+def test_the_table_lists_every_kind_once():
+    assert list(SCHEDULES) == list(PipelineSchedule)
+    assert schedule_names() == tuple(kind.value for kind in PipelineSchedule)
+    for spec in SCHEDULES.values():
+        assert spec.summary and callable(spec.builder)
+        assert not spec.interleaved or spec.multi_chunk  # interleaving needs chunks
+        with pytest.raises(AttributeError):
+            spec.multi_chunk = not spec.multi_chunk  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        SCHEDULES[K.GPIPE] = SCHEDULES[K.ONE_F_ONE_B]  # type: ignore[index]
+
+
+@st.composite
+def spellings(draw):
+    """A kind and one way of writing it: its value or name, in a random case, maybe padded."""
+    kind = draw(st.sampled_from(list(SCHEDULES)))
+    word = draw(st.sampled_from([kind.value, kind.name]))
+    flips = draw(st.lists(st.booleans(), min_size=len(word), max_size=len(word)))
+    word = "".join(c.upper() if f else c.lower() for c, f in zip(word, flips))
+    pad = draw(st.sampled_from(["", " ", "\t"]))
+    return kind, pad + word + pad
+
+
+@FAST
+@given(spellings(), st.integers(1, 4), st.integers(1, 6))
+def test_names_parse_in_any_case(spelled, p, m):
+    kind, word = spelled
+    assert PipelineSchedule.parse(word) is kind
+    assert PipelineSchedule.parse(kind) is kind
+    assert build_schedule(word, p, m).actions == build_schedule(kind, p, m).actions
+
+
+NAMES = {name for kind in PipelineSchedule for name in (kind.value, kind.name.lower())}
+
+
+@FAST
+@given(st.one_of(st.text(max_size=12).filter(lambda w: w.strip().lower() not in NAMES),
+                 st.integers(), st.none(), st.floats(allow_nan=False)))
+def test_unknown_names_are_refused_with_the_valid_ones_listed(word):
+    with pytest.raises(ValueError) as info:
+        build_schedule(word, 2, 2)
+    msg = str(info.value)
+    assert msg.startswith(f"build_schedule: schedule={word!r} is not one of")
+    for name in schedule_names():
+        assert repr(name) in msg
+
+
+def test_zb_alone_is_not_a_name():
+    with pytest.raises(ValueError, match="'zb' is not one of .*'zb_h1'"):
+        build_schedule("zb", 2, 2)
 
 
 def test_known_orders():
@@ -216,6 +284,92 @@ def test_interleaved_shrinks_bubble(p, groups, v):
     assert inter.makespan < one.makespan
     assert inter.bubble_fraction < one.bubble_fraction
     assert inter.bubble_fraction == pytest.approx(PipelineMemoryStats.bubble_fraction(p, m, v))
+
+
+def torch_interleaved_order(p, m, v, rank):
+    """torch.distributed.pipelining's ScheduleInterleaved1F1B order of one rank, without its
+    idle slots, from its published algorithm: ``max(1, m // p)`` rounds of ``m / rounds``
+    microbatches (None when torch refuses ``m``); op ``i`` of the warm-up and steady phases
+    runs a forward on chunk ``(i // per_round) % v``, op ``j`` after the warm-up a backward on
+    chunk ``v - 1 - (j // per_round) % v``; each chunk takes its microbatches in order."""
+    rounds = max(1, m // p)
+    if m % rounds:
+        return None
+    per_round = m // rounds
+    warmup = min((v - 1) * per_round + 2 * (p - 1 - rank), m * v)
+    next_mb = {ActionKind.F: defaultdict(int), ActionKind.B: defaultdict(int)}
+    order = []
+
+    def take(kind, chunk):
+        order.append((kind, next_mb[kind][chunk], chunk))
+        next_mb[kind][chunk] += 1
+
+    for op in range(m * v + warmup):
+        if op < m * v:
+            take(ActionKind.F, (op // per_round) % v)
+        if op >= warmup:
+            take(ActionKind.B, v - 1 - ((op - warmup) // per_round) % v)
+    return order
+
+
+def torch_schedule(p, m, v):
+    rows = [torch_interleaved_order(p, m, v, r) for r in range(p)]
+    if rows[0] is None:
+        return None
+    return Schedule(kind=None, num_ranks=p, num_microbatches=m, chunks=v, actions=[
+        [Action(r, k, kind, mb, c) for k, (kind, mb, c) in enumerate(row)]
+        for r, row in enumerate(rows)])
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 7), st.integers(1, 30), st.integers(2, 4))
+def test_interleaved_is_torchs_order_where_torch_runs_and_reaches_its_bubble(p, m, v):
+    ours = build_schedule(K.INTERLEAVED_ONE_F_ONE_B, p, m, v)
+    validate(ours)
+    sim = simulate(ours, {"F": 1, "B": 2})
+    theirs = torch_schedule(p, m, v)
+    if theirs is not None:
+        assert [[(a.kind, a.microbatch, a.chunk) for a in row] for row in ours.actions] == [
+            [(a.kind, a.microbatch, a.chunk) for a in row] for row in theirs.actions]
+    if m >= p and not (p == 2 and m % len(interleaved_rounds(p, m))):
+        # (p - 1) / (v m + p - 1): the makespan is v m (F + B) plus p - 1 stage steps.
+        assert sim.makespan == (v * m + p - 1) * 3
+        assert sim.bubble_fraction == pytest.approx(PipelineMemoryStats.bubble_fraction(p, m, v))
+
+
+@FAST
+@given(st.integers(1, 7), st.integers(1, 30), st.integers(1, 4))
+def test_interleaved_rounds(p, m, v):
+    sizes = interleaved_rounds(p, m)
+    assert sum(sizes) == m and len(sizes) == max(1, m // p)
+    assert max(sizes) - min(sizes) <= 1 and sizes == sorted(sizes, reverse=True)
+    if m >= p:
+        assert min(sizes) >= p
+    if m % len(sizes) == 0:  # torch's microbatches_per_round
+        assert set(sizes) == {m // max(1, m // p)}
+
+
+@FAST
+@given(st.integers(1, 7), st.integers(1, 30), st.integers(2, 4))
+def test_lean_interleaved_trades_bubble_for_activations(p, m, v):
+    full = build_schedule(K.INTERLEAVED_ONE_F_ONE_B, p, m, v)
+    lean = build_schedule(K.INTERLEAVED_ONE_F_ONE_B_LEAN, p, m, v)
+    validate(lean)
+    a, b = simulate(full), simulate(lean)
+    assert all(x <= y for x, y in zip(b.peak_activations, a.peak_activations))
+    if m % p == 0 or (p == 2 and m % len(interleaved_rounds(p, m))):
+        assert lean.actions == full.actions  # the same rounds of p microbatches
+    elif m > p:
+        assert max(b.peak_activations) < max(a.peak_activations)
+    if m >= p:
+        assert a.bubble_fraction <= b.bubble_fraction + 1e-12
+
+
+def test_issue_shapes_reach_torchs_bubble():
+    for (p, m, v), want in {(3, 4, 2): 0.2, (4, 6, 2): 0.2, (4, 10, 2): 3 / 23}.items():
+        got = simulate(build_schedule(K.INTERLEAVED_ONE_F_ONE_B, p, m, v)).bubble_fraction
+        assert got == pytest.approx(want)
+        assert got == pytest.approx(PipelineMemoryStats.bubble_fraction(p, m, v))
 
 
 @FAST
@@ -374,3 +528,44 @@ def test_render_image_with_matplotlib(tmp_path):
     path = tmp_path / "zb.png"
     render_image(simulate(build_schedule(K.ZERO_BUBBLE_H1, 3, 4)), path)
     assert path.stat().st_size > 0
+
+
+# ---------------------------------------------------------------- layering
+
+
+def pipeline_imports():
+    """Pipeline module -> the pipeline modules it imports anywhere (function bodies too)."""
+    root = pathlib.Path(pipeline_pkg.__file__).parent
+    graph = {}
+    for path in root.glob("*.py"):
+        if path.stem == "__init__":
+            continue
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module] if node.level == 0 else [f"axondist.pipeline.{node.module}"]
+            found |= {n.split(".")[2] for n in names if n.startswith("axondist.pipeline.")}
+        graph[path.stem] = found
+    return graph
+
+
+def test_the_pipeline_modules_import_without_cycles():
+    graph = pipeline_imports()
+    assert graph["schedules"] == set()  # the values know nothing of checks or messages
+    assert {"communication", "simulate"} <= graph["validation"]
+    state = {}
+
+    def visit(module, path):
+        if state.get(module) == "done":
+            return
+        assert state.get(module) != "open", f"import cycle: {' -> '.join(path + [module])}"
+        state[module] = "open"
+        for dep in sorted(graph.get(module, ())):
+            visit(dep, path + [module])
+        state[module] = "done"
+
+    for module in sorted(graph):
+        visit(module, [])

@@ -1,0 +1,119 @@
+"""Static and dry-run checks that a pipeline schedule can execute: :func:`validate`.
+
+It sits above the schedule values (:mod:`~axondist.pipeline.schedules`), the
+message plan (:mod:`~axondist.pipeline.communication`) and the dry run
+(:mod:`~axondist.pipeline.simulate`), which all know nothing of it, so none of
+them needs to import another at call time.
+"""
+
+from __future__ import annotations
+
+from axondist.errors import ScheduleError
+from axondist.pipeline.communication import check_channels, communication_plan
+from axondist.pipeline.schedules import Action, ActionKind, Schedule
+from axondist.pipeline.simulate import simulate
+
+__all__ = ["validate"]
+
+
+def _check_structure(schedule: Schedule) -> None:
+    p, m, v = schedule.num_ranks, schedule.num_microbatches, schedule.chunks
+    if len(schedule.actions) != p:
+        raise ScheduleError(f"expected action lists for {p} ranks, got {len(schedule.actions)}")
+    for r, row in enumerate(schedule.actions):
+        for k, a in enumerate(row):
+            if not isinstance(a, Action) or not isinstance(a.kind, ActionKind):
+                raise ScheduleError(f"expected an Action, got {a!r}", rank=r, step=k)
+            reason = None
+            if a.rank != r:
+                reason = f"is listed for rank {r} but says rank {a.rank}"
+            elif a.step != k:
+                reason = f"is at index {k} but says step {a.step}"
+            elif not 0 <= a.microbatch < m:
+                reason = f"microbatch must be in [0, {m}), got {a.microbatch}"
+            elif not 0 <= a.chunk < v:
+                reason = f"chunk must be in [0, {v}), got {a.chunk}"
+            if reason is not None:
+                raise ScheduleError(reason, rank=r, step=k, action=a)
+
+
+def _check_completeness(schedule: Schedule) -> None:
+    seen: dict[tuple[ActionKind, int, int], Action] = {}
+    for a in schedule:
+        key = (a.kind, a.microbatch, schedule.stage_of(a))
+        if key in seen:
+            first = seen[key]
+            raise ScheduleError(
+                f"duplicate: {a.kind.value}{a.microbatch} of stage {key[2]} already runs at "
+                f"rank {first.rank} step {first.step}",
+                rank=a.rank, step=a.step, action=a,
+            )
+        seen[key] = a
+    for s in range(schedule.num_stages):
+        r, c = schedule.rank_of_stage(s), schedule.chunk_of_stage(s)
+        for mb in range(schedule.num_microbatches):
+            has = {k: (k, mb, s) in seen for k in ActionKind}
+            label = f"microbatch {mb} of stage {s} (chunk {c})"
+            if not has[ActionKind.F]:
+                raise ScheduleError(f"missing the forward F of {label}", rank=r)
+            if has[ActionKind.B] and (has[ActionKind.I] or has[ActionKind.W]):
+                a = seen[(ActionKind.B, mb, s)]
+                raise ScheduleError(
+                    f"{label} has both a full backward B and a split I/W backward; "
+                    "expected exactly one of the two forms",
+                    rank=a.rank, step=a.step, action=a,
+                )
+            if not (has[ActionKind.B] or has[ActionKind.I] or has[ActionKind.W]):
+                raise ScheduleError(f"missing the backward (B, or I and W) of {label}", rank=r)
+            if has[ActionKind.I] != has[ActionKind.W]:
+                missing = "W" if has[ActionKind.I] else "I"
+                raise ScheduleError(
+                    f"{label} has a split backward but no {missing}; expected both I and W",
+                    rank=r,
+                )
+
+
+def _check_local_order(schedule: Schedule) -> None:
+    # Dependencies between actions of the same rank must respect program order;
+    # otherwise that rank waits for itself.  (Cross-rank cycles are found by
+    # the dry run.)
+    for a in schedule:
+        for what, dep in schedule.dependencies(a):
+            if dep is not None and dep.rank == a.rank and dep.step > a.step:
+                raise ScheduleError(
+                    f"{a.kind.value}{a.microbatch} of stage {schedule.stage_of(a)} comes before "
+                    f"{what} (step {dep.step}) which it needs; expected {what} first",
+                    rank=a.rank, step=a.step, action=a,
+                )
+
+
+def validate(schedule: Schedule, *, check_deadlock: bool = True) -> None:
+    """Raise :class:`ScheduleError` unless ``schedule`` is executable.
+
+    Checks, in order: well-formed actions (rank/step/microbatch/chunk in
+    range); exactly one F and exactly one B (or one I and one W) per
+    (microbatch, stage); per-rank order of local dependencies (F before its
+    B/I, I before its W, neighbouring stages on the same rank); that every
+    rank pair's send sequence equals the receiver's recv sequence (see
+    :func:`~axondist.pipeline.communication.communication_plan`); and, with
+    ``check_deadlock``, a dry run that finds cross-rank wait cycles.
+
+    Args:
+        schedule: generated by :func:`build_schedule` or made by hand
+            (:func:`parse_schedule`, or :class:`Schedule` directly).
+        check_deadlock: run the dry run (:func:`simulate`) as the last check.
+
+    Raises:
+        TypeError: ``schedule`` is not a :class:`Schedule`.
+        ScheduleError: the first problem found, naming the offending rank, step
+            and action and saying why.
+    """
+    if not isinstance(schedule, Schedule):
+        raise TypeError(f"validate: schedule must be a Schedule (build_schedule or "
+                        f"parse_schedule make one), got {type(schedule).__name__}")
+    _check_structure(schedule)
+    _check_completeness(schedule)
+    _check_local_order(schedule)
+    check_channels(communication_plan(schedule))
+    if check_deadlock:
+        simulate(schedule)
