@@ -19,19 +19,32 @@ from .sharding import hybrid_groups, node_of_ranks
 
 
 def check_same_model(group: ProcessGroup, entries: Sequence[tuple[str, tuple[int, ...], str]],
-                     where: str) -> None:
-    """Refuse ranks whose ``(name, shape, dtype)`` lists differ from rank 0's.
+                     where: str, settings: dict[str, Any] | None = None) -> None:
+    """Refuse ranks whose ``(name, shape, dtype)`` lists or ``settings`` differ from rank 0's.
 
     Collective over ``group`` (one small all-gather of the lists), so every
     rank reaches the same verdict and raises the same message.
 
+    Args:
+        group: the ranks that must agree.
+        entries: this rank's ``(name, shape, dtype)`` per parameter, in order.
+        where: the caller's name, for the message.
+        settings: other arguments every rank must pass alike (compared by value).
+
     Raises:
         CollectiveMismatchError: on every rank, naming the first rank and the
-            first parameter that differ from rank 0's.
+            first parameter (or setting) that differ from rank 0's.
     """
-    everyone = group.backend_for(where).allgather_object([tuple(e) for e in entries])
-    first = everyone[0]
-    for r, other in enumerate(everyone):
+    mine = ([tuple(e) for e in entries], sorted((settings or {}).items()))
+    everyone = group.backend_for(where).allgather_object(mine)
+    first, first_settings = everyone[0]
+    for r, (other, other_settings) in enumerate(everyone):
+        if other_settings != first_settings:
+            name, value, want = next((k, v, w) for (k, v), (_, w)
+                                     in zip(other_settings, first_settings) if v != w)
+            raise CollectiveMismatchError(
+                f"{where}: the ranks' arguments differ: {name}={value!r} on rank {r} but "
+                f"{name}={want!r} on rank 0. Every rank must pass the same {name}")
         if other == first:
             continue
         if len(other) != len(first):

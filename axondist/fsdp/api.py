@@ -78,8 +78,10 @@ class FullyShardedDataParallel:
     checkpoint calls communicate).
 
     Raises:
-        CollectiveMismatchError: the ranks wrap different models (raised on
-            every rank, naming the first rank and parameter that differ).
+        CollectiveMismatchError: the ranks wrap different models, or pass
+            different strategies, offload, mixed precision, units or
+            ranks_per_node (raised on every rank, naming the first rank and
+            parameter or argument that differ).
         ValueError: bad units, a ``ranks_per_node`` that does not divide the
             group (or is given to a strategy that does not shard by node),
             mixed array libraries, an unknown strategy or offload name.
@@ -103,12 +105,17 @@ class FullyShardedDataParallel:
                             f"or None, got {type(mixed_precision).__name__}")
         self.mixed_precision = mixed_precision or MixedPrecision()
         self._params = parameters_of(model)
-        if not self._params:
-            raise ValueError("FullyShardedDataParallel: the model has no parameters")
         self._names = param_names(self._params)
+        settings = {"sharding_strategy": self.sharding_strategy.name,
+                    "cpu_offload": self.cpu_offload.name,
+                    "mixed_precision": repr(self.mixed_precision),
+                    "units": None if units is None else [[int(i) for i in u] for u in units],
+                    "ranks_per_node": ranks_per_node}
         check_same_model(self.group, [(n, tuple(p.shape), str(p.dtype))
                                       for n, p in zip(self._names, self._params)],
-                         "FullyShardedDataParallel")
+                         "FullyShardedDataParallel", settings)
+        if not self._params:
+            raise ValueError("FullyShardedDataParallel: the model has no parameters")
         self._xp = _array.namespace(*(p.data for p in self._params))
         self._on_device = _array.is_cupy(self._params[0].data)
         self._shapes = [p.shape for p in self._params]

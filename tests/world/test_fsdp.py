@@ -821,8 +821,8 @@ def test_clip_grad_norm_inf_norm_sees_nan_on_another_rank() -> None:
 # --- construction: same model on every rank, rank 0's values ------------------------------
 
 @given(world_size=world_sizes(2, 4), strategy=st.sampled_from(STRATEGIES),
-       change=st.sampled_from(["shape", "dtype", "name", "count"]))
-@settings(max_examples=12)
+       change=st.sampled_from(["shape", "dtype", "name", "count", "strategy", "precision"]))
+@settings(max_examples=16)
 def test_different_models_are_refused_on_every_rank(world_size: int, strategy: ShardingStrategy,
                                                     change: str) -> None:
     def body(world: ad.World) -> str:
@@ -838,16 +838,21 @@ def test_different_models_are_refused_on_every_rank(world_size: int, strategy: S
             names[1] = "c"
         if odd and change == "count":
             shapes.append((1,)), dtypes.append(np.float32), names.append("d")
+        mine = strategy
+        if odd and change == "strategy":
+            mine = STRATEGIES[(STRATEGIES.index(strategy) + 1) % len(STRATEGIES)]
+        mp = PRECISIONS["bf16"] if odd and change == "precision" else None
         params = [ad.Parameter(np.zeros(s, d), name=n) for s, d, n in zip(shapes, dtypes, names)]
-        with pytest.raises(CollectiveMismatchError, match="models differ") as info:
-            wrap(params, world, strategy, 0)
+        what = "arguments differ" if change in ("strategy", "precision") else "models differ"
+        with pytest.raises(CollectiveMismatchError, match=what) as info:
+            wrap(params, world, mine, 0, mixed_precision=mp)
         return str(info.value)
 
     messages = run_world(body, world_size)
     last = current_size(world_size) - 1
     for m in messages:
         assert f"rank {last}" in m
-        if change != "count":
+        if change in ("shape", "dtype", "name"):
             assert "parameter 1" in m
     assert len(set(messages)) == 1  # the same text on every rank
 
