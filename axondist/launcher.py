@@ -7,38 +7,26 @@ from __future__ import annotations
 
 import argparse
 import collections
-import faulthandler
 import os
 import re
-import runpy
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+from ._rank_entry import MARK as _MARK
+from ._rank_entry import RESTART_COUNT_VAR, RUN_DIR_VAR
 from .errors import LaunchError
 
-#: The environment variable a launched script reads to know how often the job was restarted.
-RESTART_COUNT_VAR = "AXONDIST_RESTART_COUNT"
-# Where ranks on the launching host also leave their reports (hydra may drop the last output of
-# an aborting job; a file cannot be dropped).
-_RUN_DIR_VAR = "AXONDIST_RUN_DIR"
-
-# A line a rank writes to stderr for the launcher only (never shown): "<MARK> rank event ...".
-_MARK = "\x1eaxondist-run"
-_RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID")
 _POLL_S = 0.05
 _KILL_AFTER_S = 5.0  # after asking mpiexec to stop, how long before it is killed outright
-_ABORT_PAUSE_S = 0.25  # lets mpiexec forward a failing rank's last lines before MPI_Abort
 
 
 # --- what to launch ------------------------------------------------------------------------
@@ -149,7 +137,7 @@ def mpiexec_flavour(mpiexec: str) -> str:
     return "unknown"
 
 
-_RANK_ENTRY = "from axondist.launcher import rank_main; rank_main()"
+_RANK_ENTRY = "from axondist._rank_entry import rank_main; rank_main()"
 
 
 def build_command(cfg: RunConfig, mpiexec: str, flavour: str, outdir: str | None,
@@ -158,8 +146,8 @@ def build_command(cfg: RunConfig, mpiexec: str, flavour: str, outdir: str | None
 
     Under hydra each rank's stdout and stderr go to ``outdir/out.R`` and ``outdir/err.R``
     (on the launching host, even for remote ranks), which the launcher tails and tags; Open
-    MPI tags lines itself (``--tag-output``). Every rank runs :func:`rank_main`, which runs the
-    target and reports how it ended.
+    MPI tags lines itself (``--tag-output``). Every rank runs the target through
+    ``axondist._rank_entry``, which reports how it ended.
     """
     cmd = [mpiexec, "-n", str(cfg.nprocs)]
     if flavour == "openmpi":
@@ -437,7 +425,7 @@ def _attempts(cfg: RunConfig, mpiexec: str, flavour: str, out: TextIO, err: Text
         env[RESTART_COUNT_VAR] = str(attempt)
         with tempfile.TemporaryDirectory(prefix="axondist-run-") as outdir:
             cmd = build_command(cfg, mpiexec, flavour, outdir)
-            env[_RUN_DIR_VAR] = outdir
+            env[RUN_DIR_VAR] = outdir
             start = time.monotonic()
             job = _Job(cfg, cmd, flavour, outdir, env, out, err)
             try:
@@ -571,115 +559,5 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
 
-# --- inside each rank ----------------------------------------------------------------------
-
-
-def _env_rank() -> int:
-    for var in _RANK_VARS:
-        value = os.environ.get(var)
-        if value is not None and value.isdigit():
-            return int(value)
-    return -1
-
-
-def _report(rank: int, *fields: object) -> None:
-    line = " ".join([_MARK, str(rank), *map(str, fields)]) + "\n"
-    sys.stdout.flush()
-    sys.stderr.write(line)
-    sys.stderr.flush()
-    run_dir = os.environ.get(_RUN_DIR_VAR)
-    if run_dir and os.path.isdir(run_dir):  # on the launching host only
-        try:
-            with open(os.path.join(run_dir, f"status.{rank}"), "a") as f:
-                f.write(line)
-        except OSError:
-            pass
-
-
-def _exit_code(code: Any) -> int:
-    """The process exit status ``sys.exit(code)`` gives (None: 0, an int: itself, else 1)."""
-    if code is None:
-        return 0
-    if isinstance(code, int):
-        return code & 0xFF
-    return 1
-
-
-def _abort_mpi(code: int) -> None:
-    """End every rank's MPI if this rank started it: the others would wait forever."""
-    mpi = sys.modules.get("mpi4py.MPI")
-    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
-        time.sleep(_ABORT_PAUSE_S)
-        mpi.COMM_WORLD.Abort(code or 1)
-
-
-def _user_traceback(exc: BaseException) -> None:
-    """Print ``exc`` as Python would for the script, without the launcher's own frames."""
-    tb = exc.__traceback__
-    ours = {__file__, runpy.__file__, "<frozen runpy>"}
-    while tb is not None and tb.tb_frame.f_code.co_filename in ours:
-        tb = tb.tb_next
-    traceback.print_exception(type(exc), exc, tb)
-
-
-_fault_file: Any = None  # kept open for the life of the process
-
-
-def _enable_faulthandler(rank: int) -> None:
-    """Show the Python stack when C code crashes (SIGSEGV...): in a file the launcher reads
-    when this rank runs on the launching host (so it knows which rank crashed), else on
-    stderr."""
-    global _fault_file
-    run_dir = os.environ.get(_RUN_DIR_VAR)
-    if run_dir and os.path.isdir(run_dir):
-        try:
-            _fault_file = open(os.path.join(run_dir, f"fault.{rank}"), "w")  # noqa: SIM115
-        except OSError:
-            _fault_file = None
-    faulthandler.enable(file=_fault_file or sys.stderr)
-
-
-def rank_main(argv: Sequence[str] | None = None) -> None:
-    """Run the target on this rank as ``python script.py args`` (or ``python -m``) would, and
-    tell the launcher how it ended; on failure, abort MPI so the other ranks do not hang.
-
-    Args:
-        argv: the script and its arguments, or ``["-m", module, args...]`` (default:
-            ``sys.argv[1:]``).
-    """
-    args = list(sys.argv[1:] if argv is None else argv)
-    rank = _env_rank()
-    for stream in (sys.stdout, sys.stderr):  # whole lines reach the launcher as printed
-        if hasattr(stream, "reconfigure"):
-            stream.reconfigure(line_buffering=True)
-    _report(rank, "start", os.getpid(), socket.gethostname())
-    _enable_faulthandler(rank)
-    try:
-        if args[:1] == ["-m"]:
-            sys.argv = args[1:]
-            sys.path[0] = os.getcwd()
-            runpy.run_module(args[1], run_name="__main__", alter_sys=True)
-        else:
-            sys.argv = args
-            sys.path[0] = os.path.dirname(os.path.abspath(args[0]))
-            runpy.run_path(args[0], run_name="__main__")
-    except SystemExit as exc:
-        code = _exit_code(exc.code)
-        if code != 0:
-            _report(rank, "failed", code, f"sys.exit({exc.code!r})")
-            _abort_mpi(code)
-        else:
-            _report(rank, "end", 0)
-        raise
-    except BaseException as exc:  # noqa: BLE001 - reported, then the process exits with 1
-        _user_traceback(exc)
-        reason = traceback.format_exception_only(type(exc), exc)[-1].strip()[:300]
-        code = 130 if isinstance(exc, KeyboardInterrupt) else 1
-        _report(rank, "failed", code, reason)
-        _abort_mpi(code)
-        sys.exit(code)
-    _report(rank, "end", 0)
-
-
 __all__ = ["RESTART_COUNT_VAR", "RankFailure", "RunConfig", "build_command", "find_mpiexec",
-           "main", "mpiexec_flavour", "parse_args", "rank_main", "run_job", "summary"]
+           "main", "mpiexec_flavour", "parse_args", "run_job", "summary"]

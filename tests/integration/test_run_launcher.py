@@ -192,7 +192,7 @@ def test_an_exception_on_one_rank_ends_the_job_with_one_summary_line(tmp_path):
     assert "    | RuntimeError: loss is nan" in proc.stderr
     assert "    | step 1 on 1" in proc.stderr
     assert "[rank 1] Traceback (most recent call last):" in proc.stderr
-    assert "runpy" not in proc.stderr and "launcher.py" not in proc.stderr
+    assert "runpy" not in proc.stderr and "_rank_entry" not in proc.stderr
     assert "BAD TERMINATION" not in proc.stdout + proc.stderr
 
 
