@@ -12,8 +12,10 @@ the previous checkpoint as the latest.
 from __future__ import annotations
 
 import functools
+import json
 import os
 import threading
+import time
 import traceback
 import uuid
 from collections.abc import Mapping
@@ -39,6 +41,7 @@ from .types import ShardedState, TensorSpec, dtype_name, storable
 
 _WHAT = "save_sharded_checkpoint"
 LOCK_WAIT = 120.0  # seconds a save waits for an earlier save of this same process
+COMMIT_WAIT = 600.0  # seconds rank 0's writer waits for the other ranks' files (async saves)
 
 
 def _describe(exc: BaseException) -> str:
@@ -103,6 +106,9 @@ class _SaveJob:
         self.entries: list[dict[str, Any]] = []
         self.error = ""
         self._thread: threading.Thread | None = None
+        self.post_error = ""  # a rank that could not post its marker file (async saves)
+        self.cancelled: list[str] = []  # rank 0: those errors; its writer stops waiting
+        self.result: tuple[str, str] | None = None  # rank 0 of an async save: the outcome
 
     def thread_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
@@ -140,11 +146,61 @@ class _SaveJob:
         except BaseException as exc:  # reported to every rank by finish(), like a write error
             self.error, shards = f"rank {self.g.rank}: {_describe(exc)}", []
         if background:
-            self._thread = threading.Thread(target=self._write, args=(shards,),
+            self._thread = threading.Thread(target=self._background, args=(shards,),
                                             name="axondist-checkpoint-writer", daemon=True)
             self._thread.start()
         else:
             self._write(shards)
+
+    def _report(self) -> tuple[str, list[dict[str, Any]], list[dict[str, Any]], Any]:
+        """What this rank tells rank 0: its error (or ""), its files, tensors and optimizer."""
+        return (self.error, self.entries, [_spec_json(t) for t in self.state.tensors],
+                self.state.optimizer)
+
+    def _background(self, shards: list[tuple[Any, np.ndarray]]) -> None:
+        """Write this rank's files; then rank 0 commits as soon as every rank has reported
+        through a marker file, so the save becomes the latest while training goes on."""
+        self._write(shards)
+        if self.g.rank != 0:
+            try:
+                body = canonical_json(list(self._report()))
+                atomic_write(self._marker(self.g.rank), lambda f: f.write(body))
+            except BaseException as exc:
+                self.post_error = f"rank {self.g.rank}: {_describe(exc)}"
+            return
+        everyone: list[Any] = [self._report()]
+        for r in range(1, self.g.world_size):
+            report = self._await_marker(r)
+            if report is None:
+                self.result = ("error", f"{_WHAT}: rank {r} did not report its files "
+                                        f"({'; '.join(self.cancelled) or 'timed out'})")
+                self._abandon()
+                return
+            everyone.append(report)
+        self.result = self._commit(everyone)
+
+    def _marker(self, rank: int) -> str:
+        return os.path.join(self.root, self.staging, f"rank{rank}.done.json")
+
+    def _await_marker(self, rank: int) -> Any:
+        deadline = time.monotonic() + COMMIT_WAIT
+        path = self._marker(rank)
+        while not os.path.exists(path):
+            if self.cancelled or time.monotonic() > deadline:
+                return None
+            time.sleep(0.002)
+        with open(path, "rb") as f:
+            report = json.loads(f.read())
+        os.remove(path)
+        return report
+
+    def _abandon(self) -> None:
+        try:
+            remove_tree(os.path.join(self.root, self.staging))
+        except BaseException:
+            pass  # the next save removes it
+        if self.lock is not None:
+            self.lock.release()
 
     def _write(self, shards: list[tuple[Any, np.ndarray]]) -> None:
         try:
@@ -170,12 +226,17 @@ class _SaveJob:
     # --- finish: agree, index, verify, commit -----------------------------------------------
 
     def finish(self) -> str:
-        if self._thread is not None:
+        if self._thread is None:
+            everyone = self.b.allgather_object(self._report())
+            result = self._commit(everyone) if self.g.rank == 0 else None
+        else:
+            if self.g.rank != 0:
+                self._thread.join()
+            posted = self.b.allgather_object(self.post_error)
+            if self.g.rank == 0:
+                self.cancelled = [e for e in posted if e]
             self._thread.join()
-        tensors = [_spec_json(t) for t in self.state.tensors]
-        mine = (self.error, self.entries, tensors, self.state.optimizer)
-        everyone = self.b.allgather_object(mine)
-        result = self._commit(everyone) if self.g.rank == 0 else None
+            result = self.result
         status, text = self.b.broadcast_object(result, 0)
         if status != "ok":
             raise CheckpointError(text)

@@ -208,3 +208,34 @@ def test_a_second_job_is_refused_while_the_first_saves(tmp_path: Path, checkpoin
     assert second.stdout.count(named) == 2, second.stdout
     assert any(f"pid {p}," in second.stdout for p in pids), (pids, second.stdout)
     assert _same(loaded(root), checkpoints["values"][1])  # the first job's save, intact
+
+
+# --- examples/resume.py: killed under mpiexec -n 3, resumed under mpiexec -n 2 --------------
+
+def _example(n: int, args: list[str]) -> subprocess.CompletedProcess[str]:
+    cmd = [str(MPIEXEC), "-n", str(n), sys.executable, str(REPO / "examples" / "resume.py"),
+           *args]
+    proc = subprocess.Popen(cmd, env=_env(), text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO)
+    try:
+        out, _ = proc.communicate(timeout=TIMEOUT * 2)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"examples/resume.py {args} did not end within {TIMEOUT * 2} s:\n{out}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_resume_example_killed_at_3_ranks_resumed_at_2_equals_an_uninterrupted_run(
+        tmp_path: Path, strategy: str) -> None:
+    pytest.importorskip("sklearn")
+    common = ["--dir", str(tmp_path / "run"), "--strategy", strategy, "--steps", "24",
+              "--every", "8"]
+    killed = _example(3, [*common, "--kill-at", "20", "--no-verify"])
+    assert killed.returncode != 0, killed.stdout
+    assert Checkpointer(tmp_path / "run").latest_step() == 16  # step 8's and 16's committed
+    resumed = _example(2, common)
+    assert resumed.returncode == 0, resumed.stdout
+    assert f"resumed from step 16 at 2 ranks ({strategy})" in resumed.stdout
+    assert "equal an uninterrupted single-process run bit for bit: True" in resumed.stdout

@@ -14,6 +14,7 @@ import os
 import re
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -519,7 +520,10 @@ def test_async_save_snapshots_the_state_and_commits_on_wait(tmp_path, world) -> 
     handle = ckpt.save(params, opt, step=1, async_save=True)
     for p in params:  # training goes on: the checkpoint keeps the values at save time
         p.data[...] = 0
-    assert ckpt.latest_step() is None or handle.done()
+    deadline = time.monotonic() + 30
+    while not handle.done() and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert ckpt.latest_step() == 1  # committed in the background, before wait()
     path = handle.wait()
     assert handle.done() and path.endswith("step-00000001")
     _assert_holds(tmp_path, want)
