@@ -332,3 +332,15 @@ def test_sigterm_to_the_launcher_stops_every_rank(tmp_path):
         pid = int((tmp_path / f"pid.{rank}").read_text())
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+@launches
+def test_hosts_and_hostfile_reach_mpiexec(tmp_path):
+    path = script(tmp_path, "import os\nprint('on', os.environ['PMI_RANK'])\n")
+    (tmp_path / "hosts").write_text("localhost:3\n")
+    by_file = axondist_run("-n", "3", "--hostfile", str(tmp_path / "hosts"), path)
+    assert by_file.returncode == 0, by_file.stdout + by_file.stderr
+    assert sorted(by_file.stdout.splitlines()) == [f"[rank {r}] on {r}" for r in range(3)]
+    by_name = axondist_run("--nproc-per-node", "2", "--hosts", "localhost", path)
+    assert by_name.returncode == 0, by_name.stdout + by_name.stderr
+    assert sorted(by_name.stdout.splitlines()) == [f"[rank {r}] on {r}" for r in range(2)]
