@@ -358,7 +358,9 @@ def column_label(column: str) -> str:
         m = _UNIT_SUFFIX.match(part)
         if m and unit is None:
             part, unit = m.group(1), _UNITS[m.group(2).lower()]
-        words.append(part.replace("_", " ").replace("/", " / ").strip())
+        if part == part.lower():  # snake_case keys read as words; NO_SHARD stays a name
+            part = part.replace("_", " ")
+        words.append(part.replace("/", " / ").strip())
     label = ": ".join(w for w in words if w)
     if not label:
         return unit or column

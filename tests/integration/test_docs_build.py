@@ -19,6 +19,7 @@ import zlib
 from pathlib import Path
 
 import pytest
+from harness import mock_only
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -26,6 +27,9 @@ pytest.importorskip("mkdocs", reason="the docs extra is not installed: pip insta
 pytest.importorskip("mkdocstrings_handlers.python",
                     reason="the docs extra is not installed: pip install '.[docs]'")
 griffe = pytest.importorskip("griffe")
+
+# One build is enough: under mpiexec every rank would build the same site.
+pytestmark = mock_only
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "docs"))

@@ -271,6 +271,7 @@ def test_spreads_render_as_median_and_range_with_their_count():
     ("no sizes_us", "no sizes (µs)"), ("bytes", "size"), ("meets_target", "target"),
     ("axondist/mpi4py", "axondist / mpi4py"), ("step ms", "step (ms)"), ("mib", "MiB"),
     ("resident MiB", "resident (MiB)"), ("strategy", "strategy"), ("world_size", "world size"),
+    ("vs NO_SHARD", "vs NO_SHARD"),
 ])
 def test_headers_are_readable(key, label):
     assert runner.column_label(key) == label
