@@ -13,7 +13,7 @@ from ._environment import launched_by_mpi
 from .backends import nccl
 from .backends.base import Backend
 from .backends.mock import MockBackend
-from .errors import RankExitedError, WorldAbortedError
+from .errors import CollectiveMismatchError, RankExitedError, WorldAbortedError
 from .process_group import World, current_world, init, use_world
 
 T = TypeVar("T")
@@ -42,6 +42,8 @@ def spawn(fn: Callable[..., T], world_size: int, *args: Any, timeout: float | No
         The ranks' return values, in rank order.
 
     Raises:
+        CollectiveMismatchError: every rank returned but a message sent with
+            :func:`axondist.send` was never received.
         The first failing rank's own exception with a note naming the rank
         (an error caused only by another rank's failure or departure comes
         second). When the only failures are ``sys.exit`` calls that no other
@@ -57,8 +59,14 @@ def spawn(fn: Callable[..., T], world_size: int, *args: Any, timeout: float | No
             "axondist.init()", RuntimeWarning, stacklevel=2)
     backends = MockBackend.create_world(world_size, timeout)
     mock_world = backends[0].world
-    return run_ranks(backends, fn, args, kwargs, abort=mock_world.abort,
-                     left=mock_world.mark_left, label="axondist.spawn")
+    results = run_ranks(backends, fn, args, kwargs, abort=mock_world.abort,
+                        left=mock_world.mark_left, label="axondist.spawn")
+    leftover = mock_world.unreceived()
+    if leftover:
+        raise CollectiveMismatchError(
+            "spawn: messages were sent but never received: " + "; ".join(leftover)
+            + " (group ranks); every send needs a matching recv")
+    return results
 
 
 def spawn_on_devices(fn: Callable[..., T], devices: Sequence[int], *args: Any,

@@ -20,24 +20,8 @@ from typing import Any
 import numpy as np
 
 from .base import compare_signatures
+from .recorder import CALL_FIELDS as FIELDS
 from .recorder import FlightRecorder
-
-#: The arguments each call's key holds, in order (what a mismatch message names).
-FIELDS: dict[str, tuple[str, ...]] = {
-    "all_reduce": ("dtype", "shape", "reduce_op", "async_op"),
-    "scaled_sum": ("dtype", "shape"),
-    "broadcast": ("dtype", "shape", "root", "async_op"),
-    "all_gather": ("dtype", "counts", "async_op"),
-    "reduce_scatter": ("dtype", "counts", "reduce_op", "async_op"),
-    "gather": ("dtype", "counts", "root", "async_op"),
-    "scatter": ("dtype", "counts", "root", "async_op"),
-    "all_to_all": ("dtype", "send_counts", "async_op"),
-    "barrier": (),
-    "allgather_object": (),
-    "broadcast_object": ("root",),
-    "new_group": (),
-    "destroy": (),
-}
 
 _CACHE_LIMIT = 4096
 
@@ -70,6 +54,9 @@ class CallGuard:
         self.checks = checks
         recorder.groups[group] = self.members
         self._seqs = itertools.count(1)
+        self._p2p_seqs = itertools.count(1)
+        self.p2p_group = f"{group}:p2p"
+        recorder.groups[self.p2p_group] = self.members
         self._int64 = mpi.INT64_T
         self._max = mpi.MAX
         self._out = np.zeros(2, dtype=np.int64)
@@ -81,6 +68,11 @@ class CallGuard:
         """Number and record a call starting now: ``(seq, recorder slot)``."""
         seq = next(self._seqs)
         return seq, self.rec.begin(self.group, seq, op, detail, blocking)
+
+    def begin_p2p(self, op: str, detail: Any) -> int:
+        """Record a send or receive starting now (numbered apart from the collectives,
+        which every rank must count alike); the recorder slot."""
+        return self.rec.begin(self.p2p_group, next(self._p2p_seqs), op, detail)
 
     def agree(self, op: str, key: tuple[Any, ...]) -> None:
         """Return when every rank of the group calls ``op`` with this ``key``.

@@ -105,6 +105,13 @@ class MockWorld:
             self.left[rank] = why
             self.cond.notify_all()
 
+    def unreceived(self) -> list[str]:
+        """Messages sent but never received, as text (what a finished world should not hold)."""
+        with self.cond:
+            return [f"{len(box)} from rank {src} to rank {dst} (tag {tag}"
+                    + (f", group {key})" if key != ("world",) else ")")
+                    for (key, src, dst, tag), box in self.mailboxes.items() if box]
+
     def _check_abort(self, what: str) -> None:
         if self.abort_reason is not None:
             raise WorldAbortedError(f"{what} cancelled: {self.abort_reason}")
@@ -170,6 +177,7 @@ class MockBackend(Backend):
         self.rank = rank
         self.world_size = len(ranks)
         self._seq = 0
+        self._p2p_seq = 0
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self.recorder: FlightRecorder = world.recorders[self.global_ranks[rank]]
         self.group_name = _group_name(group_key)
@@ -442,7 +450,8 @@ class MockBackend(Backend):
 
         with w.cond:
             if not box:
-                slot = self.recorder.begin(self.group_name, 0, what,
+                self._p2p_seq += 1
+                slot = self.recorder.begin(f"{self.group_name}:p2p", self._p2p_seq, what,
                                            (("peer", peer), ("tag", tag)))
                 w.receiving[me] = (box, peer)
                 try:

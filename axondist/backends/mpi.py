@@ -134,7 +134,8 @@ class MPIBackend(Backend):
 
     def __init__(self, comm: Any, options: MPIOptions | None = None, *,
                  recorder: FlightRecorder | None = None, group_name: str = "world",
-                 members: Sequence[int] | None = None) -> None:
+                 members: Sequence[int] | None = None,
+                 node_ids: Sequence[int] | None = None) -> None:
         _load_mpi()
         self._comm = comm
         self.options = options if options is not None else MPIOptions.from_env()
@@ -162,7 +163,10 @@ class MPIBackend(Backend):
                                 self.options.checks and not self._debug)
         self._cuda_aware: bool | None = True if self.options.host_staging == "never" else None
         self._tag_ub = int(MPI.COMM_WORLD.Get_attr(MPI.TAG_UB))
-        self._node = self._compute_node_info()
+        #: Each rank's node id (nodes numbered by their lowest rank): sub-groups derive
+        #: their layout from it without communicating.
+        self._nodes = self._compute_nodes() if node_ids is None else list(node_ids)
+        self._node = _node_info(self._nodes, self.rank)
         self._host_twin: MPIBackend | None = None
         #: The rank's watchdog (the world backend of a job of several ranks only).
         self.watchdog: Watchdog | None = None
@@ -193,14 +197,12 @@ class MPIBackend(Backend):
                     info.Free()
         return self._cuda_aware
 
-    def _compute_node_info(self) -> tuple[int, int, int]:
-        """(node id, local rank, local size); node ids number the nodes by their
-        lowest rank, so every rank agrees on them."""
+    def _compute_nodes(self) -> list[int]:
+        """Every rank's node id, from ``Split_type(COMM_TYPE_SHARED)``."""
         local = self._comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
         try:
             leader = local.bcast(self.rank, root=0)
-            leaders = sorted(set(self._comm.allgather(leader)))
-            return leaders.index(leader), local.Get_rank(), local.Get_size()
+            return list(self._comm.allgather(leader))
         finally:
             local.Free()
 
@@ -732,7 +734,7 @@ class MPIBackend(Backend):
         if self._needs_host(buf):
             buf = host_copy(buf)
         guard = self._guard
-        _, slot = guard.begin("send", (("peer", guard.members[dst]), ("tag", tag),
+        slot = guard.begin_p2p("send", (("peer", guard.members[dst]), ("tag", tag),
                                        ("bytes", buf.nbytes)))
         try:
             self._comm.Send(buf.reshape(-1).view(BYTES), dst, data_tag)
@@ -754,7 +756,7 @@ class MPIBackend(Backend):
         status = MPI.Status()
         what = f"recv from rank {src} (tag {tag}) into {_array.describe(buf)}"
         guard = self._guard
-        _, slot = guard.begin("recv", (("peer", guard.members[src]), ("tag", tag),
+        slot = guard.begin_p2p("recv", (("peer", guard.members[src]), ("tag", tag),
                                        ("bytes", target.nbytes)))
         try:
             self._comm.Recv(target.reshape(-1).view(BYTES), src, data_tag, status)
@@ -775,7 +777,7 @@ class MPIBackend(Backend):
         self._check_rank(dst, "send_object", "dst")
         _, header_tag = split_tag(tag, self._tag_ub)
         guard = self._guard
-        _, slot = guard.begin("send", (("peer", guard.members[dst]), ("tag", tag)))
+        slot = guard.begin_p2p("send", (("peer", guard.members[dst]), ("tag", tag)))
         try:
             self._comm.send(obj, dst, header_tag)
         finally:
@@ -786,7 +788,7 @@ class MPIBackend(Backend):
         self._check_rank(src, "recv_object", "src")
         _, header_tag = split_tag(tag, self._tag_ub)
         guard = self._guard
-        _, slot = guard.begin("recv", (("peer", guard.members[src]), ("tag", tag)))
+        slot = guard.begin_p2p("recv", (("peer", guard.members[src]), ("tag", tag)))
         try:
             return self._comm.recv(None, src, header_tag)
         finally:
@@ -815,12 +817,10 @@ class MPIBackend(Backend):
         for r in ranks:
             self._check_rank(r, "new_group", "rank")
         if self._debug:
-            self._agree("new_group", ())
-        all_ranks = self._blocking("new_group", (), self._comm.allgather, ranks)
-        if any(r != ranks for r in all_ranks):
-            raise CollectiveMismatchError(
-                "new_group: ranks disagree on the members: "
-                + ", ".join(f"rank {k} passed {list(r)}" for k, r in enumerate(all_ranks)))
+            self._agree("new_group", (("ranks", ranks),))
+        # The members are part of the checked arguments: ranks that disagree raise
+        # CollectiveMismatchError naming what each passed, before the Split.
+        self._blocking("new_group", (ranks,), lambda: None)
         guard = self._guard
         name = f"{guard.group}.{guard.groups_made}"
         guard.groups_made += 1
@@ -831,7 +831,8 @@ class MPIBackend(Backend):
             return None
         sub.Set_errhandler(MPI.ERRORS_RETURN)
         return MPIBackend(sub, self.options, recorder=guard.rec, group_name=name,
-                          members=[guard.members[r] for r in ranks])
+                          members=[guard.members[r] for r in ranks],
+                          node_ids=[self._nodes[r] for r in ranks])
 
     def node_info(self) -> tuple[int, int, int]:
         """``(node_id, local_rank, local_size)`` from ``Split_type(COMM_TYPE_SHARED)``,
@@ -846,6 +847,7 @@ class MPIBackend(Backend):
         comm, self._comm, self._host_twin = self._comm, None, None
         if comm is not None and not MPI.Is_finalized() and comm != MPI.COMM_NULL:
             self._guard.rec.groups.pop(self._guard.group, None)
+            self._guard.rec.groups.pop(self._guard.p2p_group, None)
             comm.Free()
 
 
@@ -882,6 +884,15 @@ def install_abort_hook() -> None:
 
     sys.excepthook = abort_job
     _HOOK_INSTALLED = True
+
+
+def _node_info(node_ids: Sequence[int], rank: int) -> tuple[int, int, int]:
+    """(node id, local rank, local size) of ``rank`` from every rank's node id; nodes are
+    numbered by their first rank, so every rank agrees."""
+    order = list(dict.fromkeys(node_ids))
+    mine = node_ids[rank]
+    local = [r for r, n in enumerate(node_ids) if n == mine]
+    return order.index(mine), local.index(rank), len(local)
 
 
 def create_world_backend(*, comm: Any = None, abort_on_exception: bool = True,

@@ -33,10 +33,32 @@ def _capacity() -> int:
     return 1 << (value - 1).bit_length()  # a power of two: slots by masking
 
 
-def describe_detail(detail: Any) -> str:
-    """A call's detail (dtype, shape, op, root, peer...) as short text."""
+#: The arguments each call's key holds, in order (what a mismatch message names).
+CALL_FIELDS: dict[str, tuple[str, ...]] = {
+    "all_reduce": ("dtype", "shape", "reduce_op", "async_op"),
+    "scaled_sum": ("dtype", "shape"),
+    "broadcast": ("dtype", "shape", "root", "async_op"),
+    "all_gather": ("dtype", "counts", "async_op"),
+    "reduce_scatter": ("dtype", "counts", "reduce_op", "async_op"),
+    "gather": ("dtype", "counts", "root", "async_op"),
+    "scatter": ("dtype", "counts", "root", "async_op"),
+    "all_to_all": ("dtype", "send_counts", "async_op"),
+    "barrier": (),
+    "allgather_object": (),
+    "broadcast_object": ("root",),
+    "new_group": ("ranks",),
+    "destroy": (),
+}
+
+
+def describe_detail(detail: Any, op: str = "") -> str:
+    """A call's detail (dtype, shape, op, root, peer...) as short text; a plain tuple of
+    values is named by ``CALL_FIELDS[op]``."""
     if detail is None:
         return ""
+    names = CALL_FIELDS.get(op)
+    if isinstance(detail, tuple) and names is not None and len(names) == len(detail):
+        detail = tuple((n, v) for n, v in zip(names, detail) if n != "async_op")
     if isinstance(detail, tuple):
         return ", ".join(_describe_item(d) for d in detail if d is not None and d != ())
     return _describe_item(detail)
@@ -44,7 +66,8 @@ def describe_detail(detail: Any) -> str:
 
 def _describe_item(item: Any) -> str:
     if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str):
-        return f"{item[0]}={item[1]}"
+        value = list(item[1]) if isinstance(item[1], tuple) else item[1]
+        return f"{item[0]}={value}"
     if isinstance(item, tuple):
         return str(list(item))
     return str(item)
@@ -135,7 +158,8 @@ class FlightRecorder:
             if entry is None:
                 continue
             item = {"group": entry[_GROUP], "seq": entry[_SEQ], "op": entry[_OP],
-                    "detail": describe_detail(entry[_DETAIL]), "blocking": entry[_BLOCKING],
+                    "detail": describe_detail(entry[_DETAIL], entry[_OP]),
+                    "blocking": entry[_BLOCKING],
                     "started_s_ago": round(now - entry[_START], 3),
                     "state": "done" if end else "running"}
             if end:
@@ -159,7 +183,7 @@ class FlightRecorder:
             entry, end = self._slots[j], self._ends[j]
             if entry is not None and end:
                 return {"group": entry[_GROUP], "seq": entry[_SEQ], "op": entry[_OP],
-                        "detail": describe_detail(entry[_DETAIL]),
+                        "detail": describe_detail(entry[_DETAIL], entry[_OP]),
                         "ended_s_ago": round(now - end, 3)}
         return None
 

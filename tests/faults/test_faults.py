@@ -1,0 +1,155 @@
+"""Every fault of ``scripts/fault_cases.py`` on the mock world and under ``mpiexec -n 2/3``.
+
+Each run is a subprocess under its own ``timeout`` (a hang fails the test instead of
+freezing the suite) with ``AXONDIST_TIMEOUT=10``; a case that must fail must end
+non-zero within 30 s with a message naming the operation and the ranks. The runs are
+started together, a few at a time, when the module's tests first ask for them.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import os
+import re
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from axondist.launch import launched_by_mpi
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = Path(__file__).resolve().parent / "scripts" / "fault_cases.py"
+MPIEXEC = Path(sys.executable).parent / "mpiexec"
+LIMIT = 30.0  # seconds a failing case may take, with AXONDIST_TIMEOUT=10
+HARD_LIMIT = 90.0  # the subprocess timeout: past it, a hang
+PARALLEL = int(os.environ.get("AXONDIST_FAULT_PARALLEL", "6"))
+ENV = {"AXONDIST_TIMEOUT": "10", "PYTHONPATH": str(REPO),
+       # waiting MPICH ranks yield their core (the machines running this are small)
+       "MPIR_CVAR_POLLS_BEFORE_YIELD": "1", "MPIR_CVAR_CH4_PROGRESS_THROTTLE": "true",
+       "MPIR_CVAR_CH4_PROGRESS_THROTTLE_NO_PROGRESS_COUNT": "1"}
+
+
+@dataclass(frozen=True)
+class Expect:
+    """What a case must print: a regex for MPI runs and one for mock runs (None: must
+    succeed, printing ``CASE OK``)."""
+
+    mpi: str | None
+    mock: str | None
+
+
+LEFT_MPI = r"all_reduce #1 on world .*cannot complete: rank 1 \(host .*\) left before any call"
+CASES: dict[str, Expect] = {
+    "skip_collective": Expect(LEFT_MPI, r"all_reduce #1 on world .*rank 1 left before making "
+                                        r"any call \(its function returned\)"),
+    "exit0": Expect(LEFT_MPI, r"rank 1 left before making any call \(it called sys.exit\(0\)\)"),
+    "exit1": Expect(LEFT_MPI, r"rank 1 left before making any call \(it called sys.exit\(1\)\)"),
+    "finally_barrier": Expect(*[r"ranks called different collectives at the same point \("
+                                r"rank 0 called all_reduce, rank 1 called barrier"] * 2),
+    "stuck": Expect(r"all_reduce #1 on world .*timed out on rank \d of \d after 1\d\.\d s "
+                    r"\(AXONDIST_TIMEOUT=10 s\).*missing ranks: \[1\].*rank 1 \(host .*\) is not "
+                    r"in any axondist call",
+                    r"all_reduce #1 on world .*ranks \[1\] of \d did not join within 10 s; rank 1 "
+                    r".* is not in any axondist call"),
+    "wrong_group": Expect(r"all_reduce #1 on world\.0 .*cannot complete: deadlock: rank 1 waits "
+                          r"in all_reduce #2 on world",
+                          r"all_reduce .*did not join within 10 s.*waits in all_reduce "
+                          r"#(1 on world\.0|2 on world)"),
+    "send_no_recv": Expect(r"deadlock: rank [01] waits in (barrier #1 on world|send #2 on "
+                           r"world:p2p \(peer=1, tag=0, bytes=4194304\))",
+                           r"messages were sent but never received: 2 from rank 0 to rank 1 "
+                           r"\(tag 0\)"),
+    "recv_no_send": Expect(r"deadlock: rank \d waits in (barrier #1 on world|recv #1 on "
+                           r"world:p2p \(peer=0)",
+                           r"barrier #1 on world .*did not join within 10 s.*rank 1 .*waits in "
+                           r"recv #1 on world:p2p \(peer=0, tag=0\)"),
+    "recv_recv": Expect(r"recv #1 on world:p2p \(peer=[01], tag=0\) .*deadlock: rank [01] waits "
+                        r"in recv #1 on world:p2p",
+                        r"deadlock: every rank in the cycle rank [01] -> rank [01] -> rank [01] "
+                        r"waits to receive"),
+    "dtype_same_bytes": Expect(*[r"all_reduce: ranks disagree on dtype \(rank 0: float32, "
+                                 r"rank 1: float64"] * 2),
+    "int_vs_float": Expect(*[r"all_reduce: ranks disagree on dtype \(rank 0: float32, "
+                             r"rank 1: int32"] * 2),
+    "op_mismatch": Expect(*[r"all_reduce: ranks disagree on reduce_op \(rank 0: SUM, .*MAX\)"] * 2),
+    "sizes_mismatch": Expect(*[r"all_gather: ranks disagree on counts \(rank 0: .6, 6.*"
+                               r"rank 1: .3, 6"] * 2),
+    "ddp_num_samples": Expect(r"ranks called different collectives at the same point \(rank 0 "
+                              r"called all_reduce, rank 1 called scaled_sum",
+                              r"all_reduce: ranks disagree on dtype \(rank 0: float64, rank 1: "
+                              r"float32"),
+    "recv_wrong_out_then_good": Expect(None, None),
+    "many_groups": Expect(None, None),
+}
+MPI_ONLY = {"killed": r"rank 1 .*|KILLED BY SIGNAL: 9|signal 9"}
+RUNS = ([(case, "mock", n) for case in CASES for n in (2, 3)]
+        + [(case, "mpi", n) for case in [*CASES, *MPI_ONLY] for n in (2, 3)])
+
+
+@dataclass(frozen=True)
+class Outcome:
+    returncode: int
+    seconds: float
+    output: str
+
+
+def _why_no_mpi() -> str | None:
+    try:
+        import mpi4py  # noqa: F401
+    except ImportError:
+        return "mpi4py is not installed (pip install 'axondist[mpi]')"
+    if not MPIEXEC.exists():
+        return f"no mpiexec next to the Python interpreter ({MPIEXEC})"
+    return None
+
+
+def _run(case: str, mode: str, n: int) -> Outcome:
+    command = [sys.executable, str(SCRIPT), case, mode]
+    if mode == "mpi":
+        command = [str(MPIEXEC), "-n", str(n)] + command
+    else:
+        command.append(str(n))
+    env = {**os.environ, **ENV}
+    if case == "many_groups" and (mode, n) == ("mpi", 3):
+        env["AXONDIST_FAULT_GROUPS"] = "2100"  # past MPICH's ~2,040: 3 ranks on 2 cores are slow
+    start = time.monotonic()
+    try:
+        proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
+                              timeout=HARD_LIMIT, stdin=subprocess.DEVNULL)
+        code, out = proc.returncode, proc.stdout + proc.stderr
+    except subprocess.TimeoutExpired as exc:
+        code, out = -999, f"HUNG: killed after {HARD_LIMIT:g} s\n{exc.stdout}{exc.stderr}"
+    return Outcome(code, time.monotonic() - start, out)
+
+
+@functools.cache
+def _outcomes() -> dict[tuple[str, str, int], concurrent.futures.Future]:
+    runs = [r for r in RUNS if r[1] == "mock" or _why_no_mpi() is None]
+    pool = concurrent.futures.ThreadPoolExecutor(PARALLEL)
+    return {run: pool.submit(_run, *run) for run in runs}
+
+
+pytestmark = pytest.mark.skipif(launched_by_mpi(), reason="launches its own mpiexec jobs")
+
+
+@pytest.mark.parametrize("case,mode,n", RUNS, ids=[f"{c}-{m}{n}" for c, m, n in RUNS])
+def test_fault_case(case: str, mode: str, n: int) -> None:
+    if mode == "mpi" and _why_no_mpi() is not None:
+        pytest.skip(_why_no_mpi() or "")
+    outcome = _outcomes()[(case, mode, n)].result()
+    pattern = MPI_ONLY.get(case) or getattr(CASES[case], mode)
+    tail = outcome.output[-6000:]
+    if pattern is None:
+        assert outcome.returncode == 0, (
+            f"{case} must succeed, ended with {outcome.returncode}:\n{tail}")
+        assert outcome.output.count(f"{case} OK") == n, tail
+        return
+    assert outcome.returncode not in (0, -999), (
+        f"{case} must fail, ended with {outcome.returncode}:\n{tail}")
+    assert outcome.seconds < LIMIT, f"{case} took {outcome.seconds:.1f} s:\n{tail}"
+    assert re.search(pattern, outcome.output, re.S), f"no match for {pattern!r} in:\n{tail}"
