@@ -112,6 +112,7 @@ def clip_gradients(grads: Sequence[Any], max_norm: Any, norm_type: Any,
             "the gradients by it anyway (as torch.nn.utils.clip_grad_norm_)")
     coef = clip_coefficient(norm, limit)
     if coef != 1.0:  # also NaN, which compares unequal to everything
-        for g in grads:
-            g *= coef
+        with np.errstate(invalid="ignore"):  # inf * 0 is NaN, as in torch, without a warning
+            for g in grads:
+                g *= coef
     return norm

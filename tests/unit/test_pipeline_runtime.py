@@ -8,6 +8,9 @@ other on the whole batch.
 
 from __future__ import annotations
 
+import logging
+import math
+
 import numpy as np
 import pytest
 from hypothesis import example, given, settings
@@ -24,20 +27,25 @@ from pipeline_toy import (
 )
 
 import axondist as ad
+from axondist.errors import NonFiniteNormError
 from axondist.optim import SGD
 from axondist.pipeline import (
+    SCHEDULES,
     ActionKind,
     Pipeline,
     PipelineMemoryStats,
     PipelineSchedule,
     PipelineStage,
+    ScheduleError,
     build_schedule,
+    parse_schedule,
     render_text,
+    schedule_names,
     simulate,
 )
 
 K = PipelineSchedule
-SINGLE_CHUNK = (K.ONE_F_ONE_B, K.ZERO_BUBBLE_H1)
+SINGLE_CHUNK = tuple(kind for kind, spec in SCHEDULES.items() if not spec.multi_chunk)
 EXAMPLES = settings(max_examples=40, deadline=None)
 
 @st.composite
@@ -54,7 +62,7 @@ def shapes(draw):
 
 def variants(p: int, v: int):
     """Every schedule with every backward form: (kind, chunks, split)."""
-    for kind in PipelineSchedule:
+    for kind in SCHEDULES:
         for split in ("full", "halves", "both"):
             yield kind, (1 if kind in SINGLE_CHUNK else v), split
 
@@ -191,7 +199,7 @@ def test_shared_parameter_gets_the_sum_over_its_stages():
 def test_measured_peak_activations_equal_the_formulas(p, m, v):
     dims = [2] * (p * v + 1)
     x, t = data(0, m + 1, 2, 2)
-    for kind in PipelineSchedule:
+    for kind in SCHEDULES:
         chunks = 1 if kind in SINGLE_CHUNK else v
         pipe = Pipeline.from_stages(make_stages(0, dims[: p * chunks + 1], "both"),
                                     num_microbatches=m, schedule=kind, chunks=chunks)
@@ -295,8 +303,14 @@ def test_pipeline_argument_errors():
         Pipeline.from_stages(stages, num_microbatches=2, chunks=2)
     with pytest.raises(ValueError, match="INTERLEAVED"):
         Pipeline.from_stages(stages[:2], num_microbatches=2, chunks=2)
-    with pytest.raises(ValueError, match="unknown schedule 'fast'"):
+    with pytest.raises(ValueError) as info:
         Pipeline.from_stages(stages, num_microbatches=2, schedule="fast")
+    assert str(info.value).startswith("Pipeline.from_stages: schedule='fast' is not one of")
+    assert all(repr(name) in str(info.value) for name in schedule_names())
+    with pytest.raises(TypeError, match="schedule must be a PipelineSchedule, one of"):
+        Pipeline.from_stages(stages, num_microbatches=2, schedule=3)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="num_microbatches is required"):
+        Pipeline.from_stages(stages)
     with pytest.raises(ValueError, match="num_microbatches must be an int >= 1, got 0"):
         Pipeline.from_stages(stages, num_microbatches=0)
     with pytest.raises(ValueError, match="chunks must be an int >= 1, got 0"):
@@ -305,3 +319,192 @@ def test_pipeline_argument_errors():
         Pipeline.from_stages([], num_microbatches=1)
     with pytest.raises(TypeError, match="stage 1 is a function"):
         Pipeline.from_stages([stages[0], fwd], num_microbatches=1)
+
+
+# ---------------------------------------------------------------- schedules by name or by value
+
+
+def test_schedule_names_in_any_case():
+    for word, kind, chunks in (("ZB_H1", K.ZERO_BUBBLE_H1, 1), ("GPipe", K.GPIPE, 1),
+                               (" Interleaved_1F1B ", K.INTERLEAVED_ONE_F_ONE_B, 2),
+                               ("INTERLEAVED_ONE_F_ONE_B_LEAN", K.INTERLEAVED_ONE_F_ONE_B_LEAN, 2)):
+        pipe = Pipeline.from_stages(make_stages(0, [2] * (2 * chunks + 1), "both"),
+                                    num_microbatches=3, schedule=word, chunks=chunks)
+        assert pipe.schedule.kind is kind
+
+
+@settings(max_examples=25, deadline=None)
+@given(shapes(), st.sampled_from(list(SCHEDULES)))
+def test_a_hand_made_schedule_runs_like_the_generated_one(shape, kind):
+    p, v, m, rows, dims, seed = shape
+    v = 1 if kind in SINGLE_CHUNK else v
+    dims = dims[: p * v + 1]
+    generated = build_schedule(kind, p, m, v)
+    by_hand = parse_schedule([" ".join(a.text(v) for a in row) for row in generated.actions],
+                             num_microbatches=m, chunks=v)
+    assert by_hand.kind is None and by_hand.actions == generated.actions
+    x, t = data(seed, rows, dims[0], dims[-1])
+    want_loss, want_grads, _ = sequential(make_stages(seed, dims, "both"), x, t)
+    stages = make_stages(seed, dims, "both")
+    pipe = Pipeline.from_stages(stages, schedule=by_hand)
+    assert pipe.schedule is by_hand and (pipe.num_microbatches, pipe.chunks) == (m, v)
+    assert "custom" in repr(pipe)
+    np.testing.assert_allclose(pipe.train_step(x, t, mse), want_loss, rtol=1e-12)
+    for st_, grads in zip(stages, want_grads):
+        for prm, g in zip(st_.params, grads):
+            np.testing.assert_allclose(prm.grad, g, rtol=1e-10, atol=1e-12)
+
+
+def test_a_hand_made_order_no_generator_makes():
+    # Rank 0 runs its forwards first, like GPipe, while rank 1 alternates.
+    custom = parse_schedule(["F0 F1 F2 B0 B1 B2", "F0 B0 F1 B1 F2 B2"])
+    stages = make_stages(3, [2, 3, 2])
+    x, t = data(3, 6, 2, 2)
+    want_loss, want_grads, _ = sequential(make_stages(3, [2, 3, 2]), x, t)
+    pipe = Pipeline.from_stages(stages, schedule=custom)
+    assert pipe.train_step(x, t, mse) == pytest.approx(want_loss, rel=1e-12)
+    for st_, grads in zip(stages, want_grads):
+        for prm, g in zip(st_.params, grads):
+            np.testing.assert_allclose(prm.grad, g, rtol=1e-10, atol=1e-12)
+
+
+def test_a_bad_hand_made_schedule_is_refused_before_running():
+    calls = []
+
+    def counting_fwd(ps, x):
+        calls.append(1)
+        return fwd(ps, x)
+
+    stages = [PipelineStage(counting_fwd, bwd, layer_params(0, s, 2, 2)) for s in range(2)]
+    with pytest.raises(ScheduleError) as info:  # backward before its forward
+        Pipeline.from_stages(stages, schedule=parse_schedule(["B0 F0", "F0 B0"]))
+    assert (info.value.rank, info.value.step) == (0, 0)
+    with pytest.raises(ScheduleError, match="in-order point-to-point delivery"):
+        Pipeline.from_stages(stages, schedule=parse_schedule(["F0 B0 F1 B1", "F0 F1 B1 B0"]))
+    with pytest.raises(ScheduleError, match="the schedule is for 3 rank"):
+        Pipeline.from_stages(stages, schedule=parse_schedule(["F0 B0"] * 3))
+    good = parse_schedule(["F0 F1 B0 B1", "F0 B0 F1 B1"])
+    with pytest.raises(ScheduleError, match="num_microbatches=3 but the schedule has"):
+        Pipeline.from_stages(stages, num_microbatches=3, schedule=good)
+    with pytest.raises(ScheduleError, match="chunks=2 but the schedule has chunks=1"):
+        Pipeline.from_stages(stages, chunks=2, schedule=good)
+    with pytest.raises(TypeError, match="validate: schedule must be a Schedule"):
+        ad.pipeline.validate("F0 B0")  # type: ignore[arg-type]
+    assert calls == []
+    pipe = Pipeline.from_stages(stages, num_microbatches=2, chunks=1, schedule=good)
+    pipe.train_step(*data(0, 4, 2, 2), mse)
+    assert len(calls) == 4
+
+
+def test_building_a_pipeline_logs_its_schedule(caplog):
+    with caplog.at_level(logging.INFO, logger="axondist.pipeline"):
+        Pipeline.from_stages(make_stages(0, [2, 2, 2, 2]), num_microbatches=4, schedule="1f1b")
+    records = [r for r in caplog.records if r.name == "axondist.pipeline"]
+    assert len(records) == 1 and records[0].levelno == logging.INFO
+    msg = records[0].getMessage()
+    assert msg.startswith("pipeline schedule 1f1b: 3 rank(s) x 1 chunk(s), 4 microbatch(es)")
+    assert "bubble 0.333" in msg and "peak activations per rank [3, 2, 1]" in msg
+    assert build_schedule(K.ONE_F_ONE_B, 3, 4).text() in msg
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="axondist.pipeline"):
+        Pipeline.from_stages(make_stages(0, [2, 2, 2]), num_microbatches=2)
+    assert not [r for r in caplog.records if r.name == "axondist.pipeline"]
+
+
+# ---------------------------------------------------------------- clip_grad_norm
+
+
+def torch_clip(grads, max_norm, norm_type):
+    """torch.nn.utils.clip_grad_norm_ in NumPy: the norm of the per-tensor norms, then every
+    gradient times clamp(max_norm / (norm + 1e-6), max=1), NaN included."""
+    if math.isinf(norm_type):
+        norms = [np.max(np.abs(g)) for g in grads]
+        total = np.max(norms) if norms else 0.0
+    else:
+        norms = [np.sum(np.abs(g) ** norm_type) ** (1 / norm_type) for g in grads]
+        total = np.sum(np.array(norms) ** norm_type) ** (1 / norm_type)
+    coef = np.minimum(max_norm / (total + 1e-6), 1.0)  # np.minimum keeps NaN
+    with np.errstate(invalid="ignore"):
+        return float(total), [g * coef for g in grads]
+
+
+def poison(grads, where, value):
+    """``grads`` with ``value`` written at flat position ``where`` of the concatenation."""
+    out = [g.copy() for g in grads]
+    for g in out:
+        if where < g.size:
+            g.reshape(-1)[where] = value
+            break
+        where -= g.size
+    return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 2**31 - 1), st.sampled_from([1.0, 2.0, 3.5, math.inf, "inf"]),
+       st.floats(0.01, 100), st.sampled_from([None, math.nan, math.inf, -math.inf]),
+       st.integers(0, 40), st.integers(2, 3))
+def test_clip_grad_norm_matches_torch_including_nan_and_inf(seed, norm_type, max_norm, bad,
+                                                             where, p):
+    stages = make_stages(seed, [3] * (p + 1))
+    x, t = data(seed, 5, 3, 3)
+    pipe = Pipeline.from_stages(stages, num_microbatches=2)
+    pipe.train_step(x, t, mse)
+    params = pipe.parameters()
+    grads = [prm.grad for prm in params]
+    if bad is not None:
+        grads = poison(grads, where % sum(g.size for g in grads), bad)
+        for prm, g in zip(params, grads):
+            prm.grad = g
+    order = math.inf if norm_type == "inf" else norm_type
+    want_norm, want_grads = torch_clip([g.copy() for g in grads], max_norm, order)
+    norm = pipe.clip_grad_norm(max_norm, norm_type)
+    if math.isnan(want_norm):
+        assert math.isnan(norm)
+    else:
+        assert norm == pytest.approx(want_norm, rel=1e-12)
+    for prm, g in zip(params, want_grads):
+        np.testing.assert_allclose(prm.grad, g, rtol=1e-12, atol=0, equal_nan=True)
+    if bad is not None:
+        assert not math.isfinite(norm)
+
+
+def test_clip_grad_norm_scales_only_above_max_norm():
+    stages = make_stages(1, [2, 2, 2])
+    pipe = Pipeline.from_stages(stages, num_microbatches=2)
+    pipe.train_step(*data(1, 4, 2, 2), mse)
+    before = [prm.grad.copy() for prm in pipe.parameters()]
+    norm = pipe.clip_grad_norm(1e9)
+    assert norm == pytest.approx(math.sqrt(sum(float(np.sum(g * g)) for g in before)))
+    for prm, g in zip(pipe.parameters(), before):
+        np.testing.assert_array_equal(prm.grad, g)
+    assert pipe.clip_grad_norm(norm / 2) == pytest.approx(norm)
+    assert pipe.clip_grad_norm(1e9) == pytest.approx(norm / 2, rel=1e-5)
+
+
+def test_clip_grad_norm_error_if_nonfinite_leaves_the_gradients():
+    pipe = Pipeline.from_stages(make_stages(2, [2, 2, 2]), num_microbatches=2)
+    pipe.train_step(*data(2, 4, 2, 2), mse)
+    pipe.parameters()[1].grad[0] = math.nan
+    before = [prm.grad.copy() for prm in pipe.parameters()]
+    for norm_type in (2.0, math.inf):
+        with pytest.raises(NonFiniteNormError, match="error_if_nonfinite=False") as info:
+            pipe.clip_grad_norm(1.0, norm_type, error_if_nonfinite=True)
+        assert isinstance(info.value, RuntimeError)
+        assert str(info.value).startswith("Pipeline.clip_grad_norm: the total norm of order")
+        for prm, g in zip(pipe.parameters(), before):
+            np.testing.assert_array_equal(prm.grad, g)
+    assert math.isnan(pipe.clip_grad_norm(1.0, math.inf))  # Python's max would say 0.5 or so
+    assert all(np.isnan(prm.grad).all() for prm in pipe.parameters())
+
+
+def test_clip_grad_norm_argument_errors():
+    pipe = Pipeline.from_stages(make_stages(0, [2, 2, 2]), num_microbatches=2)
+    assert pipe.clip_grad_norm(1.0) == 0.0  # no gradients yet
+    for bad in (0, -1.0, math.nan, math.inf):
+        with pytest.raises(ValueError, match=r"Pipeline.clip_grad_norm: max_norm=.* finite"):
+            pipe.clip_grad_norm(bad)
+    with pytest.raises(TypeError, match="Pipeline.clip_grad_norm: max_norm must be a number"):
+        pipe.clip_grad_norm("1")  # type: ignore[arg-type]
+    for bad in (0, -2.0, math.nan, -math.inf, "two", None, True):
+        with pytest.raises(ValueError, match="Pipeline.clip_grad_norm: norm_type must be"):
+            pipe.clip_grad_norm(1.0, bad)  # type: ignore[arg-type]
