@@ -178,7 +178,11 @@ class ZeroRedundancyOptimizer:
     # --- memory and state ------------------------------------------------------------------
 
     def local_state_bytes(self) -> int:
-        """Bytes of optimizer state this rank holds (about 1/N of the unsharded optimizer's)."""
+        """Bytes of optimizer state this rank holds (about 1/N of the unsharded optimizer's).
+
+        Besides it, each rank keeps its 1-D shard of the parameters (the copy
+        the optimizer updates, ``1/N`` of the parameter bytes).
+        """
         return sum(int(v.nbytes) for state in self.optim.state.values()
                    for v in state.values() if hasattr(v, "nbytes"))
 
