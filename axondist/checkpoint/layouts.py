@@ -102,6 +102,7 @@ class _Piece:
     dtype: str
     pl: Placement
     data: Any
+    owned: bool = False  # a private copy (state_dict arrays, gathered blocks)
 
 
 def _pieces(params: Sequence[Parameter], names: list[str], pls: list[Placement],
@@ -127,7 +128,8 @@ def _pieces(params: Sequence[Parameter], names: list[str], pls: list[Placement],
         for key in sorted(entry):
             if key != "step":
                 arr = entry[key]
-                pieces.append(_Piece(f"optim/{names[j]}/{key}", dtype_name(arr.dtype), pls[j], arr))
+                pieces.append(_Piece(f"optim/{names[j]}/{key}", dtype_name(arr.dtype), pls[j],
+                                     arr, owned=True))
     return pieces, optimizer_meta(sd, steps, opt_names)
 
 
@@ -139,16 +141,14 @@ def layout_state(target: Any, optimizer: Any, g: ProcessGroup) -> ShardedState:
     pieces, opt_meta = _pieces(params, names, placements(target, params), optimizer)
     tensors, mine = [], []
     for pc in pieces:
-        pl, data = pc.pl, pc.data
+        pl, data, owned = pc.pl, pc.data, pc.owned
         if pl.axis == 1:
-            data, pl = _gathered(data, pl)
+            (data, pl), owned = _gathered(data, pl), True
         flat = flat_name(pc.name)
         numel = int(np.prod(pl.shape, dtype=np.int64))
         tensors.append(TensorSpec(pc.name, pl.shape, pc.dtype, flat, 0))
-        if pl.axis == 0:
-            mine.append(FlatShard(flat, numel, pl.lo * pl.row_size, data))
-        else:
-            mine.append(FlatShard(flat, numel, 0, data))
+        start = pl.lo * pl.row_size if pl.axis == 0 else 0
+        mine.append(FlatShard(flat, numel, start, data, owned))
     claims = g.backend_for("save_sharded_checkpoint").allgather_object(
         [(s.flat, s.start, int(s.data.size)) for s in mine])
     first: dict[tuple[str, int, int], int] = {}

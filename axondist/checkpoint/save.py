@@ -142,7 +142,7 @@ class _SaveJob:
         try:
             shards = [(s, storable(s.data).reshape(-1)) for s in self.state.shards]
             if background:  # host copies now: training may change the arrays once we return
-                shards = [(s, np.array(d, copy=True)) for s, d in shards]
+                shards = [(s, d if s.owned else _private(d, s.data)) for s, d in shards]
         except BaseException as exc:  # reported to every rank by finish(), like a write error
             self.error, shards = f"rank {self.g.rank}: {_describe(exc)}", []
         if background:
@@ -268,6 +268,11 @@ class _SaveJob:
         finally:
             if self.lock is not None:
                 self.lock.release()
+
+
+def _private(host: np.ndarray, original: Any) -> np.ndarray:
+    """``host`` (the host form of ``original``), copied unless it already is a copy."""
+    return np.array(host, copy=True) if isinstance(original, np.ndarray) else host
 
 
 def _write_npy(f: Any, data: np.ndarray) -> None:

@@ -37,6 +37,9 @@ class FlatShard:
     numel: int
     start: int
     data: Any
+    owned: bool = False
+    """``data`` is a private copy (an optimizer ``state_dict()`` array): an
+    asynchronous save need not copy it again."""
 
 
 @dataclass
