@@ -20,6 +20,7 @@ import sys
 from collections.abc import Sequence
 
 from . import launcher
+from .pipeline.schedules import schedule_names
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -52,9 +53,9 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--tol", type=float, default=None,
                       help="largest accepted parameter difference (default: 1e-4 for float32, "
                            "1e-10 for float64)")
-    demo.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved_1f1b", "zb_h1"),
-                      default=d.schedule, help="pipeline schedule (default: %(default)s; "
-                      "interleaved_1f1b puts 2 stages on each rank)")
+    demo.add_argument("--schedule", choices=schedule_names(), type=str.lower,
+                      default=d.schedule, help="pipeline schedule, in any case (default: "
+                      "%(default)s; the interleaved ones put 2 stages on each rank)")
     demo.add_argument("--backend", choices=("auto", "mock", "mpi"), default="auto",
                       help="auto: MPI when launched by mpiexec, else the mock world")
     demo.add_argument("--progress", choices=PROGRESS_MODES, default="auto",

@@ -26,7 +26,7 @@ from .fsdp import FullyShardedDataParallel
 from .launch import init, spawn
 from .optim import SGD
 from .parameter import Parameter
-from .pipeline import Pipeline, PipelineStage
+from .pipeline import SCHEDULES, Pipeline, PipelineSchedule, PipelineStage
 from .process_group import ProcessGroup
 from .tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
@@ -474,8 +474,8 @@ def run_pipeline(group: ProcessGroup, cfg: DemoConfig, ref: Reference,
 
 
 def pipeline_chunks(schedule: str) -> int:
-    """Stages per rank a schedule runs in the demo (2 for the interleaved one)."""
-    return 2 if schedule == "interleaved_1f1b" else 1
+    """Stages per rank a schedule runs in the demo (2 for the interleaved ones)."""
+    return 2 if SCHEDULES[PipelineSchedule.parse(schedule, "demo: schedule")].interleaved else 1
 
 
 STRATEGY_FNS: dict[str, StrategyFn] = {"ddp": run_ddp, "fsdp": run_fsdp,
