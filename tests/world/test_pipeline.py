@@ -9,6 +9,8 @@ The same bodies run on the mock world and under ``mpiexec -n K``.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 from harness import mock_only, run_world, world_sizes
@@ -17,21 +19,25 @@ from hypothesis import strategies as st
 from pipeline_toy import bwd, data, fwd, layer_params, make_stages, mse, sequential
 
 import axondist as ad
+from axondist.errors import NonFiniteNormError
 from axondist.optim import SGD
 from axondist.pipeline import (
+    SCHEDULES,
     Pipeline,
     PipelineMemoryStats,
     PipelineSchedule,
     PipelineStage,
+    build_schedule,
+    parse_schedule,
     simulate,
 )
 
 K = PipelineSchedule
-SINGLE_CHUNK = (K.ONE_F_ONE_B, K.ZERO_BUBBLE_H1)
+SINGLE_CHUNK = tuple(kind for kind, spec in SCHEDULES.items() if not spec.multi_chunk)
 MAX_STAGES = 4 * 3
 
 def variants(p, v):
-    for kind in PipelineSchedule:
+    for kind in SCHEDULES:
         for split in ("full", "halves", "both"):
             yield kind, (1 if kind in SINGLE_CHUNK else v), split
 
@@ -142,7 +148,70 @@ def body_batch_errors(world):
     return True
 
 
+def body_clip(world, chunks, norm_type, bad_rank, seed):
+    """clip_grad_norm over the ranks equals the single-process pipeline's, NaN/inf included."""
+    p, r = world.world_size, world.rank
+    dims = [3] * (p * chunks + 1)
+    kind = K.INTERLEAVED_ONE_F_ONE_B if chunks > 1 else K.ONE_F_ONE_B
+    x, t = data(seed, 6, 3, 3)
+    ref = make_stages(seed, dims)
+    Pipeline.from_stages(ref, num_microbatches=3, schedule=kind, chunks=chunks).train_step(
+        x, t, mse)
+    stages = make_stages(seed, dims)
+    pipe = Pipeline(local_stages(stages, p, r, chunks), world, num_microbatches=3,
+                    schedule=kind, chunks=chunks)
+    pipe.train_step(x if r == 0 else None, t if r == (p * chunks - 1) % p else None, mse)
+    if bad_rank is not None:
+        ref[bad_rank].params[0].grad[0, 0] = math.inf if seed % 2 else math.nan
+        if bad_rank % p == r:
+            stages[bad_rank].params[0].grad[0, 0] = ref[bad_rank].params[0].grad[0, 0]
+        with pytest.raises(NonFiniteNormError):  # on every rank alike
+            pipe.clip_grad_norm(0.5, norm_type, error_if_nonfinite=True)
+    single = Pipeline.from_stages(ref, num_microbatches=3, schedule=kind, chunks=chunks)
+    want = single.clip_grad_norm(0.5, norm_type)
+    got = pipe.clip_grad_norm(0.5, norm_type)
+    if math.isnan(want):
+        assert math.isnan(got)
+    else:
+        assert got == pytest.approx(want, rel=1e-12)
+    for c in range(chunks):
+        for pa, pb in zip(stages[c * p + r].params, ref[c * p + r].params):
+            np.testing.assert_allclose(pa.grad, pb.grad, rtol=1e-12, equal_nan=True)
+    pipe.close()
+    return got
+
+
+def body_hand_made(world, kind, m):
+    """A Schedule value (parsed from text) runs like the kind it was written from."""
+    p, r = world.world_size, world.rank
+    generated = build_schedule(kind, p, m)
+    custom = parse_schedule([" ".join(map(str, row)) for row in generated.actions])
+    stages = make_stages(4, [2] * (p + 1), "both")
+    x, t = data(4, m + 2, 2, 2)
+    pipe = Pipeline(stages[r], world, schedule=custom)
+    assert pipe.schedule.kind is None and pipe.num_microbatches == m
+    loss = pipe.train_step(x if r == 0 else None, t if r == p - 1 else None, mse)
+    assert loss == pytest.approx(sequential(make_stages(4, [2] * (p + 1)), x, t)[0], rel=1e-12)
+    pipe.close()
+    return True
+
+
 # ---------------------------------------------------------------- tests
+
+
+@settings(max_examples=6, deadline=None)
+@given(world_sizes(1, 3), st.integers(1, 2), st.sampled_from([2.0, 1.0, math.inf]),
+       st.integers(-1, 5), st.integers(0, 100))
+def test_clip_grad_norm_over_the_ranks_equals_one_process(size, chunks, norm_type, bad, seed):
+    bad_stage = None if bad < 0 else bad % (size * chunks)
+    norms = run_world(body_clip, size, chunks, norm_type, bad_stage, seed)
+    assert all(n == norms[0] or (math.isnan(n) and math.isnan(norms[0])) for n in norms)
+
+
+@given(world_sizes(1, 3), st.sampled_from(list(SCHEDULES)), st.integers(1, 5))
+@settings(max_examples=4, deadline=None)
+def test_a_hand_made_schedule_runs_on_every_rank(size, kind, m):
+    assert all(run_world(body_hand_made, size, kind, m))
 
 
 @st.composite
