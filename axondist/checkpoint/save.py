@@ -2,11 +2,12 @@
 
 Rank 0 takes the root's lock and makes a staging directory; every rank
 writes its shard files there (on a background thread for an asynchronous
-save, from host copies taken before the call returns); the ranks then agree
-on the outcome, and rank 0 writes the checksummed index, re-checks every
-file against it and commits (see :mod:`.directory`). Every failure, on any
-rank, is reported on every rank as one :class:`CheckpointError`, and leaves
-the previous checkpoint as the latest.
+save, from host copies taken before the call returns); rank 0 learns every
+rank's files (through a collective, or for an asynchronous save through
+marker files its thread waits for), writes the checksummed index, re-checks
+every file against it and commits (see :mod:`.directory`). Every failure, on
+any rank, is reported on every rank as one :class:`CheckpointError`, and
+leaves the previous checkpoint as the latest.
 """
 
 from __future__ import annotations
@@ -51,11 +52,12 @@ def _describe(exc: BaseException) -> str:
 
 
 class SaveHandle:
-    """A save in progress; :meth:`wait` commits it and reports the outcome.
+    """A save in progress; :meth:`wait` reports its outcome.
 
     ``wait`` is collective: every rank of the saving group calls it (a new
-    save through :class:`Checkpointer` calls it for you). Until it returns,
-    the previous checkpoint stays the latest.
+    save through :class:`Checkpointer` calls it for you). An asynchronous save
+    is committed by rank 0's writer thread as soon as every rank's files are
+    written; until then the previous checkpoint stays the latest.
     """
 
     def __init__(self, job: _SaveJob | None, result: str | None = None) -> None:
@@ -69,7 +71,8 @@ class SaveHandle:
         return self._job is None
 
     def done(self) -> bool:
-        """True once this rank's files are written (``wait`` will not block on I/O)."""
+        """True once this rank's part is done: its files written (on rank 0 of an
+        asynchronous save, the checkpoint committed or failed)."""
         return self._job is None or not self._job.thread_alive()
 
     def wait(self) -> str:
