@@ -80,10 +80,11 @@ _LAZY = {
     "DistributedSampler": "data",
     "print0": "log", "all_reduce_scalar": "log",
     "MockBackend": "backends", "NcclBackend": "backends",
+    "ZeroRedundancyOptimizer": "zero", "ShardingSpec": "fsdp",
 }
 
 
-_SUBMODULES = {"backends", "bucketing", "checkpoint", "comm", "data", "ddp", "fsdp", "log",
+_SUBMODULES = {"backends", "bucketing", "checkpoint", "comm", "data", "ddp", "fsdp", "log", "zero",
                "mesh", "optim", "pipeline", "tensor_parallel"}
 
 

@@ -9,14 +9,23 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+from . import log
 from ._environment import launched_by_mpi
 from .backends import nccl
 from .backends.base import Backend
 from .backends.mock import MockBackend
 from .errors import CollectiveMismatchError, RankExitedError, WorldAbortedError
-from .process_group import World, current_world, init, use_world
+from .process_group import World, current_world, init, peek_world, use_world
 
 T = TypeVar("T")
+
+
+def _rank_of_thread() -> tuple[int, int] | None:
+    world = peek_world()
+    return None if world is None else (world.rank, world.world_size)
+
+
+log.set_rank_source(_rank_of_thread)
 
 #: Seconds spawn waits for the remaining ranks once one failed: a rank stuck in its
 #: own code must not keep spawn from reporting the failure.

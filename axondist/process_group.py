@@ -174,6 +174,11 @@ def set_process_world(world: World | None) -> None:
         _process_world = world
 
 
+def peek_world() -> World | None:
+    """The calling thread's world, else the process's, else None; never starts one."""
+    return _state.world or _process_world
+
+
 def current_world() -> World:
     """The world collectives use when no group is passed.
 
@@ -204,8 +209,9 @@ def init(backend: str | None = None, **options: Any) -> World:
         ValueError: an unknown backend name (the message lists the valid ones).
         BackendUnavailableError: the backend's library is missing (the message
             says what to install).
-        RuntimeError: an env-style launcher (torchrun) started several processes
-            that this backend cannot join into one world.
+        LaunchError: an env-style launcher (torchrun) started several processes
+            that this backend cannot join into one world (the message says what to
+            run instead).
     """
     name = backend or os.environ.get("AXONDIST_BACKEND") or (
         "mpi" if launched_by_mpi() else "mock")
