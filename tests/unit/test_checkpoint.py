@@ -624,3 +624,42 @@ def test_the_documented_numpy_only_reader_reads_every_tensor(tmp_path) -> None:
     run = subprocess.run([sys.executable, "-I", "-c", program, str(tmp_path), str(dump)],
                          capture_output=True, text=True, timeout=60)
     assert run.returncode != 0 and f"{name}: checksum mismatch" in run.stderr
+
+
+class _Wrapper:
+    """A wrapper describing its own shards; rank ``bad`` hands over an unwritable one."""
+
+    def __init__(self, world: ad.World, bad: int) -> None:
+        self.group, self.bad = world, bad
+
+    def sharded_checkpoint_state(self, optimizer) -> ShardedState:
+        r = self.group.rank
+        data = np.arange(4.0) + 4 * r
+        if r == self.bad:
+            data = np.array([object()] * 4)  # .npy refuses object arrays without pickle
+        return ShardedState([TensorSpec("t", (8,), "float64", "f", 0)],
+                            [FlatShard("f", 8, 4 * r, data)])
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+@pytest.mark.parametrize("bad", [0, 1])
+def test_a_rank_failing_to_write_fails_the_save_on_every_rank(tmp_path, bad: int,
+                                                              async_save: bool) -> None:
+    write_sharded(tmp_path, ShardedState([TensorSpec("t", (8,), "float64", "f", 0)],
+                                         [FlatShard("f", 8, 0, np.zeros(8))]),
+                  group=ad.World.mock(), step=1)
+
+    def body(world: ad.World) -> str:
+        try:
+            save_sharded_checkpoint(tmp_path, _Wrapper(world, bad), step=2,
+                                    async_save=async_save).wait()
+        except CheckpointError as exc:
+            return str(exc)
+        return "saved"
+
+    errors = ad.spawn(body, 2)
+    assert all(f"failed on 1 rank(s): rank {bad}: ValueError" in e for e in errors), errors
+    np.testing.assert_array_equal(CheckpointReader(tmp_path).read("t"), np.zeros(8))
+    assert sorted(os.listdir(tmp_path)) == ["latest", "step-00000001"]
+    ad.spawn(lambda w: save_sharded_checkpoint(tmp_path, _Wrapper(w, -1), step=3), 2)
+    np.testing.assert_array_equal(CheckpointReader(tmp_path).read("t"), np.arange(8.0))
