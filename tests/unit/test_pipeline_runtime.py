@@ -353,6 +353,18 @@ def test_a_hand_made_schedule_runs_like_the_generated_one(shape, kind):
     for st_, grads in zip(stages, want_grads):
         for prm, g in zip(st_.params, grads):
             np.testing.assert_allclose(prm.grad, g, rtol=1e-10, atol=1e-12)
+    # Every full backward split into its halves, I then W, on any number of chunks.
+    split = parse_schedule(
+        [" ".join(f"{a.chunk}I{a.microbatch} {a.chunk}W{a.microbatch}"
+                  if a.kind is ActionKind.B else a.text(v) for a in row)
+         for row in generated.actions], num_microbatches=m, chunks=v)
+    stages = make_stages(seed, dims, "both")
+    pipe = Pipeline.from_stages(stages, schedule=split)
+    assert pipe.schedule.uses_split_backward
+    np.testing.assert_allclose(pipe.train_step(x, t, mse), want_loss, rtol=1e-12)
+    for st_, grads in zip(stages, want_grads):
+        for prm, g in zip(st_.params, grads):
+            np.testing.assert_allclose(prm.grad, g, rtol=1e-10, atol=1e-12)
 
 
 def test_a_hand_made_order_no_generator_makes():
