@@ -11,6 +11,7 @@ allows it.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -141,6 +142,14 @@ def check_dtype(dtype: Any, where: str) -> np.dtype:
         names = ", ".join(str(d) for d in SUPPORTED_DTYPES)
         raise UnsupportedDTypeError(f"{where}: dtype {dtype} is not supported; use one of {names}")
     return dtype
+
+
+def quiet_nan_compare(x: Any) -> contextlib.AbstractContextManager[Any]:
+    """A context in which NumPy's minimum/maximum meet NaN without a RuntimeWarning (they
+    propagate it, which is what the caller wants); a no-op for other libraries."""
+    if isinstance(x, np.ndarray):
+        return np.errstate(invalid="ignore")
+    return contextlib.nullcontext()
 
 
 def is_writable(x: Any) -> bool:

@@ -75,8 +75,9 @@ def combine_into(out: Any, inputs: Sequence[Any], op: ReduceOp) -> Any:
         ReduceOp.MIN: xp.minimum,
         ReduceOp.MAX: xp.maximum,
     }[op]
-    for x in inputs[1:]:
-        ufunc(out, x, out=out)
+    with _array.quiet_nan_compare(out):  # MIN/MAX propagate NaN on purpose: no warning
+        for x in inputs[1:]:
+            ufunc(out, x, out=out)
     if op is ReduceOp.AVERAGE:
         xp.divide(out, len(inputs), out=out, casting="unsafe")
     return out

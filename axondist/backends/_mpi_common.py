@@ -125,12 +125,13 @@ def split_tag(tag: int, tag_ub: int) -> tuple[int, int]:
     return 2 * int(tag), 2 * int(tag) + 1
 
 
-def half_reducer(dtype: np.dtype, ufunc: Callable[..., Any]) -> Callable[[Any, Any, Any], None]:
+def numpy_reducer(dtype: np.dtype, ufunc: Callable[..., Any]) -> Callable[[Any, Any, Any], None]:
     """An MPI user-op callback combining two buffers of ``dtype`` with ``ufunc``
     (MPI's rule: ``inout = in (op) inout``, in NumPy, in ``dtype`` itself)."""
     def reduce(inbuf: Any, inoutbuf: Any, datatype: Any) -> None:
         acc = np.frombuffer(inoutbuf, dtype=dtype)
-        ufunc(np.frombuffer(inbuf, dtype=dtype), acc, out=acc)
+        with np.errstate(invalid="ignore"):  # minimum/maximum propagate NaN on purpose
+            ufunc(np.frombuffer(inbuf, dtype=dtype), acc, out=acc)
     return reduce
 
 
@@ -196,8 +197,15 @@ class TypeTable:
                    ReduceOp.PRODUCT: MPI.LAND, ReduceOp.MIN: MPI.LAND}
         else:
             ops = {ReduceOp.SUM: MPI.SUM, ReduceOp.PRODUCT: MPI.PROD}
-            if dtype.kind != "c":
+            if dtype.kind in "iu":
                 ops.update({ReduceOp.MIN: MPI.MIN, ReduceOp.MAX: MPI.MAX})
+            elif dtype.kind == "f":
+                # MPI's MIN/MAX keep or drop a NaN depending on which rank holds it;
+                # NumPy's minimum/maximum always propagate it (as the mock world does).
+                for op, ufunc in ((ReduceOp.MIN, np.minimum), (ReduceOp.MAX, np.maximum)):
+                    user_op = MPI.Op.Create(numpy_reducer(dtype, ufunc), commute=True)
+                    self._user_ops.append(user_op)
+                    ops[op] = user_op
             if dtype.kind in "fc":
                 ops[ReduceOp.AVERAGE] = MPI.SUM
         for op, mop in ops.items():
@@ -208,7 +216,7 @@ class TypeTable:
                   ReduceOp.MIN: np.minimum, ReduceOp.MAX: np.maximum}
         mops = {}
         for op, ufunc in ufuncs.items():
-            mops[op] = MPI.Op.Create(half_reducer(dtype, ufunc), commute=True)
+            mops[op] = MPI.Op.Create(numpy_reducer(dtype, ufunc), commute=True)
             self._user_ops.append(mops[op])
         mops[ReduceOp.AVERAGE] = mops[ReduceOp.SUM]
         for op, mop in mops.items():

@@ -27,7 +27,7 @@ from axondist.backends._mpi_common import (
     copy_back,
     cuda_aware_from_alloc_kinds,
     displacements,
-    half_reducer,
+    numpy_reducer,
     host_copy,
     piece_bounds,
     split_tag,
@@ -82,12 +82,12 @@ def test_cuda_awareness_from_the_memory_alloc_kinds_info(kinds, aware):
 @pytest.mark.parametrize("dtype", HALF_DTYPES, ids=str)
 @pytest.mark.parametrize("ufunc", [np.add, np.multiply, np.minimum, np.maximum],
                          ids=lambda u: u.__name__)
-def test_half_reducer_combines_raw_buffers_like_numpy(dtype, ufunc):
+def test_numpy_reducer_combines_raw_buffers_like_numpy(dtype, ufunc):
     rng = np.random.default_rng(3)
     a = rng.standard_normal(37).astype(dtype)
     b = rng.standard_normal(37).astype(dtype)
     inout = bytearray(b.tobytes())  # what MPI hands the callback: raw memory
-    half_reducer(dtype, ufunc)(memoryview(a.tobytes()), memoryview(inout), None)
+    numpy_reducer(dtype, ufunc)(memoryview(a.tobytes()), memoryview(inout), None)
     got = np.frombuffer(inout, dtype=dtype)
     np.testing.assert_array_equal(got, ufunc(a, b))  # in the dtype itself, as the mock does
 

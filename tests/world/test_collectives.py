@@ -380,3 +380,57 @@ def _body_bad_local_input(world):
 @pytest.mark.parametrize("n", [1, 2, 3])
 def test_bad_local_input_gets_clear_errors(n):
     run_world(_body_bad_local_input, n)
+
+
+# --- numbers at the edges: half-precision means, NaN in MIN/MAX ---------------------------
+
+HALF_LIMITS = {"float16": 65504.0, "bfloat16": 3.3895e38}
+
+
+@given(n=world_sizes(2, 8), seed=seeds, dtype=st.sampled_from(sorted(HALF_LIMITS)),
+       scatter=st.booleans(), tiny=st.booleans())
+def test_half_precision_average_never_overflows_or_underflows(n, seed, dtype, scatter, tiny):
+    """Values near the dtype's largest (or smallest) magnitude: their sum leaves the dtype's
+    range, their mean does not, and the mean is what every rank gets (rounded once)."""
+    def body(world):
+        k = world.world_size
+        limit = HALF_LIMITS[dtype]
+
+        def values(rank: int) -> np.ndarray:
+            rng = np.random.default_rng([seed, rank])
+            scale = 2.0 ** -20 if tiny else limit * 0.9
+            sign = 1.0 if tiny else rng.choice([-1.0, 1.0])
+            return (rng.uniform(0.5, 1.0, size=(2 * k, 3)) * scale * sign).astype(_dtype(dtype))
+
+        inputs = [values(r) for r in range(k)]
+        want = np.mean(np.stack(inputs).astype(np.float64), axis=0)
+        if scatter:
+            got = ad.reduce_scatter(inputs[world.rank], "average")
+            want = np.array_split(want, k)[world.rank]
+        else:
+            got = ad.all_reduce(inputs[world.rank].copy(), "average")
+        assert got.dtype == _dtype(dtype)
+        assert np.isfinite(got.astype(np.float64)).all()
+        np.testing.assert_array_equal(got, want.astype(_dtype(dtype)))
+
+    run_world(body, n)
+
+
+@given(n=world_sizes(1, 6), seed=seeds, dtype=st.sampled_from(
+    ["float16", "float32", "float64", "bfloat16"]), op=st.sampled_from(["min", "max"]),
+    nan_rank=st.integers(0, 7), nan_at=st.integers(0, 4))
+def test_min_max_propagate_nan_whichever_rank_holds_it(n, seed, dtype, op, nan_rank, nan_at):
+    def body(world):
+        k = world.world_size
+        inputs = [make_input(seed, r, (5,), dtype) for r in range(k)]
+        inputs[nan_rank % k][nan_at] = np.nan
+        ufunc = np.minimum if op == "min" else np.maximum
+        want = inputs[0].astype(np.float64)
+        with np.errstate(invalid="ignore"):
+            for x in inputs[1:]:
+                want = ufunc(want, x.astype(np.float64))
+        got = ad.all_reduce(inputs[world.rank].copy(), op)
+        np.testing.assert_array_equal(np.isnan(got.astype(np.float64)), np.isnan(want))
+        np.testing.assert_array_equal(got.astype(np.float64), want)
+
+    run_world(body, n)
