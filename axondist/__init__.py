@@ -72,6 +72,7 @@ _LAZY = {
     "save_full_checkpoint": "checkpoint", "load_full_checkpoint": "checkpoint",
     "save_sharded_checkpoint": "checkpoint", "load_sharded_checkpoint": "checkpoint",
     "CheckpointReader": "checkpoint", "CheckpointError": "checkpoint",
+    "Checkpointer": "checkpoint", "SaveHandle": "checkpoint",
     "Pipeline": "pipeline", "PipelineStage": "pipeline", "PipelineSchedule": "pipeline",
     "PipelineMemoryStats": "pipeline",
     "ColumnParallelLinear": "tensor_parallel", "RowParallelLinear": "tensor_parallel",

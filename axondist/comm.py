@@ -22,7 +22,7 @@ from typing import Any
 from . import _array
 from ._validate import as_rank
 from .backends.base import Backend, CompletedWork, Work
-from .errors import CollectiveMismatchError, InvalidBufferError, RankError
+from .errors import CollectiveMismatchError, InvalidBufferError, RankError, UnsupportedDTypeError
 from .ops import ReduceOp, check_op_dtype
 from .process_group import ProcessGroup, current_world, resolve_group
 
@@ -146,11 +146,8 @@ def _int_sizes(sizes: Sequence[int]) -> tuple[list[int], int]:
     return rows, total
 
 
-def _check_rank(g: ProcessGroup, r: int, what: str, arg: str) -> int:
-    if not isinstance(r, (int,)) or isinstance(r, bool) or not 0 <= r < g.world_size:
-        raise RankError(f"{what}: {arg}={r!r} is not a rank of the group of {g.world_size} ranks "
-                        f"(valid: 0..{g.world_size - 1}, ranks within the group)")
-    return r
+def _check_rank(g: ProcessGroup, r: Any, what: str, arg: str) -> int:
+    return as_rank(r, g.world_size, what, arg)
 
 
 def split_sizes(length: int, parts: int) -> list[int]:
@@ -284,7 +281,7 @@ def broadcast(x: Any, group: ProcessGroup | None = None, *, src: int = 0,
     g = current_world() if group is None else resolve_group(group)
     b = g.backend_for("broadcast")
     if src.__class__ is not int or not 0 <= src < b.world_size:
-        _check_rank(g, src, "broadcast", "src")
+        src = as_rank(src, g.world_size, "broadcast", "src")
     if x.__class__ is _HOST_ARRAY and x.flags.carray and x.dtype in _MOVE_OK:
         if not async_op:
             b.broadcast_blocking(x, src)
@@ -441,7 +438,7 @@ def gather_tensor(x: Any, group: ProcessGroup | None = None, dst: int = 0,
                   async_op: bool = False) -> Any:
     """Concatenate every rank's ``x`` along axis 0 on group rank ``dst``; None elsewhere."""
     g, b = _member(group, "gather_tensor")
-    _check_rank(g, dst, "gather_tensor", "dst")
+    dst = _check_rank(g, dst, "gather_tensor", "dst")
     x = _as_rows(_array.contiguous(_array.as_array(x)))
     _array.check_dtype(x.dtype, "gather_tensor")
     rows = _gather_counts(g, b, x, "gather_tensor", None)
@@ -459,20 +456,28 @@ def scatter_tensor(x: Any, group: ProcessGroup | None = None, src: int = 0,
     """Split ``x`` (given on group rank ``src``, ignored elsewhere) along axis 0; return this
     rank's block (split as :func:`numpy.array_split`)."""
     g, b = _member(group, "scatter_tensor")
-    _check_rank(g, src, "scatter_tensor", "src")
+    src = _check_rank(g, src, "scatter_tensor", "src")
     send = None
-    meta = None
+    meta: Any = None
     if g.rank == src:
-        if x is None:
-            raise InvalidBufferError(f"scatter_tensor: the source rank {src} must pass an array")
-        send = _array.contiguous(_array.as_array(x))
-        _array.check_dtype(send.dtype, "scatter_tensor")
-        if send.ndim == 0:
-            raise InvalidBufferError("scatter_tensor: a 0-d array has no axis to split; "
-                                     "pass x[None]")
-        lib = _array.library_name(send)
-        meta = (tuple(send.shape), str(send.dtype), lib)
-    shape, dtype, lib = b.broadcast_object(meta, src)
+        # Checked before the exchange, and the verdict shared: a bad input raises on
+        # every rank instead of leaving the others waiting for data that never comes.
+        try:
+            if x is None:
+                raise InvalidBufferError(f"scatter_tensor: the source rank {src} must pass "
+                                         "an array")
+            send = _array.contiguous(_array.as_array(x))
+            _array.check_dtype(send.dtype, "scatter_tensor")
+            if send.ndim == 0:
+                raise InvalidBufferError("scatter_tensor: a 0-d array has no axis to split; "
+                                         "pass x[None]")
+            meta = (tuple(send.shape), str(send.dtype), _array.library_name(send))
+        except (InvalidBufferError, UnsupportedDTypeError) as exc:
+            meta = exc
+    meta = b.broadcast_object(meta, src)
+    if isinstance(meta, Exception):
+        raise type(meta)(f"{meta} (raised on the source, rank {src})")
+    shape, dtype, lib = meta
     rows = split_sizes(shape[0], g.world_size)
     row_size = prod(shape[1:])
     xp = _array.namespace(send) if send is not None else _array.module_named(lib)
@@ -493,7 +498,7 @@ def barrier(group: ProcessGroup | None = None) -> None:
 def send(x: Any, dst: int, group: ProcessGroup | None = None, tag: int = 0) -> None:
     """Send ``x`` (any shape; shape and dtype travel with it) to group rank ``dst``."""
     g, b = _member(group, "send")
-    _check_rank(g, dst, "send", "dst")
+    dst = _check_rank(g, dst, "send", "dst")
     if dst == g.rank:
         raise RankError(f"send: dst={dst} is this rank; a rank cannot send to itself")
     x = _array.contiguous(_array.as_array(x))
@@ -511,7 +516,7 @@ def recv(src: int, group: ProcessGroup | None = None, tag: int = 0, *, out: Any 
             the message's); a new array is allocated when None.
     """
     g, b = _member(group, "recv")
-    _check_rank(g, src, "recv", "src")
+    src = _check_rank(g, src, "recv", "src")
     if src == g.rank:
         raise RankError(f"recv: src={src} is this rank; a rank cannot receive from itself")
     shape, dtype, lib = b.recv_object(src, tag)

@@ -24,6 +24,8 @@ class ReduceOp(enum.Enum):
     MIN = "min"
     MAX = "max"
     AVERAGE = "average"
+    #: torch.distributed's name for AVERAGE (the same member).
+    AVG = "average"
 
     @classmethod
     def parse(cls, op: ReduceOp | str) -> ReduceOp:

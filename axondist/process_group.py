@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import numbers
 import os
 import threading
 from collections.abc import Sequence
@@ -246,6 +247,13 @@ def resolve_group(group: ProcessGroup | None) -> ProcessGroup:
     if group is None:
         return current_world()
     if not isinstance(group, ProcessGroup):
-        raise TypeError(f"expected an axondist ProcessGroup or World, got {type(group).__name__}")
+        hint = ""
+        if isinstance(group, numbers.Integral) and not isinstance(group, bool):
+            hint = ("; ranks are keyword arguments here: broadcast(x, src=1), "
+                    "gather_tensor(x, dst=1), recv(src=1), send(x, dst=1)")
+        elif isinstance(group, str):
+            hint = "; pass the op by keyword: all_reduce(x, op='max')"
+        raise TypeError(f"expected an axondist ProcessGroup or World as the group, got "
+                        f"{type(group).__name__} {group!r}{hint}")
     return group
 

@@ -27,8 +27,8 @@ from axondist.backends._mpi_common import (
     copy_back,
     cuda_aware_from_alloc_kinds,
     displacements,
-    numpy_reducer,
     host_copy,
+    numpy_reducer,
     piece_bounds,
     split_tag,
 )
