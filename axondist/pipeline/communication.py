@@ -1,19 +1,12 @@
 """The point-to-point messages a schedule implies, in the order each rank issues them.
 
-Communication in a pipeline schedule is implicit (see
-:mod:`axondist.pipeline.schedules`): a forward of virtual stage ``s`` sends its
-activation to stage ``s + 1``, a backward (``B`` or ``I``) of stage ``s``
-sends its input gradient to stage ``s - 1``.  Messages between two stages on
-the same rank (only possible with one rank) are not communication at all.
-
-:func:`communication_plan` places every **recv immediately before** the action
-that consumes it and every **send immediately after** the action that
-produces it.  A runtime whose sends are buffered (they return before the peer
-receives) and whose recvs block and match messages of one (src, dst) pair in
-the order they were sent can execute the plan as is, provided
-:func:`check_channels` passes: for every ordered rank pair the sender's send
-sequence must equal the receiver's recv sequence.  ``CommOp.tag`` is unique per
-message within one schedule, for runtimes that match by tag instead.
+A forward of virtual stage ``s`` sends its activation to stage ``s + 1``, a
+backward (``B`` or ``I``) its input gradient to stage ``s - 1`` (messages
+between stages on one rank are no communication). :func:`communication_plan`
+puts every recv right before the action that consumes it and every send right
+after the one that produces it; a runtime with buffered sends and in-order
+delivery per rank pair runs the plan as is when :func:`check_channels` passes
+(``CommOp.tag`` is unique per message, for runtimes that match by tag).
 """
 
 from __future__ import annotations

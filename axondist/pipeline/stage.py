@@ -1,37 +1,11 @@
-"""PipelineStage: one slice of a model as user callables (no autograd).
+"""PipelineStage: one slice of a model as user callables over its parameters (no autograd).
 
-A stage is a function of its parameters and one input array::
-
-    forward(param_arrays, x) -> (y, saved)
-    backward(param_arrays, saved, grad_y) -> (grad_x, param_grads)
-
-``param_arrays`` is ``[p.data for p in params]`` and ``param_grads`` lists one
-gradient per parameter, in the same order.  ``saved`` is whatever the
-backward needs (the runtime holds it, untouched, from the forward of a
-microbatch to its backward; it is what "live activations" count).
-
-Zero-bubble schedules split the backward in two, so the weight gradient can
-run later and fill idle time::
-
-    backward_input(param_arrays, saved, grad_y) -> (grad_x, extra)
-    backward_weight(param_arrays, saved, grad_y, extra) -> param_grads
-
-``extra`` carries anything the input half computed that the weight half can
-reuse (e.g. the gradient before the activation function); the runtime keeps
-``saved``, ``grad_y`` and ``extra`` from the ``I`` step to the ``W`` step.
-
-Either form may be given alone or both together:
-
-* only ``backward``: schedules with a full ``B`` call it; under
-  ``ZERO_BUBBLE_H1`` the ``I`` step calls ``backward`` (the input *and*
-  weight gradient) and the ``W`` step only adds the weight gradient it
-  computed into the accumulator -- correct, just without the zero-bubble
-  speed-up;
-* only the two halves: a full ``B`` runs ``backward_input`` then
-  ``backward_weight``.
-
-The leading axis of ``x`` and ``y`` is the batch: a stage must keep its
-length (the runtime splits batches into microbatches along it).
+The runtime keeps a forward's ``saved`` value untouched until the backward of
+the same microbatch (it is what "live activations" count) and splits batches
+along the leading axis, which a stage must keep. A stage may give a full
+``backward``, the two halves of a split backward (``backward_input`` and
+``backward_weight``, which zero-bubble schedules run at ``I`` and ``W``), or
+both; how each form runs under each schedule is in :class:`PipelineStage`.
 """
 
 from __future__ import annotations
@@ -64,8 +38,16 @@ class PipelineStage:
         name: used in error messages (``"stage 3"`` when None; the runtime
             fills in the virtual stage index).
 
-    The first stage's ``grad_x`` is never used, so its backward may return
-    ``None`` for it.
+    ``param_arrays`` is ``[p.data for p in params]``; ``param_grads`` lists one
+    gradient per parameter, in that order. ``extra`` carries what the input
+    half computed that the weight half can reuse (the gradient before the
+    activation function, say); the runtime keeps ``saved``, ``grad_y`` and
+    ``extra`` from the ``I`` step to the ``W`` step. With only ``backward``, a
+    split schedule's ``I`` step calls it (input and weight gradient) and ``W``
+    only adds the weight gradient it computed: correct, without the
+    zero-bubble speed-up. With only the halves, a full ``B`` runs
+    ``backward_input`` then ``backward_weight``. The first stage's ``grad_x``
+    is never used, so its backward may return ``None`` for it.
 
     Raises:
         TypeError: a callable is not callable, a parameter is not a Parameter,
