@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 import axondist as ad
 from axondist import comm
+from axondist import tensor_parallel as tp
 from axondist.ddp import DistributedDataParallel
 from axondist.mesh import DeviceMesh, make_mesh, mesh_layout
 from axondist.optim import SGD
@@ -472,3 +473,165 @@ def test_tp_x_dp_training_matches_dense_training(n, data, seed, act):
 @pytest.mark.parametrize("n, tp", [(4, 2), (6, 2), (6, 3)])
 def test_tp_x_dp_training_on_the_issue_meshes(n, tp):
     run_world(_body_tp_dp, n, tp, 2024, 4, "gelu")
+
+
+# --- the attention block --------------------------------------------------------------
+
+def dense_attention(x, w_qkv, b_qkv, w_out, b_out, heads, causal):
+    """Y of the dense attention block, one head at a time (the textbook loop)."""
+    d = x.shape[-1]
+    dh = d // heads
+    qkv = x @ w_qkv.T + (0 if b_qkv is None else b_qkv)
+    q, k, v = qkv[..., :d], qkv[..., d:2 * d], qkv[..., 2 * d:]
+    t = x.shape[-2]
+    outs = []
+    for h in range(heads):
+        f = slice(h * dh, (h + 1) * dh)
+        s = q[..., f] @ np.swapaxes(k[..., f], -1, -2) / np.sqrt(dh)
+        if causal:
+            s = s + np.triu(np.full((t, t), -np.inf), 1)
+        e = np.exp(s - s.max(axis=-1, keepdims=True))
+        outs.append((e / e.sum(axis=-1, keepdims=True)) @ v[..., f])
+    return np.concatenate(outs, axis=-1) @ w_out.T + (0 if b_out is None else b_out)
+
+
+def numeric_grad(f, a, eps=1e-6):
+    """Central differences of the scalar f() with respect to every element of ``a`` (in place)."""
+    g = np.zeros_like(a)
+    for i in np.ndindex(a.shape):
+        old = a[i]
+        a[i] = old + eps
+        hi = f()
+        a[i] = old - eps
+        lo = f()
+        a[i] = old
+        g[i] = (hi - lo) / (2 * eps)
+    return g
+
+
+@given(seed=seeds, t=st.integers(1, 4), dh=st.integers(1, 3), causal=st.booleans())
+@settings(max_examples=15)
+def test_attention_backward_matches_finite_differences(seed, t, dh, causal):
+    q, k, v = (normal(seed, tag, (2, t, dh)) for tag in (1, 2, 3))
+    grad_o = normal(seed, 4, (2, t, dh))
+    o, p = tp.scaled_dot_product_attention(q, k, v, causal)
+    np.testing.assert_allclose(p.sum(axis=-1), 1.0, **TOL)
+    if causal:
+        assert np.all(np.triu(p[0], 1) == 0), "no position sees a later one"
+    got = tp.scaled_dot_product_attention_backward(q, k, v, p, grad_o)
+
+    def loss():
+        return float(np.sum(tp.scaled_dot_product_attention(q, k, v, causal)[0] * grad_o))
+
+    for a, g in zip((q, k, v), got):
+        np.testing.assert_allclose(g, numeric_grad(loss, a), rtol=1e-6, atol=1e-7)
+
+
+def _dense_attention_params(seed, d, use_bias):
+    w_qkv, w_out = normal(seed, 11, (3 * d, d)) / np.sqrt(d), normal(seed, 12, (d, d)) / np.sqrt(d)
+    b_qkv = normal(seed, 13, (3 * d,)) if use_bias else None
+    b_out = normal(seed, 14, (d,)) if use_bias else None
+    return w_qkv, b_qkv, w_out, b_out
+
+
+def _body_attention(world, seed, heads, dh, t, batch, use_bias, causal):
+    d = heads * dh
+    dense = _dense_attention_params(seed, d, use_bias)
+    x, gy = normal(seed, 15, (*batch, t, d)), normal(seed, 16, (*batch, t, d))
+    layer = tp.TensorParallelAttention.from_dense(*dense, num_heads=heads, group=world,
+                                                  causal=causal)
+    mine = bounds(world, heads)
+    assert layer.heads == range(mine.start, mine.stop)
+    assert layer.qkv_weight.shape == (3 * len(layer.heads) * dh, d)
+    y = layer.forward(x.copy())
+    np.testing.assert_allclose(y, dense_attention(x, *dense, heads, causal), **TOL)
+    gx = layer.backward(gy.copy())
+
+    def loss():
+        return float(np.sum(dense_attention(x, *dense, heads, causal) * gy))
+
+    np.testing.assert_allclose(gx, numeric_grad(loss, x), rtol=1e-6, atol=1e-6)
+    grads = layer.full_grads()
+    want = {"qkv": (dense[0], dense[1]), "out": (dense[2], dense[3])}
+    for name, (w, b) in want.items():
+        np.testing.assert_allclose(grads[name][0], numeric_grad(loss, w), rtol=1e-6, atol=1e-6)
+        if b is not None:
+            np.testing.assert_allclose(grads[name][1], numeric_grad(loss, b), rtol=1e-6,
+                                       atol=1e-6)
+        else:
+            assert grads[name][1] is None
+        got_w, got_b = layer.full_weights()[name]
+        np.testing.assert_array_equal(got_w, w)
+        assert (got_b is None) == (b is None)
+    # this rank's shards are its heads' rows of W_qkv and columns of W_o
+    f = slice(mine.start * dh, mine.stop * dh)
+    rows = np.concatenate([grads["qkv"][0][i * d:(i + 1) * d][f] for i in range(3)])
+    np.testing.assert_allclose(layer.qkv_weight.grad, rows, **TOL)
+    np.testing.assert_allclose(layer.out_weight.grad, grads["out"][0][:, f], **TOL)
+    # accumulate adds a second backward's gradients
+    layer.forward(x.copy())
+    layer.backward(gy.copy(), accumulate=True)
+    np.testing.assert_allclose(layer.qkv_weight.grad, 2 * rows, **TOL)
+
+
+@given(n=world_sizes(1, 5), seed=seeds, heads=st.integers(1, 4), dh=st.integers(1, 3),
+       t=st.integers(1, 4), batch=st.lists(st.integers(1, 2), max_size=1).map(tuple),
+       use_bias=st.booleans(), causal=st.booleans())
+@settings(max_examples=20, deadline=None)
+def test_attention_matches_dense(n, seed, heads, dh, t, batch, use_bias, causal):
+    """Any head count on any group (ranks with no heads included) against dense NumPy."""
+    run_world(_body_attention, n, seed, heads, dh, t, batch, use_bias, causal)
+
+
+def _body_attention_seeded(world, seed, heads, dh):
+    solo = ad.World.mock()
+    layer = tp.TensorParallelAttention(heads * dh, heads, world, dtype=np.float64, seed=seed)
+    ref = tp.TensorParallelAttention(heads * dh, heads, solo, dtype=np.float64, seed=seed)
+    full = layer.full_weights()
+    np.testing.assert_array_equal(full["qkv"][0], ref.qkv_weight.data)
+    np.testing.assert_array_equal(full["out"][1], ref.out_bias.data)
+    assert [p.name for p in layer.parameters()] == ["qkv.weight", "qkv.bias", "out.weight",
+                                                    "out.bias"]
+    assert layer.heads_per_rank == comm.split_sizes(heads, world.world_size)
+
+
+@given(n=world_sizes(1, 4), seed=st.integers(0, 2**30), heads=st.integers(1, 4),
+       dh=st.integers(1, 3))
+@settings(max_examples=8, deadline=None)
+def test_seeded_attention_is_the_same_dense_layer_at_any_world_size(n, seed, heads, dh):
+    run_world(_body_attention_seeded, n, seed, heads, dh)
+
+
+def _body_attention_errors(world):
+    with pytest.raises(ValueError, match=r"TensorParallelAttention: embed_dim=6 must be a "
+                                         r"positive multiple of num_heads=4"):
+        tp.TensorParallelAttention(6, 4, world)
+    layer = tp.TensorParallelAttention(4, 2, world, dtype=np.float64)
+    with pytest.raises(RuntimeError, match=r"TensorParallelAttention\(embed_dim=4, num_heads=2, "
+                                           rf"rank {world.rank} of {world.world_size}.*"
+                                           r"backward: called before forward"):
+        layer.backward(np.zeros((3, 4)))
+    with pytest.raises(ValueError, match=r"forward: input of shape \(4,\), expected "
+                                         r"\(..., T, embed_dim=4\)"):
+        layer.forward(np.zeros(4))
+    with pytest.raises(ValueError, match=r"forward: input of shape \(3, 5\)"):
+        layer.forward(np.zeros((3, 5)))
+    layer.forward(np.zeros((3, 4)))
+    with pytest.raises(ValueError, match=r"backward: grad_y of shape \(2, 4\), expected the "
+                                         r"forward output's shape \(3, 4\)"):
+        layer.backward(np.zeros((2, 4)))
+    with pytest.raises(ValueError, match=r"from_dense: qkv_weight \(4, 4\) and out_weight "
+                                         r"\(4, 4\) must be \(3d, d\)"):
+        tp.TensorParallelAttention.from_dense(np.zeros((4, 4)), None, np.zeros((4, 4)), None, 2,
+                                              world)
+    with pytest.raises(ValueError, match="pass both biases or neither"):
+        tp.TensorParallelAttention.from_dense(np.zeros((12, 4)), np.zeros(12), np.zeros((4, 4)),
+                                              None, 2, world)
+    with pytest.raises(RuntimeError, match="full_grads: out.weight has no gradient"):
+        tp.TensorParallelAttention(4, 2, world).full_grads()
+
+
+@given(n=world_sizes(1, 3))
+@settings(max_examples=3, deadline=None)
+def test_attention_errors_name_the_layer_and_the_shapes(n):
+    run_world(_body_attention_errors, n)
