@@ -33,6 +33,7 @@ import numpy as np
 from . import _array
 from .backends.base import Backend, CompletedWork, Work
 from .comm import all_reduce
+from .errors import UnsupportedDTypeError
 from .ops import ReduceOp
 from .parameter import Parameter
 from .process_group import ProcessGroup, resolve_group
@@ -358,6 +359,21 @@ def _describe_item(item: Any) -> tuple[tuple[int, ...], np.dtype, Any]:
     return tuple(int(d) for d in item), None, None  # type: ignore[return-value]
 
 
+def check_real_gradient(grad: Any, where: str, index: int, name: str | None = None) -> None:
+    """Refuse a complex gradient: averaging it into a real bucket would drop the imaginary part.
+
+    Raises:
+        UnsupportedDTypeError: ``grad``'s dtype is complex.
+    """
+    if np.dtype(grad.dtype).kind == "c":
+        label = f"parameter {index}" + (f" ({name})" if name else "")
+        raise UnsupportedDTypeError(
+            f"{where}: the gradient of {label} is {grad.dtype}; complex gradients are not "
+            "supported (casting to real would silently drop the imaginary part). Train the "
+            "real and imaginary parts as two real Parameters, or pass grad.real if that is "
+            "what you mean")
+
+
 class GradientSynchronizer:
     """Averages a fixed list of gradients over a group through persistent buckets.
 
@@ -548,6 +564,7 @@ class GradientSynchronizer:
                              "added in this step (accumulate into .grad before adding it)")
         if grad is not slot.view:
             grad = _array.as_array(grad)
+            check_real_gradient(grad, "GradientSynchronizer.add_gradient", index)
             if tuple(grad.shape) != slot.view.shape:
                 raise ValueError(f"GradientSynchronizer.add_gradient: gradient {index} has shape "
                                  f"{tuple(grad.shape)}, its parameter has {slot.view.shape}")
@@ -711,5 +728,6 @@ __all__ = [
     "GradientSynchronizer",
     "ReductionHook",
     "bucket_plan",
+    "check_real_gradient",
     "sum_hook",
 ]

@@ -51,8 +51,9 @@ class DistributedSampler:
             so a sampler can be built without any world.
 
     Raises:
-        ValueError: a negative ``dataset_len``, ``num_replicas < 1`` or a
-            ``rank`` outside ``0 .. num_replicas - 1``.
+        TypeError: ``seed`` is not an int.
+        ValueError: a negative ``dataset_len`` or ``seed``, ``num_replicas < 1``
+            or a ``rank`` outside ``0 .. num_replicas - 1``.
 
     Example::
 
@@ -74,6 +75,11 @@ class DistributedSampler:
         else:
             raise TypeError(f"DistributedSampler: dataset_len must be an int or a sized data set, "
                             f"got {type(dataset_len).__name__}")
+        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+            raise TypeError(f"DistributedSampler: seed must be an int (the same on every rank, "
+                            f"e.g. seed=0), got {type(seed).__name__} {seed!r}")
+        if seed < 0:
+            raise ValueError(f"DistributedSampler: seed must be an int >= 0, got {seed!r}")
         if length < 0:
             raise ValueError(f"DistributedSampler: dataset_len must be a length >= 0, got "
                              f"{dataset_len!r}")

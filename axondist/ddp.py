@@ -12,28 +12,35 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Callable, Iterator, Sequence
+import logging
+import numbers
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from . import _array
+from ._step import GradFn, check_grad_fn, check_optimizer, split_grad_fn
+from ._validate import mib, positive_number
 from .bucketing import (
     GradientSynchronizer,
     GradSyncStrategy,
     MiB,
     ReductionHook,
     bucket_plan,
+    check_real_gradient,
 )
-from .comm import all_gather, broadcast
+from .comm import all_gather, all_gather_object, broadcast
 from .errors import CollectiveMismatchError
+from .fsdp import clip as _clip
 from .parameter import Parameter, parameters_of
 from .process_group import ProcessGroup, resolve_group
 
-GradFn = Callable[..., Any]
 ForwardFn = Callable[..., Any]
 
 _MISSING_MODES = ("zeros", "error")
+
+logger = logging.getLogger("axondist.ddp")
 
 
 class DistributedDataParallel:
@@ -127,9 +134,10 @@ class DistributedDataParallel:
         self.module = model
         self._params = parameters_of(model)
         self.process_group = resolve_group(group)
-        if not bucket_cap_mb > 0 or not first_bucket_mb > 0:
-            raise ValueError(f"DistributedDataParallel: bucket_cap_mb and first_bucket_mb must "
-                             f"be > 0, got {bucket_cap_mb} and {first_bucket_mb}")
+        bucket_cap_mb = positive_number(bucket_cap_mb, "DistributedDataParallel",
+                                        "bucket_cap_mb (MiB per bucket, e.g. 25)")
+        first_bucket_mb = positive_number(first_bucket_mb, "DistributedDataParallel",
+                                          "first_bucket_mb (MiB, e.g. 1)")
         if missing_grad not in _MISSING_MODES:
             raise ValueError(f"DistributedDataParallel: missing_grad={missing_grad!r}; use one "
                              f"of {_MISSING_MODES}")
@@ -142,7 +150,7 @@ class DistributedDataParallel:
         self.broadcast_buffers = bool(broadcast_buffers)
         self.gradient_as_bucket_view = bool(gradient_as_bucket_view)
         self.strategy = GradSyncStrategy.parse(strategy)
-        self.grad_fn = grad_fn
+        self.grad_fn = check_grad_fn(grad_fn, "DistributedDataParallel")
         self.forward_fn = forward_fn
         self.missing_grad = missing_grad
         self.buffers: list[Any] = [b.data if isinstance(b, Parameter) else _array.as_array(b)
@@ -155,6 +163,9 @@ class DistributedDataParallel:
             first_bucket_bytes=_mib_to_bytes(self.first_bucket_mb), compression=compression,
             group=self.process_group)
         self.synchronizer.prepare(self._params)
+        self._unsynced = False  # .grad holds local sums made inside no_sync()
+        if logger.isEnabledFor(logging.INFO):
+            logger.info("%s", self.bucket_plan_text())
         if init_sync:
             self.sync_parameters()
 
@@ -167,6 +178,20 @@ class DistributedDataParallel:
     def bucket_indices(self) -> list[list[int]]:
         """Parameter indices of each gradient bucket, in communication order."""
         return self.synchronizer.plan
+
+    def bucket_plan_text(self) -> str:
+        """The bucket plan in words, as the constructor logs it at INFO on ``axondist.ddp``:
+        per bucket, in communication order, its parameters, dtype and size."""
+        parts = [f"{self!r}: cap {self.bucket_cap_mb:g} MiB (first {self.first_bucket_mb:g} "
+                 f"MiB), strategy {self.strategy.name}"]
+        for b, state in enumerate(self.synchronizer.buckets):
+            names = [self._params[i].name or f"param{i}" for i in state.indices]
+            shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4
+                                             else "")
+            dtype = np.dtype(state.bucket.dtype)
+            parts.append(f"bucket {b}: {len(names)} parameters ({shown}), {dtype}, "
+                         f"{mib(state.bucket.capacity * dtype.itemsize)}")
+        return "; ".join(parts)
 
     def forward(self, *inputs: Any) -> Any:
         """Run the model: ``forward_fn([p.data ...], *inputs)`` when given, else
@@ -188,8 +213,7 @@ class DistributedDataParallel:
     def _check_same_model(self) -> None:
         """Every rank must wrap parameters of the same shapes and dtypes."""
         mine = tuple((p.shape, str(p.dtype)) for p in self._params)
-        backend = self.process_group.backend_for("DistributedDataParallel")
-        theirs = backend.allgather_object(mine)
+        theirs = all_gather_object(mine, self.process_group)
         for r, other in enumerate(theirs):
             if other == mine:
                 continue
@@ -273,8 +297,10 @@ class DistributedDataParallel:
         if self._in_step:
             raise RuntimeError("DistributedDataParallel.start_grad_sync: a step is already in "
                                "progress; call finish_grad_sync() first")
+        _check_num_samples(num_samples)
         self._in_step = True
         if not self.syncing:
+            self._unsynced = True
             return
         try:
             if self.broadcast_buffers and self.buffers:
@@ -300,6 +326,7 @@ class DistributedDataParallel:
                              f"is out of range 0..{len(self._params) - 1}")
         p = self._params[index]
         grad = _array.as_array(grad)
+        check_real_gradient(grad, "DistributedDataParallel.add_gradient", index, p.name)
         if tuple(grad.shape) != p.shape:
             raise ValueError(f"DistributedDataParallel.add_gradient: gradient of parameter "
                              f"{index} ({p.name or 'unnamed'}) has shape {tuple(grad.shape)}, the "
@@ -331,6 +358,7 @@ class DistributedDataParallel:
         self._in_step = False
         if not self.syncing:
             return
+        self._unsynced = False
         for i in self.synchronizer.missing():
             if self._params[i].grad is not None:
                 # .grad set but never handed over (user-managed flow): take it now.
@@ -377,7 +405,13 @@ class DistributedDataParallel:
 
         Args:
             num_samples: this rank's sample count for a sample-weighted average
-                ``sum(n_i * g_i) / sum(n_i)`` (see :meth:`start_grad_sync`).
+                ``sum(n_i * g_i) / sum(n_i)`` (see :meth:`start_grad_sync`);
+                None (the default) for the plain mean.
+
+        Raises:
+            TypeError: ``num_samples`` is not None or a number (a list of
+                gradients belongs to :func:`axondist.sync_gradients`).
+            UnsupportedDTypeError: a ``.grad`` is complex.
         """
         self.start_grad_sync(num_samples)
         if self.syncing:
@@ -396,7 +430,10 @@ class DistributedDataParallel:
 
         Like ``loss.backward()`` under torch DDP: gradients accumulate into
         ``.grad`` (call ``opt.zero_grad()`` between steps) and are averaged
-        over the group unless inside :meth:`no_sync`.
+        over the group unless inside :meth:`no_sync`. The same call works on
+        every wrapper (FSDP, DDP with a ZeroRedundancyOptimizer). A callable
+        passed first is used instead of the constructor's ``grad_fn`` for this
+        call: ``backward(grad_fn, *batch)``.
 
         Args:
             *batch: passed to ``grad_fn(params, *batch)``.
@@ -408,22 +445,166 @@ class DistributedDataParallel:
         Raises:
             TypeError: no ``grad_fn`` was given, or it returned something else
                 than ``(loss, grads)`` or a generator.
+            UnsupportedDTypeError: a gradient is complex.
         """
-        if self.grad_fn is None:
-            raise TypeError("DistributedDataParallel.backward: no grad_fn was given; pass "
-                            "grad_fn=... to the constructor, or set .grad yourself and call "
-                            "sync_gradients()")
+        grad_fn, batch = split_grad_fn(self.grad_fn, batch, "DistributedDataParallel.backward")
         self.start_grad_sync(num_samples)
         try:
-            loss = self._run_grad_fn(batch)
+            loss = self._run_grad_fn(grad_fn, batch)
         except BaseException:
             self._abandon()
             raise
         self.finish_grad_sync()
         return loss
 
-    def _run_grad_fn(self, batch: tuple[Any, ...]) -> Any:
-        result = self.grad_fn([p.data for p in self._params], *batch)  # type: ignore[misc]
+    def step(self, *batch: Any, optimizer: Any, max_norm: float | None = None,
+             num_samples: float | None = None) -> Any:
+        """One training step: :meth:`backward`, optional clipping, ``optimizer.step()``,
+        ``optimizer.zero_grad()``.
+
+        Gradients accumulated by earlier :meth:`backward` calls inside
+        :meth:`no_sync` are included. ``optimizer`` may be a plain optimizer
+        or a :class:`~axondist.ZeroRedundancyOptimizer` built on
+        :meth:`parameters`.
+
+        Args:
+            *batch: passed to ``grad_fn`` (a callable first overrides it, as in
+                :meth:`backward`).
+            optimizer: what updates the parameters.
+            max_norm: clip the averaged gradients to this global norm first
+                (see :meth:`clip_grad_norm`); None: no clipping.
+            num_samples: this rank's sample count for a sample-weighted average.
+
+        Returns:
+            This rank's loss.
+
+        Raises:
+            RuntimeError: called inside :meth:`no_sync` (use :meth:`backward`
+                for the micro-batches and ``step`` for the last one).
+            TypeError: ``optimizer`` has no ``step()``/``zero_grad()``.
+        """
+        check_optimizer(optimizer, "DistributedDataParallel.step")
+        if self._no_sync_depth:
+            raise RuntimeError("DistributedDataParallel.step: cannot step inside no_sync(); use "
+                               "backward() for the micro-batches, step() for the last one")
+        loss = self.backward(*batch, num_samples=num_samples)
+        if max_norm is not None:
+            self.clip_grad_norm(max_norm)
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss
+
+    def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0,
+                       error_if_nonfinite: bool = False) -> float:
+        """Scale every ``.grad`` so that the gradient's global norm is at most ``max_norm``.
+
+        Call it after a synchronized step: the gradients are then the
+        group's average, the same on every rank, so the norm of all
+        parameters' gradients together is the global one and every rank
+        computes the same float without communicating. Non-finite values
+        behave as in ``torch.nn.utils.clip_grad_norm_``: a NaN makes the
+        norm NaN and every gradient NaN; an inf makes the norm inf and scales
+        by 0. Parameters without a gradient are skipped.
+
+        Args:
+            max_norm: the largest norm allowed (> 0).
+            norm_type: p (> 0) or ``math.inf``.
+            error_if_nonfinite: raise instead of scaling by a NaN or inf norm.
+
+        Returns:
+            The norm before clipping.
+
+        Raises:
+            RuntimeError: the gradients are local sums from :meth:`no_sync`
+                not averaged yet.
+            NonFiniteNormError: the norm is NaN or inf and ``error_if_nonfinite``.
+            TypeError / ValueError: a bad ``max_norm`` or ``norm_type``.
+        """
+        where = "DistributedDataParallel.clip_grad_norm"
+        limit = _clip.check_max_norm(max_norm, where)
+        p = _clip.check_norm_type(norm_type, where)
+        if self._unsynced or self._no_sync_depth:
+            raise RuntimeError(f"{where}: the gradients are local sums from no_sync(), not "
+                               "averaged yet; clip after the first backward() outside no_sync()")
+        grads = [q.grad for q in self._params if q.grad is not None]
+        xp = _array.namespace(*grads) if grads else np
+        total = _clip.global_norm([g.reshape(-1) for g in grads], p, None, xp)
+        if error_if_nonfinite:
+            _clip.check_finite(total, p, where)
+        coef = _clip.clip_coefficient(total, limit)
+        if coef is not None:
+            _clip.scale(grads, coef)
+        return total
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear every ``.grad`` (``None``, or zeros in place with False, keeping bucket views)."""
+        for p in self._params:
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad[...] = 0
+        self._unsynced = False
+
+    # --- the same surface as FSDP ------------------------------------------------------------
+    @contextlib.contextmanager
+    def summon_full_params(self) -> Iterator[list[Parameter]]:
+        """Yield the model's Parameters; every rank already holds them in full.
+
+        Does nothing else: it exists so that evaluation code written for
+        FSDP (``with model.summon_full_params(): ...``) runs under DDP as is.
+        """
+        yield self.parameters()
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{name: copy of the parameter}`` (``param{i}`` for unnamed ones), on every rank.
+
+        The same keys and full shapes as
+        :meth:`FullyShardedDataParallel.state_dict`, so a state saved under
+        one strategy loads under another. No communication.
+
+        Raises:
+            ValueError: two parameters share a name.
+        """
+        return {name: p.data.copy() for name, p in zip(self._param_names(), self._params)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Copy ``{name: array}`` into the parameters, in place (every rank passes the same).
+
+        Raises:
+            TypeError: ``state`` is not a mapping.
+            ValueError: a parameter missing from ``state``, a name that is not a
+                parameter's, or an array of another shape.
+        """
+        where = "DistributedDataParallel.load_state_dict"
+        if not isinstance(state, Mapping):
+            raise TypeError(f"{where}: state must be a dict {{name: array}} such as "
+                            f"state_dict() returns, got {type(state).__name__}")
+        names = self._param_names()
+        missing = [n for n in names if n not in state]
+        unknown = [k for k in state if k not in names]
+        if missing or unknown:
+            raise ValueError(f"{where}: the state's names differ from the model's: missing "
+                             f"{missing[:5]}, unexpected {unknown[:5]}; load a state_dict() of "
+                             "the same model")
+        for name, p in zip(names, self._params):
+            value = state[name]
+            if tuple(np.shape(value)) != p.shape:
+                raise ValueError(f"{where}: {name!r} has shape {tuple(np.shape(value))}, the "
+                                 f"parameter has {p.shape}")
+        for name, p in zip(names, self._params):
+            xp = _array.namespace(p.data)
+            p.data[...] = xp.asarray(state[name])
+
+    def _param_names(self) -> list[str]:
+        names = [p.name or f"param{i}" for i, p in enumerate(self._params)]
+        if len(set(names)) != len(names):
+            dup = next(n for n in names if names.count(n) > 1)
+            raise ValueError(f"DistributedDataParallel.state_dict: two parameters are named "
+                             f"{dup!r}; name them uniquely (state dicts key arrays by name)")
+        return names
+
+    def _run_grad_fn(self, grad_fn: GradFn, batch: tuple[Any, ...]) -> Any:
+        result = grad_fn([p.data for p in self._params], *batch)
         if inspect.isgenerator(result):
             seen: set[int] = set()
             while True:
@@ -459,6 +640,20 @@ class DistributedDataParallel:
         return (f"DistributedDataParallel({len(self._params)} parameters, "
                 f"{len(self.synchronizer.buckets)} buckets, {self.strategy.name}, "
                 f"group of {self.process_group.world_size})")
+
+
+def _check_num_samples(num_samples: Any) -> None:
+    """Refuse a ``num_samples`` that is not None or a real number >= 0."""
+    if num_samples is None:
+        return
+    what = "DistributedDataParallel.sync_gradients: num_samples"
+    if isinstance(num_samples, bool) or not isinstance(num_samples, numbers.Real):
+        hint = ("; to average a list of arrays, call axondist.sync_gradients(grads)"
+                if isinstance(num_samples, (list, tuple)) else "")
+        raise TypeError(f"{what} must be None or this rank's sample count (a number >= 0), "
+                        f"got {type(num_samples).__name__} {num_samples!r}{hint}")
+    if not float(num_samples) >= 0:  # also refuses NaN
+        raise ValueError(f"{what} must be a sample count >= 0, got {num_samples!r}")
 
 
 def _mib_to_bytes(mb: float) -> int:

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from . import _array
+from .errors import UnsupportedDTypeError
 from .parameter import Parameter, parameters_of
 
 #: state_dict format version, bumped when the layout below changes.
@@ -75,7 +76,7 @@ class Optimizer:
     _state_names: tuple[str, ...] = ()
 
     def __init__(self, params: Any, lr: float) -> None:
-        self.params: list[Parameter] = optimizer_params(params)
+        self.params: list[Parameter] = optimizer_params(params, type(self).__name__)
         if not self.params:
             raise ValueError(f"{type(self).__name__}: got an empty parameter list")
         for p in self.params:
@@ -101,11 +102,13 @@ class Optimizer:
 
         Raises:
             ValueError: a gradient's shape differs from its parameter's.
+            UnsupportedDTypeError: a gradient is complex (never cast to real).
         """
         for i, p in enumerate(self.params):
             if p.grad is None:
                 continue
             grad = p.grad
+            check_real_grad(grad, f"{type(self).__name__}.step", i, p.name)
             if tuple(grad.shape) != p.shape:
                 raise ValueError(
                     f"{type(self).__name__}.step: parameter {i} ({p.name or 'unnamed'}) has shape "
@@ -396,12 +399,37 @@ class AdamW(Adam):
         super().__init__(params, lr, betas, eps, weight_decay)
 
 
-def optimizer_params(params: Any) -> list[Parameter]:
-    """The Parameters for ``params``: a model, list/dict of Parameters, or any iterable."""
+def check_real_grad(grad: Any, where: str, index: int, name: str | None) -> None:
+    """Refuse a complex gradient: the update would silently drop its imaginary part.
+
+    Raises:
+        UnsupportedDTypeError: ``grad`` is complex.
+    """
+    if np.dtype(grad.dtype).kind == "c":
+        label = f"parameter {index}" + (f" ({name})" if name else "")
+        raise UnsupportedDTypeError(
+            f"{where}: the gradient of {label} is {grad.dtype}; complex gradients are not "
+            "supported (casting to real would silently drop the imaginary part). Train the "
+            "real and imaginary parts as two real Parameters, or set grad.real if that is "
+            "what you mean")
+
+
+def optimizer_params(params: Any, where: str = "optimizer") -> list[Parameter]:
+    """The Parameters for ``params``: a model, list/dict of Parameters, or any iterable.
+
+    Raises:
+        TypeError: ``params`` is None, a string, or not iterable (naming ``where``).
+    """
+    if params is None or isinstance(params, (str, bytes)) or not (
+            isinstance(params, (Parameter, dict)) or hasattr(params, "parameters")
+            or hasattr(params, "__iter__")):
+        raise TypeError(f"{where}: params must be a model, a Parameter or a list of Parameters "
+                        f"(e.g. {where}(model.parameters(), lr=0.1)), got "
+                        f"{type(params).__name__} {params!r}")
     if not isinstance(params, (list, tuple, dict, Parameter)) and not hasattr(params, "parameters"):
         # generators and dict views become a list once, so they are not consumed twice
         params = list(params)
     return parameters_of(params)
 
 
-__all__ = ["SGD", "Adam", "AdamW", "Optimizer"]
+__all__ = ["SGD", "Adam", "AdamW", "Optimizer", "check_real_grad", "optimizer_params"]

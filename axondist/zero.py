@@ -21,7 +21,7 @@ import numpy as np
 from . import _array, comm
 from .errors import CollectiveMismatchError
 from .fsdp.sharding import DEFAULT_UNIT_BYTES, FlatUnit, plan_units
-from .optim import STATE_DICT_VERSION, Optimizer, optimizer_params
+from .optim import STATE_DICT_VERSION, Optimizer, check_real_grad, optimizer_params
 from .parameter import Parameter
 from .process_group import ProcessGroup, resolve_group
 
@@ -72,7 +72,7 @@ class ZeroRedundancyOptimizer:
                             "optimizer class such as axondist.optim.Adam, got "
                             f"{optimizer_class!r}")
         self.group = resolve_group(group)
-        self.params: list[Parameter] = optimizer_params(params)
+        self.params: list[Parameter] = optimizer_params(params, "ZeroRedundancyOptimizer")
         if not self.params:
             raise ValueError("ZeroRedundancyOptimizer: got an empty parameter list")
         self.optimizer_class = optimizer_class
@@ -101,7 +101,7 @@ class ZeroRedundancyOptimizer:
 
     def _check_same_params(self) -> None:
         mine = [(tuple(p.shape), str(p.dtype)) for p in self.params]
-        everyone = self.group.backend_for("ZeroRedundancyOptimizer").allgather_object(mine)
+        everyone = comm.all_gather_object(mine, self.group)
         for r, other in enumerate(everyone):
             if other == everyone[0]:
                 continue
@@ -140,8 +140,11 @@ class ZeroRedundancyOptimizer:
 
         Raises:
             ValueError: a gradient's shape differs from its parameter's.
+            UnsupportedDTypeError: a gradient is complex (never cast to real).
         """
         for i, p in enumerate(self.params):
+            if p.grad is not None:
+                check_real_grad(p.grad, "ZeroRedundancyOptimizer.step", i, p.name)
             if p.grad is not None and tuple(p.grad.shape) != p.shape:
                 raise ValueError(f"ZeroRedundancyOptimizer.step: parameter {i} "
                                  f"({p.name or 'unnamed'}) has shape {p.shape} but its .grad has "
@@ -210,9 +213,8 @@ class ZeroRedundancyOptimizer:
                 if name != "step":
                     entry["pieces"].setdefault(name, []).append(
                         (piece.start, piece.stop, _array.to_host(value)))
-        backend = self.group.backend_for("ZeroRedundancyOptimizer.state_dict")
         merged: dict[int, dict[str, Any]] = {}
-        for part in backend.allgather_object(local):
+        for part in comm.all_gather_object(local, self.group):
             for i, entry in part.items():
                 out = merged.setdefault(i, {"step": 0})
                 out["step"] = max(out["step"], entry["step"])

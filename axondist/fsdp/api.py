@@ -14,13 +14,16 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from .. import _array, comm
+from .._step import GradFn, check_grad_fn, check_optimizer, loss_and_gradients, split_grad_fn
+from ..bucketing import check_real_gradient
 from ..checkpoint import CheckpointReader, ShardedState, param_names
+from ..errors import CheckpointError
 from ..ops import ReduceOp
 from ..parameter import Parameter, parameters_of
 from ..process_group import ProcessGroup, resolve_group
@@ -72,6 +75,9 @@ class FullyShardedDataParallel:
         sync_module_states: broadcast every unit from group rank 0 before
             sharding (the default, as DDP does), so all ranks start from rank
             0's values even when their initialisation depends on the rank.
+        grad_fn: the gradient callable :meth:`backward` and :meth:`step`
+            use, ``grad_fn(param_arrays, *batch)`` returning ``(loss, grads)``
+            or a generator of ``(index, grad)`` (the same callable DDP takes).
 
     Every rank of the group must make the same calls in the same order
     (construction creates sub-groups under HYBRID_SHARD; gather, sync and
@@ -94,8 +100,9 @@ class FullyShardedDataParallel:
                  units: Sequence[Sequence[int]] | None = None,
                  ranks_per_node: int | None = None,
                  unit_size_mb: float = DEFAULT_UNIT_BYTES / 2**20,
-                 sync_module_states: bool = True) -> None:
+                 sync_module_states: bool = True, grad_fn: GradFn | None = None) -> None:
         self.module = model
+        self.grad_fn = check_grad_fn(grad_fn, "FullyShardedDataParallel")
         self.group = resolve_group(group)
         self.group.backend_for("FullyShardedDataParallel")
         self.sharding_strategy = ShardingStrategy.parse(sharding_strategy)
@@ -361,6 +368,8 @@ class FullyShardedDataParallel:
         if all(g is None for g in grads):
             return None
         for i, g in zip(st.flat.param_indices, grads):
+            if g is not None:
+                check_real_gradient(g, where, i, self._names[i])
             if g is not None and tuple(g.shape) != self._shapes[i]:
                 raise ValueError(f"{where}: parameter {self._names[i]!r} has shape "
                                  f"{self._shapes[i]} but its .grad has shape {tuple(g.shape)}")
@@ -455,7 +464,7 @@ class FullyShardedDataParallel:
         for p in self._params:
             p.grad = None
 
-    def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0, *,
+    def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0,
                        error_if_nonfinite: bool = False) -> float:
         """Scale the shard gradients so their global norm is at most ``max_norm``.
 
@@ -479,9 +488,12 @@ class FullyShardedDataParallel:
 
         Raises:
             RuntimeError: gradients are still pending in a no_sync buffer, or the
-                norm is not finite and ``error_if_nonfinite`` is set (on every rank).
-            ValueError: ``norm_type`` is not > 0 or inf.
+                norm is not finite and ``error_if_nonfinite`` is set (on every rank;
+                a :class:`~axondist.errors.NonFiniteNormError`).
+            TypeError / ValueError: ``max_norm`` is not a number > 0, or
+                ``norm_type`` is not > 0 or inf.
         """
+        limit = _clip.check_max_norm(max_norm, "FullyShardedDataParallel.clip_grad_norm")
         p = _clip.check_norm_type(norm_type, "clip_grad_norm")
         if any(st.accum is not None for st in self._units):
             raise RuntimeError("clip_grad_norm: gradients accumulated under no_sync() are not "
@@ -499,59 +511,82 @@ class FullyShardedDataParallel:
         total = _clip.global_norm(pieces, p, self.shard_group, xp)
         if error_if_nonfinite:
             _clip.check_finite(total, p, "clip_grad_norm")
-        coef = _clip.clip_coefficient(total, max_norm)
+        coef = _clip.clip_coefficient(total, limit)
         if coef is not None:
             _clip.scale(grads, coef)
         return total
 
     # --- one-call training ------------------------------------------------------------------
 
-    def backward(self, grad_fn: Callable[..., Any], *batch: Any) -> Any:
+    def backward(self, *batch: Any) -> Any:
         """Gather all units, compute gradients, reshard, sync; return the loss.
 
-        ``grad_fn(param_arrays, *batch) -> (loss, grads)`` gets the full
-        parameter arrays in model order and returns one gradient per
-        parameter (None for none). All units are gathered at once (peak
-        memory: the whole model's full parameters, once); gradients are then
-        reduce-scattered unit by unit, each unit's full gradients dropped as
-        soon as they are reduced. For unit-at-a-time peak memory drive
+        ``grad_fn(param_arrays, *batch)`` (the constructor's) gets the full
+        parameter arrays in model order and returns ``(loss, grads)``, one
+        gradient per parameter (None for none), or is a generator of
+        ``(index, grad)`` pairs returning the loss, as under DDP. A callable
+        passed first is used instead for this call: ``backward(grad_fn,
+        *batch)``. All units are gathered at once (peak memory: the whole
+        model's full parameters, once); gradients are then reduce-scattered
+        unit by unit, each unit's full gradients dropped as soon as they are
+        reduced. For unit-at-a-time peak memory drive
         ``gather_parameters(u)`` / ``sync_gradients(u)`` /
         ``reshard_parameters(u)`` yourself. Inside :meth:`no_sync` the sync
         only accumulates locally.
+
+        Args:
+            *batch: passed to ``grad_fn`` after the parameter arrays.
+
+        Returns:
+            The loss ``grad_fn`` reported (this rank's).
+
+        Raises:
+            TypeError: no ``grad_fn``, or it returned something else than
+                ``(loss, grads)`` or a generator.
+            ValueError: a wrong number of gradients, or one of the wrong shape.
+            UnsupportedDTypeError: a complex gradient.
         """
+        where = "FullyShardedDataParallel.backward"
+        grad_fn, batch = split_grad_fn(self.grad_fn, batch, where)
         self.gather_parameters()
         arrays = [p.data for p in self._params]
-        result = grad_fn(arrays, *batch)
-        del arrays
         try:
-            loss, grads = result
-        except (TypeError, ValueError):
-            raise TypeError("FullyShardedDataParallel: grad_fn must return (loss, grads), got "
-                            f"{type(result).__name__}") from None
-        grads = list(grads)
-        if len(grads) != len(self._params):
-            raise ValueError(f"FullyShardedDataParallel: grad_fn returned {len(grads)} gradients "
-                             f"for {len(self._params)} parameters")
+            loss, grads = loss_and_gradients(grad_fn(arrays, *batch), len(self._params), where)
+        except BaseException:
+            self.reshard_parameters()
+            raise
+        del arrays
         for p, g in zip(self._params, grads):
             p.grad = None if g is None else _array.as_array(g)
         self.reshard_parameters()
         self.sync_gradients()
         return loss
 
-    def step(self, grad_fn: Callable[..., Any], *batch: Any, optimizer: Any,
-             max_norm: float | None = None) -> Any:
-        """One training step: :meth:`backward`, optional clipping, ``optimizer.step()``.
+    def step(self, *batch: Any, optimizer: Any, max_norm: float | None = None) -> Any:
+        """One training step: :meth:`backward`, optional clipping, ``optimizer.step()``,
+        ``optimizer.zero_grad()``.
 
         Shard gradients accumulated by earlier :meth:`backward` calls are
-        included, and are cleared after the step. Returns the loss.
+        included, and are cleared after the step. The older call shape
+        ``step(grad_fn, *batch, optimizer=opt)`` works too.
+
+        Args:
+            *batch: passed to ``grad_fn`` (a callable first overrides it).
+            optimizer: an optimizer built on :meth:`parameters` (the shards).
+            max_norm: clip to this global norm first (:meth:`clip_grad_norm`).
+
+        Returns:
+            This rank's loss.
 
         Raises:
             RuntimeError: called inside :meth:`no_sync`.
+            TypeError: ``optimizer`` has no ``step()``/``zero_grad()``.
         """
+        check_optimizer(optimizer, "FullyShardedDataParallel.step")
         if self._no_sync_depth:
             raise RuntimeError("FullyShardedDataParallel.step: cannot step inside no_sync(); use "
                                "backward() for the micro-batches, step() for the last one")
-        loss = self.backward(grad_fn, *batch)
+        loss = self.backward(*batch)
         if max_norm is not None:
             self.clip_grad_norm(max_norm)
         optimizer.step()
@@ -686,6 +721,53 @@ class FullyShardedDataParallel:
         are gathered to it; other nodes of HYBRID_SHARD do nothing).
         """
         return _state_dict.full_state_dict(self)
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{name: full array}`` (NumPy, master dtype) on EVERY rank: a collective.
+
+        The same keys and shapes as :meth:`DistributedDataParallel.state_dict`,
+        so a state saved under one strategy loads under another. Each unit's
+        shards are all-gathered within the shard group (under HYBRID_SHARD
+        each node already holds a whole copy). For rank 0 only, use
+        :meth:`full_state_dict`.
+        """
+        out: dict[str, Any] = {}
+        for u, st in enumerate(self._units):
+            flat = st.flat
+            shard = self.communication_shard(u)
+            if self.shard_group is not None:
+                full = comm.all_gather(shard, self.shard_group,
+                                       sizes=[flat.shard_size] * self._shards)
+            else:
+                full = shard
+            full = _array.to_host(full[:flat.numel])
+            for i, view in zip(flat.param_indices, flat.layout.views(full)):
+                out[self._names[i]] = view.copy()
+        return {name: out[name] for name in self._names}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Take this rank's shards from ``{name: full array}`` (every rank passes the same).
+
+        The counterpart of :meth:`state_dict` (also loads a DDP state dict).
+        No communication; gathered parameters are released and the next
+        :meth:`backward` gathers them again.
+
+        Raises:
+            TypeError: ``state`` is not a mapping.
+            ValueError: a name missing or unknown, or an array of another shape.
+        """
+        where = "FullyShardedDataParallel.load_state_dict"
+        if not isinstance(state, Mapping):
+            raise TypeError(f"{where}: state must be a dict {{name: array}} such as "
+                            f"state_dict() returns, got {type(state).__name__}")
+        unknown = [k for k in state if k not in self._names]
+        if unknown:
+            raise ValueError(f"{where}: the state has names the model does not: {unknown[:5]}; "
+                             "load a state_dict() of the same model")
+        try:
+            _state_dict.load_full_state_dict(self, dict(state))
+        except CheckpointError as exc:
+            raise ValueError(f"{where}: {exc}") from None
 
     def load_full_state_dict(self, state: dict[str, Any]) -> None:
         """Take this rank's shards from a full ``{name: array}`` state (every rank passes it).

@@ -16,6 +16,8 @@ from typing import Any
 import numpy as np
 
 from .. import _array, comm
+from .._validate import positive_number
+from ..errors import NonFiniteNormError
 from ..ops import ReduceOp
 from ..process_group import ProcessGroup
 
@@ -23,9 +25,27 @@ from ..process_group import ProcessGroup
 CLIP_EPS = 1e-6
 
 
+def check_max_norm(max_norm: Any, where: str) -> float:
+    """``max_norm`` as a float > 0.
+
+    Raises:
+        TypeError: not a number.
+        ValueError: NaN, infinite, zero or negative.
+    """
+    return positive_number(max_norm, where, "max_norm")
+
+
 def check_norm_type(norm_type: float, where: str) -> float:
-    """``norm_type`` as a float: a positive number or ``inf``."""
-    p = float(norm_type)
+    """``norm_type`` as a float: a positive number or ``inf``.
+
+    Raises:
+        ValueError: not a number, NaN, zero, negative or ``-inf``.
+    """
+    try:
+        p = float(norm_type)
+    except (TypeError, ValueError):
+        raise ValueError(f"{where}: norm_type must be a number > 0 or inf (2.0 for the "
+                         f"Euclidean norm), got {norm_type!r}") from None
     if not (p > 0 or math.isinf(p)) or math.isnan(p) or p == -math.inf:
         raise ValueError(f"{where}: norm_type must be > 0 or inf, got {norm_type!r}")
     return p
@@ -103,15 +123,15 @@ def check_finite(total_norm: float, norm_type: float, where: str) -> None:
     """Refuse a NaN or infinite norm (``error_if_nonfinite=True``), as torch does.
 
     Raises:
-        RuntimeError: the norm is NaN or infinite.
+        NonFiniteNormError: the norm is NaN or infinite (a RuntimeError).
     """
     if not math.isfinite(total_norm):
-        raise RuntimeError(
+        raise NonFiniteNormError(
             f"{where}: the total norm of order {norm_type} of the gradients is {total_norm}, "
             "so they cannot be clipped; find the NaN/inf gradient (e.g. lower the learning "
             "rate or use loss scaling), or pass error_if_nonfinite=False to scale the "
             "gradients by the non-finite norm anyway")
 
 
-__all__ = ["CLIP_EPS", "check_finite", "check_norm_type", "clip_coefficient", "global_norm",
-           "local_norm_term", "scale"]
+__all__ = ["CLIP_EPS", "check_finite", "check_max_norm", "check_norm_type", "clip_coefficient",
+           "global_norm", "local_norm_term", "scale"]
