@@ -20,8 +20,8 @@ from math import prod
 from typing import Any
 
 from . import _array
-from ._validate import as_rank
-from .backends.base import Backend, CompletedWork, Work
+from ._validate import as_rank, positive_seconds
+from .backends.base import Backend, CompletedWork, ThenWork, Work, default_timeout
 from .errors import CollectiveMismatchError, InvalidBufferError, RankError, UnsupportedDTypeError
 from .ops import ReduceOp, check_op_dtype
 from .process_group import ProcessGroup, current_world, resolve_group
@@ -107,26 +107,7 @@ def _half_average(x: Any, out: Any, b: Backend, async_op: bool,
     if not async_op:
         work.wait()
         return narrow()
-    return _FinishedByWork(work, narrow)
-
-
-class _FinishedByWork(Work):
-    """A Work that runs ``finish`` once after ``inner`` completed and returns its value."""
-
-    __slots__ = ("_inner", "_finish", "_value", "_done")
-
-    def __init__(self, inner: Work, finish: Any) -> None:
-        self._inner, self._finish, self._value, self._done = inner, finish, None, False
-
-    def wait(self, timeout: float | None = None) -> Any:
-        if not self._done:
-            self._inner.wait(timeout)
-            self._value = self._finish()
-            self._done = True
-        return self._value
-
-    def is_completed(self) -> bool:
-        return self._done or self._inner.is_completed()
+    return ThenWork(work, narrow)
 
 
 def _checked_dtype(x: Any, what: str) -> None:
@@ -261,6 +242,91 @@ def reduce_scatter(x: Any, op: ReduceOp | str = ReduceOp.SUM, group: ProcessGrou
     work = b.reduce_scatter(x, out, [r * row_size for r in rows], op, signature=sig,
                             async_op=async_op)
     return _finish(_with_result(work, out), async_op)
+
+
+def reduce(x: Any, dst: int = 0, op: ReduceOp | str = ReduceOp.SUM,
+           group: ProcessGroup | None = None, async_op: bool = False) -> Any:
+    """Reduce ``x`` over the group into group rank ``dst``'s ``x`` (in place) and return it.
+
+    Other ranks' ``x`` is left unchanged. Arguments and errors as :func:`all_reduce`.
+    """
+    g, b = _member(group, "reduce")
+    dst = _check_rank(g, dst, "reduce", "dst")
+    x, op = _checked_reduce_args(x, op, "reduce")
+    if op is ReduceOp.AVERAGE and x.dtype in _HALF:
+        copy = _array.namespace(x).array(x, copy=True)
+        work = _half_average(copy, copy, b, async_op, None)
+
+        def keep(result: Any) -> Any:
+            if g.rank == dst:
+                x[...] = result
+            return x
+
+        return ThenWork(work, keep) if async_op else keep(work)
+    sig = (("dtype", x.dtype), ("shape", x.shape))
+    work = b.reduce(x, op, dst, signature=sig, async_op=async_op)
+    return _finish(_with_result(work, x), async_op)
+
+
+def all_to_all(x: Any, group: ProcessGroup | None = None, *,
+               send_sizes: Sequence[int] | None = None,
+               recv_sizes: Sequence[int] | None = None, async_op: bool = False) -> Any:
+    """Send row block k of ``x`` to group rank k; return the blocks received, in rank order.
+
+    ``x`` (at least 1-D; the trailing shape and dtype must agree on every rank) is
+    split along axis 0 by ``send_sizes`` (rows per destination; the
+    :func:`numpy.array_split` rule when None). The ranks exchange their sizes
+    first; ``recv_sizes`` (rows from each source), when given, is checked
+    against them. What expert and sequence parallelism use.
+
+    Raises:
+        InvalidBufferError: ``send_sizes`` does not split ``x``'s rows.
+        CollectiveMismatchError: ranks disagree on dtype or trailing shape, or
+            ``recv_sizes`` does not match what the others send.
+    """
+    g, b = _member(group, "all_to_all")
+    x = _array.contiguous(_array.as_array(x))
+    _array.check_dtype(x.dtype, "all_to_all")
+    if x.ndim == 0:
+        raise InvalidBufferError("all_to_all: a 0-d array has no axis to split; pass x[None]")
+    n = g.world_size
+    if send_sizes is None:
+        send_rows = split_sizes(x.shape[0], n)
+    else:
+        send_rows = [int(s) for s in send_sizes]
+        if len(send_rows) != n or sum(send_rows) != x.shape[0] or min(send_rows) < 0:
+            raise InvalidBufferError(
+                f"all_to_all: send_sizes={send_rows} must list {n} row counts >= 0 adding up "
+                f"to x's {x.shape[0]} rows")
+    trailing = tuple(x.shape[1:])
+    table = b.allgather_object((send_rows, trailing, str(x.dtype)))
+    for field, idx in (("dtype", 2), ("trailing shape", 1)):
+        values = [t[idx] for t in table]
+        if any(v != values[0] for v in values):
+            detail = ", ".join(f"rank {k}: {v}" for k, v in enumerate(values))
+            raise CollectiveMismatchError(f"all_to_all: ranks disagree on {field} ({detail})")
+    recv_rows = [t[0][g.rank] for t in table]
+    if recv_sizes is not None and [int(r) for r in recv_sizes] != recv_rows:
+        raise CollectiveMismatchError(
+            f"all_to_all: recv_sizes={list(recv_sizes)} on rank {g.rank}, but the ranks send "
+            f"it {recv_rows} rows")
+    row = prod(trailing)
+    out = _array.namespace(x).empty((sum(recv_rows),) + trailing, dtype=x.dtype)
+    work = b.all_to_all(x, out, [r * row for r in send_rows], [r * row for r in recv_rows],
+                        signature=(("dtype", x.dtype),), async_op=async_op)
+    return _finish(_with_result(work, out), async_op)
+
+
+def monitored_barrier(group: ProcessGroup | None = None, timeout: float | None = None) -> None:
+    """A barrier that fails after ``timeout`` seconds (the group's timeout when None) with a
+    :class:`~axondist.errors.CollectiveTimeoutError` naming the ranks that did not arrive.
+
+    On MPI the failing call leaves the job unusable for collectives (as torch's): end it.
+    """
+    _, b = _member(group, "monitored_barrier")
+    wait = default_timeout() if timeout is None else positive_seconds(
+        timeout, "monitored_barrier")
+    b.monitored_barrier(wait)
 
 
 def reduce_scatter_sum(x: Any, group: ProcessGroup | None = None, async_op: bool = False) -> Any:
@@ -653,6 +719,7 @@ __all__ = [
     "all_reduce_min",
     "all_reduce_product",
     "all_reduce_sum",
+    "all_to_all",
     "barrier",
     "broadcast",
     "broadcast_from",
@@ -662,8 +729,10 @@ __all__ = [
     "gather_object",
     "gather_tensor",
     "is_main_process",
+    "monitored_barrier",
     "rank",
     "recv",
+    "reduce",
     "reduce_scatter",
     "reduce_scatter_mean",
     "reduce_scatter_sum",

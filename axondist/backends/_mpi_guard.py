@@ -14,14 +14,16 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import time
 from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
 
+from ..errors import CollectiveTimeoutError
 from .base import compare_signatures
 from .recorder import CALL_FIELDS as FIELDS
-from .recorder import FlightRecorder
+from .recorder import FlightRecorder, describe_status
 
 _CACHE_LIMIT = 4096
 
@@ -93,6 +95,35 @@ class CallGuard:
         if view[0] != -view[1]:
             self._disagree(op, key)
 
+    def agree_within(self, op: str, key: tuple[Any, ...], seq: int, deadline: float) -> None:
+        """:meth:`agree` that gives up at ``deadline`` (``time.monotonic``), naming the
+        ranks that did not start call ``seq`` (from their flight recorders).
+
+        Raises:
+            CollectiveTimeoutError: the deadline passed first (the check stays pending:
+                the communicator is unusable afterwards).
+        """
+        cache = self._caches.setdefault(op, {})
+        pair = cache.get(key)
+        if pair is None:
+            pair = cache[key] = _hash_pair(op, key)
+        request = self.comm.Iallreduce([pair, self._int64], [self._out, self._int64], self._max)
+        wait_until(request.Test, deadline, lambda: self._absent_error(op, seq))
+        view = self._view
+        if view[0] != -view[1]:
+            self._disagree(op, key)
+
+    def _absent_error(self, op: str, seq: int) -> Exception:
+        others = [r for r in self.members if r != self.rec.rank]
+        statuses = self.rec.query_peers(others) if self.rec.query_peers else {}
+        absent = [r for r in others if not isinstance(statuses.get(r), dict)
+                  or int(statuses[r].get("issued", {}).get(self.group, 0)) < seq]
+        lines = [describe_status(statuses[r]) if isinstance(statuses.get(r), dict)
+                 else f"rank {r}: {statuses.get(r, 'not asked')}" for r in absent]
+        return CollectiveTimeoutError(
+            f"monitored_barrier: ranks {absent} of group {self.group} did not arrive at {op} "
+            f"#{seq}: " + "; ".join(lines))
+
     def _disagree(self, op: str, key: tuple[Any, ...]) -> None:
         calls = self.comm.allgather((op, key))
         signatures = [(("op", name),) + tuple(zip(FIELDS.get(name, ()), _printable(k)))
@@ -102,6 +133,17 @@ class CallGuard:
             error = compare_signatures(op, [(("op", name), ("key", repr(k))) for name, k in calls])
         if error is not None:
             raise error
+
+
+def wait_until(done: Any, deadline: float, error: Any) -> None:
+    """Poll ``done()`` (an MPI request's ``Test``) until it is true; past ``deadline``
+    raise ``error()``. Sleeps grow to 1 ms, so a waiting rank leaves its core to others."""
+    pause = 1e-5
+    while not done():
+        if time.monotonic() >= deadline:
+            raise error()
+        time.sleep(pause)
+        pause = min(pause * 2, 1e-3)
 
 
 def _printable(key: tuple[Any, ...]) -> tuple[Any, ...]:

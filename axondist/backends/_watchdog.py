@@ -96,6 +96,7 @@ class Watchdog:
         self._stopped = False
         self._state: dict[tuple[Any, ...], float] = {}  # call -> when it is next looked at
         self._server = socket.create_server(("", 0), backlog=64)
+        recorder.query_peers = self.query
         self.port = self._server.getsockname()[1]
 
     @property

@@ -166,6 +166,26 @@ class FutureWork(Work):
         return self._future.done()
 
 
+class ThenWork(Work):
+    """A Work that runs ``then`` once, after ``inner`` completed, and returns its value."""
+
+    __slots__ = ("_inner", "_then", "_value", "_done")
+
+    def __init__(self, inner: Work, then: Callable[[Any], Any]) -> None:
+        self._inner, self._then, self._value, self._done = inner, then, None, False
+
+    def wait(self, timeout: float | None = None) -> Any:
+        """Wait for ``inner``, then return ``then``'s value (computed once)."""
+        if not self._done:
+            self._value = self._then(self._inner.wait(timeout))
+            self._done = True
+        return self._value
+
+    def is_completed(self) -> bool:
+        """True once ``inner`` completed (``then`` runs in :meth:`wait`)."""
+        return self._done or self._inner.is_completed()
+
+
 class Backend(abc.ABC):
     """One rank's endpoint in one communicator.
 
@@ -221,6 +241,60 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def barrier(self) -> None:
         """Return once every rank has entered the barrier."""
+
+    # --- collectives with a default built on the ones above --------------------------------
+    def reduce(self, buf: Any, op: ReduceOp, root: int, *, signature: Signature = (),
+               async_op: bool = False) -> Work:
+        """Reduce ``buf`` over all ranks into ``root``'s ``buf`` (others' are unchanged).
+
+        The default all-reduces a copy; backends with a rooted reduction override it.
+        """
+        copy = namespace(buf).array(buf, copy=True)
+        work = self.all_reduce(copy, op, signature=signature + (("root", root),),
+                               async_op=async_op)
+
+        def finish(_: Any = None) -> Any:
+            if self.rank == root:
+                buf[...] = copy
+            return buf
+
+        if not async_op:
+            work.wait()
+            return CompletedWork(finish())
+        return ThenWork(work, finish)
+
+    def all_to_all(self, send: Any, recv: Any, send_counts: Sequence[int],
+                   recv_counts: Sequence[int], *, signature: Signature = (),
+                   async_op: bool = False) -> Work:
+        """Block k of ``send`` (``send_counts[k]`` elements) goes to rank k; ``recv`` gets
+        the blocks every rank sent this one, in rank order (``recv_counts[k]`` from rank k).
+
+        The default all-gathers every rank's whole ``send`` (n times the traffic);
+        backends with an all-to-all override it.
+        """
+        n = self.world_size
+        sizes = self.allgather_object((list(send_counts),))
+        totals = [sum(s[0]) for s in sizes]
+        everything = namespace(send).empty(sum(totals), dtype=send.dtype)
+        self.all_gather(send.reshape(-1), everything, totals, signature=signature).wait()
+        flat, out, start = recv.reshape(-1), 0, 0
+        for k in range(n):
+            counts = sizes[k][0]
+            lo = start + sum(counts[: self.rank])
+            take = counts[self.rank]
+            if take != recv_counts[k]:
+                raise CollectiveMismatchError(
+                    f"all_to_all: rank {k} sends {take} elements to rank {self.rank}, which "
+                    f"expects {recv_counts[k]}")
+            flat[out:out + take] = everything[lo:lo + take]
+            out += take
+            start += totals[k]
+        return CompletedWork(recv)
+
+    def monitored_barrier(self, timeout: float) -> None:
+        """A barrier that fails after ``timeout`` seconds naming the ranks that did not
+        arrive. The default is :meth:`barrier` (which the watchdog still ends)."""
+        self.barrier()
 
     # --- the blocking hot path ------------------------------------------------------
     # What axondist.comm calls for blocking calls on host arrays whose arguments it

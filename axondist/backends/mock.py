@@ -127,7 +127,8 @@ class MockWorld:
 
     def wait_for(self, ready: Callable[[], bool], what: str,
                  missing: Callable[[], str],
-                 waiting_for: Callable[[], list[int]] | None = None) -> None:
+                 waiting_for: Callable[[], list[int]] | None = None,
+                 timeout: float | None = None) -> None:
         """Wait (holding ``cond``) until ``ready()``.
 
         ``waiting_for`` lists the world ranks the wait needs: one that left
@@ -135,7 +136,8 @@ class MockWorld:
         calls. Abort, departure and timeout become errors.
         """
         start = time.monotonic()
-        deadline = start + self.timeout
+        timeout = self.timeout if timeout is None else timeout
+        deadline = start + timeout
         warn_at = start + self.stall
         while not ready():
             self._check_abort(what)
@@ -150,7 +152,7 @@ class MockWorld:
             if now >= deadline:
                 detail = "".join(f"; {self.describe_rank(r)}" for r in needed)
                 raise CollectiveTimeoutError(
-                    f"{what}: {missing()} within {self.timeout:g} s{detail}; every rank of the "
+                    f"{what}: {missing()} within {timeout:g} s{detail}; every rank of the "
                     "group must make the same collective calls in the same order"
                 )
             if now >= warn_at and needed:
@@ -195,7 +197,8 @@ class MockBackend(Backend):
         return (f"{op_name} #{seq + 1} on {self.group_name} of ranks {list(self.global_ranks)} "
                 f"(rank {self.global_ranks[self.rank]})")
 
-    def _arrive(self, op_name: str, seq: int, payload: Any, signature: Signature) -> _Round:
+    def _arrive(self, op_name: str, seq: int, payload: Any, signature: Signature,
+                timeout: float | None = None) -> _Round:
         """Deposit this rank's payload and wait for every rank of the group."""
         w, n = self.world, self.world_size
         what = self._describe(op_name, seq)
@@ -220,7 +223,7 @@ class MockBackend(Backend):
                     return f"ranks {absent()} of {n} did not join"
 
                 try:
-                    w.wait_for(lambda: rnd.arrived == n, what, missing, absent)
+                    w.wait_for(lambda: rnd.arrived == n, what, missing, absent, timeout)
                 except BaseException:
                     w.rounds.pop(key, None)
                     raise
@@ -246,7 +249,8 @@ class MockBackend(Backend):
         self.world.cond.notify_all()
 
     def _run(self, op_name: str, payload: Any, signature: Signature,
-             compute: Callable[[_Round], Any], async_op: bool, wait_all: bool = True) -> Work:
+             compute: Callable[[_Round], Any], async_op: bool, wait_all: bool = True,
+             timeout: float | None = None) -> Work:
         seq = self._seq
         self._seq += 1
         recorder = self.recorder
@@ -254,7 +258,7 @@ class MockBackend(Backend):
         def execute() -> Any:
             slot = recorder.begin(self.group_name, seq + 1, op_name, signature)
             try:
-                rnd = self._arrive(op_name, seq, payload, signature)
+                rnd = self._arrive(op_name, seq, payload, signature, timeout)
                 try:
                     result = compute(rnd)
                 finally:
@@ -390,6 +394,10 @@ class MockBackend(Backend):
     def barrier(self) -> None:
         """Return once every rank of the group has arrived (or fail after the world's timeout)."""
         self._run("barrier", None, (), lambda rnd: None, False, wait_all=False)
+
+    def monitored_barrier(self, timeout: float) -> None:
+        """:meth:`barrier` failing after ``timeout`` seconds, naming the absent ranks."""
+        self._run("barrier", None, (), lambda rnd: None, False, wait_all=False, timeout=timeout)
 
     # --- objects -----------------------------------------------------------------------
     def allgather_object(self, obj: Any) -> list[Any]:

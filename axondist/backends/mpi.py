@@ -58,6 +58,7 @@ from __future__ import annotations
 import copy
 import secrets
 import sys
+import time
 import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -85,7 +86,7 @@ from ._mpi_common import (
     type_table,
     unsupported,
 )
-from ._mpi_guard import CallGuard
+from ._mpi_guard import CallGuard, wait_until
 from ._watchdog import Watchdog, exit_soon, print_and_flush
 from .base import (
     Backend,
@@ -713,6 +714,73 @@ class MPIBackend(Backend):
         except MPI.Exception as exc:
             raise_mpi_error(exc, what)
         return MPIWork([request], None, full if what == "gather" else mine, what)
+
+    def reduce(self, buf: Any, op: ReduceOp, root: int, *, signature: Signature = (),
+               async_op: bool = False) -> Work:
+        """``Reduce`` into ``root``'s ``buf`` (in place there); AVERAGE divides on the root.
+
+        Non-blocking calls and host staging take the general path (an all-reduce).
+        """
+        self._check_rank(root, "reduce", "root")
+        if async_op or self._slow or self._needs_host(buf):
+            return super().reduce(buf, op, root, signature=signature, async_op=async_op)
+        data, mtype, mop, average = self._reduction(buf, op, "reduce")
+        comm, mine = self._comm, self.rank == root
+
+        def run() -> None:
+            try:
+                if mine:
+                    comm.Reduce(_IN_PLACE, [data, mtype], mop, root)
+                else:
+                    comm.Reduce([data, mtype], None, mop, root)
+            except MPI.Exception as exc:
+                raise_mpi_error(exc, "reduce")
+            if average and mine:
+                self._divide(buf)
+
+        self._blocking("reduce", (buf.dtype, buf.shape, op._name_, root, False), run)
+        return CompletedWork(buf)
+
+    def all_to_all(self, send: Any, recv: Any, send_counts: Sequence[int],
+                   recv_counts: Sequence[int], *, signature: Signature = (),
+                   async_op: bool = False) -> Work:
+        """``Alltoallv``: block k of ``send`` to rank k, ``recv`` gets the blocks in rank order.
+
+        Non-blocking calls and host staging take the general path.
+        """
+        if async_op or self._slow or self._needs_host(send, recv):
+            return super().all_to_all(send, recv, send_counts, recv_counts,
+                                      signature=signature, async_op=async_op)
+        sc, rc = [int(c) for c in send_counts], [int(c) for c in recv_counts]
+        if (len(sc) != self.world_size or len(rc) != self.world_size or send.size != sum(sc)
+                or recv.size != sum(rc)):
+            raise self._bad_counts("all_to_all", sc, (("send", send, sum(sc)),
+                                                      ("recv", recv, sum(rc))))
+        s, mtype = self._transfer(send, "all_to_all")
+        r, _ = self._transfer(recv, "all_to_all")
+
+        def run() -> None:
+            try:
+                self._comm.Alltoallv([s, sc, displacements(sc), mtype],
+                                     [r, rc, displacements(rc), mtype])
+            except MPI.Exception as exc:
+                raise_mpi_error(exc, "all_to_all")
+
+        self._blocking("all_to_all", (send.dtype, False), run)
+        return CompletedWork(recv)
+
+    def monitored_barrier(self, timeout: float) -> None:
+        """A barrier that fails after ``timeout`` seconds naming the ranks that did not
+        arrive (asked through the watchdog); the communicator is unusable afterwards."""
+        guard = self._guard
+        deadline = time.monotonic() + timeout
+        seq, slot = guard.begin("barrier", ())
+        try:
+            guard.agree_within("barrier", (), seq, deadline)
+            request = self._comm.Ibarrier()
+            wait_until(request.Test, deadline, lambda: guard._absent_error("barrier", seq))
+        finally:
+            guard.rec.end(slot)
 
     def barrier(self) -> None:
         """``Barrier`` on the backend's communicator (the watchdog ends a barrier that

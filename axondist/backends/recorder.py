@@ -42,7 +42,8 @@ CALL_FIELDS: dict[str, tuple[str, ...]] = {
     "reduce_scatter": ("dtype", "counts", "reduce_op", "async_op"),
     "gather": ("dtype", "counts", "root", "async_op"),
     "scatter": ("dtype", "counts", "root", "async_op"),
-    "all_to_all": ("dtype", "send_counts", "async_op"),
+    "all_to_all": ("dtype", "async_op"),
+    "reduce": ("dtype", "shape", "reduce_op", "root", "async_op"),
     "barrier": (),
     "allgather_object": (),
     "broadcast_object": ("root",),
@@ -111,6 +112,8 @@ class FlightRecorder:
         #: group name -> its members' world ranks.
         self.groups: dict[str, tuple[int, ...]] = {}
         self._counter = itertools.count()
+        #: Asks peers for their status (set by a watchdog): world ranks -> status dicts.
+        self.query_peers: Any = None
 
     # --- writing (the owner's threads) --------------------------------------------------
     def begin(self, group: str, seq: int, op: str, detail: Any, blocking: bool = True) -> int:

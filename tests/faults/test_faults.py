@@ -56,6 +56,9 @@ CASES: dict[str, Expect] = {
                     r"in any axondist call",
                     r"all_reduce #1 on world .*ranks \[1\] of \d did not join within 10 s; rank 1 "
                     r".* is not in any axondist call"),
+    "monitored": Expect(r"monitored_barrier: ranks \[1\] of group world did not arrive at barrier "
+                        r"#1: rank 1 \(host .*\) is not in any axondist call",
+                        r"barrier #1 on world .*ranks \[1\] of \d did not join within 3 s"),
     "wrong_group": Expect(r"all_reduce #1 on world\.0 .*cannot complete: deadlock: rank 1 waits "
                           r"in all_reduce #2 on world",
                           r"all_reduce .*did not join within 10 s.*waits in all_reduce "

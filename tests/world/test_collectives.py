@@ -434,3 +434,101 @@ def test_min_max_propagate_nan_whichever_rank_holds_it(n, seed, dtype, op, nan_r
         np.testing.assert_array_equal(got.astype(np.float64), want)
 
     run_world(body, n)
+
+
+# --- reduce, all_to_all, objects, monitored_barrier, groups ----------------------------------
+
+@given(n=world_sizes(1, 6), seed=seeds, dtype=st.sampled_from(["float32", "float64", "int64"]),
+       op=st.sampled_from([ReduceOp.SUM, ReduceOp.MAX, ReduceOp.MIN]), dst=st.integers(0, 7))
+def test_reduce_matches_numpy_on_the_destination_only(n, seed, dtype, op, dst):
+    def body(world):
+        k = world.world_size
+        root = dst % k
+        inputs = [make_input(seed, r, (3, 2), dtype, op) for r in range(k)]
+        mine = inputs[world.rank].copy()
+        got = ad.reduce(mine, root, op)
+        assert got is mine
+        if world.rank == root:
+            assert_matches(got, reference_reduce(inputs, op).astype(got.dtype), dtype, k)
+        else:
+            np.testing.assert_array_equal(got, inputs[world.rank])
+
+    run_world(body, n)
+
+
+@given(n=world_sizes(1, 6), seed=seeds, dtype=st.sampled_from(["float32", "int32", "bool"]),
+       trailing=st.lists(st.integers(1, 3), max_size=2).map(tuple), even=st.booleans())
+def test_all_to_all_matches_numpy_with_uneven_splits(n, seed, dtype, trailing, even):
+    def body(world):
+        k = world.world_size
+
+        def sizes_of(rank: int) -> list[int]:
+            rng = np.random.default_rng([seed, rank, 7])
+            return [2] * k if even else [int(v) for v in rng.integers(0, 4, size=k)]
+
+        def data_of(rank: int) -> np.ndarray:
+            return make_input(seed, rank, (sum(sizes_of(rank)),) + trailing, dtype)
+
+        got = ad.all_to_all(data_of(world.rank), send_sizes=sizes_of(world.rank))
+        blocks = []
+        for src in range(k):
+            bounds = np.cumsum([0] + sizes_of(src))
+            blocks.append(data_of(src)[bounds[world.rank]:bounds[world.rank + 1]])
+        np.testing.assert_array_equal(got, np.concatenate(blocks))
+
+    run_world(body, n)
+
+
+@given(n=world_sizes(1, 5), src=st.integers(0, 7))
+def test_object_collectives_match_their_definitions(n, src):
+    def body(world):
+        k, r = world.world_size, world.rank
+        root = src % k
+        assert ad.all_gather_object({"rank": r}) == [{"rank": q} for q in range(k)]
+        assert ad.broadcast_object(("from", r), src=root) == ("from", root)
+        items = [r, "x"]
+        assert ad.broadcast_object_list(items, src=root) == [root, "x"]
+        gathered = ad.gather_object(r * 10, dst=root)
+        assert gathered == ([q * 10 for q in range(k)] if r == root else None)
+        scattered = ad.scatter_object_list([f"item{q}" for q in range(k)] if r == root else None,
+                                           src=root)
+        assert scattered == f"item{r}"
+        with pytest.raises(ValueError, match="one object per rank"):
+            ad.scatter_object_list(["only one"] * (k + 1) if r == root else None, src=root)
+
+    run_world(body, n)
+
+
+@given(n=world_sizes(1, 4))
+def test_monitored_barrier_passes_when_all_arrive_and_groups_are_freed(n):
+    def body(world):
+        ad.monitored_barrier(timeout=30)
+        with world.new_group(list(range(world.world_size))) as group:
+            x = np.ones(2)
+            ad.all_reduce(x, group=group)
+            assert x[0] == world.world_size
+        assert not group.is_member
+        with pytest.raises(ad.NotAMemberError):
+            ad.all_reduce(np.ones(1), group=group)
+        records = ad.flight_recorder()
+        assert records and records[-1]["state"] == "done"
+        assert {"group", "seq", "op", "detail", "started_s_ago"} <= set(records[-1])
+
+    run_world(body, n)
+
+
+@given(n=world_sizes(2, 4))
+def test_ranks_may_be_numpy_integers_and_torch_habits_get_hints(n):
+    def body(world):
+        x = np.arange(3.0) + world.rank
+        ad.broadcast(x, src=np.int64(1))
+        np.testing.assert_array_equal(x, np.arange(3.0) + 1)
+        with pytest.raises(TypeError, match=r"broadcast\(x, src=1\)"):
+            ad.broadcast(x, 1)
+        assert ad.ReduceOp.AVG is ad.ReduceOp.AVERAGE
+        with pytest.raises(ad.RankError, match="ranks must be a list of ranks"):
+            world.new_group(None)
+        with pytest.raises(ad.RankError, match=r"ranks\[\]=0.7 is not a rank"):
+            world.new_group([0.7, 1.2])
+
+    run_world(body, n)

@@ -49,6 +49,12 @@ def stuck(world: ad.World) -> None:
     ad.all_reduce(np.ones(4, np.float32))
 
 
+def monitored(world: ad.World) -> None:
+    if world.rank == 1:
+        time.sleep(60)
+    ad.monitored_barrier(timeout=3)
+
+
 def killed(world: ad.World) -> None:
     ad.barrier()
     if world.rank == 1:
@@ -147,7 +153,7 @@ def many_groups(world: ad.World) -> None:
 
 
 CASES = {f.__name__: f for f in (
-    skip_collective, exit0, exit1, finally_barrier, stuck, killed, wrong_group, send_no_recv,
+    skip_collective, exit0, exit1, finally_barrier, stuck, monitored, killed, wrong_group, send_no_recv,
     recv_no_send, recv_recv, dtype_same_bytes, int_vs_float, op_mismatch, sizes_mismatch,
     ddp_num_samples, recv_wrong_out_then_good, many_groups)}
 
