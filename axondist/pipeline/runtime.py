@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import math
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -467,7 +467,13 @@ def _log_schedule(dry_run: SimulationResult) -> None:
 
 
 def _stage_list(stages: Any, what: str) -> list[PipelineStage]:
-    items = [stages] if isinstance(stages, PipelineStage) else list(stages)
+    if isinstance(stages, PipelineStage):
+        return [stages]
+    if stages is None or isinstance(stages, (str, bytes)) or not isinstance(stages, Iterable):
+        raise TypeError(f"{what}: stages must be a PipelineStage or a list of them, got "
+                        f"{type(stages).__name__} {stages!r}; wrap forward/backward callables "
+                        "with PipelineStage(...)")
+    items = list(stages)
     if not items:
         raise ValueError(f"{what}: needs at least one PipelineStage, got none")
     for i, st in enumerate(items):

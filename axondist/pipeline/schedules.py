@@ -134,9 +134,8 @@ class Schedule:
         object.__setattr__(self, "actions", tuple(tuple(row) for row in self.actions))
         if self.num_ranks < 1 or self.num_microbatches < 1 or self.chunks < 1:
             raise ValueError(
-                "num_ranks, num_microbatches and chunks must all be >= 1, got "
-                f"{self.num_ranks}, {self.num_microbatches}, {self.chunks}"
-            )
+                "Schedule: num_ranks, num_microbatches and chunks must all be >= 1, got "
+                f"{self.num_ranks}, {self.num_microbatches}, {self.chunks}")
 
     # -- stage geometry ---------------------------------------------------
     @property
@@ -230,11 +229,22 @@ def parse_schedule(
 ) -> Schedule:
     """Build a (possibly invalid) schedule from short forms, one entry per rank.
 
-    Each row is a whitespace-separated string or a list of tokens like
-    ``"F0"``, ``"B3"``, ``"1F2"`` (chunk 1), ``"I0"``, ``"W0"``.  Missing
-    ``num_microbatches``/``chunks`` are inferred from the largest indices seen.
-    Handy for tests and for trying out a custom order; run :func:`validate`
-    on the result before executing it.
+    Handy for tests and for trying out an order of your own: a
+    :class:`~axondist.pipeline.Pipeline` given the result validates it first
+    (:func:`~axondist.pipeline.validate` does it alone).
+
+    Args:
+        rows: per rank, a whitespace-separated string or a list of tokens like
+            ``"F0"``, ``"B3"``, ``"1F2"`` (chunk 1), ``"I0"``, ``"W0"``.
+        num_microbatches: inferred from the largest microbatch seen when None.
+        chunks: inferred from the largest chunk seen when None.
+        kind: the kind to record (None: hand-made).
+
+    Returns:
+        The :class:`Schedule`, not yet checked.
+
+    Raises:
+        ValueError: a token that is not an action.
     """
     parsed: list[list[Action]] = []
     max_mb, max_chunk = 0, 0
@@ -245,8 +255,8 @@ def parse_schedule(
             m = _ACTION_RE.match(tok.strip())
             if m is None:
                 raise ValueError(
-                    f"rank {r} token {k}: expected an action like 'F3', 'B0' or '1F2', got {tok!r}"
-                )
+                    f"parse_schedule: rank {r} token {k}: expected an action like 'F3', 'B0', "
+                    f"'1F2' (chunk 1), 'I0' or 'W0', got {tok!r}")
             chunk = int(m.group(1)) if m.group(1) else 0
             mb = int(m.group(3))
             max_mb, max_chunk = max(max_mb, mb), max(max_chunk, chunk)

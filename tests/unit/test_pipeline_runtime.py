@@ -317,6 +317,10 @@ def test_pipeline_argument_errors():
         Pipeline.from_stages(stages, num_microbatches=2, chunks=0)
     with pytest.raises(ValueError, match="at least one PipelineStage"):
         Pipeline.from_stages([], num_microbatches=1)
+    for bad in (None, 3, "stage"):
+        with pytest.raises(TypeError, match="Pipeline.from_stages: stages must be a "
+                                            "PipelineStage or a list of them, got"):
+            Pipeline.from_stages(bad, num_microbatches=1)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="stage 1 is a function"):
         Pipeline.from_stages([stages[0], fwd], num_microbatches=1)
 
