@@ -100,8 +100,10 @@ def launch(tmp_path: Path, n: int, args: list[str], env: dict[str, str] | None =
     pattern = str(out / "rank%r.txt")
     cmd = [str(MPIEXEC), "-outfile-pattern", pattern, "-errfile-pattern", pattern,
            "-n", str(n), sys.executable, *args]
+    # the checkout's axondist first, also for a rank started as a script (tests/world/...)
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
     full_env = {**_GENTLE_POLLING, **os.environ, "AXONDIST_TIMEOUT": "30",
-                "PYTHONUNBUFFERED": "1", **(env or {})}
+                "PYTHONUNBUFFERED": "1", "PYTHONPATH": path, **(env or {})}
     full_env.pop("AXONDIST_BACKEND", None)
     start = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=subprocess.PIPE,
@@ -136,8 +138,8 @@ def _pytest_summary(text: str) -> str | None:
 def test_world_tests_pass_under_mpiexec(mpi_ready: None, tmp_path: Path, n: int) -> None:
     # python -m mpi4py: a rank whose pytest exits non-zero aborts the whole job
     # (otherwise its MPI_Finalize waits for ranks blocked in the next collective).
-    args = ["-m", "mpi4py", "-m", "pytest", "tests/world", "-q", "-p", "no:cacheprovider", "-x",
-            "-m", "not gpu"]
+    args = ["-m", "mpi4py", __file__, "pytest", "tests/world", "-q", "-p", "no:cacheprovider",
+            "-x", "-m", "not gpu"]
     examples = os.environ.get("AXONDIST_MPI_TEST_EXAMPLES", "5")
     run = launch(tmp_path, n, args, {"AXONDIST_TEST_EXAMPLES": examples})
     summaries = [_pytest_summary(text) for text in run.ranks]
@@ -148,6 +150,24 @@ def test_world_tests_pass_under_mpiexec(mpi_ready: None, tmp_path: Path, n: int)
     assert run.returncode == 0, f"mpiexec exited with {run.returncode}\n{run.tail()}"
     counts = {re.sub(r" in [\d.]+s.*", "", s or "") for s in summaries}
     assert len(counts) == 1, f"ranks ran different tests: {summaries}"
+
+
+def test_a_failing_world_test_prints_its_traceback_before_the_job_aborts(
+        mpi_ready: None, tmp_path: Path) -> None:
+    test_file = tmp_path / "test_fails_on_rank_1.py"
+    test_file.write_text(
+        "import numpy as np\nimport axondist as ad\n\n"
+        "def test_rank_1_fails():\n"
+        "    world = ad.init()\n"
+        "    if world.rank == 1:\n"
+        "        assert world.rank == 0, 'rank 1 fails this test on purpose'\n"
+        "    ad.all_reduce(np.ones(3))  # rank 0 waits here until the abort ends it\n")
+    run = launch(tmp_path, 2, ["-m", "mpi4py", __file__, "pytest", str(test_file), "-q", "-x",
+                               "-p", "no:cacheprovider", f"--rootdir={tmp_path}"], timeout=120)
+    assert run.returncode != 0, run.tail()
+    assert "rank 1: test_fails_on_rank_1.py::test_rank_1_fails failed" in run.ranks[1], run.tail()
+    assert "AssertionError: rank 1 fails this test on purpose" in run.ranks[1], run.tail()
+    assert "failed" not in run.ranks[0], "rank 0 did not fail; it must not be blamed"
 
 
 def test_uncaught_exception_aborts_the_job(mpi_ready: None, tmp_path: Path) -> None:
@@ -278,7 +298,14 @@ def _backend() -> None:
     assert world.backend.name == "mpi" and n == MPI.COMM_WORLD.Get_size()
     # the library's communicator is a duplicate, never the user's COMM_WORLD
     assert MPI.Comm.Compare(world.backend.comm, MPI.COMM_WORLD) == MPI.CONGRUENT
-    assert world.backend.node_info() == (0, rank, n)  # one machine
+    # the node layout agrees with MPICH's (one machine or several hosts)
+    shared = MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
+    hosts = MPI.COMM_WORLD.allgather(MPI.Get_processor_name())
+    first_rank_of_node = [hosts.index(h) for h in hosts]
+    node_id = sorted(set(first_rank_of_node)).index(first_rank_of_node[rank])
+    assert world.backend.node_info() == (node_id, shared.Get_rank(), shared.Get_size()), (
+        world.backend.node_info(), hosts)
+    shared.Free()
 
     _exercise(world, "default")
     for options in (MPIOptions(chunk_bytes=64), MPIOptions(host_staging="always"),
@@ -334,6 +361,7 @@ def _backend() -> None:
     # Work.wait(timeout) of a non-blocking call times out while a peer is late
     # (every rank passes async_op=True: MPI never matches it with a blocking call)
     x = np.full(5, float(rank + 1))
+    ad.barrier()  # start together: over a network, rank 0 may be far behind the others
     if rank != 0:
         time.sleep(0.5)
     work = ad.all_reduce(x, "sum", async_op=True)
@@ -349,10 +377,39 @@ def _backend() -> None:
     ad.barrier()
 
 
+class _PrintFailuresNow:
+    """A pytest plugin that prints a failing test's traceback the moment it fails.
+
+    Under mpiexec the failing rank aborts the job in ``pytest_sessionfinish``, before
+    pytest's summary would show the traceback; printed here, it survives the abort.
+    """
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        if report.failed:
+            self._print(f"{report.nodeid} failed ({report.when})", report.longreprtext)
+
+    def pytest_collectreport(self, report: pytest.CollectReport) -> None:
+        if report.failed:
+            self._print(f"collecting {report.nodeid or 'the tests'} failed",
+                        report.longreprtext)
+
+    @staticmethod
+    def _print(what: str, text: str) -> None:
+        rank = os.environ.get("PMI_RANK", "?")
+        print(f"\n--- rank {rank}: {what} ---\n{text}", file=sys.stderr, flush=True)
+
+
+def _pytest(*args: str) -> None:
+    """``python -m pytest ARGS`` with failures printed at once; exits with pytest's status."""
+    status = pytest.main(list(args), plugins=[_PrintFailuresNow()])
+    if status not in (0, 5):
+        raise SystemExit(int(status))
+
+
 CHECKS = {"raise_on_rank_1": _raise_on_rank_1, "shape_mismatch": _shape_mismatch,
-          "backend": _backend}
+          "backend": _backend, "pytest": _pytest}
 
 if __name__ == "__main__":
     sys.path.insert(0, str(REPO))  # the checkout's axondist
-    CHECKS[sys.argv[1]]()
+    CHECKS[sys.argv[1]](*sys.argv[2:])
     print(f"{sys.argv[1]} OK", flush=True)
