@@ -21,15 +21,15 @@ from ..errors import (
 )
 from ..ops import ReduceOp
 from ._nccl_runtime import (
-    _GROUP,
+    GROUP_STATE,
+    NcclCall,
     NcclWork,
-    _device_count,
-    _load,
-    _NcclCall,
-    _Pending,
-    _require_no_group,
-    _WorldLink,
+    PendingCall,
+    WorldLink,
+    device_count,
     group_calls,
+    load_cupy,
+    require_no_group,
 )
 from ._nccl_types import (
     NCCL_BYTE,
@@ -77,22 +77,22 @@ class NcclBackend(Backend):
 
     def __init__(self, unique_id: Any, rank: int, world_size: int, device: int, *,
                  timeout: float | None = None) -> None:
-        cupy, nccl = _load()
+        cupy, nccl = load_cupy()
         uid = NcclUniqueId.coerce(unique_id)
         _check_rank_args(rank, world_size, "NcclBackend")
-        count = _device_count(cupy)
+        count = device_count(cupy)
         if not isinstance(device, int) or not 0 <= device < count:
             raise ValueError(f"NcclBackend: device={device!r} is not a visible GPU "
                              f"(valid: 0..{count - 1})")
         where = f"rank {rank} of {world_size} (GPU {device})"
-        with cupy.cuda.Device(device), _NcclCall(nccl, "NcclBackend (ncclCommInitRank)", where):
+        with cupy.cuda.Device(device), NcclCall(nccl, "NcclBackend (ncclCommInitRank)", where):
             comm = nccl.NcclCommunicator(world_size, uid.to_cupy(), rank)
-        self._setup(cupy, nccl, comm, rank, world_size, device, timeout, None, _WorldLink())
+        self._setup(cupy, nccl, comm, rank, world_size, device, timeout, None, WorldLink())
         self._hosts = tuple(self.allgather_object(socket.gethostname()))
 
     def _setup(self, cupy: ModuleType, nccl: ModuleType, comm: Any, rank: int, world_size: int,
                device: int, timeout: float | None, hosts: tuple[str, ...] | None,
-               link: _WorldLink) -> None:
+               link: WorldLink) -> None:
         self._cupy, self._nccl, self._comm = cupy, nccl, comm
         self.rank, self.world_size, self.device = rank, world_size, device
         self.timeout = default_timeout() if timeout is None else float(timeout)
@@ -109,7 +109,7 @@ class NcclBackend(Backend):
     @classmethod
     def _wrap(cls, cupy: ModuleType, nccl: ModuleType, comm: Any, rank: int, world_size: int,
               device: int, timeout: float | None, hosts: tuple[str, ...] | None,
-              link: _WorldLink) -> NcclBackend:
+              link: WorldLink) -> NcclBackend:
         self = cls.__new__(cls)
         self._setup(cupy, nccl, comm, rank, world_size, device, timeout, hosts, link)
         return self
@@ -122,8 +122,8 @@ class NcclBackend(Backend):
         Raises:
             BackendUnavailableError: CuPy or NCCL missing.
         """
-        _, nccl = _load()
-        with _NcclCall(nccl, "generate_unique_id (ncclGetUniqueId)", "this process"):
+        _, nccl = load_cupy()
+        with NcclCall(nccl, "generate_unique_id (ncclGetUniqueId)", "this process"):
             return NcclUniqueId.from_cupy(nccl.get_unique_id())
 
     @classmethod
@@ -137,18 +137,18 @@ class NcclBackend(Backend):
         Raises:
             ValueError: an empty list, a repeated or invalid device id.
         """
-        cupy, nccl = _load()
+        cupy, nccl = load_cupy()
         devices = [int(d) for d in devices]
-        count = _device_count(cupy)
+        count = device_count(cupy)
         if not devices or len(set(devices)) != len(devices) or \
                 any(not 0 <= d < count for d in devices):
             raise ValueError(f"create_world: devices={devices} must be distinct visible GPU ids "
                              f"(0..{count - 1})")
         n = len(devices)
-        with _NcclCall(nccl, "create_world (ncclCommInitAll)", f"GPUs {devices}"):
+        with NcclCall(nccl, "create_world (ncclCommInitAll)", f"GPUs {devices}"):
             comms = nccl.NcclCommunicator.initAll(devices)
         hosts = (socket.gethostname(),) * n
-        link = _WorldLink()
+        link = WorldLink()
         return [cls._wrap(cupy, nccl, comm, r, n, d, timeout, hosts, link)
                 for r, (comm, d) in enumerate(zip(comms, devices))]
 
@@ -178,7 +178,7 @@ class NcclBackend(Backend):
 
     def synchronize(self) -> None:
         """Block until every operation issued on this backend has completed."""
-        _require_no_group("synchronize")
+        require_no_group("synchronize")
         with self._cupy.cuda.Device(self.device):
             event = self._cupy.cuda.Event(disable_timing=True)
             event.record(self._stream)
@@ -192,8 +192,8 @@ class NcclBackend(Backend):
     def _where(self) -> str:
         return f"rank {self.rank} of {self.world_size} (GPU {self.device})"
 
-    def _call(self, op: str) -> _NcclCall:
-        return _NcclCall(self._nccl, op, self._where())
+    def _call(self, op: str) -> NcclCall:
+        return NcclCall(self._nccl, op, self._where())
 
     def _launch(self, op: str, issue: Callable[[], None], *, result: Any, keep: tuple[Any, ...],
                 async_op: bool, post: Callable[[], Any] | None = None) -> NcclWork:
@@ -209,8 +209,8 @@ class NcclBackend(Backend):
             with self._call(op):
                 issue()
             work = NcclWork(self, op, result, keep)
-            if _GROUP.depth:
-                _GROUP.pending.append(_Pending(self, work, post, not async_op))
+            if GROUP_STATE.depth:
+                GROUP_STATE.pending.append(PendingCall(self, work, post, not async_op))
                 return work
             self._start(work, post)
         if not async_op:
@@ -261,7 +261,7 @@ class NcclBackend(Backend):
         check_device_array(x, op, self.device, writable=writable)
 
     def _check_signature(self, op: str, signature: Signature) -> None:
-        if debug_enabled() and not _GROUP.depth:
+        if debug_enabled() and not GROUP_STATE.depth:
             error = compare_signatures(op, self.allgather_object((("op", op),) + tuple(signature)))
             if error is not None:
                 raise error
@@ -481,7 +481,7 @@ class NcclBackend(Backend):
 
     def barrier(self) -> None:
         """An all-reduce of one number, waited for on the host."""
-        _require_no_group("barrier")
+        require_no_group("barrier")
         buf = self._barrier_buf
         self._launch("barrier", lambda: self._comm.allReduce(
             buf.data.ptr, buf.data.ptr, 1, NCCL_DTYPES["int32"], NCCL_OPS["sum"],
@@ -562,7 +562,7 @@ class NcclBackend(Backend):
         Blocking, and refused inside :func:`group_calls`; two all-gathers (the
         lengths, then the padded payloads).
         """
-        _require_no_group("allgather_object")
+        require_no_group("allgather_object")
         data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
         lengths, _h = self._device_bytes(np.array([len(data)], dtype=np.int64).view(np.uint8))
         all_lengths, _h2 = self._device_bytes(b"", 8 * self.world_size)
@@ -577,7 +577,7 @@ class NcclBackend(Backend):
 
     def broadcast_object(self, obj: Any, root: int) -> Any:
         """``root``'s ``obj``, pickled through a device buffer (the root gets ``obj`` itself)."""
-        _require_no_group("broadcast_object")
+        require_no_group("broadcast_object")
         self._check_root(root, "broadcast_object", "root")
         data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL) if self.rank == root else b""
         length, _h = self._device_bytes(np.array([len(data)], dtype=np.int64).view(np.uint8))
@@ -591,7 +591,7 @@ class NcclBackend(Backend):
 
     def send_object(self, obj: Any, dst: int, tag: int = 0) -> None:
         """Pickle ``obj`` and send a (tag, length) header then the payload to ``dst``."""
-        _require_no_group("send_object")
+        require_no_group("send_object")
         self._check_peer(dst, "send_object", "dst")
         data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
         self._send_header("send_object", dst, tag, len(data))
@@ -605,7 +605,7 @@ class NcclBackend(Backend):
             CollectiveMismatchError: that object was sent with another ``tag``
                 (it is dropped: NCCL delivers a pair's messages in order).
         """
-        _require_no_group("recv_object")
+        require_no_group("recv_object")
         self._check_peer(src, "recv_object", "src")
         got_tag, n = self._recv_header("recv_object", src)
         payload, _h = self._device_bytes(b"", n)
@@ -624,7 +624,7 @@ class NcclBackend(Backend):
         Every rank of this communicator must call it (it broadcasts over
         this communicator); members then create the new communicator together.
         """
-        _require_no_group("new_group")
+        require_no_group("new_group")
         ranks = tuple(int(r) for r in ranks)
         for r in ranks:
             self._check_root(r, "new_group", "rank")
@@ -642,7 +642,7 @@ class NcclBackend(Backend):
         sub_rank, size = ranks.index(self.rank), len(ranks)
         where = f"sub-group rank {sub_rank} of {size} (GPU {self.device})"
         with self._cupy.cuda.Device(self.device), \
-                _NcclCall(self._nccl, "new_group (ncclCommInitRank)", where):
+                NcclCall(self._nccl, "new_group (ncclCommInitRank)", where):
             comm = self._nccl.NcclCommunicator(size, uid.to_cupy(), sub_rank)
         hosts = tuple(self._hosts[r] for r in ranks) if self._hosts else None
         return NcclBackend._wrap(self._cupy, self._nccl, comm, sub_rank, size, self.device,

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 # --- loading CuPy --------------------------------------------------------------------
 
-def _load() -> tuple[ModuleType, ModuleType]:
+def load_cupy() -> tuple[ModuleType, ModuleType]:
     """``(cupy, cupy.cuda.nccl)``, or BackendUnavailableError saying what to install."""
     try:
         import cupy
@@ -41,7 +41,7 @@ def _load() -> tuple[ModuleType, ModuleType]:
     return cupy, nccl
 
 
-def _device_count(cupy: ModuleType) -> int:
+def device_count(cupy: ModuleType) -> int:
     try:
         return int(cupy.cuda.runtime.getDeviceCount())
     except Exception as exc:  # CUDARuntimeError without a driver
@@ -50,7 +50,7 @@ def _device_count(cupy: ModuleType) -> int:
             "with nvidia-smi and CUDA_VISIBLE_DEVICES") from exc
 
 
-class _NcclCall:
+class NcclCall:
     """Context manager turning CuPy's NcclError into :class:`NcclError` naming ``op``."""
 
     __slots__ = ("_nccl", "_op", "_where")
@@ -69,7 +69,7 @@ class _NcclCall:
 
 # --- groups ------------------------------------------------------------------------------
 
-class _Pending:
+class PendingCall:
     __slots__ = ("backend", "work", "post", "blocking")
 
     def __init__(self, backend: NcclBackend, work: NcclWork, post: Callable[[], Any] | None,
@@ -80,10 +80,10 @@ class _Pending:
 class _GroupState(threading.local):
     def __init__(self) -> None:
         self.depth = 0
-        self.pending: list[_Pending] = []
+        self.pending: list[PendingCall] = []
 
 
-_GROUP = _GroupState()
+GROUP_STATE = _GroupState()
 
 
 class group_calls:
@@ -99,18 +99,19 @@ class group_calls:
     """
 
     def __enter__(self) -> group_calls:
-        _, self._nccl = _load()
-        with _NcclCall(self._nccl, "grouped (ncclGroupStart)", "this thread"):
+        _, self._nccl = load_cupy()
+        with NcclCall(self._nccl, "grouped (ncclGroupStart)", "this thread"):
             self._nccl.groupStart()
-        _GROUP.depth += 1
+        GROUP_STATE.depth += 1
         return self
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
-        _GROUP.depth -= 1
-        outermost = _GROUP.depth == 0
-        pending, _GROUP.pending = (_GROUP.pending, []) if outermost else ([], _GROUP.pending)
+        GROUP_STATE.depth -= 1
+        outermost = GROUP_STATE.depth == 0
+        state = GROUP_STATE
+        pending, state.pending = (state.pending, []) if outermost else ([], state.pending)
         try:
-            with _NcclCall(self._nccl, "grouped (ncclGroupEnd)", "this thread"):
+            with NcclCall(self._nccl, "grouped (ncclGroupEnd)", "this thread"):
                 self._nccl.groupEnd()
         except NcclError as end_error:
             for p in pending:
@@ -127,8 +128,8 @@ class group_calls:
         return None
 
 
-def _require_no_group(what: str) -> None:
-    if _GROUP.depth:
+def require_no_group(what: str) -> None:
+    if GROUP_STATE.depth:
         raise GroupedCallError(
             f"{what}: cannot run inside NcclBackend.grouped()/group_calls(), where no NCCL call "
             "has run yet; call it before or after the with-block")
@@ -198,7 +199,7 @@ class NcclWork(Work):
             (stream or cupy.cuda.get_current_stream()).wait_event(self._event)
 
 
-class _WorldLink:
+class WorldLink:
     """Shared by the backends of one :meth:`NcclBackend.create_world`: the abort flag."""
 
     def __init__(self) -> None:

@@ -95,7 +95,7 @@ from typing import Any
 from .._environment import launched_by_mpi
 from ..errors import BackendUnavailableError
 from ._nccl_backend import NcclBackend
-from ._nccl_runtime import NcclWork, _device_count, _load, group_calls
+from ._nccl_runtime import NcclWork, device_count, group_calls, load_cupy
 from ._nccl_types import (
     GroupedCallError,
     NcclError,
@@ -138,7 +138,7 @@ def create_world_backend(**options: Any) -> NcclBackend:
         raise TypeError(f"nccl backend: unknown options {unknown}; accepted: {list(_OPTIONS)}")
     timeout = options.get("timeout")
     device = options.get("device")
-    cupy, _ = _load()
+    cupy, _ = load_cupy()
     if launched_by_mpi():
         backend = _bootstrap_mpi(timeout, device)
     elif LaunchEnv.present(os.environ):
@@ -157,10 +157,10 @@ def bootstrap_from_env(env: LaunchEnv, *, timeout: float | None = None,
 
     The GPU is ``device`` when given, else ``(LOCAL_RANK or RANK) % device count``.
     """
-    cupy, _ = _load()
+    cupy, _ = load_cupy()
     if device is None:
         local = env.local_rank if env.local_rank is not None else env.rank
-        device = select_device(local, _device_count(cupy))
+        device = select_device(local, device_count(cupy))
     wait = default_timeout() if timeout is None else float(timeout)
     uid = exchange_from_rank0(env, _UNIQUE_ID_KEY,
                               lambda: NcclBackend.generate_unique_id().internal, wait)
@@ -168,7 +168,7 @@ def bootstrap_from_env(env: LaunchEnv, *, timeout: float | None = None,
 
 
 def _bootstrap_mpi(timeout: float | None, device: int | None) -> NcclBackend:
-    cupy, _ = _load()
+    cupy, _ = load_cupy()
     try:
         from mpi4py import MPI
     except ImportError as exc:
@@ -182,7 +182,7 @@ def _bootstrap_mpi(timeout: float | None, device: int | None) -> NcclBackend:
         local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
         local_rank = local.Get_rank()
         local.Free()
-        device = select_device(local_rank, _device_count(cupy))
+        device = select_device(local_rank, device_count(cupy))
     uid = NcclBackend.generate_unique_id() if rank == 0 else None
     uid = comm.bcast(uid, root=0)
     return NcclBackend(uid, rank, size, int(device), timeout=timeout)
@@ -192,7 +192,7 @@ def _bootstrap_mpi(timeout: float | None, device: int | None) -> NcclBackend:
 
 def use_device(device: int) -> None:
     """Make GPU ``device`` the calling thread's current CuPy device."""
-    cupy, _ = _load()
+    cupy, _ = load_cupy()
     cupy.cuda.Device(device).use()
 
 
