@@ -296,8 +296,8 @@ class Pipeline:
         communicator is collective); single-process pipelines need no closing."""
         if self._transport is not None:
             self._transport.stop(wait=True)
-        if self._group is not None and self._group.backend is not None:
-            self._group.backend.close()
+        if self._group is not None:
+            self._group.destroy()  # idempotent: a second close() is a no-op
 
     def __repr__(self) -> str:
         where = "single process" if self._group is None else f"rank {self.rank}"

@@ -193,6 +193,8 @@ def body_hand_made(world, kind, m):
     loss = pipe.train_step(x if r == 0 else None, t if r == p - 1 else None, mse)
     assert loss == pytest.approx(sequential(make_stages(4, [2] * (p + 1)), x, t)[0], rel=1e-12)
     pipe.close()
+    pipe.close()  # a second close is a no-op
+    assert pipe.group.backend is None
     return True
 
 
