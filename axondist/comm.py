@@ -35,13 +35,10 @@ def _member(group: ProcessGroup | None, what: str) -> tuple[ProcessGroup, Backen
 # --- the small-message hot path --------------------------------------------------------------
 # At 4 KiB a blocking MPI collective takes 2-7 us, so every 0.1 us of Python per
 # call shows. all_reduce, broadcast and all_gather first test the common case
-# with a few attribute reads: an exact NumPy ndarray (``_HOST_ARRAY``) whose
-# ``flags.carray`` (aligned, writable, C-contiguous: one flags read instead of
-# two) holds and whose dtype (and op) passed the full checks before. Anything
-# else takes the full checks (which raise the same errors as always) and, when
-# they pass on an ndarray, remembers the dtype/op. The backend's signature
-# tuples are only built when it reads them (``needs_signature``: the MPI
-# backend only under AXONDIST_DEBUG; backends without the attribute always).
+# with a few attribute reads: an exact NumPy ndarray whose ``flags.carray``
+# (aligned, writable, C-contiguous) holds and whose dtype (and op) passed the
+# full checks before: a memo of facts about dtypes, the same for every rank and
+# thread. Anything else takes the full checks (which raise the same errors).
 
 _HOST_ARRAY: type[_array.np.ndarray] = _array.np.ndarray
 #: dtype -> the ReduceOps check_op_dtype accepted for it (a tuple: ``in`` tests
@@ -49,10 +46,6 @@ _HOST_ARRAY: type[_array.np.ndarray] = _array.np.ndarray
 _REDUCE_OK: dict[Any, tuple[ReduceOp, ...]] = {}
 #: dtypes check_dtype accepted (broadcast, all_gather).
 _MOVE_OK: set[Any] = set()
-#: The last sizes= list all_gather converted: (a copy of it, its ints, their sum).
-#: One tuple, rebound at once, so threads (the mock world's ranks) never see a
-#: half-updated entry.
-_last_sizes: tuple[list[Any], list[int], int] = ([], [], 0)
 
 
 def _wants_signature(b: Backend) -> bool:
@@ -117,14 +110,9 @@ def _checked_dtype(x: Any, what: str) -> None:
 
 
 def _int_sizes(sizes: Sequence[int]) -> tuple[list[int], int]:
-    """``sizes`` as a list of ints, and their sum. The list may be shared with later
-    calls passing an equal list (callers must not modify it)."""
-    global _last_sizes
+    """``sizes`` as a new list of ints, and their sum."""
     rows = [int(s) for s in sizes]
-    total = sum(rows)
-    if sizes.__class__ is list:
-        _last_sizes = (list(sizes), rows, total)
-    return rows, total
+    return rows, sum(rows)
 
 
 def _check_rank(g: ProcessGroup, r: Any, what: str, arg: str) -> int:
@@ -402,21 +390,13 @@ def _gather_counts(g: ProcessGroup, b: Backend, x: Any, what: str,
 
 
 _INT64 = _array.dtype_named("int64")
-_FINGERPRINTS: dict[tuple[Any, tuple[int, ...]], tuple[int, int, int]] = {}
 
 
 def _fingerprint(dtype: Any, trailing: tuple[int, ...]) -> tuple[int, int, int]:
     """Three numbers that equal dtypes and trailing shapes share on every rank (a CRC
     of their text, the number of trailing axes, the row size)."""
-    key = (dtype, trailing)
-    found = _FINGERPRINTS.get(key)
-    if found is None:
-        text = f"{dtype}{trailing}".encode()  # what the object exchange compares
-        found = (zlib.crc32(text), len(trailing), prod(trailing))
-        if len(_FINGERPRINTS) >= 256:
-            _FINGERPRINTS.clear()
-        _FINGERPRINTS[key] = found
-    return found
+    text = f"{dtype}{trailing}".encode()  # what the object exchange compares
+    return zlib.crc32(text), len(trailing), prod(trailing)
 
 
 def _as_rows(x: Any) -> Any:
@@ -440,11 +420,7 @@ def all_gather(x: Any, group: ProcessGroup | None = None, *, sizes: Sequence[int
     if (host and sizes is not None and out is not None and not async_op
             and out.__class__ is _HOST_ARRAY and x.ndim == 1 and out.flags.carray):
         # The hot path: 1-D NumPy in and out, sizes given (the checks below, inlined).
-        last = _last_sizes
-        if sizes.__class__ is list and sizes == last[0]:
-            rows, total = last[1], last[2]
-        else:
-            rows, total = _int_sizes(sizes)
+        rows, total = _int_sizes(sizes)
         if len(rows) != b.world_size or rows[b.rank] != x.size:
             raise _bad_sizes(g, rows, x)
         if (out.dtype is not x.dtype and out.dtype != x.dtype) or out.shape != (total,):

@@ -20,11 +20,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from .. import _array
-from .._validate import positive_seconds
+from .._validate import as_rank, positive_seconds
 from ..errors import (
     CollectiveMismatchError,
     CollectiveTimeoutError,
-    RankError,
     RankExitedError,
     WorldAbortedError,
 )
@@ -522,10 +521,7 @@ class MockBackend(Backend):
         return MockBackend(self.world, (self.group_key, seq), global_ranks, ranks.index(self.rank))
 
     def _check_rank(self, r: int, what: str, arg: str) -> None:
-        if not 0 <= r < self.world_size:
-            raise RankError(f"{what}: {arg}={r} is outside the group of {self.world_size} ranks "
-                            f"(valid: 0..{self.world_size - 1})")
-
+        as_rank(r, self.world_size, what, arg)
     def drain(self) -> None:
         """Wait until this rank's ``async_op`` calls finished (they may still fail)."""
         if self._executor is not None:

@@ -66,8 +66,8 @@ from typing import Any
 import numpy as np
 
 from .. import _array
-from .._validate import positive_seconds
-from ..errors import CollectiveMismatchError, InvalidBufferError, RankError
+from .._validate import as_rank, positive_seconds
+from ..errors import CollectiveMismatchError, InvalidBufferError
 from ..ops import ReduceOp
 from ._mpi_common import (
     BYTES,
@@ -221,10 +221,7 @@ class MPIBackend(Backend):
             raise error
 
     def _check_rank(self, r: int, what: str, arg: str) -> None:
-        if not 0 <= r < self.world_size:
-            raise RankError(f"{what}: {arg}={r} is outside the group of {self.world_size} ranks "
-                            f"(valid: 0..{self.world_size - 1})")
-
+        as_rank(r, self.world_size, what, arg)
     def _bad_counts(self, what: str, counts: list[int],
                     sizes: Sequence[tuple[str, Any, int]]) -> Exception:
         """The error for counts that do not fit the group or the buffers (slow path only)."""
