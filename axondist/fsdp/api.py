@@ -760,10 +760,16 @@ class FullyShardedDataParallel:
         if not isinstance(state, Mapping):
             raise TypeError(f"{where}: state must be a dict {{name: array}} such as "
                             f"state_dict() returns, got {type(state).__name__}")
+        missing = [n for n in self._names if n not in state]
         unknown = [k for k in state if k not in self._names]
-        if unknown:
-            raise ValueError(f"{where}: the state has names the model does not: {unknown[:5]}; "
-                             "load a state_dict() of the same model")
+        if missing or unknown:
+            raise ValueError(f"{where}: the state's names differ from the model's: missing "
+                             f"{missing[:5]}, unexpected {unknown[:5]}; load a state_dict() of "
+                             "the same model")
+        for name, shape in zip(self._names, self._shapes):
+            got = tuple(np.shape(state[name]))
+            if got != shape:  # checked here: a rank only reads the parameters in its shards
+                raise ValueError(f"{where}: {name!r} has shape {got}, the parameter has {shape}")
         try:
             _state_dict.load_full_state_dict(self, dict(state))
         except CheckpointError as exc:
