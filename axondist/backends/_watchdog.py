@@ -215,7 +215,8 @@ class Watchdog:
             self._end(call, waited, verdict, statuses)
             return
         if waited >= self.stall:
-            log.warning(self._stall_text(call, waited, statuses))
+            rank, size = self.recorder.rank, self.recorder.world_size
+            warn(self._stall_text(call, waited, statuses), f"[axondist rank {rank}/{size}] ")
             self._state[key] = waited + self.stall
         else:
             self._state[key] = self.stall
@@ -312,6 +313,20 @@ class Watchdog:
         self._abort("\n".join(lines))
 
 
+def warn(text: str, prefix: str) -> None:
+    """A stall warning: to the ``axondist.watchdog`` logger when the application set up a
+    handler for it, else straight to stderr (a stall must never go unseen)."""
+    logger = log
+    while logger is not None:
+        if any(not isinstance(h, logging.NullHandler) for h in logger.handlers):
+            log.warning(text)
+            return
+        if not logger.propagate:
+            break
+        logger = logger.parent  # type: ignore[assignment]
+    print_and_flush(prefix, text)
+
+
 def print_and_flush(prefix: str, text: str) -> None:
     """Write ``text`` to stderr with ``prefix`` before every line."""
     sys.stderr.write("".join(prefix + line for line in (text + "\n").splitlines(True)))
@@ -325,4 +340,5 @@ def exit_soon(code: int, after: float) -> None:
     timer.start()
 
 
-__all__ = ["GONE", "NO_ANSWER", "Watchdog", "exit_soon", "host_addresses", "print_and_flush"]
+__all__ = ["GONE", "NO_ANSWER", "Watchdog", "exit_soon", "host_addresses", "print_and_flush",
+           "warn"]

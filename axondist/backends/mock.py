@@ -13,7 +13,6 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import copy
-import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -39,8 +38,6 @@ from .base import (
     stall_warning_after,
 )
 from .recorder import FlightRecorder, describe_call, describe_status
-
-log = logging.getLogger("axondist.watchdog")
 
 #: Seconds a cycle of receives must hold, with no message or round completing anywhere,
 #: before it is reported as a deadlock.
@@ -155,9 +152,9 @@ class MockWorld:
                     "group must make the same collective calls in the same order"
                 )
             if now >= warn_at and needed:
-                log.warning("stall: %s has waited %.1f s (fails at %g s); missing ranks %s:\n%s",
-                            what, now - start, self.timeout, needed,
-                            "\n".join("  " + self.describe_rank(r) for r in needed))
+                warn(f"stall: {what} has waited {now - start:.1f} s (fails at {timeout:g} s); "
+                     f"missing ranks {needed}:\n"
+                     + "\n".join("  " + self.describe_rank(r) for r in needed), "[axondist] ")
                 warn_at = now + self.stall
             self.cond.wait(min(deadline - now, warn_at - now, 1.0))
 
