@@ -37,6 +37,7 @@ from .base import (
     default_timeout,
     stall_warning_after,
 )
+from ._watchdog import warn
 from .recorder import FlightRecorder, describe_call, describe_status
 
 #: Seconds a cycle of receives must hold, with no message or round completing anywhere,
