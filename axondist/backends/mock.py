@@ -27,6 +27,7 @@ from ..errors import (
     WorldAbortedError,
 )
 from ..ops import ReduceOp, combine_into
+from ._watchdog import warn
 from .base import (
     Backend,
     CompletedWork,
@@ -37,7 +38,6 @@ from .base import (
     default_timeout,
     stall_warning_after,
 )
-from ._watchdog import warn
 from .recorder import FlightRecorder, describe_call, describe_status
 
 #: Seconds a cycle of receives must hold, with no message or round completing anywhere,
