@@ -154,8 +154,8 @@ def many_groups(world: ad.World) -> None:
 
 CASES = {f.__name__: f for f in (
     skip_collective, exit0, exit1, finally_barrier, stuck, monitored, killed, wrong_group,
-    send_no_recv, recv_no_send, recv_recv, dtype_same_bytes, int_vs_float, op_mismatch, sizes_mismatch,
-    ddp_num_samples, recv_wrong_out_then_good, many_groups)}
+    send_no_recv, recv_no_send, recv_recv, dtype_same_bytes, int_vs_float, op_mismatch,
+    sizes_mismatch, ddp_num_samples, recv_wrong_out_then_good, many_groups)}
 
 
 def main() -> None:
