@@ -1,7 +1,9 @@
 """Every example runs, passes its own check against single-process training, and exits 0.
 
-The JAX and PyTorch examples are skipped when the framework is not
+Examples needing JAX, PyTorch or scikit-learn are skipped when it is not
 installed; their own "not installed" path is tested by hiding the module.
+The char LM's hand-written gradients are checked against finite differences,
+and its loss curves against one process at several world sizes.
 """
 
 from __future__ import annotations
@@ -13,14 +15,21 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from harness import UNDER_MPI, mock_only
+
+import axondist as ad
 
 ROOT = Path(__file__).resolve().parents[2]
 # Variables an MPI launcher sets: a child started without them is not part of a launch.
 _LAUNCH_PREFIXES = ("PMI_", "PMIX_", "OMPI_", "HYDI_", "HYDRA_", "MPI_LOCAL", "SLURM_")
 EXAMPLES = sorted((ROOT / "examples").glob("*.py"))
-FRAMEWORK = {"jax_grad.py": "jax", "torch_autograd.py": "torch"}
+# Examples that print "... is not installed; skipping" and exit 0 without their module.
+FRAMEWORK = {"jax_grad.py": "jax", "torch_autograd.py": "torch", "digits_ddp_fsdp.py": "sklearn"}
+NEEDS = {**FRAMEWORK, "resume.py": "sklearn"}
+# Shorter runs than the defaults: the check against one process is the same.
+QUICK = {"digits_ddp_fsdp.py": ["--epochs", "2"], "char_lm.py": ["--steps", "3"]}
 
 # The examples start their own worlds: running them once per MPI rank would only repeat them.
 pytestmark = mock_only
@@ -44,9 +53,9 @@ def test_the_examples_are_there():
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
 def test_example_runs_and_checks_itself(path):
-    if path.name in FRAMEWORK:
-        pytest.importorskip(FRAMEWORK[path.name])
-    proc = run([sys.executable, str(path)])
+    if path.name in NEEDS:
+        pytest.importorskip(NEEDS[path.name])
+    proc = run([sys.executable, str(path), *QUICK.get(path.name, [])])
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "FAILED" not in proc.stdout
 
@@ -61,12 +70,20 @@ def test_framework_examples_skip_cleanly_without_the_framework(name):
     assert "is not installed; skipping" in proc.stdout
 
 
-def test_numpy_example_detects_a_wrong_result(monkeypatch):
+def _example(name: str):
+    """The example module ``examples/NAME.py``, imported (its main does not run)."""
     sys.path.insert(0, str(ROOT / "examples"))
+    environ = dict(os.environ)
     try:
-        import numpy_mlp
+        return importlib.import_module(name)
     finally:
         sys.path.remove(str(ROOT / "examples"))
+        os.environ.clear()  # char_lm.py sets BLAS thread counts for its own processes
+        os.environ.update(environ)
+
+
+def test_numpy_example_detects_a_wrong_result(monkeypatch):
+    numpy_mlp = _example("numpy_mlp")
     real = numpy_mlp.train_single_process
     monkeypatch.setattr(numpy_mlp, "train_single_process",
                         lambda n, e: [p + 1e-3 for p in real(n, e)])
@@ -87,3 +104,137 @@ def test_numpy_example_under_mpiexec():
                 "--epochs", "1"], timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.startswith("2 ranks") and "(OK)" in proc.stdout
+
+
+@pytest.mark.mpi
+@pytest.mark.skipif(UNDER_MPI, reason="launches its own mpiexec")
+@pytest.mark.skipif(importlib.util.find_spec("mpi4py") is None or _mpiexec() is None,
+                    reason="needs mpi4py and mpiexec")
+@pytest.mark.parametrize("name, n, args", [
+    ("digits_ddp_fsdp.py", 2, ["--epochs", "2"]),
+    ("digits_ddp_fsdp.py", 3, ["--epochs", "1"]),
+    ("char_lm.py", 2, ["--steps", "3"]),
+    ("char_lm.py", 3, ["--steps", "2"]),
+])
+def test_real_data_examples_under_mpiexec(name, n, args):
+    if name in NEEDS:
+        pytest.importorskip(NEEDS[name])
+    proc = run([_mpiexec(), "-n", str(n), sys.executable, str(ROOT / "examples" / name), *args],
+               timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"on {n} ranks" in proc.stdout or proc.stdout.startswith(f"{n} ranks"), proc.stdout
+    assert "single-process training" in proc.stdout and ": yes" in proc.stdout, proc.stdout
+    assert "FAILED" not in proc.stdout
+
+
+# --- digits ------------------------------------------------------------------------------
+
+def test_digits_example_detects_a_wrong_result(monkeypatch, capsys):
+    pytest.importorskip("sklearn")
+    digits = _example("digits_ddp_fsdp")
+    real = digits.train_single_process
+
+    def nudged(args):
+        ref = real(args)
+        ref["weights"][2] = ref["weights"][2] + 1e-6
+        return ref
+
+    monkeypatch.setattr(digits, "train_single_process", nudged)
+    assert digits.main(["--world-size", "2", "--epochs", "1", "--strategies", "ddp"]) == 1
+    assert "DIFFERS" in capsys.readouterr().out
+
+
+def test_digits_example_learns_and_matches_one_process(capsys):
+    pytest.importorskip("sklearn")
+    digits = _example("digits_ddp_fsdp")
+    assert digits.main(["--world-size", "2", "--epochs", "3"]) == 0
+    out = capsys.readouterr().out
+    for strategy in ("ddp", "zero1", "fsdp"):
+        line = next(ln for ln in out.splitlines() if ln.startswith(strategy))
+        assert line.endswith("OK") and float(line.split()[2].rstrip("%")) > 90, out
+
+
+def test_digits_example_refuses_a_batch_that_does_not_split():
+    pytest.importorskip("sklearn")
+    digits = _example("digits_ddp_fsdp")
+    with pytest.raises(SystemExit, match=r"--batch 60 does not split over 7 ranks"):
+        digits.main(["--world-size", "7", "--epochs", "1"])
+
+
+# --- the char LM -------------------------------------------------------------------------
+
+TINY = dict(context=5, width=8, heads=2, hidden=6, blocks=1, batch=3)
+
+
+def test_char_lm_gradients_match_finite_differences():
+    lm = _example("char_lm")
+    cfg = lm.Config(**TINY)
+    rng = np.random.default_rng(0)
+    arrays = [a + 0.1 * rng.standard_normal(a.shape)  # away from the zero biases / unit gains
+              for piece in lm.init_model(cfg) for a in piece]
+    corpus = lm.load_corpus(2_000)
+    x, y = lm.batch_at(corpus, 0, cfg)
+    loss_and_grads = lm.model_loss_and_grads(cfg)
+    loss, grads = loss_and_grads(arrays, x, y)
+    assert len(grads) == len(arrays) and np.isfinite(loss)
+    eps = 1e-6
+    for i, (a, g) in enumerate(zip(arrays, grads)):
+        direction = rng.standard_normal(a.shape)
+        plus = [b + eps * direction if j == i else b for j, b in enumerate(arrays)]
+        minus = [b - eps * direction if j == i else b for j, b in enumerate(arrays)]
+        numeric = (loss_and_grads(plus, x, y)[0] - loss_and_grads(minus, x, y)[0]) / (2 * eps)
+        assert np.isclose(np.sum(g * direction), numeric, rtol=1e-5, atol=1e-8), i
+
+
+def test_char_lm_corpus_is_the_stdlib_read_deterministically():
+    lm = _example("char_lm")
+    corpus = lm.load_corpus(5_000)
+    assert corpus.shape == (5_000,) and corpus.min() >= 0 and corpus.max() < lm.VOCAB
+    np.testing.assert_array_equal(corpus, lm.load_corpus(5_000))
+    x, y = lm.batch_at(corpus, 3, lm.Config())
+    np.testing.assert_array_equal(x[:, 1:], y[:, :-1])  # targets are the next characters
+
+
+@pytest.mark.parametrize("n", [1, 3, 4])
+def test_char_lm_loss_curves_are_equal_across_strategies(n):
+    """FSDP, both pipelines and TP x DP trace the single-process loss curve, step by step."""
+    lm = _example("char_lm")
+    cfg = lm.Config(batch=12)
+    steps = 3
+    results = ad.spawn(lm.train, n, cfg, steps, list(lm.STRATEGIES))
+    ref, _ = lm.train_single_process(cfg, steps)
+    assert ref[-1] < ref[0], "the model learns"
+    for rank_results in results:
+        assert set(rank_results) == set(lm.STRATEGIES)
+        for name, ((losses, seconds), layout) in rank_results.items():
+            np.testing.assert_allclose(losses, ref, rtol=0, atol=lm.TOLERANCE, err_msg=name)
+            assert seconds > 0 and layout
+    layouts = {name: layout for name, (_, layout) in results[0].items()}
+    if n == 4:
+        assert layouts["pipeline-1f1b"].startswith("1f1b: 4 ranks x 1 chunk")
+        assert layouts["pipeline-interleaved"].startswith("interleaved_1f1b: 4 ranks x 2 chunk")
+        assert layouts["tp-dp"] == "tp 2 x dp 2"
+    if n == 1:
+        assert "in each process" in layouts["pipeline-1f1b"]
+
+
+def test_char_lm_detects_a_wrong_result(monkeypatch, capsys):
+    lm = _example("char_lm")
+    real = lm.train_single_process
+
+    def nudged(cfg, steps):
+        losses, seconds = real(cfg, steps)
+        return [losses[0]] + [v + 1e-6 for v in losses[1:]], seconds
+
+    monkeypatch.setattr(lm, "train_single_process", nudged)
+    assert lm.main(["--world-size", "2", "--steps", "2", "--strategies", "fsdp"]) == 1
+    assert "FAILED" in capsys.readouterr().out
+
+
+def test_char_lm_refuses_bad_arguments(capsys):
+    lm = _example("char_lm")
+    with pytest.raises(SystemExit, match="2"):
+        lm.main(["--steps", "1"])
+    assert "--steps 1: pass at least 2" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match=r"--batch 10 does not split over 4 data-parallel"):
+        lm.main(["--world-size", "4", "--batch", "10", "--strategies", "fsdp"])
