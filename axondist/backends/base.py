@@ -1,20 +1,11 @@
 """The backend contract: what every communication backend implements.
 
-A backend object is one rank's endpoint in one communicator (the world, or a
-sub-group). It moves bytes between C-contiguous NumPy/CuPy buffers; shapes,
-uneven splits and argument checks live one level up, in :mod:`axondist.comm`.
-
-Conventions for every method:
-
-* ranks (``root``, ``src``, ``dst``) are ranks *inside this communicator*;
-* ``counts`` lists, per rank, how many elements of the flattened buffers
-  belong to that rank, in rank order;
-* ``signature`` is what every rank must agree on (op, dtype, shape...), as a
-  tuple of ``(field, value)`` pairs; a backend compares it across ranks when
-  that is free (the mock world sees every rank) or when debugging is on
-  (``AXONDIST_DEBUG=1``), and raises :class:`CollectiveMismatchError`;
-* ``async_op=True`` returns a :class:`Work` at once; otherwise the operation
-  has completed when the method returns (a completed Work is returned).
+A backend object is one rank's endpoint in one communicator; it moves bytes between
+C-contiguous NumPy/CuPy buffers (shapes, uneven splits and argument checks live in
+:mod:`axondist.comm`). Ranks (``root``, ``src``, ``dst``) are ranks inside the
+communicator; ``counts`` lists each rank's element count in rank order; ``signature``
+holds ``(field, value)`` pairs every rank must agree on; ``async_op=True`` returns a
+:class:`Work` at once, otherwise the call has completed when it returns.
 """
 
 from __future__ import annotations

@@ -1,56 +1,8 @@
-"""The MPI backend: one process per rank, over mpi4py.
-
-Launch ``mpiexec -n K python train.py``; ``axondist.init()`` sees the MPI
-launch and calls :func:`create_world_backend`. What the code does not show:
-
-* **Own communicator.** Library traffic runs on ``COMM_WORLD.Dup()``, so
-  axondist's messages never match the user's receives or collectives on
-  ``COMM_WORLD``. Sub-groups are ``Split`` of that duplicate.
-* **Zero copy.** Buffers go to MPI as they are (upper-case mpi4py calls).
-  float16 and bfloat16 have no MPI datatype: they travel as a committed
-  2-byte contiguous datatype and reduce with user-defined commutative MPI
-  ops that do the arithmetic in NumPy in the dtype itself (what the mock
-  world does). bool uses ``MPI.C_BOOL`` with logical OR (SUM, MAX) and AND
-  (PRODUCT, MIN). AVERAGE is SUM, then an in-place division by the group
-  size. MIN/MAX follow MPI's rules on NaN (not NumPy's propagation).
-* **Big messages in pieces.** All-reduces and broadcasts larger than
-  ``chunk_bytes`` (16 MiB) run as several calls on slices. MPICH allocates a
-  temporary buffer the size of an all-reduce; from 32 MiB glibc serves it
-  with fresh mmap pages every call, and the page faults made one 64 MiB
-  all-reduce ~1.6x slower than four 16 MiB ones (measured with
-  ``benchmarks/bench_mpi_collectives.py``).
-* **Arithmetic fused with the pieces.** A blocking AVERAGE above
-  ``FUSED_PIECE_BYTES`` (512 KiB) runs piece by piece, each piece divided
-  right after its all-reduce while it is still in cache; gradient buckets
-  weight and sum the same way (:meth:`MPIBackend.scaled_sum_blocking`). A
-  separate pass over a 95 MiB model's buckets cost ~30% on top of the
-  all-reduces; fused it costs ~0-5%.
-* **A lean blocking path.** :mod:`axondist.comm` calls the
-  ``*_blocking`` methods directly for NumPy arrays (no signature tuple, no
-  Work object) unless ``AXONDIST_DEBUG`` or ``host_staging="always"``.
-* **CuPy arrays** go straight to MPI when it is CUDA-aware (after
-  synchronizing the current stream), otherwise through host copies: copy to
-  host, communicate, copy back (for ``async_op=True``, in ``wait()``).
-* **Failures abort the job.** :func:`create_world_backend` installs a
-  ``sys.excepthook`` that prints the uncaught exception's traceback with
-  every line prefixed by ``[axondist rank R/N]`` and then calls
-  ``COMM_WORLD.Abort(1)``, so mpiexec ends every rank with a non-zero exit
-  instead of leaving the others blocked in a collective.
-* **async_op agrees across ranks.** ``async_op=True`` uses MPI's
-  non-blocking collectives (``Iallreduce``...), which MPI never matches with
-  a blocking call on another rank: every rank must pass the same
-  ``async_op`` to a given collective (``AXONDIST_DEBUG=1`` reports it).
-  Non-blocking calls progress inside MPI calls and ``wait()``.
-* **No timeouts.** A blocking MPI collective cannot time out: a peer that
-  never calls it hangs the others (a peer that *fails* aborts the job, see
-  above). ``Work.wait(timeout)`` of a non-blocking call does raise
-  :class:`CollectiveTimeoutError`, leaving the operation pending.
-* **Cross-rank checks.** Local checks are always on (buffer sizes against
-  counts; a received message against its buffer, by ``Status``). With
-  ``AXONDIST_DEBUG=1`` every collective first gathers every rank's
-  signature (one small extra allgather per call) and raises the same
-  :class:`CollectiveMismatchError` on every rank when they disagree, instead
-  of truncating, corrupting or hanging.
+"""The MPI backend: one process per rank, over mpi4py, on axondist's own duplicate of
+``COMM_WORLD``. Every collective is recorded in the rank's flight recorder and starts with
+a 16-byte check that all ranks make the same call; a watchdog ends a job that stalls.
+``docs/backends.md`` explains the design (pieces, fused arithmetic, half-precision and
+NaN handling, CuPy staging, the checks and the watchdog) and the measurements behind it.
 """
 
 from __future__ import annotations

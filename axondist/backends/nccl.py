@@ -1,90 +1,11 @@
 """The NCCL backend: collectives between GPUs on CuPy arrays, over ``cupy.cuda.nccl``.
 
-Importing this module imports neither CuPy nor mpi4py; creating a backend
-does, and raises :class:`~axondist.errors.BackendUnavailableError` saying
-what to install when CuPy or NCCL is missing.
-
-Three ways to start
--------------------
-* ``axondist.init("nccl")`` calls :func:`create_world_backend`: under
-  ``mpiexec`` rank 0's unique id travels by an MPI broadcast and each process
-  takes GPU ``node-local rank % device count``; otherwise the torchrun-style
-  variables (``MASTER_ADDR``, ``MASTER_PORT``, ``WORLD_SIZE``, ``RANK``,
-  ``LOCAL_RANK``) locate rank 0, which hands out the id over a small TCP
-  rendezvous (:mod:`axondist.backends._rendezvous`); with neither, a one-GPU
-  world. The chosen GPU becomes the process's current CuPy device.
-* By hand: ``uid = NcclBackend.generate_unique_id()`` on one process, sent
-  to the others any way you like (``uid.hex()`` is text), then
-  ``NcclBackend(uid, rank, world_size, device)`` on every process.
-* One process, several GPUs: ``NcclBackend.create_world([0, 1])`` returns
-  one backend per device. Either drive each from its own thread
-  (:func:`spawn_on_devices` does that and gives each thread a
-  :class:`~axondist.World`, like :func:`axondist.spawn`), or issue every
-  device's call from one thread inside one :func:`group_calls` block::
-
-      backends = NcclBackend.create_world([0, 1])
-      with group_calls():
-          for b, x in zip(backends, xs):   # xs[i] lives on GPU backends[i].device
-              b.all_reduce(x, ReduceOp.SUM)
-      # every all_reduce has completed here
-
-  Calls that need the host to wait for the GPU (object exchange,
-  ``barrier``, ``new_group``, ``Work.wait``) cannot run inside a group.
-
-Streams, completion and async handles
--------------------------------------
-Each backend owns a CUDA stream on its device. An operation first makes
-that stream wait for the caller's current stream (so it sees the caller's
-writes), then enqueues NCCL's kernels and records an event after them.
-A blocking call (``async_op=False``) waits for that event before returning,
-as the Backend contract asks. ``async_op=True`` returns an :class:`NcclWork`
-at once: ``wait()`` blocks the host until the event, ``is_completed()``
-queries it, ``wait_stream()`` makes a stream wait for it without blocking
-the host. Waits give up after the backend's ``timeout`` with
-:class:`~axondist.errors.CollectiveTimeoutError` and surface NCCL's
-asynchronous errors (a failed peer) as :class:`NcclError` naming the
-operation. Keep a Work until it completed: it holds the buffers alive.
-
-Grouped (bucketed) calls
-------------------------
-``with backend.grouped():`` (the same as :func:`group_calls`) brackets calls
-in ``ncclGroupStart``/``ncclGroupEnd`` so NCCL launches them together: many
-small all-reduces of a gradient bucket, or a send and a receive between
-two ranks that must not wait for each other. Inside the block nothing has
-run yet: issue calls with ``async_op=True`` and wait after the block (a
-blocking call's own wait happens when the block ends).
-
-How each operation maps onto NCCL
----------------------------------
-* Reductions follow :func:`~axondist.backends._nccl_types.reduce_plan`:
-  AVERAGE is ``ncclAvg`` on NCCL >= 2.10 and sum-then-divide before;
-  complex numbers are pairs of floats (SUM, AVERAGE); ``bool`` is ``uint8``
-  with max/min for OR/AND; bfloat16 (CuPy arrays of ``ml_dtypes.bfloat16``,
-  CuPy >= 14) maps to ``ncclBfloat16`` (NCCL >= 2.10).
-* Data that is only moved (broadcast, gathers, scatter, send/recv) travels
-  as bytes, so every dtype works on every NCCL.
-* Uneven counts: ``all_gather`` is one ``ncclBroadcast`` per rank inside a
-  group, ``reduce_scatter`` one ``ncclReduce`` per rank inside a group (no
-  padding, no extra memory); ``gather`` and ``scatter`` are grouped
-  send/recv with the root's own block copied on its GPU. Equal counts use
-  ``ncclAllGather``/``ncclReduceScatter``.
-* Sub-groups: CuPy does not expose ``ncclCommSplit``, so ``new_group``
-  broadcasts a fresh unique id from the group's first member over the
-  parent communicator and the members create a communicator with it.
-* Python objects (``allgather_object``, ``broadcast_object``,
-  ``send_object``/``recv_object``) are pickled into a ``uint8`` device
-  buffer and sent over NCCL itself after an exchange of lengths, so they
-  work the same whatever the bootstrap was.
-* NCCL has no message tags: messages between two ranks match in the order
-  they were sent, and ``send``/``recv`` ignore ``tag``. ``recv_object``
-  checks it (it travels in the object header), and
-  :func:`axondist.recv` sends shape and dtype that way before the array.
-  A send waits for its receiver (large messages always do), so two ranks
-  must not both send to each other first: exchange inside ``grouped()``.
-* ``AXONDIST_DEBUG=1`` also compares every collective's arguments across
-  ranks (one extra object exchange per call), outside groups.
-
-One backend is used by one thread at a time.
+Importing this module imports neither CuPy nor mpi4py; creating a backend does, and
+raises :class:`~axondist.errors.BackendUnavailableError` saying what to install when
+CuPy or NCCL is missing. ``axondist.init("nccl")`` calls :func:`create_world_backend`
+(rank 0's unique id shared over MPI under ``mpiexec``, else over a TCP rendezvous from
+torchrun-style variables); ``docs/backends.md`` explains streams, grouped calls and how
+each operation maps onto NCCL.
 """
 
 from __future__ import annotations
