@@ -19,8 +19,10 @@ settings.register_profile(
     max_examples=int(os.environ.get("AXONDIST_TEST_EXAMPLES", "40")),
     derandomize=True,
     database=None,
-    # Every rank of an MPI run must draw the same examples: no time-based checks.
-    suppress_health_check=list(HealthCheck),
+    # too_slow is the one time-based health check: on a loaded machine it fires on some
+    # MPI ranks and not others, and ranks that stop drawing examples at different points
+    # would wait for each other forever. Every other health check stays on.
+    suppress_health_check=[HealthCheck.too_slow],
 )
 settings.load_profile("default")
 
@@ -36,6 +38,19 @@ def pytest_configure(config: pytest.Config) -> None:
         import tempfile
 
         config.option.basetemp = tempfile.mkdtemp(prefix=f"axondist-rank{rank}-")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """``AXONDIST_TEST_EXAMPLES`` caps every hypothesis test, also those that pin their own
+    ``max_examples`` (the mpiexec relaunch runs every world test on a few examples)."""
+    cap = os.environ.get("AXONDIST_TEST_EXAMPLES")
+    if cap is None:
+        return
+    for item in items:
+        test = getattr(item, "obj", None)
+        own = getattr(test, "_hypothesis_internal_use_settings", None)
+        if own is not None and own.max_examples > int(cap):
+            test._hypothesis_internal_use_settings = settings(own, max_examples=int(cap))
 
 
 def pytest_report_header(config: pytest.Config) -> str:
