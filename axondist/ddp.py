@@ -190,7 +190,7 @@ class DistributedDataParallel:
                                              else "")
             dtype = np.dtype(state.bucket.dtype)
             parts.append(f"bucket {b}: {len(names)} parameters ({shown}), {dtype}, "
-                         f"{mib(state.bucket.capacity * dtype.itemsize)}")
+                         f"{_size_text(state.bucket.capacity * dtype.itemsize)}")
         return "; ".join(parts)
 
     def forward(self, *inputs: Any) -> Any:
@@ -654,6 +654,13 @@ def _check_num_samples(num_samples: Any) -> None:
                         f"got {type(num_samples).__name__} {num_samples!r}{hint}")
     if not float(num_samples) >= 0:  # also refuses NaN
         raise ValueError(f"{what} must be a sample count >= 0, got {num_samples!r}")
+
+
+def _size_text(nbytes: int) -> str:
+    """``nbytes`` as text: bytes below 1 KiB, KiB below 1 MiB, else MiB."""
+    if nbytes < 1024:
+        return f"{nbytes} B"
+    return f"{nbytes / 1024:.3g} KiB" if nbytes < MiB else mib(nbytes)
 
 
 def _mib_to_bytes(mb: float) -> int:

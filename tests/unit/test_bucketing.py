@@ -14,9 +14,12 @@ from axondist.bucketing import (
     GradientSynchronizer,
     GradSyncStrategy,
     bucket_plan,
+    check_real_gradient,
     resolve_compression,
     sum_hook,
 )
+from axondist.errors import UnsupportedDTypeError
+from axondist.process_group import World
 
 SIZES = st.lists(st.integers(0, 300), max_size=40)
 CAPS = st.integers(1, 400)
@@ -159,3 +162,27 @@ def test_compression_resolution():
         resolve_compression("int8")
     with pytest.raises(ValueError, match="float16 or bfloat16"):
         CastCompression("float32")
+
+
+@given(kind=st.sampled_from(["float16", "float32", "float64", "complex64", "complex128",
+                             "int32"]), index=st.integers(0, 9))
+def test_check_real_gradient_refuses_exactly_complex(kind, index):
+    grad = np.zeros(2, dtype=kind)
+    if np.dtype(kind).kind == "c":
+        with pytest.raises(UnsupportedDTypeError, match=rf"f: the gradient of parameter "
+                                                        rf"{index} \(w\) is {kind}; complex"):
+            check_real_gradient(grad, "f", index, "w")
+    else:
+        check_real_gradient(grad, "f", index, "w")
+
+
+def test_synchronizer_refuses_a_complex_gradient_instead_of_dropping_its_imaginary_part():
+    sync = GradientSynchronizer()
+    sync.prepare([(3,), (2,)], dtype=np.float64)
+    sync.start(World.mock())
+    with pytest.raises(TypeError, match="GradientSynchronizer.add_gradient: the gradient of "
+                                        "parameter 1 is complex128"):
+        sync.add_gradient(1, np.ones(2) * 1j)
+    sync.add_gradient(1, np.ones(2))  # the slot is still free: the bad one was not taken
+    sync.add_gradient(0, np.ones(3))
+    assert [g.tolist() for g in sync.finish()] == [[1.0, 1.0, 1.0], [1.0, 1.0]]

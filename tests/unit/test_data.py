@@ -149,3 +149,18 @@ def test_non_member_must_pass_rank():
         return DistributedSampler(4, group=sub, rank=0).num_replicas
 
     assert ad.spawn(body, 2) == [0, 1]
+
+
+@pytest.mark.parametrize("seed", ["a", 1.5, None, True])
+def test_a_seed_that_is_not_an_int_is_named(seed):
+    with pytest.raises(TypeError, match=rf"DistributedSampler: seed must be an int .*got "
+                                        rf"{type(seed).__name__}"):
+        DistributedSampler(10, 2, 0, seed=seed)
+
+
+def test_a_negative_seed_is_refused_and_numpy_ints_are_accepted():
+    with pytest.raises(ValueError, match="seed must be an int >= 0, got -1"):
+        DistributedSampler(10, 2, 0, seed=-1)
+    a = DistributedSampler(10, 2, 0, seed=np.int64(3))
+    b = DistributedSampler(10, 2, 0, seed=3)
+    np.testing.assert_array_equal(a.indices(), b.indices())

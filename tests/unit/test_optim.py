@@ -260,3 +260,26 @@ def test_accepts_generators_and_models():
     assert isinstance(AdamW(ps), Optimizer)
     assert "Adam(2 parameters" in repr(Adam(ps))
     assert math.isclose(AdamW(ps).weight_decay, 1e-2)
+
+
+# --- bad input --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("cls", [SGD, Adam, AdamW])
+@pytest.mark.parametrize("params", [None, 5, "weights"])
+def test_params_that_are_not_parameters_are_named_clearly(cls, params):
+    with pytest.raises(TypeError, match=rf"{cls.__name__}: params must be a model, a Parameter "
+                                        rf"or a list of Parameters .*got {type(params).__name__}"):
+        cls(params, lr=0.1)
+
+
+@pytest.mark.parametrize("cls", [SGD, Adam, AdamW])
+@pytest.mark.parametrize("dtype", [np.complex64, np.complex128])
+def test_complex_gradients_are_refused_not_cast_to_real(cls, dtype):
+    p = Parameter(np.ones(3), name="w")
+    opt = cls([p], lr=0.1)
+    p.grad = (np.ones(3) + 1j * np.ones(3)).astype(dtype)
+    with pytest.raises(TypeError, match=rf"{cls.__name__}.step: the gradient of parameter 0 "
+                                        rf"\(w\) is {np.dtype(dtype)}; complex gradients"):
+        opt.step()
+    np.testing.assert_array_equal(p.data, np.ones(3))  # nothing was updated
+    assert opt.step_count == 0

@@ -7,9 +7,12 @@ world and unchanged under ``mpiexec -n K python -m pytest``.
 
 from __future__ import annotations
 
+import logging
+import math
+
 import numpy as np
 import pytest
-from harness import run_world, world_sizes
+from harness import current_size, mock_only, run_world, world_sizes
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -17,6 +20,7 @@ import axondist
 from axondist import CollectiveMismatchError, Parameter
 from axondist.bucketing import GradientSynchronizer, GradSyncStrategy, sum_hook
 from axondist.ddp import DDP, DistributedDataParallel
+from axondist.errors import NonFiniteNormError, UnsupportedDTypeError
 from axondist.optim import SGD, Adam
 
 SYNC, OVER = GradSyncStrategy.SYNCHRONOUS, GradSyncStrategy.OVERLAPPED
@@ -623,3 +627,142 @@ def test_gradient_synchronizer_on_its_own(size, seed, shapes, strategy, elements
         return True
 
     run_world(body, size)
+
+
+# --- clip_grad_norm: the global norm of the averaged gradients ------------------------------
+
+@settings(max_examples=20)
+@given(size=world_sizes(1, 4), shapes=SHAPES, seed=st.integers(0, 2**20),
+       norm_type=st.sampled_from([1.0, 2.0, 3.0, math.inf]),
+       max_norm=st.floats(1e-3, 10.0), strategy=st.sampled_from([SYNC, OVER]))
+def test_clip_grad_norm_is_the_norm_of_the_whole_averaged_gradient(size, shapes, seed,
+                                                                     norm_type, max_norm,
+                                                                     strategy):
+    world_n = current_size(size)
+    parts = [batch(shapes, seed, r, 0, 3) for r in range(world_n)]
+    x = np.concatenate([p[0] for p in parts])
+    y = np.concatenate([p[1] for p in parts])
+    _, full = loss_and_grads([p.data for p in init_params(shapes, seed, 0)], x, y)
+    flat = np.concatenate([g.ravel() for g in full])
+    want = float(np.max(np.abs(flat))) if math.isinf(norm_type) else \
+        float(np.sum(np.abs(flat) ** norm_type) ** (1 / norm_type))
+    coef = min(1.0, max_norm / (want + 1e-6))
+
+    def body(world):
+        params = init_params(shapes, seed, world.rank)
+        ddp = DDP(params, world, grad_fn=tuple_grad_fn, strategy=strategy)
+        ddp.backward(*batch(shapes, seed, world.rank, 0, 3))
+        got = ddp.clip_grad_norm(max_norm, norm_type)
+        assert got == pytest.approx(want, rel=1e-9)
+        for p, g in zip(params, full):
+            np.testing.assert_allclose(p.grad, g * coef, rtol=1e-9, atol=1e-14)
+        return got
+
+    norms = run_world(body, size)
+    assert len(set(norms)) == 1  # the same float on every rank
+
+
+def test_clip_grad_norm_nan_and_inf_on_one_rank_reach_every_rank():
+    def body(world):
+        params = init_params([(3,), (2,)], 0, world.rank)
+        ddp = DDP(params, world)
+        for p in params:
+            p.grad = np.ones(p.shape)
+        if world.rank == world.world_size - 1:
+            params[1].grad[0] = math.inf
+        ddp.sync_gradients()
+        with pytest.raises(NonFiniteNormError, match="is inf.*error_if_nonfinite=False"):
+            ddp.clip_grad_norm(1.0, error_if_nonfinite=True)
+        assert np.isfinite(params[0].grad).all()  # refused: nothing scaled
+        assert ddp.clip_grad_norm(1.0) == math.inf
+        np.testing.assert_array_equal(params[0].grad, np.zeros(3))  # scaled by 0
+        assert math.isnan(params[1].grad[0])  # inf * 0, as torch
+        params[0].grad[1] = math.nan
+        assert math.isnan(ddp.clip_grad_norm(1.0, math.inf))  # max() must not drop the NaN
+        assert all(np.isnan(p.grad).all() for p in params)
+        return True
+
+    assert all(run_world(body, current_size(3)))
+
+
+# --- bad input -------------------------------------------------------------------------------
+
+def test_bad_arguments_are_named_with_what_came_and_what_to_pass():
+    def body(world):
+        params = init_params([(3,), (2,)], 0, world.rank)
+        with pytest.raises(TypeError, match=r"DistributedDataParallel: bucket_cap_mb \(MiB per "
+                                            r"bucket, e.g. 25\) must be a number, got str '25'"):
+            DDP(params, world, bucket_cap_mb="25")
+        with pytest.raises(ValueError, match="first_bucket_mb .* must be a finite number > 0"):
+            DDP(params, world, first_bucket_mb=0)
+        with pytest.raises(TypeError, match="grad_fn must be a callable"):
+            DDP(params, world, grad_fn=3)
+        ddp = DDP(params, world)
+        for p in params:
+            p.grad = np.full(p.shape, float(world.rank))
+        with pytest.raises(TypeError, match=r"sync_gradients: num_samples must be None or this "
+                                            r"rank's sample count .*got list .*call "
+                                            r"axondist.sync_gradients\(grads\)"):
+            ddp.sync_gradients([p.grad for p in params])
+        with pytest.raises(TypeError, match="num_samples must be None .*got str '3'"):
+            ddp.sync_gradients("3")
+        with pytest.raises(ValueError, match="num_samples must be a sample count >= 0, got -1"):
+            ddp.sync_gradients(-1)
+        ddp.sync_gradients(None)  # None is the plain mean, and the DDP still works
+        mean = (world.world_size - 1) / 2
+        for p in params:
+            np.testing.assert_allclose(p.grad, np.full(p.shape, mean))
+        return True
+
+    assert all(run_world(body, current_size(2)))
+
+
+@pytest.mark.parametrize("strategy", [SYNC, OVER])
+@pytest.mark.parametrize("path", ["backward", "sync_gradients", "no_sync"])
+def test_complex_gradients_are_refused_not_cast_to_real(strategy, path):
+    def complex_grads(arrays, x, y):
+        loss, grads = loss_and_grads(arrays, x, y)
+        return loss, [g * (1 + 1j) for g in grads]
+
+    def body(world):
+        params = init_params([(3,), (2,)], 0, world.rank)
+        ddp = DDP(params, world, grad_fn=complex_grads, strategy=strategy)
+        x, y = batch([(3,), (2,)], 0, world.rank, 0, 3)
+        refused = pytest.raises(UnsupportedDTypeError,
+                                match=r"the gradient of parameter 1 \(p1\) is complex128; "
+                                      "complex gradients are not supported")
+        if path == "backward":
+            with refused:
+                ddp.backward(x, y)
+        elif path == "no_sync":
+            with ddp.no_sync(), refused:
+                ddp.backward(x, y)
+        else:
+            params[0].grad = np.ones(3)
+            params[1].grad = np.ones(2) * 1j
+            with pytest.raises(UnsupportedDTypeError, match="parameter 1 is complex128"):
+                ddp.sync_gradients()
+        for p in params:
+            p.grad = None
+        ddp.grad_fn = tuple_grad_fn
+        ddp.backward(x, y)  # the wrapper is still usable
+        return True
+
+    assert all(run_world(body, 2))
+
+
+@mock_only
+def test_construction_logs_the_bucket_plan(caplog):
+    shapes = [(300,), (4, 5), (2,)]
+    with caplog.at_level(logging.INFO, logger="axondist.ddp"):
+        ad_results = axondist.spawn(
+            lambda w: DDP(init_params(shapes, 0, w.rank), w, bucket_cap_mb=0.001,
+                          first_bucket_mb=0.0001).bucket_indices, 2)
+    lines = [r.getMessage() for r in caplog.records if r.name == "axondist.ddp"]
+    assert len(lines) == 2
+    buckets = len(ad_results[0])
+    for line in lines:
+        assert "cap 0.001 MiB (first 0.0001 MiB), strategy SYNCHRONOUS" in line
+        assert all(f"bucket {b}: " in line for b in range(buckets))
+        assert f"bucket {buckets}: " not in line
+        assert "p0" in line and "float64" in line and "MiB" in line

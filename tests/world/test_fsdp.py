@@ -36,7 +36,7 @@ from axondist.checkpoint import (
     save_full_checkpoint,
     save_sharded_checkpoint,
 )
-from axondist.errors import CollectiveMismatchError
+from axondist.errors import CollectiveMismatchError, NonFiniteNormError, UnsupportedDTypeError
 from axondist.fsdp import (
     FSDP,
     CPUOffload,
@@ -941,3 +941,64 @@ def test_construction_logs_units_strategy_and_estimate(caplog) -> None:
     assert len(lines) == 2
     assert all("SHARD_GRAD_OP" in m and "units" in m and "estimated per rank" in m
                and "MiB" in m for m in lines)
+
+
+# --- the step API every wrapper shares -----------------------------------------------------
+
+@given(world_size=world_sizes(1, 4), strategy=st.sampled_from(STRATEGIES),
+       offload=st.sampled_from([CPUOffload.NONE, CPUOffload.PARAMS]),
+       low=st.sampled_from([None, "float16"]), seed=st.integers(0, 10_000))
+@settings(max_examples=20)
+def test_state_dict_is_the_full_master_state_on_every_rank(world_size: int,
+                                                          strategy: ShardingStrategy,
+                                                          offload: CPUOffload, low: str | None,
+                                                          seed: int) -> None:
+    """state_dict() (every rank) equals full_state_dict() (rank 0) and 1-rank training."""
+    n = current_size(world_size)
+    want, _ = reference(seed, n, 1, "sgd")
+
+    def body(world: ad.World) -> None:
+        mp = MixedPrecision(param_dtype=low) if low else None
+        f = wrap(make_params(seed, values=seed + world.rank), world, strategy, seed,
+                 cpu_offload=offload, mixed_precision=mp, grad_fn=grad_fn)
+        opt = SGD(f.parameters(), lr=0.1, momentum=0.9)
+        f.step(*batch(seed, world.rank, 0), optimizer=opt)
+        state = f.state_dict()
+        full = f.full_state_dict()
+        assert list(state) == f.parameter_names()
+        for name, p, value in zip(state, want, state.values()):
+            assert value.dtype == np.float32 and value.shape == p.shape
+            if full is not None:
+                np.testing.assert_array_equal(value, full[name])
+            if low is None:
+                np.testing.assert_allclose(value, p.data, rtol=1e-4, atol=1e-5)
+
+    run_world(body, world_size)
+
+
+def test_clip_grad_norm_takes_torchs_positional_arguments() -> None:
+    def body(world: ad.World) -> None:
+        f = FSDP(make_params(4), world, grad_fn=grad_fn)
+        f.backward(*batch(4, world.rank, 0))
+        f.sharded_parameters()[0].grad[...] = math.nan if f.shard_rank == 0 else 0
+        with pytest.raises(NonFiniteNormError, match="is nan"):
+            f.clip_grad_norm(1.0, 2.0, True)  # (max_norm, norm_type, error_if_nonfinite)
+        with pytest.raises(TypeError, match="max_norm must be a number, got NoneType"):
+            f.clip_grad_norm(None)  # type: ignore[arg-type]
+
+    run_world(body, current_size(2))
+
+
+def test_complex_gradients_are_refused_in_sync_gradients() -> None:
+    def body(world: ad.World) -> None:
+        params = make_params(4)
+        f = FSDP(params, world)
+        f.gather_parameters()
+        for p in params:
+            p.grad = np.ones(p.shape, np.complex64)
+        with pytest.raises(UnsupportedDTypeError, match=r"sync_gradients: the gradient of "
+                                                        r"parameter 0 \(p0\) is complex64"):
+            f.sync_gradients()
+        assert all(s.grad is None for s in f.sharded_parameters())
+
+    run_world(body, current_size(2))

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 import axondist as ad
 from axondist.ddp import DistributedDataParallel
-from axondist.errors import CollectiveMismatchError
+from axondist.errors import CollectiveMismatchError, UnsupportedDTypeError
 from axondist.optim import SGD, Adam, AdamW
 from axondist.zero import ZeroRedundancyOptimizer, shard_elements
 
@@ -233,6 +233,26 @@ def test_errors_are_clear() -> None:
                                     if world.rank == world.world_size - 1 else [])
             with pytest.raises(CollectiveMismatchError, match="parameters differ: rank"):
                 ZeroRedundancyOptimizer(odd, Adam, world)
+
+    run_world(body, current_size(2))
+
+
+def test_bad_params_and_complex_gradients_are_refused_on_every_rank() -> None:
+    def body(world: ad.World) -> None:
+        with pytest.raises(TypeError, match="ZeroRedundancyOptimizer: params must be a model, a "
+                                            "Parameter or a list of Parameters .*got NoneType"):
+            ZeroRedundancyOptimizer(None, SGD, world, lr=0.1)
+        params = make_params(4)
+        before = [p.data.copy() for p in params]
+        zero = ZeroRedundancyOptimizer(params, SGD, world, lr=0.1)
+        for p in params:
+            p.grad = np.ones(p.shape, np.float32)
+        params[1].grad = params[1].grad * (1 + 1j)  # every rank: the gradients are replicated
+        with pytest.raises(UnsupportedDTypeError, match="ZeroRedundancyOptimizer.step: the "
+                                                        "gradient of parameter 1 .* complex64"):
+            zero.step()
+        for p, b in zip(params, before):  # nothing moved, on any rank
+            np.testing.assert_array_equal(p.data, b)
 
     run_world(body, current_size(2))
 
