@@ -2,6 +2,7 @@
 
     python examples/char_lm.py                       # 4 ranks of the mock world, 8 steps
     mpiexec -n 2 python examples/char_lm.py          # the MPI world
+    python examples/char_lm.py --grads jax           # gradients from jax.vjp
     python examples/char_lm.py --steps 300 --plot docs/img/char_lm_loss.png   # the longer run
 
 The corpus is the standard library's own ``.py`` files (every Python has
@@ -10,7 +11,9 @@ printable ASCII (96 symbols). The model is a small GPT: token and position
 embeddings, pre-norm blocks of causal multi-head attention and a GELU MLP
 with residual connections, a final layer norm and a linear head, softmax
 cross-entropy on the next character. Every gradient is written by hand in
-NumPy (layer norm, attention, MLP, embedding), in float64.
+NumPy (layer norm, attention, MLP, embedding), in float64; with ``--grads
+jax`` each piece's backward comes from ``jax.vjp`` instead (the
+tensor-parallel layers stay hand-written), and the curves are the same.
 
 The same model, data and Adam steps are trained four ways: FSDP FULL_SHARD
 over every rank; a pipeline with 1F1B and with interleaved 1F1B (8 pieces,
@@ -28,13 +31,16 @@ and exits with status 1 when one differs.
 from __future__ import annotations
 
 import argparse
+import functools
 import glob
+import importlib
 import os
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 # Tiny matrices, several ranks per machine: one BLAS thread per rank is fastest (as torchrun does).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -70,6 +76,7 @@ class Config:
     batch: int = 24  # sequences per step, over all ranks
     lr: float = 3e-3
     seed: int = 0
+    grads: str = "numpy"  # "jax": the pieces' backward from jax.vjp instead of by hand
 
 
 # --- data -------------------------------------------------------------------------------
@@ -160,6 +167,8 @@ def _merge(a: np.ndarray) -> np.ndarray:
 
 def piece_forward(kind: str, w: list[np.ndarray], x: np.ndarray, cfg: Config) -> tuple:
     """``(y, cache)`` of one piece; the input of ``embed`` is token ids."""
+    if cfg.grads == "jax":
+        return jax_piece_forward(kind, w, x, cfg)
     if kind == "embed":
         return w[0][x] + w[1][:x.shape[-1]], x
     h, ln = layer_norm(x, w[0], w[1])
@@ -178,6 +187,8 @@ def piece_forward(kind: str, w: list[np.ndarray], x: np.ndarray, cfg: Config) ->
 def piece_backward(kind: str, w: list[np.ndarray], cache: tuple, gy: np.ndarray,
                    cfg: Config) -> tuple[np.ndarray | None, list[np.ndarray]]:
     """``(grad_x, grads)`` of one piece (``grad_x`` None for the embedding)."""
+    if cfg.grads == "jax":
+        return jax_piece_backward(kind, cache, gy)
     if kind == "embed":
         grad_tok = np.zeros_like(w[0])
         np.add.at(grad_tok, cache, gy)
@@ -204,6 +215,81 @@ def piece_backward(kind: str, w: list[np.ndarray], cache: tuple, gy: np.ndarray,
     if kind != "head":
         grad_x = grad_x + gy  # the residual connection
     return grad_x, [grad_g, grad_b] + rest
+
+
+# --- the same pieces through JAX: jax.vjp gives each backward -----------------------------
+
+def _jax() -> tuple:
+    """``(jax, jax.numpy)`` in float64, imported on first use (only ``--grads jax`` needs them)."""
+    try:
+        jax = importlib.import_module("jax")
+    except ImportError:
+        sys.exit("char_lm.py: --grads jax needs JAX (pip install jax)")
+    jax.config.update("jax_enable_x64", True)
+    return jax, importlib.import_module("jax.numpy")
+
+
+def _jax_forward(kind: str, cfg: Config, jnp: Any, jax: Any) -> Callable:
+    """The piece's forward ``f(x, *w)`` in jax.numpy (the maths of piece_forward)."""
+    def norm(x: Any, g: Any, b: Any) -> Any:
+        mu = x.mean(axis=-1, keepdims=True)
+        return g * (x - mu) / jnp.sqrt(((x - mu) ** 2).mean(axis=-1, keepdims=True) + 1e-5) + b
+
+    def heads(a: Any) -> Any:
+        return jnp.swapaxes(a.reshape(*a.shape[:-1], cfg.heads, -1), -2, -3)
+
+    def attn(x: Any, g: Any, b: Any, wqkv: Any, bqkv: Any, wo: Any, bo: Any) -> Any:
+        q, k, v = (heads(a) for a in jnp.split(norm(x, g, b) @ wqkv.T + bqkv, 3, axis=-1))
+        t = x.shape[-2]
+        s = jnp.where(jnp.tril(jnp.ones((t, t), dtype=bool)),
+                      q @ jnp.swapaxes(k, -1, -2) / np.sqrt(q.shape[-1]), -jnp.inf)
+        o = jnp.swapaxes(jax.nn.softmax(s, axis=-1) @ v, -2, -3)
+        return x + o.reshape(*o.shape[:-2], -1) @ wo.T + bo
+
+    def mlp(x: Any, g: Any, b: Any, w1: Any, b1: Any, w2: Any, b2: Any) -> Any:
+        return x + jax.nn.gelu(norm(x, g, b) @ w1.T + b1, approximate=True) @ w2.T + b2
+
+    def head(x: Any, g: Any, b: Any, w: Any, bias: Any) -> Any:
+        return norm(x, g, b) @ w.T + bias
+
+    return {"attn": attn, "mlp": mlp, "head": head}[kind]
+
+
+@functools.cache
+def _jitted(kind: str, cfg: Config) -> tuple[Callable, Callable]:
+    """The piece's jitted forward ``f(x, *w)`` and backward ``b(gy, x, *w) -> grads``.
+
+    The backward recomputes the forward inside ``jax.vjp`` (one compiled
+    function, nothing kept between the calls but the inputs); its grads are
+    the parameters' and, except for the embedding, then the input's.
+    """
+    jax, jnp = _jax()
+    if kind == "embed":
+        def forward(x: Any, tok: Any, pos: Any) -> Any:
+            return tok[x] + pos[:x.shape[-1]]
+
+        def backward(gy: Any, x: Any, *w: Any) -> Any:
+            return jax.vjp(lambda *w: forward(x, *w), *w)[1](gy)
+    else:
+        forward = _jax_forward(kind, cfg, jnp, jax)
+
+        def backward(gy: Any, x: Any, *w: Any) -> Any:
+            grads = jax.vjp(forward, x, *w)[1](gy)
+            return (*grads[1:], grads[0])
+
+    return jax.jit(forward), jax.jit(backward)
+
+
+def jax_piece_forward(kind: str, w: list[np.ndarray], x: np.ndarray, cfg: Config) -> tuple:
+    """``(y, cache)`` of one piece computed by JAX; the cache is the piece's inputs."""
+    return np.asarray(_jitted(kind, cfg)[0](x, *w)), (kind, cfg, x, w)
+
+
+def jax_piece_backward(kind: str, cache: tuple, gy: np.ndarray) -> tuple:
+    """``(grad_x, grads)`` from ``jax.vjp`` (``grad_x`` None for the embedding)."""
+    _, cfg, x, w = cache
+    grads = [np.asarray(g) for g in _jitted(kind, cfg)[1](gy, x, *w)]
+    return (None, grads) if kind == "embed" else (grads[-1], grads[:-1])
 
 
 def cross_entropy(logits: np.ndarray, targets: np.ndarray) -> tuple[float, np.ndarray]:
@@ -500,10 +586,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="sequences per step over all ranks")
     parser.add_argument("--strategies", nargs="+", choices=STRATEGIES, default=list(STRATEGIES))
     parser.add_argument("--plot", default=None, help="write the loss curves to this PNG")
+    parser.add_argument("--grads", choices=["numpy", "jax"], default="numpy",
+                        help="each piece's backward: written by hand, or from jax.vjp (the "
+                             "tensor-parallel attention and MLP layers are always by hand)")
     args = parser.parse_args(argv)
     if args.steps < 2:
         parser.error(f"--steps {args.steps}: pass at least 2 (the first step is not timed)")
-    cfg = Config(batch=args.batch)
+    cfg = Config(batch=args.batch, grads=args.grads)
+    if cfg.grads == "jax":
+        _jax()  # fail early, on every rank, when JAX is missing
 
     results = ad.run(train, args.world_size, cfg, args.steps, args.strategies)[0]
     world = ad.current_world() if launched_by_mpi() else None
