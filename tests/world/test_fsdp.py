@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from harness import UNDER_MPI, current_size, mock_only, run_world, world_sizes
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import axondist as ad
@@ -48,6 +48,10 @@ from axondist.optim import SGD, Adam, AdamW
 
 BATCH = 4
 STRATEGIES = list(ShardingStrategy)
+# tmp_path only gives a base under which every example makes a fresh directory, and
+# monkeypatch sets the same item each example: reusing them across examples is safe.
+# (too_slow stays off, as in the profile: it fires on some MPI ranks and not others.)
+REUSED_FIXTURE = [HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
 
 
 # --- the model and its reference ----------------------------------------------------------
@@ -364,7 +368,7 @@ def values_of(target) -> list[np.ndarray]:
 
 
 @given(world_size=world_sizes(2, 5), data=st.data(), seed=st.integers(0, 10_000))
-@settings(max_examples=20)
+@settings(max_examples=20, suppress_health_check=REUSED_FIXTURE)
 def test_sharded_checkpoint_across_world_sizes(tmp_path, world_size: int, data, seed: int) -> None:
     """Train 2 steps at N ranks, save; load at M ranks (other strategy), train 1 more step."""
     n_save = data.draw(st.integers(1, world_size), label="save ranks")
@@ -397,7 +401,7 @@ def test_sharded_checkpoint_across_world_sizes(tmp_path, world_size: int, data, 
 
 
 @given(world_size=world_sizes(1, 5), data=st.data(), seed=st.integers(0, 10_000))
-@settings(max_examples=10)
+@settings(max_examples=10, suppress_health_check=REUSED_FIXTURE)
 def test_full_checkpoint_round_trip(tmp_path, world_size: int, data, seed: int) -> None:
     n_load = data.draw(st.integers(1, world_size), label="load ranks")
     strategy = data.draw(st.sampled_from(STRATEGIES), label="strategy")
@@ -724,7 +728,7 @@ def test_shard_optimizer_keeps_full_gradients_and_shards_state(world_size: int,
 
 
 @given(world_size=world_sizes(1, 4), gradients=st.booleans(), seed=st.integers(0, 10_000))
-@settings(max_examples=10)
+@settings(max_examples=10, suppress_health_check=REUSED_FIXTURE)
 def test_a_new_strategy_is_one_table_row(monkeypatch, world_size: int, gradients: bool,
                                          seed: int) -> None:
     """ZeRO-2 / ZeRO-1 within a node, replicated across nodes: only the spec row changes."""
