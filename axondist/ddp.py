@@ -518,7 +518,8 @@ class DistributedDataParallel:
             RuntimeError: the gradients are local sums from :meth:`no_sync`
                 not averaged yet.
             NonFiniteNormError: the norm is NaN or inf and ``error_if_nonfinite``.
-            TypeError / ValueError: a bad ``max_norm`` or ``norm_type``.
+            TypeError: ``max_norm`` is not a number.
+            ValueError: ``max_norm`` is not > 0, or ``norm_type`` is not > 0 or inf.
         """
         where = "DistributedDataParallel.clip_grad_norm"
         limit = _clip.check_max_norm(max_norm, where)

@@ -490,8 +490,8 @@ class FullyShardedDataParallel:
             RuntimeError: gradients are still pending in a no_sync buffer, or the
                 norm is not finite and ``error_if_nonfinite`` is set (on every rank;
                 a :class:`~axondist.errors.NonFiniteNormError`).
-            TypeError / ValueError: ``max_norm`` is not a number > 0, or
-                ``norm_type`` is not > 0 or inf.
+            TypeError: ``max_norm`` is not a number.
+            ValueError: ``max_norm`` is not > 0, or ``norm_type`` is not > 0 or inf.
         """
         limit = _clip.check_max_norm(max_norm, "FullyShardedDataParallel.clip_grad_norm")
         p = _clip.check_norm_type(norm_type, "clip_grad_norm")
