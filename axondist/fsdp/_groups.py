@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from .. import comm
 from ..errors import CollectiveMismatchError
 from ..process_group import ProcessGroup
 from .policies import ShardingSpec, Span
@@ -36,7 +37,7 @@ def check_same_model(group: ProcessGroup, entries: Sequence[tuple[str, tuple[int
             first parameter (or setting) that differ from rank 0's.
     """
     mine = ([tuple(e) for e in entries], sorted((settings or {}).items()))
-    everyone = group.backend_for(where).allgather_object(mine)
+    everyone = comm.all_gather_object(mine, group)
     first, first_settings = everyone[0]
     for r, (other, other_settings) in enumerate(everyone):
         if other_settings != first_settings:
@@ -87,8 +88,7 @@ def sharding_groups(group: ProcessGroup, spec: ShardingSpec, ranks_per_node: int
     if ranks_per_node is not None:
         nodes: list[Any] = node_of_ranks(group.world_size, ranks_per_node)
     else:
-        nodes = [info[0] for info in group.backend_for("HYBRID_SHARD").allgather_object(
-            group.node_info())]
+        nodes = [info[0] for info in comm.all_gather_object(group.node_info(), group)]
     shard_lists, replica_lists = hybrid_groups(nodes)
     return _member_group(group, shard_lists), _member_group(group, replica_lists)
 
