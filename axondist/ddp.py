@@ -56,8 +56,12 @@ class DistributedDataParallel:
       accumulates its gradients into ``.grad`` and averages them; or
     * the user sets every ``p.grad`` and calls ``ddp.sync_gradients()``;
 
-    then ``opt.step()`` on every rank. The constructor broadcasts group rank
-    0's parameters to every rank (``init_sync=True``), as torch DDP does.
+    then ``opt.step()`` on every rank; or ``ddp.step(*batch, optimizer=opt)``
+    in one call. These, :meth:`clip_grad_norm`, :meth:`no_sync`,
+    :meth:`summon_full_params` and :meth:`state_dict` are the calls FSDP
+    offers too, so switching wrapper changes no other line. The constructor
+    broadcasts group rank 0's parameters to every rank (``init_sync=True``),
+    as torch DDP does.
 
     Gradient functions. ``grad_fn(params, *batch)`` receives the parameters'
     arrays (``[p.data for p in ddp.parameters()]``) and either
