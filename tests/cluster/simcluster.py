@@ -193,6 +193,16 @@ class SimCluster:
         """Unplug (or plug back) host ``host``'s cable: its port on the bridge goes down."""
         _ip("-n", self.switch, "link", "set", f"h{host}", "up" if up else "down")
 
+    def refuse_logins(self, host: int) -> None:
+        """From now on, starting anything on host ``host`` fails as ssh does when a
+        machine is down (exit status 255, "No route to host")."""
+        name = self.names[host]
+        script = self.launcher_script.read_text().replace(
+            "case \"$host\" in\n",
+            f"case \"$host\" in\n  {name}) echo \"ssh: connect to host {name} port 22: No route "
+            f"to host\" >&2; exit 255 ;;\n", 1)
+        self.launcher_script.write_text(script)
+
     def on_host(self, host: int, argv: list[str], **kwargs: object
                 ) -> subprocess.CompletedProcess[str]:
         """Run ``argv`` on host ``host`` (its network and host name) and wait for it."""

@@ -122,3 +122,18 @@ def test_a_killed_remote_rank_is_named_with_its_host(cluster_ready: None) -> Non
     pid_line = next((ln for ln in run.text.splitlines() if "RUNNING AT" in ln), "")
     assert pid_line.strip(" =").endswith("RUNNING AT node1"), run.launch.tail()
     assert "EXIT CODE: 9" in run.text, run.launch.tail()
+
+
+def test_a_host_that_cannot_be_reached_fails_the_launch_at_once(fresh_cluster: SimCluster
+                                                                ) -> None:
+    fresh_cluster.refuse_logins(1)
+    run = fresh_cluster.run(SLOTS, ["-m", "mpi4py", CHECKS, "big_all_reduce", "1"],
+                            env={"AXONDIST_TIMEOUT": "10"}, timeout=HARD_LIMIT)
+    assert not run.timed_out and run.returncode != 0, run.tail()
+    assert run.seconds < LIMIT, run.tail()
+    assert "ssh: connect to host node1 port 22: No route to host" in run.launcher, run.tail()
+    assert "Launch proxy failed" in run.launcher, run.tail()
+    deadline = time.monotonic() + LIMIT
+    while fresh_cluster.pids() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not fresh_cluster.pids(), _describe(fresh_cluster)
