@@ -565,15 +565,20 @@ def plot(results: dict, ref: list[float], path: str) -> None:
     left, right = fig.subplots(1, 2)
     steps = np.arange(1, len(ref) + 1)
     left.plot(steps, ref, color="black", linewidth=3, alpha=0.3, label="1 process")
-    styles = ["-", "--", ":", "-."]
-    for (name, ((losses, _), _)), style in zip(results.items(), styles):
-        left.plot(steps, losses, style, label=name)
+    styles = [("-", "o"), ("--", "s"), (":", "^"), ("-.", "x")]
+    for (name, ((losses, _), _)), (line, marker) in zip(results.items(), styles):
+        left.plot(steps, losses, line, label=name)
         diff = np.abs(np.array(losses) - np.array(ref))
-        right.semilogy(steps, np.maximum(diff, 1e-17), style, label=name)
+        right.semilogy(steps, np.maximum(diff, 1e-18), marker, markersize=3, alpha=0.6,
+                       label=name)
+    right.axhline(TOLERANCE, color="black", linewidth=1)
+    right.text(1, TOLERANCE * 2, f"tolerance {TOLERANCE:g}")
+    right.set_ylim(1e-18, 1e-7)
     left.set(xlabel="step", ylabel="training loss (nats/char)", title="char LM on the stdlib")
-    right.set(xlabel="step", ylabel="|loss - 1-process loss|", title="distance from 1 process")
+    right.set(xlabel="step", ylabel="|loss - 1-process loss| (0 drawn at 1e-18)",
+              title="distance from the 1-process curve")
     left.legend()
-    right.legend()
+    right.legend(loc="center right")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 
