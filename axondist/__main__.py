@@ -7,7 +7,9 @@ ranks are threads of a mock world in this process; under
 world and only rank 0 prints.
 
 ``run`` launches a script on N processes through mpiexec (see
-:mod:`axondist.launcher`); it exits with the failed rank's status.
+:mod:`axondist.launcher`); it exits with the failed rank's status. ``tune``
+measures all-reduce bandwidth per size and saves DDP's bucket size (see
+:mod:`axondist.tune`).
 
 Exit status of ``demo``: 0 when the check passed, 1 when it failed, 2 when
 the arguments are invalid.
@@ -19,7 +21,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from . import launcher
+from . import launcher, tune
 from .pipeline.schedules import schedule_names
 
 
@@ -67,6 +69,9 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("run", add_help=False,
                    help="launch a script on N processes through mpiexec: axondist run -n N "
                         "script.py args (axondist run --help for the options)")
+    sub.add_parser("tune", add_help=False,
+                   help="measure all-reduce bandwidth per size and save DDP's bucket size: "
+                        "mpiexec -n N python -m axondist tune (tune --help for the options)")
     return parser
 
 
@@ -75,6 +80,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["run"]:  # everything after the script belongs to the script
         return launcher.main(argv[1:])
+    if argv[:1] == ["tune"]:
+        return tune.main(argv[1:])
     args = _parser().parse_args(argv)
     if args.command == "demo":
         from .demo import run_demo

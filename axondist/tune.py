@@ -1,0 +1,276 @@
+"""``python -m axondist tune``: measure all-reduce bus bandwidth per size, pick DDP's bucket.
+
+A sweep all-reduces float32 arrays of growing size over the world (each size timed on its
+slowest rank, the median of a few repeats) and reports the bus bandwidth, the rate at
+which each rank's link carries a ring all-reduce (``2 (n - 1) / n * bytes / seconds``,
+the figure NCCL's tests print). Small messages pay latency; past some size the bandwidth
+levels off. :func:`pick_bucket_bytes` takes the smallest size within ``fraction`` of the
+best bandwidth, a bucket big enough that latency no longer matters and no bigger (a
+smaller bucket starts its all-reduce sooner and overlaps more of the backward pass).
+The pick and the table go to a small JSON settings file (:func:`save_settings`,
+:func:`load_settings`), by default ``axondist-tune.json`` or ``$AXONDIST_TUNE_FILE``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from . import comm
+from ._environment import launched_by_mpi
+from ._validate import positive_number
+from .launch import spawn
+from .process_group import ProcessGroup, init, resolve_group
+
+#: Where the settings file goes and is read from, unless ``$AXONDIST_TUNE_FILE`` says.
+DEFAULT_FILE = "axondist-tune.json"
+#: Sizes swept by default: 64 KiB to 64 MiB, doubling.
+DEFAULT_SIZES = tuple(64 << 10 << k for k in range(11))
+SETTINGS_VERSION = 1
+
+
+@dataclass(frozen=True)
+class SweepPoint:
+    """One all-reduce size of a sweep."""
+
+    nbytes: int
+    """Bytes all-reduced (float32 values x 4)."""
+    seconds: float
+    """Median over the repeats of the slowest rank's time for one all-reduce."""
+    busbw: float
+    """Bus bandwidth in bytes per second: ``2 (n - 1) / n * nbytes / seconds``."""
+
+
+@dataclass(frozen=True)
+class TuneSettings:
+    """What ``python -m axondist tune`` measured and picked, as saved to the settings file."""
+
+    bucket_cap_mb: float
+    """The picked DDP bucket size in MiB."""
+    world_size: int
+    """Ranks of the measured world (the pick holds for that layout)."""
+    nodes: int
+    """Hosts of the measured world."""
+    fraction: float
+    """The share of the best bus bandwidth the picked size reaches at least."""
+    sweep: tuple[SweepPoint, ...] = field(default_factory=tuple)
+    """Every measured size, smallest first."""
+
+
+def bus_bandwidth(nbytes: int, seconds: float, world_size: int) -> float:
+    """Bytes per second each rank's link carries in a ring all-reduce of ``nbytes``.
+
+    Raises:
+        ValueError: ``seconds`` or ``world_size`` is not positive.
+    """
+    positive_number(seconds, "bus_bandwidth", "seconds")
+    if world_size < 1:
+        raise ValueError(f"bus_bandwidth: world_size={world_size} must be at least 1")
+    return 2.0 * (world_size - 1) / world_size * nbytes / seconds if world_size > 1 else math.inf
+
+
+def pick_bucket_bytes(points: Sequence[SweepPoint], fraction: float = 0.9) -> int:
+    """The smallest swept size whose bus bandwidth is at least ``fraction`` of the best.
+
+    Args:
+        points: a sweep (any order).
+        fraction: in (0, 1]; 0.9 takes the first size within 10 % of the best.
+
+    Returns:
+        The size in bytes.
+
+    Raises:
+        ValueError: no points, or ``fraction`` outside (0, 1].
+    """
+    if not points:
+        raise ValueError("pick_bucket_bytes: points is empty; run a sweep first")
+    if not 0 < fraction <= 1:
+        raise ValueError(f"pick_bucket_bytes: fraction={fraction!r} must be in (0, 1], "
+                         "e.g. 0.9")
+    best = max(p.busbw for p in points)
+    return min(p.nbytes for p in points if p.busbw >= fraction * best)
+
+
+def sweep(group: ProcessGroup | None = None, sizes: Sequence[int] = DEFAULT_SIZES, *,
+          repeats: int = 5, warmup: int = 1) -> list[SweepPoint]:
+    """Time an all-reduce of each size over ``group``; collective (every rank calls it).
+
+    Args:
+        group: the group to measure (None: the current world).
+        sizes: bytes per all-reduce, each a positive multiple of 4 (float32).
+        repeats: timed all-reduces per size (the median is kept).
+        warmup: untimed all-reduces per size first.
+
+    Returns:
+        One point per size, in the order given, the same on every rank.
+
+    Raises:
+        ValueError: a size that is not a positive multiple of 4, or ``repeats`` < 1.
+    """
+    g = resolve_group(group)
+    if repeats < 1:
+        raise ValueError(f"sweep: repeats={repeats!r} must be at least 1")
+    for nbytes in sizes:
+        if not isinstance(nbytes, int) or nbytes < 4 or nbytes % 4:
+            raise ValueError(f"sweep: size {nbytes!r} must be a positive multiple of 4 bytes "
+                             "(float32 values)")
+    points = []
+    for nbytes in sizes:
+        x = np.ones(nbytes // 4, np.float32)
+        for _ in range(warmup):
+            comm.all_reduce(x, "sum", g)
+        times = []
+        for _ in range(repeats):
+            comm.barrier(g)
+            start = time.perf_counter()
+            comm.all_reduce(x, "sum", g)
+            elapsed = np.array([time.perf_counter() - start])
+            times.append(float(comm.all_reduce(elapsed, "max", g)[0]))  # the slowest rank
+        seconds = max(statistics.median(times), 1e-9)
+        points.append(SweepPoint(nbytes, seconds, bus_bandwidth(nbytes, seconds,
+                                                                g.world_size)))
+    return points
+
+
+def tune(group: ProcessGroup | None = None, sizes: Sequence[int] = DEFAULT_SIZES, *,
+         repeats: int = 5, fraction: float = 0.9) -> TuneSettings:
+    """Sweep ``group`` and pick the bucket size (collective; see :func:`sweep`).
+
+    Returns:
+        The settings, the same on every rank.
+    """
+    g = resolve_group(group)
+    points = sweep(g, sizes, repeats=repeats)
+    nodes = len({info[0] for info in comm.all_gather_object(g.node_info(), g)})
+    picked = pick_bucket_bytes(points, fraction)
+    return TuneSettings(picked / 2**20, g.world_size, nodes, fraction, tuple(points))
+
+
+def settings_path(path: str | os.PathLike[str] | None = None) -> Path:
+    """``path``, else ``$AXONDIST_TUNE_FILE``, else ``axondist-tune.json`` here."""
+    return Path(path if path is not None else os.environ.get("AXONDIST_TUNE_FILE", DEFAULT_FILE))
+
+
+def save_settings(settings: TuneSettings, path: str | os.PathLike[str] | None = None) -> Path:
+    """Write ``settings`` as JSON (see :func:`settings_path`); the path written."""
+    target = settings_path(path)
+    data = {"version": SETTINGS_VERSION, **asdict(settings)}
+    target.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
+    return target
+
+
+def load_settings(path: str | os.PathLike[str] | None = None) -> TuneSettings | None:
+    """The settings saved by ``python -m axondist tune``, or None when there is no file.
+
+    Raises:
+        ValueError: the file exists but is not a settings file of this version (the
+            message names it and says to run the tune again).
+    """
+    source = settings_path(path)
+    if not source.exists():
+        return None
+    try:
+        data = json.loads(source.read_text(encoding="utf-8"))
+        if data.get("version") != SETTINGS_VERSION:
+            raise ValueError(f"version {data.get('version')!r}, expected {SETTINGS_VERSION}")
+        points = tuple(SweepPoint(int(p["nbytes"]), float(p["seconds"]), float(p["busbw"]))
+                       for p in data["sweep"])
+        return TuneSettings(float(data["bucket_cap_mb"]), int(data["world_size"]),
+                            int(data["nodes"]), float(data["fraction"]), points)
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ValueError(f"load_settings: {source} is not a readable axondist tune file "
+                         f"({exc}); run `python -m axondist tune` again or delete it") from None
+
+
+def format_sweep(settings: TuneSettings) -> str:
+    """The sweep as a text table, the picked size marked."""
+    picked = round(settings.bucket_cap_mb * 2**20)
+    lines = [f"{'size':>10}  {'time':>10}  {'busbw':>12}",
+             *(f"{_size(p.nbytes):>10}  {p.seconds * 1e3:>8.3f}ms  "
+               f"{p.busbw / 1e9:>8.3f} GB/s{'  <- bucket' if p.nbytes == picked else ''}"
+               for p in settings.sweep)]
+    return "\n".join(lines)
+
+
+def _size(nbytes: int) -> str:
+    for unit, shift in (("MiB", 20), ("KiB", 10)):
+        if nbytes >= 1 << shift:
+            return f"{nbytes / (1 << shift):g} {unit}"
+    return f"{nbytes} B"
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m axondist tune",
+        description="Measure all-reduce bus bandwidth per size over the world and save the "
+                    "DDP bucket size that reaches the bandwidth (run it under mpiexec on the "
+                    "machines and ranks you train on).")
+    parser.add_argument("--min-size", type=int, default=DEFAULT_SIZES[0], metavar="BYTES",
+                        help="smallest all-reduce (default: %(default)s)")
+    parser.add_argument("--max-size", type=int, default=DEFAULT_SIZES[-1], metavar="BYTES",
+                        help="largest all-reduce; sizes double (default: %(default)s)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed calls per size")
+    parser.add_argument("--fraction", type=float, default=0.9,
+                        help="pick the smallest size within this share of the best bus "
+                             "bandwidth (default: %(default)s)")
+    parser.add_argument("--out", default=None, metavar="FILE",
+                        help=f"settings file (default: $AXONDIST_TUNE_FILE or {DEFAULT_FILE})")
+    parser.add_argument("--world-size", type=int, default=2, metavar="N",
+                        help="ranks of the mock world when not under mpiexec (default: 2)")
+    return parser
+
+
+def _sizes(lo: int, hi: int) -> list[int]:
+    if lo < 4 or hi < lo:
+        raise ValueError(f"tune: --min-size={lo} and --max-size={hi} must satisfy "
+                         "4 <= min <= max")
+    sizes, size = [], lo - lo % 4
+    while size <= hi:
+        sizes.append(size)
+        size *= 2
+    return sizes
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the sweep (``argv``: the options after ``tune``); 0 on success, 2 on bad options."""
+    args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    try:
+        sizes = _sizes(args.min_size, args.max_size)
+        if not 0 < args.fraction <= 1 or args.repeats < 1:
+            raise ValueError(f"tune: --fraction={args.fraction:g} must be in (0, 1] and "
+                             f"--repeats={args.repeats} at least 1 (e.g. 0.9 and 5)")
+    except ValueError as exc:
+        print(f"axondist {exc}", file=sys.stderr)
+        return 2
+
+    def measure(group: Any) -> TuneSettings:
+        return tune(group, sizes, repeats=args.repeats, fraction=args.fraction)
+
+    if launched_by_mpi():
+        world = init("mpi")
+        settings, speaks = measure(world), world.rank == 0
+    else:
+        settings, speaks = spawn(measure, args.world_size)[0], True
+    if speaks:
+        target = save_settings(settings, args.out)
+        print(format_sweep(settings))
+        print(f"{settings.world_size} ranks on {settings.nodes} host(s): bucket "
+              f"{settings.bucket_cap_mb:g} MiB (within {settings.fraction:g} of the best "
+              f"bus bandwidth); saved to {target}")
+    return 0
+
+
+__all__ = ["DEFAULT_FILE", "SweepPoint", "TuneSettings", "bus_bandwidth", "format_sweep",
+           "load_settings", "main", "pick_bucket_bytes", "save_settings", "settings_path",
+           "sweep", "tune"]

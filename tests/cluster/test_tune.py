@@ -1,0 +1,124 @@
+"""``python -m axondist tune``: the pick, the sweep on the mock world, the settings file,
+the command line, and a sweep across two simulated hosts."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import axondist as ad
+from axondist import tune
+from axondist.__main__ import main as cli
+from axondist.tune import SweepPoint, TuneSettings
+from cluster.simcluster import SimCluster
+
+sweeps = st.lists(st.tuples(st.integers(2, 26), st.floats(1e3, 1e11)), min_size=1,
+                  max_size=12, unique_by=lambda t: t[0]).map(
+    lambda pts: [SweepPoint(1 << k, (1 << k) / bw, bw) for k, bw in pts])
+
+
+@given(points=sweeps, fraction=st.floats(0.01, 1.0))
+def test_the_pick_is_the_smallest_size_near_the_best_bandwidth(points: list[SweepPoint],
+                                                               fraction: float) -> None:
+    picked = tune.pick_bucket_bytes(points, fraction)
+    best = max(p.busbw for p in points)
+    by_size = {p.nbytes: p for p in points}
+    assert by_size[picked].busbw >= fraction * best
+    assert all(p.busbw < fraction * best for p in points if p.nbytes < picked)
+
+
+@given(points=sweeps)
+def test_fraction_one_picks_the_best(points: list[SweepPoint]) -> None:
+    best = max(p.busbw for p in points)
+    assert tune.pick_bucket_bytes(points, 1.0) == min(p.nbytes for p in points
+                                                      if p.busbw == best)
+
+
+def test_bad_picks_and_bandwidths_are_refused() -> None:
+    with pytest.raises(ValueError, match=r"pick_bucket_bytes: points is empty"):
+        tune.pick_bucket_bytes([])
+    with pytest.raises(ValueError, match=r"pick_bucket_bytes: fraction=1.5 must be in \(0, 1\]"):
+        tune.pick_bucket_bytes([SweepPoint(4, 1.0, 1.0)], 1.5)
+    with pytest.raises(ValueError, match=r"bus_bandwidth: seconds=0 must be a finite number"):
+        tune.bus_bandwidth(4, 0, 2)
+    assert tune.bus_bandwidth(1000, 1.0, 4) == 1500.0
+    assert math.isinf(tune.bus_bandwidth(1000, 1.0, 1))
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_the_sweep_is_the_same_on_every_rank(n: int) -> None:
+    sizes = [4, 1 << 12, 1 << 16]
+    results = ad.spawn(lambda w: tune.tune(w, sizes, repeats=2), n)
+    assert all(r == results[0] for r in results)
+    settings = results[0]
+    assert [p.nbytes for p in settings.sweep] == sizes
+    assert settings.world_size == n and settings.nodes == 1
+    assert settings.bucket_cap_mb * 2**20 in sizes
+    assert all(p.seconds > 0 and p.busbw > 0 for p in settings.sweep)
+
+
+def test_the_sweep_refuses_bad_sizes() -> None:
+    def body(world: ad.World) -> None:
+        with pytest.raises(ValueError, match=r"sweep: size 6 must be a positive multiple of 4"):
+            tune.sweep(world, [4, 6])
+        with pytest.raises(ValueError, match=r"sweep: repeats=0 must be at least 1"):
+            tune.sweep(world, [4], repeats=0)
+
+    ad.spawn(body, 2)
+
+
+def test_settings_round_trip_and_missing_or_broken_files(tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch
+                                                         ) -> None:
+    settings = TuneSettings(2.0, 4, 2, 0.9, (SweepPoint(1 << 21, 0.01, 2e8),))
+    path = tune.save_settings(settings, tmp_path / "t.json")
+    assert tune.load_settings(path) == settings
+    monkeypatch.setenv("AXONDIST_TUNE_FILE", str(path))
+    assert tune.settings_path() == path and tune.load_settings() == settings
+    assert tune.load_settings(tmp_path / "none.json") is None
+    broken = tmp_path / "broken.json"
+    broken.write_text('{"version": 1, "bucket_cap_mb": 2}')
+    with pytest.raises(ValueError, match=r"load_settings: .*broken.json is not a readable "
+                                         r"axondist tune file .*run `python -m axondist tune`"):
+        tune.load_settings(broken)
+    broken.write_text('{"version": 99}')
+    with pytest.raises(ValueError, match=r"version 99, expected 1"):
+        tune.load_settings(broken)
+
+
+def test_the_command_writes_the_settings_file(tmp_path: Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "tune.json"
+    assert cli(["tune", "--min-size", "4096", "--max-size", "65536", "--repeats", "2",
+                "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "<- bucket" in printed and f"saved to {out}" in printed
+    data = json.loads(out.read_text())
+    assert data["world_size"] == 2 and [p["nbytes"] for p in data["sweep"]] == [
+        4096, 8192, 16384, 32768, 65536]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--fraction", "2"], "tune: --fraction=2 must be in (0, 1]"),
+    (["--repeats", "0"], "--repeats=0 at least 1"),
+    (["--min-size", "64", "--max-size", "32"], "tune: --min-size=64 and --max-size=32"),
+])
+def test_the_command_refuses_bad_options(args: list[str], message: str,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli(["tune", *args]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_tune_across_two_hosts(cluster: SimCluster) -> None:
+    out = cluster.workdir / "tune.json"
+    run = cluster.run([2, 2], ["-m", "axondist", "tune", "--min-size", "65536", "--max-size",
+                               str(4 << 20), "--repeats", "3", "--out", str(out)], timeout=120)
+    assert run.returncode == 0, run.tail()
+    settings = tune.load_settings(out)
+    assert settings is not None and settings.world_size == 4 and settings.nodes == 2
+    assert "4 ranks on 2 host(s)" in run.ranks[0], run.tail()
