@@ -635,3 +635,40 @@ def _body_attention_errors(world):
 @settings(max_examples=3, deadline=None)
 def test_attention_errors_name_the_layer_and_the_shapes(n):
     run_world(_body_attention_errors, n)
+
+
+def _body_attention_tp_dp(world, tp_size, seed, steps):
+    """Attention split over tp, replicas averaged over dp: the one-rank layer's training."""
+    mesh = make_mesh(world, tp_size)
+    tp_group, dp_group = mesh.group("tp"), mesh.group("dp")
+    heads, dh, t = 3, 2, 4
+    dense = _dense_attention_params(seed, heads * dh, True)
+    batch = 2 * dp_group.world_size
+    x, gy = normal(seed, 21, (batch, t, heads * dh)), normal(seed, 22, (batch, t, heads * dh))
+    layer = tp.TensorParallelAttention.from_dense(*dense, num_heads=heads, group=tp_group)
+    ddp = DistributedDataParallel(layer, dp_group)
+    opt = SGD(ddp.parameters(), lr=LR)
+    solo = tp.TensorParallelAttention.from_dense(*dense, num_heads=heads, group=ad.World.mock())
+    solo_opt = SGD(solo.parameters(), lr=LR)
+    share = bounds(dp_group, batch)
+    for _ in range(steps):
+        layer.forward(x[share].copy())
+        layer.backward(gy[share] / (share.stop - share.start))
+        ddp.sync_gradients()
+        opt.step()
+        opt.zero_grad()
+        solo.forward(x.copy())
+        solo.backward(gy / batch)
+        solo_opt.step()
+        solo_opt.zero_grad()
+    got, want = layer.full_weights(), solo.full_weights()
+    for name in ("qkv", "out"):
+        for g, w in zip(got[name], want[name]):
+            np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-12)
+
+
+@given(n=world_sizes(1, 6), data=st.data(), seed=seeds)
+@settings(max_examples=8, deadline=None)
+def test_attention_tp_x_dp_training_matches_one_rank(n, data, seed):
+    tp_size = data.draw(st.sampled_from([d for d in range(1, n + 1) if n % d == 0]))
+    run_world(_body_attention_tp_dp, n, tp_size, seed, 3)
