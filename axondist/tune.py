@@ -3,10 +3,10 @@
 A sweep all-reduces float32 arrays of growing size over the world (each size timed on its
 slowest rank, the median of a few repeats) and reports the bus bandwidth, the rate at
 which each rank's link carries a ring all-reduce (``2 (n - 1) / n * bytes / seconds``,
-the figure NCCL's tests print). Small messages pay latency; past some size the bandwidth
-levels off. :func:`pick_bucket_bytes` takes the smallest size within ``fraction`` of the
-best bandwidth, a bucket big enough that latency no longer matters and no bigger (a
-smaller bucket starts its all-reduce sooner and overlaps more of the backward pass).
+the figure NCCL's tests print). A fit of latency and bandwidth to the sweep gives
+:func:`pick_bucket_bytes` the smallest size that spends ``fraction`` of its time moving
+bytes: big enough that latency no longer matters and no bigger (a smaller bucket starts
+its all-reduce sooner and overlaps more of the backward pass).
 The pick and the table go to a small JSON settings file (:func:`save_settings`,
 :func:`load_settings`), by default ``axondist-tune.json`` or ``$AXONDIST_TUNE_FILE``.
 """
@@ -63,9 +63,13 @@ class TuneSettings:
     nodes: int
     """Hosts of the measured world."""
     fraction: float
-    """The share of the best bus bandwidth the picked size reaches at least."""
+    """The share of the link's bandwidth the picked size reaches at least."""
     sweep: tuple[SweepPoint, ...] = field(default_factory=tuple)
     """Every measured size, smallest first."""
+    latency: float = 0.0
+    """Seconds of the fitted per-call latency (alpha)."""
+    bandwidth: float = 0.0
+    """Message bytes per second of the fitted bandwidth (beta; not bus bytes)."""
 
 
 def bus_bandwidth(nbytes: int, seconds: float, world_size: int) -> float:
@@ -80,26 +84,54 @@ def bus_bandwidth(nbytes: int, seconds: float, world_size: int) -> float:
     return 2.0 * (world_size - 1) / world_size * nbytes / seconds if world_size > 1 else math.inf
 
 
+def fit_latency_bandwidth(points: Sequence[SweepPoint]) -> tuple[float, float]:
+    """``(alpha, beta)``: the fit ``seconds = alpha + nbytes / beta`` of a sweep.
+
+    The least-squares fit of *relative* errors, so the small sizes (which show the
+    latency ``alpha``) weigh as much as the large ones (which show the bandwidth
+    ``beta``, bytes per second). A single noisy size moves it little.
+
+    Raises:
+        ValueError: fewer than two distinct sizes.
+    """
+    if len({p.nbytes for p in points}) < 2:
+        raise ValueError(f"fit_latency_bandwidth: needs at least two distinct sizes, got "
+                         f"{sorted({p.nbytes for p in points})}")
+    t = np.array([p.seconds for p in points], np.float64)
+    rows = np.stack([1.0 / t, np.array([p.nbytes for p in points], np.float64) / t], axis=1)
+    (alpha, per_byte), *_ = np.linalg.lstsq(rows, np.ones(len(points)), rcond=None)
+    per_byte = max(float(per_byte), 1e-15)  # noise cannot make the link infinitely slow
+    return max(float(alpha), 0.0), 1.0 / per_byte
+
+
 def pick_bucket_bytes(points: Sequence[SweepPoint], fraction: float = 0.9) -> int:
-    """The smallest swept size whose bus bandwidth is at least ``fraction`` of the best.
+    """The smallest swept size that spends at least ``fraction`` of its time moving bytes.
+
+    With the fit ``seconds = alpha + nbytes / beta`` (:func:`fit_latency_bandwidth`), a
+    call of ``s`` bytes reaches ``s / (s + alpha * beta)`` of the link's bandwidth; the
+    pick is the smallest swept size at or above ``alpha * beta * fraction / (1 -
+    fraction)``, else the largest swept size. A bigger bucket gains less than
+    ``1 - fraction`` more, and starts its all-reduce later in the backward pass.
 
     Args:
-        points: a sweep (any order).
-        fraction: in (0, 1]; 0.9 takes the first size within 10 % of the best.
+        points: a sweep of at least two sizes (any order).
+        fraction: in (0, 1); 0.9 accepts 10 % of each call's time spent on latency.
 
     Returns:
         The size in bytes.
 
     Raises:
-        ValueError: no points, or ``fraction`` outside (0, 1].
+        ValueError: fewer than two sizes, or ``fraction`` outside (0, 1).
     """
+    if not 0 < fraction < 1:
+        raise ValueError(f"pick_bucket_bytes: fraction={fraction!r} must be in (0, 1), "
+                         "e.g. 0.9")
     if not points:
         raise ValueError("pick_bucket_bytes: points is empty; run a sweep first")
-    if not 0 < fraction <= 1:
-        raise ValueError(f"pick_bucket_bytes: fraction={fraction!r} must be in (0, 1], "
-                         "e.g. 0.9")
-    best = max(p.busbw for p in points)
-    return min(p.nbytes for p in points if p.busbw >= fraction * best)
+    alpha, beta = fit_latency_bandwidth(points)
+    needed = alpha * beta * fraction / (1 - fraction)
+    sizes = sorted({p.nbytes for p in points})
+    return next((s for s in sizes if s >= needed), sizes[-1])
 
 
 def sweep(group: ProcessGroup | None = None, sizes: Sequence[int] = DEFAULT_SIZES, *,
@@ -154,7 +186,9 @@ def tune(group: ProcessGroup | None = None, sizes: Sequence[int] = DEFAULT_SIZES
     points = sweep(g, sizes, repeats=repeats)
     nodes = len({info[0] for info in comm.all_gather_object(g.node_info(), g)})
     picked = pick_bucket_bytes(points, fraction)
-    return TuneSettings(picked / 2**20, g.world_size, nodes, fraction, tuple(points))
+    alpha, beta = fit_latency_bandwidth(points)
+    return TuneSettings(picked / 2**20, g.world_size, nodes, fraction, tuple(points),
+                        alpha, beta)
 
 
 def settings_path(path: str | os.PathLike[str] | None = None) -> Path:
@@ -187,7 +221,8 @@ def load_settings(path: str | os.PathLike[str] | None = None) -> TuneSettings | 
         points = tuple(SweepPoint(int(p["nbytes"]), float(p["seconds"]), float(p["busbw"]))
                        for p in data["sweep"])
         return TuneSettings(float(data["bucket_cap_mb"]), int(data["world_size"]),
-                            int(data["nodes"]), float(data["fraction"]), points)
+                            int(data["nodes"]), float(data["fraction"]), points,
+                            float(data["latency"]), float(data["bandwidth"]))
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise ValueError(f"load_settings: {source} is not a readable axondist tune file "
                          f"({exc}); run `python -m axondist tune` again or delete it") from None
@@ -222,7 +257,7 @@ def _parser() -> argparse.ArgumentParser:
                         help="largest all-reduce; sizes double (default: %(default)s)")
     parser.add_argument("--repeats", type=int, default=5, help="timed calls per size")
     parser.add_argument("--fraction", type=float, default=0.9,
-                        help="pick the smallest size within this share of the best bus "
+                        help="pick the smallest size reaching this share of the link's "
                              "bandwidth (default: %(default)s)")
     parser.add_argument("--out", default=None, metavar="FILE",
                         help=f"settings file (default: $AXONDIST_TUNE_FILE or {DEFAULT_FILE})")
@@ -247,8 +282,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     try:
         sizes = _sizes(args.min_size, args.max_size)
-        if not 0 < args.fraction <= 1 or args.repeats < 1:
-            raise ValueError(f"tune: --fraction={args.fraction:g} must be in (0, 1] and "
+        if not 0 < args.fraction < 1 or args.repeats < 1:
+            raise ValueError(f"tune: --fraction={args.fraction:g} must be in (0, 1) and "
                              f"--repeats={args.repeats} at least 1 (e.g. 0.9 and 5)")
     except ValueError as exc:
         print(f"axondist {exc}", file=sys.stderr)
@@ -265,12 +300,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if speaks:
         target = save_settings(settings, args.out)
         print(format_sweep(settings))
-        print(f"{settings.world_size} ranks on {settings.nodes} host(s): bucket "
-              f"{settings.bucket_cap_mb:g} MiB (within {settings.fraction:g} of the best "
-              f"bus bandwidth); saved to {target}")
+        print(f"{settings.world_size} ranks on {settings.nodes} host(s): latency "
+              f"{settings.latency * 1e6:.1f} us, bandwidth {settings.bandwidth / 1e9:.3g} GB/s "
+              f"(fitted); bucket {settings.bucket_cap_mb:g} MiB (at least {settings.fraction:g} "
+              f"of the bandwidth); saved to {target}")
     return 0
 
 
-__all__ = ["DEFAULT_FILE", "SweepPoint", "TuneSettings", "bus_bandwidth", "format_sweep",
+__all__ = ["DEFAULT_FILE", "SweepPoint", "TuneSettings", "bus_bandwidth", "fit_latency_bandwidth",
+           "format_sweep",
            "load_settings", "main", "pick_bucket_bytes", "save_settings", "settings_path",
            "sweep", "tune"]

@@ -17,33 +17,47 @@ from axondist.__main__ import main as cli
 from axondist.tune import SweepPoint, TuneSettings
 from cluster.simcluster import SimCluster
 
-sweeps = st.lists(st.tuples(st.integers(2, 26), st.floats(1e3, 1e11)), min_size=1,
-                  max_size=12, unique_by=lambda t: t[0]).map(
-    lambda pts: [SweepPoint(1 << k, (1 << k) / bw, bw) for k, bw in pts])
+size_sets = st.lists(st.integers(2, 27), min_size=2, max_size=12, unique=True).map(
+    lambda ks: sorted(1 << k for k in ks))
 
 
-@given(points=sweeps, fraction=st.floats(0.01, 1.0))
-def test_the_pick_is_the_smallest_size_near_the_best_bandwidth(points: list[SweepPoint],
-                                                               fraction: float) -> None:
-    picked = tune.pick_bucket_bytes(points, fraction)
-    best = max(p.busbw for p in points)
-    by_size = {p.nbytes: p for p in points}
-    assert by_size[picked].busbw >= fraction * best
-    assert all(p.busbw < fraction * best for p in points if p.nbytes < picked)
+def _model_sweep(sizes: list[int], alpha: float, beta: float) -> list[SweepPoint]:
+    """A noiseless sweep of a link with latency ``alpha`` and bandwidth ``beta``."""
+    return [SweepPoint(s, alpha + s / beta, tune.bus_bandwidth(s, alpha + s / beta, 2))
+            for s in sizes]
 
 
-@given(points=sweeps)
-def test_fraction_one_picks_the_best(points: list[SweepPoint]) -> None:
-    best = max(p.busbw for p in points)
-    assert tune.pick_bucket_bytes(points, 1.0) == min(p.nbytes for p in points
-                                                      if p.busbw == best)
+@given(sizes=size_sets, alpha=st.floats(1e-6, 1e-2), beta=st.floats(1e6, 1e11))
+def test_the_fit_recovers_latency_and_bandwidth(sizes: list[int], alpha: float,
+                                                beta: float) -> None:
+    got_alpha, got_beta = tune.fit_latency_bandwidth(_model_sweep(sizes, alpha, beta))
+    assert got_alpha == pytest.approx(alpha, rel=1e-6, abs=1e-12)
+    assert got_beta == pytest.approx(beta, rel=1e-6)
+
+
+@given(sizes=size_sets, alpha=st.floats(1e-6, 1e-2), beta=st.floats(1e6, 1e11),
+       fraction=st.floats(0.05, 0.99))
+def test_the_pick_is_the_smallest_size_that_reaches_the_fraction(
+        sizes: list[int], alpha: float, beta: float, fraction: float) -> None:
+    picked = tune.pick_bucket_bytes(_model_sweep(sizes, alpha, beta), fraction)
+
+    def efficiency(s: int) -> float:
+        return (s / beta) / (alpha + s / beta)
+
+    assert picked in sizes
+    if picked != sizes[-1]:  # else no size reaches it: the largest is the best there is
+        assert efficiency(picked) >= fraction * (1 - 1e-6)
+    assert all(efficiency(s) < fraction * (1 + 1e-6) for s in sizes if s < picked)
 
 
 def test_bad_picks_and_bandwidths_are_refused() -> None:
     with pytest.raises(ValueError, match=r"pick_bucket_bytes: points is empty"):
         tune.pick_bucket_bytes([])
-    with pytest.raises(ValueError, match=r"pick_bucket_bytes: fraction=1.5 must be in \(0, 1\]"):
+    with pytest.raises(ValueError, match=r"pick_bucket_bytes: fraction=1.5 must be in \(0, 1\)"):
         tune.pick_bucket_bytes([SweepPoint(4, 1.0, 1.0)], 1.5)
+    with pytest.raises(ValueError, match=r"fit_latency_bandwidth: needs at least two distinct "
+                                         r"sizes, got \[4\]"):
+        tune.pick_bucket_bytes([SweepPoint(4, 1.0, 1.0)] * 3)
     with pytest.raises(ValueError, match=r"bus_bandwidth: seconds=0 must be a finite number"):
         tune.bus_bandwidth(4, 0, 2)
     assert tune.bus_bandwidth(1000, 1.0, 4) == 1500.0
@@ -75,7 +89,7 @@ def test_the_sweep_refuses_bad_sizes() -> None:
 def test_settings_round_trip_and_missing_or_broken_files(tmp_path: Path,
                                                          monkeypatch: pytest.MonkeyPatch
                                                          ) -> None:
-    settings = TuneSettings(2.0, 4, 2, 0.9, (SweepPoint(1 << 21, 0.01, 2e8),))
+    settings = TuneSettings(2.0, 4, 2, 0.9, (SweepPoint(1 << 21, 0.01, 2e8),), 1e-4, 1e8)
     path = tune.save_settings(settings, tmp_path / "t.json")
     assert tune.load_settings(path) == settings
     monkeypatch.setenv("AXONDIST_TUNE_FILE", str(path))
@@ -104,7 +118,7 @@ def test_the_command_writes_the_settings_file(tmp_path: Path,
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--fraction", "2"], "tune: --fraction=2 must be in (0, 1]"),
+    (["--fraction", "1"], "tune: --fraction=1 must be in (0, 1)"),
     (["--repeats", "0"], "--repeats=0 at least 1"),
     (["--min-size", "64", "--max-size", "32"], "tune: --min-size=64 and --max-size=32"),
 ])
