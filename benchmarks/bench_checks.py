@@ -57,9 +57,9 @@ def run(sizes: list[int], repeats: int) -> dict[str, Any]:
     results: dict[str, Any] = {"world_size": comm.size, "repeats": repeats, "rows": []}
     for nbytes in sizes:
         buf = np.zeros(nbytes // 4, np.float32)  # zeros: repeated sums stay finite
-        fns = {"checked": lambda: ad.all_reduce(buf, group=checked),
-               "unchecked": lambda: ad.all_reduce(buf, group=unchecked),
-               "mpi4py": lambda: comm.Allreduce(MPI.IN_PLACE, buf, MPI.SUM)}
+        fns = {"checked": lambda b=buf: ad.all_reduce(b, group=checked),
+               "unchecked": lambda b=buf: ad.all_reduce(b, group=unchecked),
+               "mpi4py": lambda b=buf: comm.Allreduce(MPI.IN_PLACE, b, MPI.SUM)}
         times = alternate(fns, batch=batch_for(nbytes, 32 << 20, hi=2000), repeats=repeats,
                           comm=comm)
         row: dict[str, Any] = {"bytes": nbytes}

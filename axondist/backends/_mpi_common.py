@@ -268,7 +268,7 @@ class MPIWork(Work):
     """Handle of non-blocking MPI requests; ``wait()`` also runs the finishing
     step (AVERAGE division) once, then returns the result."""
 
-    __slots__ = ("_requests", "_finish", "_result", "_done", "_what", "_track")
+    __slots__ = ("_requests", "_finish", "_result", "_done", "_what", "_track", "_check")
 
     def __init__(self, requests: list[Any], finish: Callable[[], None] | None, result: Any,
                  what: str) -> None:
@@ -278,10 +278,33 @@ class MPIWork(Work):
         self._done = False
         self._what = what
         self._track: tuple[Any, str, int] | None = None
+        self._check: tuple[Any, Callable[[], None]] | None = None
 
     def track(self, recorder: Any, group: str, seq: int) -> None:
         """Record waits on this Work in ``recorder`` as call ``seq`` of ``group``."""
         self._track = (recorder, group, seq)
+
+    def checked_by(self, request: Any, verify: Callable[[], None]) -> None:
+        """Complete ``request`` (the cross-rank argument check issued just before this
+        call) first, then ``verify()`` it: a mismatch raises before the data is waited for."""
+        self._check = (request, verify)
+
+    def _settle_check(self, deadline: float | None) -> None:
+        if self._check is None:
+            return
+        request, verify = self._check
+        if deadline is None:
+            request.Wait()
+        else:
+            while not request.Test():
+                if time.monotonic() >= deadline:
+                    raise CollectiveTimeoutError(
+                        f"{self._what}: not started by every rank within the timeout; MPI "
+                        "cannot cancel it, so call wait() again (a rank that never joins "
+                        "hangs it)")
+                time.sleep(1e-4)
+        self._check = None
+        verify()
 
     def _complete(self) -> None:
         self._done = True
@@ -305,10 +328,11 @@ class MPIWork(Work):
             recorder, group, seq = self._track
             slot = recorder.begin(group, seq, f"wait {self._what}", None)
         try:
-            if timeout is None:
+            deadline = None if timeout is None else time.monotonic() + timeout
+            self._settle_check(deadline)
+            if deadline is None:
                 MPI.Request.Waitall(self._requests)
             else:
-                deadline = time.monotonic() + timeout
                 while not MPI.Request.Testall(self._requests):
                     if time.monotonic() >= deadline:
                         raise CollectiveTimeoutError(
@@ -328,6 +352,10 @@ class MPIWork(Work):
         if self._done:
             return True
         try:
+            if self._check is not None:
+                if not self._check[0].Test():
+                    return False
+                self._settle_check(None)
             if not MPI.Request.Testall(self._requests):
                 return False
         except MPI.Exception as exc:

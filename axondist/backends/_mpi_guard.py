@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
@@ -94,6 +94,22 @@ class CallGuard:
         view = self._view
         if view[0] != -view[1]:
             self._disagree(op, key)
+
+    def agree_later(self, op: str, key: tuple[Any, ...]) -> tuple[Any, Callable[[], None]]:
+        """The check of a non-blocking call: its request, and what verifies it once the
+        request completed (raising :class:`CollectiveMismatchError` on disagreement)."""
+        cache = self._caches.setdefault(op, {})
+        pair = cache.get(key)
+        if pair is None:
+            pair = cache[key] = _hash_pair(op, key)
+        out = np.empty(2, dtype=np.int64)  # its own: blocking checks may run meanwhile
+        request = self.comm.Iallreduce([pair, self._int64], [out, self._int64], self._max)
+
+        def verify() -> None:
+            if out[0] != -out[1]:
+                self._disagree(op, key)
+
+        return request, verify
 
     def agree_within(self, op: str, key: tuple[Any, ...], seq: int, deadline: float) -> None:
         """:meth:`agree` that gives up at ``deadline`` (``time.monotonic``), naming the

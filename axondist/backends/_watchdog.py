@@ -21,6 +21,7 @@ import os
 import socket
 import sys
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -29,6 +30,7 @@ from .recorder import FlightRecorder, describe_call, describe_status, format_ent
 log = logging.getLogger("axondist.watchdog")
 
 _QUERY_TIMEOUT = 3.0
+_GONE_FOR = 3.0  # seconds a peer's port must refuse before the peer counts as gone
 _MAX_LINE = 1 << 20
 GONE = "gone"
 NO_ANSWER = "no answer"
@@ -95,6 +97,7 @@ class Watchdog:
         self._wake = threading.Event()
         self._stopped = False
         self._state: dict[tuple[Any, ...], float] = {}  # call -> when it is next looked at
+        self._gone_since: dict[int, float] = {}
         self._server = socket.create_server(("", 0), backlog=64)
         recorder.query_peers = self.query
         self.port = self._server.getsockname()[1]
@@ -214,6 +217,9 @@ class Watchdog:
         if verdict is not None or waited >= self.timeout:
             self._end(call, waited, verdict, statuses)
             return
+        if any(r in self._gone_since for r in statuses):
+            self._state[key] = waited + 1.0  # look again soon: is it really gone?
+            return
         if waited >= self.stall:
             rank, size = self.recorder.rank, self.recorder.world_size
             warn(self._stall_text(call, waited, statuses), f"[axondist rank {rank}/{size}] ")
@@ -239,7 +245,16 @@ class Watchdog:
 
     def _verdict(self, call: dict[str, Any], statuses: dict[int, Any]) -> str | None:
         """Text of a certain failure the peers' statuses show (a departure or a wait cycle)."""
-        gone = [r for r, s in statuses.items() if s == GONE]
+        now = time.monotonic()
+        for r, status in statuses.items():
+            if status == GONE:
+                self._gone_since.setdefault(r, now)
+            else:
+                self._gone_since.pop(r, None)
+        # Gone for a while, not just now: a job being torn down (another rank's abort)
+        # must not be blamed on the ranks mpiexec killed first.
+        gone = [r for r, t in self._gone_since.items()
+                if r in statuses and now - t >= _GONE_FOR]
         if gone:
             return (f"ranks {gone} are gone: their diagnostics port refuses connections, so "
                     "their processes ended (killed, or exited)")

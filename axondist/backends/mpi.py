@@ -309,17 +309,23 @@ class MPIBackend(Backend):
 
     def _issue(self, op: str, key: tuple[Any, ...], start: Callable[..., Work],
                *args: Any) -> Work:
-        """Start non-blocking call ``op`` (checked first); its Work records the wait."""
+        """Start non-blocking call ``op`` after its check; its Work records the wait."""
         guard = self._guard
         seq, slot = guard.begin(op, key, blocking=False)
         try:
-            if guard.checks:
-                guard.agree(op, key)
+            # Not blocking: the check is issued first and settled in wait(), before the
+            # data, so a mismatch still raises before any wrong value is returned.
+            check = guard.agree_later(op, key) if guard.checks else None
             work = start(*args)
         finally:
             guard.rec.end(slot)
         if isinstance(work, MPIWork):
             work.track(guard.rec, guard.group, seq)
+            if check is not None:
+                work.checked_by(*check)
+        elif check is not None:
+            check[0].Wait()
+            check[1]()
         return work
 
     def _all_reduce_now(self, buf: Any, op: ReduceOp) -> None:
