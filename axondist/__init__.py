@@ -81,7 +81,7 @@ _LAZY = {
     "Pipeline": "pipeline", "PipelineStage": "pipeline", "PipelineSchedule": "pipeline",
     "PipelineMemoryStats": "pipeline",
     "ColumnParallelLinear": "tensor_parallel", "RowParallelLinear": "tensor_parallel",
-    "TensorParallelMLP": "tensor_parallel",
+    "TensorParallelMLP": "tensor_parallel", "TensorParallelAttention": "tensor_parallel",
     "DeviceMesh": "mesh", "make_mesh": "mesh",
     "DistributedSampler": "data",
     "print0": "log", "all_reduce_scalar": "log",

@@ -20,7 +20,7 @@ from math import prod
 from typing import Any
 
 from . import _array
-from ._validate import as_rank, positive_seconds
+from ._validate import as_rank, positive_seconds, sequence_of
 from .backends.base import Backend, CompletedWork, ThenWork, Work, default_timeout
 from .errors import CollectiveMismatchError, InvalidBufferError, RankError, UnsupportedDTypeError
 from .ops import ReduceOp, check_op_dtype
@@ -657,7 +657,7 @@ def sync_gradient(grad: Any, group: ProcessGroup | None = None) -> Any:
 
 def sync_gradients(grads: Sequence[Any], group: ProcessGroup | None = None) -> list[Any]:
     """Average many gradients with one all-reduce per dtype; write back and return them."""
-    grads = [_array.as_array(gr) for gr in grads]
+    grads = [_array.as_array(gr) for gr in sequence_of(grads, "sync_gradients", "grads")]
     by_dtype: dict[str, list[int]] = {}
     for i, gr in enumerate(grads):
         by_dtype.setdefault(str(gr.dtype), []).append(i)
