@@ -55,7 +55,7 @@ class CallGuard:
         self.members = tuple(members)
         self.checks = checks
         recorder.groups[group] = self.members
-        self._seqs = itertools.count(1)
+        self.seqs = itertools.count(1)
         self._p2p_seqs = itertools.count(1)
         self.p2p_group = f"{group}:p2p"
         recorder.groups[self.p2p_group] = self.members
@@ -63,12 +63,13 @@ class CallGuard:
         self._max = mpi.MAX
         self._out = np.zeros(2, dtype=np.int64)
         self._view = self._out.data  # a memoryview: indexing gives Python ints
-        self._caches: dict[str, dict[tuple[Any, ...], np.ndarray]] = {}
+        self._out_spec = (self._out, self._int64)
+        self._specs: dict[tuple[str, tuple[Any, ...]], tuple[np.ndarray, Any]] = {}
         self.groups_made = 0
 
     def begin(self, op: str, detail: Any, blocking: bool = True) -> tuple[int, int]:
         """Number and record a call starting now: ``(seq, recorder slot)``."""
-        seq = next(self._seqs)
+        seq = next(self.seqs)
         return seq, self.rec.begin(self.group, seq, op, detail, blocking)
 
     def begin_p2p(self, op: str, detail: Any) -> int:
@@ -82,28 +83,27 @@ class CallGuard:
         Raises:
             CollectiveMismatchError: on every rank, naming what differs.
         """
-        cache = self._caches.get(op)
-        if cache is None:
-            cache = self._caches[op] = {}
-        pair = cache.get(key)
-        if pair is None:
-            if len(cache) >= _CACHE_LIMIT:
-                cache.clear()
-            pair = cache[key] = _hash_pair(op, key)
-        self.comm.Allreduce([pair, self._int64], [self._out, self._int64], self._max)
+        spec = self._specs.get((op, key))
+        if spec is None:
+            spec = self._new_spec(op, key)
+        self.comm.Allreduce(spec, self._out_spec, self._max)
         view = self._view
         if view[0] != -view[1]:
             self._disagree(op, key)
 
+    def _new_spec(self, op: str, key: tuple[Any, ...]) -> tuple[np.ndarray, Any]:
+        """The send buffer of ``(op, key)``'s check, remembered (a bounded cache)."""
+        if len(self._specs) >= _CACHE_LIMIT:
+            self._specs.clear()
+        spec = self._specs[(op, key)] = (_hash_pair(op, key), self._int64)
+        return spec
+
     def agree_later(self, op: str, key: tuple[Any, ...]) -> tuple[Any, Callable[[], None]]:
         """The check of a non-blocking call: its request, and what verifies it once the
         request completed (raising :class:`CollectiveMismatchError` on disagreement)."""
-        cache = self._caches.setdefault(op, {})
-        pair = cache.get(key)
-        if pair is None:
-            pair = cache[key] = _hash_pair(op, key)
+        spec = self._specs.get((op, key)) or self._new_spec(op, key)
         out = np.empty(2, dtype=np.int64)  # its own: blocking checks may run meanwhile
-        request = self.comm.Iallreduce([pair, self._int64], [out, self._int64], self._max)
+        request = self.comm.Iallreduce(spec, [out, self._int64], self._max)
 
         def verify() -> None:
             if out[0] != -out[1]:
@@ -119,11 +119,8 @@ class CallGuard:
             CollectiveTimeoutError: the deadline passed first (the check stays pending:
                 the communicator is unusable afterwards).
         """
-        cache = self._caches.setdefault(op, {})
-        pair = cache.get(key)
-        if pair is None:
-            pair = cache[key] = _hash_pair(op, key)
-        request = self.comm.Iallreduce([pair, self._int64], [self._out, self._int64], self._max)
+        spec = self._specs.get((op, key)) or self._new_spec(op, key)
+        request = self.comm.Iallreduce(spec, self._out_spec, self._max)
         wait_until(request.Test, deadline, lambda: self._absent_error(op, seq))
         view = self._view
         if view[0] != -view[1]:

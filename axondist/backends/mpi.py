@@ -287,13 +287,14 @@ class MPIBackend(Backend):
             return
         guard = self._guard
         key = (buf.dtype, buf.shape, op._name_, False)
-        seq, slot = guard.begin("all_reduce", key)
+        rec = guard.rec
+        slot = rec.begin(guard.group, next(guard.seqs), "all_reduce", key)
         try:
             if guard.checks:
                 guard.agree("all_reduce", key)
             self._all_reduce_now(buf, op)
         finally:
-            guard.rec.end(slot)
+            rec.end(slot)
 
     def _blocking(self, op: str, key: tuple[Any, ...], run: Callable[..., Any],
                   *args: Any) -> Any:

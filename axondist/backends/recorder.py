@@ -119,22 +119,20 @@ class FlightRecorder:
     def begin(self, group: str, seq: int, op: str, detail: Any, blocking: bool = True) -> int:
         """Record the start of call ``seq`` of ``group``; the slot to pass to :meth:`end`."""
         i = next(self._counter)  # atomic under the GIL: threads never share a slot
-        self._next = i + 1
         j = i & self._mask
         self._ends[j] = 0.0
         self._slots[j] = (group, seq, op, detail, _monotonic(), blocking)
-        if self.issued.get(group, 0) < seq:
-            self.issued[group] = seq
+        self._next = i + 1
+        self.issued[group] = seq  # a group's calls are numbered in the order they start
         return j
 
     def end(self, slot: int) -> None:
         """Record that the call in ``slot`` completed (returned or raised)."""
-        entry = self._slots[slot]
         self._ends[slot] = _monotonic()
-        if entry is not None and entry[_BLOCKING]:
-            group, seq = entry[_GROUP], entry[_SEQ]
-            if self.completed.get(group, 0) < seq:
-                self.completed[group] = seq
+        entry = self._slots[slot]
+        if entry[_BLOCKING]:  # type: ignore[index]  # begin() filled the slot
+            # blocking calls of a group end in the order they started
+            self.completed[entry[_GROUP]] = entry[_SEQ]  # type: ignore[index]
 
     def complete(self, group: str, seq: int) -> None:
         """Count call ``seq`` of ``group`` as completed (a non-blocking call's wait ended)."""
