@@ -240,7 +240,7 @@ def driver(args: argparse.Namespace) -> int:
     with SimCluster(hosts=2) as cluster:
         for h in range(2):  # shape what each host receives
             subprocess.run(["ip", "netns", "exec", cluster.switch, "tc", "qdisc", "add", "dev",
-                            f"h{h}", "root", "tbf", "rate", args.rate, "burst", "256kb",
+                            f"h{h}", "root", "tbf", "rate", args.rate, "burst", "128kb",
                             "latency", "100ms"], check=True, capture_output=True, text=True)
         out = cluster.workdir / "results.json"
         run = cluster.run([2, 2], ["-m", "mpi4py", os.path.abspath(__file__), "--rank",
