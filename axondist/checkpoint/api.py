@@ -146,9 +146,7 @@ def load_sharded_checkpoint(path: str | os.PathLike, target: Any, optimizer: Any
     reader = CheckpointReader(path, verify=verify, step=step)
     try:
         if hasattr(target, "load_sharded_checkpoint_state"):
-            if optimizer is not None and strict:
-                _check_fsdp_optimizer(reader, target)
-            target.load_sharded_checkpoint_state(reader, optimizer)
+            target.load_sharded_checkpoint_state(reader, optimizer, strict=strict)
         else:
             load_layout(reader, target, optimizer, strict)
     except CheckpointError:
@@ -157,17 +155,6 @@ def load_sharded_checkpoint(path: str | os.PathLike, target: Any, optimizer: Any
         raise CheckpointError(f"load_sharded_checkpoint: {reader.path}/index.json does not fit "
                               f"the target or optimizer ({type(exc).__name__}: {exc})") from None
     return reader.metadata
-
-
-def _check_fsdp_optimizer(reader: CheckpointReader, target: Any) -> None:
-    meta = reader.optimizer
-    if meta is None or "params" not in meta or not hasattr(target, "parameter_names"):
-        return  # saved by FSDP: state per unit, all or nothing, checked by the index schema
-    missing = [n for n in target.parameter_names() if n not in meta["params"]]
-    if missing:
-        raise CheckpointError(f"load_sharded_checkpoint: checkpoint {reader.path} has no "
-                              f"optimizer entry for parameter(s) {missing}; pass strict=False to "
-                              "start their optimizer state fresh")
 
 
 class Checkpointer:

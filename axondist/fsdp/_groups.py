@@ -66,11 +66,14 @@ def _describe(entry: tuple[str, tuple[int, ...], str]) -> str:
 
 
 def sharding_groups(group: ProcessGroup, spec: ShardingSpec, ranks_per_node: int | None,
-                    strategy_name: str) -> tuple[ProcessGroup | None, ProcessGroup | None]:
-    """This rank's (shard group, replica group) under ``spec``; None stands for a group of one.
+                    strategy_name: str
+                    ) -> tuple[ProcessGroup | None, ProcessGroup | None, list[ProcessGroup]]:
+    """This rank's (shard group, replica group) under ``spec``, and the groups it created.
 
-    Collective when the spec shards by node: every rank creates every node
-    group, in one order. The node layout comes from ``ranks_per_node`` or,
+    None stands for a group of one. Collective when the spec shards by node:
+    every rank creates every node group, in one order, and the third item
+    lists each of them this rank is a member of (one-rank ones included), for
+    the caller to destroy. The node layout comes from ``ranks_per_node`` or,
     when None, from each rank's ``group.node_info()``.
 
     Raises:
@@ -84,24 +87,31 @@ def sharding_groups(group: ProcessGroup, spec: ShardingSpec, ranks_per_node: int
     whole = group if group.world_size > 1 else None
     if not spec.uses_nodes:
         return ((whole if spec.shard_over is Span.GROUP else None),
-                (whole if spec.replicate_over is Span.GROUP else None))
+                (whole if spec.replicate_over is Span.GROUP else None), [])
     if ranks_per_node is not None:
         nodes: list[Any] = node_of_ranks(group.world_size, ranks_per_node)
     else:
         nodes = [info[0] for info in comm.all_gather_object(group.node_info(), group)]
     shard_lists, replica_lists = hybrid_groups(nodes)
-    return _member_group(group, shard_lists), _member_group(group, replica_lists)
+    shard = _member_group(group, shard_lists)
+    replica = _member_group(group, replica_lists)
+    return (shard if shard.world_size > 1 else None,
+            replica if replica.world_size > 1 else None, [shard, replica])
 
 
-def _member_group(group: ProcessGroup, rank_lists: list[list[int]]) -> ProcessGroup | None:
-    """Create a group per list (collective: every rank, in one order); return this rank's."""
+def _member_group(group: ProcessGroup, rank_lists: list[list[int]]) -> ProcessGroup:
+    """Create a group per list (collective: every rank, in one order); return this rank's.
+
+    The groups this rank is not a member of hold no communicator, so only the
+    returned one needs destroying.
+    """
     mine = None
     for ranks in rank_lists:
         sub = group.new_group(ranks)
         if sub.is_member:
             mine = sub
     assert mine is not None  # every rank is in exactly one list
-    return mine if mine.world_size > 1 else None
+    return mine
 
 
 __all__ = ["check_same_model", "sharding_groups"]

@@ -128,7 +128,8 @@ class FullyShardedDataParallel:
         self._shapes = [p.shape for p in self._params]
         self._no_sync_depth = 0
         self._optimizer: Any = None
-        self.shard_group, self.replica_group = sharding_groups(
+        self._closed = False
+        self.shard_group, self.replica_group, self._created_groups = sharding_groups(
             self.group, self.spec, ranks_per_node, self.sharding_strategy.name)
         self._units = self._build_units(self._unit_plan(units, unit_size_mb), sync_module_states)
         self._cast_buffers(model)
@@ -258,6 +259,9 @@ class FullyShardedDataParallel:
         return self._to_compute(self._select(unit, "communication_shard")[0].shard.data)
 
     def _select(self, unit: int | None, where: str) -> list[_Unit]:
+        if self._closed:
+            raise RuntimeError(f"{where}: this FullyShardedDataParallel is closed (close() "
+                               "destroyed the groups it created); wrap the model again")
         if unit is None:
             return self._units
         if not isinstance(unit, (int, np.integer)) or not 0 <= unit < len(self._units):
@@ -796,14 +800,54 @@ class FullyShardedDataParallel:
         """
         return _state_dict.sharded_checkpoint_state(self, optimizer)
 
-    def load_sharded_checkpoint_state(self, reader: CheckpointReader,
-                                      optimizer: Any = None) -> None:
+    def load_sharded_checkpoint_state(self, reader: CheckpointReader, optimizer: Any = None,
+                                      strict: bool = True) -> None:
         """Fill this rank's shards (and ``optimizer``'s state) from a sharded checkpoint.
 
         Reads only the element ranges this rank's shards need, whatever world
         size or strategy wrote them. Gathered parameters are released.
+
+        Args:
+            reader: the checkpoint.
+            optimizer: an optimizer built on the shards (None: parameters only).
+            strict: refuse a checkpoint that does not list one of the
+                optimizer's parameters; with False its state starts at zeros.
+
+        Raises:
+            CheckpointError: a tensor missing or of another shape, no optimizer
+                state, or (``strict``) a parameter without an optimizer entry.
         """
-        _state_dict.load_sharded_checkpoint_state(self, reader, optimizer)
+        _state_dict.load_sharded_checkpoint_state(self, reader, optimizer, strict)
+
+    # --- lifetime ----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Destroy the process groups this wrapper created; it cannot communicate afterwards.
+
+        Under HYBRID_SHARD that is this rank's node group and replica group
+        (one-rank ones included); the group passed to the constructor is
+        never touched. Collective over the wrapper's group, like the
+        construction (every rank closes its wrappers in the same order).
+        Idempotent; also the exit of ``with FSDP(...) as f:``. The shards
+        stay readable, e.g. by ``memory_stats``.
+        """
+        created, self._created_groups = self._created_groups, []
+        self._closed = True
+        for st in self._units:  # gathered buffers go too: nothing can refresh them now
+            self._release(st)
+        for g in created:
+            g.destroy()
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` ran."""
+        return self._closed
+
+    def __enter__(self) -> FullyShardedDataParallel:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
     def __repr__(self) -> str:
         numel = sum(st.flat.numel for st in self._units)

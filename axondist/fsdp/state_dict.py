@@ -151,14 +151,16 @@ def sharded_checkpoint_state(f: ShardedModule, optimizer: Any = None
                 for i, off in zip(flat.param_indices, flat.offsets):
                     tensors.append(TensorSpec(f"optim/{names[i]}/{key}", shapes[i],
                                               dtype_name(arr.dtype), flat_name, off))
-                if writes:
-                    shards.append(FlatShard(flat_name, flat.padded_numel, start, arr))
-        opt_meta = optimizer_meta(sd, steps)
+                if writes:  # state_dict() arrays are copies: an async save keeps them as is
+                    shards.append(FlatShard(flat_name, flat.padded_numel, start, arr, owned=True))
+        updated = [names[i] for u in sorted(set(unit_of.values()))
+                   for i in units[u].param_indices]
+        opt_meta = optimizer_meta(sd, steps, params=updated)
     return ShardedState(tensors, shards, opt_meta)
 
 
 def load_sharded_checkpoint_state(f: ShardedModule, reader: CheckpointReader,
-                                  optimizer: Any = None) -> None:
+                                  optimizer: Any = None, strict: bool = True) -> None:
     """See :meth:`ShardedModule.load_sharded_checkpoint_state`."""
     names, shapes, shards = f.parameter_names(), f.param_shapes, f.sharded_parameters()
     for u, flat in enumerate(f.units):
@@ -174,32 +176,49 @@ def load_sharded_checkpoint_state(f: ShardedModule, reader: CheckpointReader,
         fill_shard(f, flat, shards[u].data, piece)
         f.release_parameters(u)
     if optimizer is not None:
-        _load_optimizer(f, reader, optimizer)
+        _load_optimizer(f, reader, optimizer, strict)
 
 
-def _load_optimizer(f: ShardedModule, reader: CheckpointReader,
-                    optimizer: Any) -> None:
-    """Cut each unit's optimizer state arrays out of the per-parameter saved ones."""
+def _load_optimizer(f: ShardedModule, reader: CheckpointReader, optimizer: Any,
+                    strict: bool) -> None:
+    """Cut each unit's optimizer state arrays out of the per-parameter saved ones.
+
+    A parameter the checkpoint lists as updated but without state (it never
+    had a gradient) contributes zeros, as a fresh state would; one the
+    checkpoint does not list at all is refused unless ``strict`` is False.
+    """
+    meta = reader.optimizer
+    if meta is None:
+        raise CheckpointError(f"load_sharded_checkpoint: checkpoint {reader.path} holds no "
+                              "optimizer state; pass optimizer=None or save it with one")
     unit_of = f.optimizer_units(optimizer, "load_sharded_checkpoint")
-    steps = (reader.optimizer or {}).get("steps", {})
+    steps = meta.get("steps", {})
+    listed = set(meta.get("params", steps))
     state: dict[int, dict[str, Any]] = {}
     all_names = f.parameter_names()
     for k, u in unit_of.items():
         flat = f.units[u]
         names = [all_names[i] for i in flat.param_indices]
-        keys = optimizer_state_names(reader, names[0])
-        if not keys:
+        saved = {n: optimizer_state_names(reader, n) for n in names}
+        missing = [n for n in names if not saved[n] and n not in listed]
+        if missing and strict:
+            raise CheckpointError(f"load_sharded_checkpoint: checkpoint {reader.path} has no "
+                                  f"optimizer entry for parameter(s) {missing}; pass "
+                                  "strict=False to start their optimizer state fresh")
+        with_state = [n for n in names if saved[n]]
+        if not with_state:
             continue
         # a unit's shard has one step count; parameters saved with different counts
         # (some never had a gradient) take the largest
-        entry: dict[str, Any] = {"step": max(int(steps.get(n, 0)) for n in names)}
-        for key in keys:
-            def piece(pos: int, lo: int, hi: int, key: str = key, names: list[str] = names) -> Any:
-                saved = f"optim/{names[pos]}/{key}"
-                if saved not in reader.index["tensors"]:
-                    return 0.0  # that parameter had no state: zeros
-                return reader.read(saved, lo, hi)
-            dtype = _array.dtype_named(reader.spec(f"optim/{names[0]}/{key}").dtype)
+        entry: dict[str, Any] = {"step": max(int(steps.get(n, 0)) for n in with_state)}
+        for key in sorted({key for n in with_state for key in saved[n]}):
+            def piece(pos: int, lo: int, hi: int, key: str = key, names: list[str] = names,
+                      saved: dict[str, list[str]] = saved) -> Any:
+                if not saved[names[pos]]:
+                    return 0.0  # no state (never updated, or not saved and not strict)
+                return reader.read(f"optim/{names[pos]}/{key}", lo, hi)
+            first = next(n for n in with_state if key in saved[n])
+            dtype = _array.dtype_named(reader.spec(f"optim/{first}/{key}").dtype)
             arr = np.zeros(flat.shard_size, dtype=dtype)
             fill_shard(f, flat, arr, piece)
             entry[key] = arr
