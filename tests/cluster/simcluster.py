@@ -148,10 +148,10 @@ class SimCluster:
         self.launcher_script.write_text(_LAUNCHER.format(cases=cases.rstrip("\n")))
         self.launcher_script.chmod(0o755)
 
-    def pids(self) -> list[int]:
-        """Every process still running inside the cluster's host namespaces."""
+    def pids(self, host: int | None = None) -> list[int]:
+        """Every process still running on host ``host`` (None: on any host)."""
         found: list[int] = []
-        for ns in self.namespaces:
+        for ns in self.namespaces if host is None else [self.namespaces[host]]:
             out = _ip("netns", "pids", ns, check=False).stdout
             found += [int(p) for p in out.split()]
         return found
