@@ -118,14 +118,16 @@ class StepState:
             else:
                 entry[1][...] += g
 
-    def write_grads(self) -> None:
-        """Set each parameter's ``.grad`` to its summed gradient.
+    def write_grads(self, accumulate: bool = False) -> None:
+        """Set each parameter's ``.grad`` to its summed gradient, or add it to ``.grad``.
 
-        Replaces what was there (no accumulation across steps); parameters
-        that got no gradient in this step are left alone.
+        With ``accumulate`` False what was there is replaced (``train_step``);
+        with True the sum is added to an existing ``.grad`` (``backward``, so
+        steps under ``no_sync`` add up). Parameters that got no gradient in
+        this step are left alone.
         """
         for prm, acc in self.grads.values():
-            prm.grad = acc
+            prm.grad = acc if not accumulate or prm.grad is None else prm.grad + acc
 
     def stats(self, expected: Sequence[int]) -> PipelineRunStats:
         """The measurements, with ``expected[rank]`` the predicted peak activations."""

@@ -11,15 +11,18 @@ sends go through a helper thread: ``docs/guide.md`` ("Pipeline runtime").
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from axondist import _array, comm
+from axondist._step import check_optimizer
+from axondist._validate import positive_number
 from axondist.errors import ScheduleError
 from axondist.parameter import Parameter
 from axondist.pipeline.clip import clip_gradients
@@ -41,6 +44,7 @@ from axondist.pipeline.schedules import (
 )
 from axondist.pipeline.simulate import SimulationResult, simulate
 from axondist.pipeline.stage import PipelineStage
+from axondist.pipeline.state_dict import gather_state, load_state
 from axondist.pipeline.transport import GroupTransport, InProcessTransport, Transport
 from axondist.pipeline.validation import validate
 from axondist.process_group import ProcessGroup, resolve_group
@@ -63,12 +67,16 @@ class Pipeline:
     stage, or a list of one, when ``v == 1``).  For example, on every rank::
 
         stage = PipelineStage(forward, backward, params)   # this rank's layers
-        pipe = Pipeline(stage, world, num_microbatches=8)  # 1F1B
-        opt = SGD(pipe, lr=0.1)                            # this rank's parameters
-        loss = pipe.train_step(x if world.rank == 0 else None,
-                               target if world.rank == world.world_size - 1 else None,
-                               loss_fn)
-        opt.step()
+        pipe = Pipeline(stage, world, num_microbatches=8, loss_fn=loss_fn)  # 1F1B
+        opt = SGD(pipe.parameters(), lr=0.1)               # this rank's parameters
+        loss = pipe.step(x, target, optimizer=opt)          # x read on rank 0, target
+                                                            # on the last stage's rank
+
+    The training calls are those of DDP and FSDP (:meth:`backward`,
+    :meth:`step`, :meth:`clip_grad_norm`, :meth:`no_sync`,
+    :meth:`summon_full_params`, :meth:`state_dict`), so a loop written for
+    them runs a pipeline too; :meth:`train_step` (``.grad`` replaced, the
+    loss function per call) still works.
 
     Args:
         stages: this rank's :class:`PipelineStage` (or list of ``chunks`` of them).
@@ -84,14 +92,18 @@ class Pipeline:
             :func:`~axondist.pipeline.parse_schedule`), validated before use.
         chunks: stages per rank (kinds whose ``SCHEDULES[kind].multi_chunk`` is
             True accept more than 1); 1 when left out, or the schedule's own.
+        loss_fn: ``loss_fn(y, target) -> (loss, grad_y)`` for one microbatch
+            (see :meth:`train_step`), used by :meth:`backward` and
+            :meth:`step`; only the last stage's rank calls it.
 
     Raises:
         ValueError: a bad count, a schedule that does not take ``chunks``, an
             unknown schedule name, or the wrong number of stages for ``chunks``.
         ScheduleError: a hand-made schedule that is invalid or does not fit the
             pipeline (ranks, microbatches, chunks).
-        TypeError: a stage that is not a :class:`PipelineStage`, or a schedule
-            that is neither a kind, a name nor a :class:`Schedule`.
+        TypeError: a stage that is not a :class:`PipelineStage`, a schedule
+            that is neither a kind, a name nor a :class:`Schedule`, or a
+            ``loss_fn`` that is not callable.
     """
 
     def __init__(
@@ -102,10 +114,12 @@ class Pipeline:
         num_microbatches: int | None = None,
         schedule: PipelineSchedule | str | Schedule = PipelineSchedule.ONE_F_ONE_B,
         chunks: int | None = None,
+        loss_fn: LossFn | None = None,
     ) -> None:
         g = resolve_group(group)
         g.backend_for("Pipeline")  # non-members get a clear error
         m, v = _shape_of("Pipeline", schedule, num_microbatches, chunks)
+        self.loss_fn = _check_loss_fn(loss_fn, "Pipeline")
         local = _stage_list(stages, "Pipeline")
         if len(local) != v:
             raise ValueError(
@@ -128,6 +142,7 @@ class Pipeline:
         num_microbatches: int | None = None,
         schedule: PipelineSchedule | str | Schedule = PipelineSchedule.ONE_F_ONE_B,
         chunks: int | None = None,
+        loss_fn: LossFn | None = None,
     ) -> Pipeline:
         """A single-process pipeline holding every stage (no communication).
 
@@ -141,6 +156,7 @@ class Pipeline:
             num_microbatches: as for :class:`Pipeline`.
             schedule: as for :class:`Pipeline` (a kind, a name or a :class:`Schedule`).
             chunks: as for :class:`Pipeline`.
+            loss_fn: as for :class:`Pipeline`.
 
         Returns:
             The Pipeline; it needs no :meth:`close`.
@@ -156,6 +172,7 @@ class Pipeline:
                 "per rank; pass a multiple of chunks stages")
         p = len(local) // v
         self = cls.__new__(cls)
+        self.loss_fn = _check_loss_fn(loss_fn, "Pipeline.from_stages")
         self._setup("Pipeline.from_stages", schedule, p, m, v, dict(enumerate(local)),
                     tuple(range(p)))
         self._group = None
@@ -184,6 +201,7 @@ class Pipeline:
         _log_schedule(dry_run)
         self._stages = stages
         self._ranks = ranks
+        self._no_sync_depth = 0
         self.last_stats: PipelineRunStats | None = None
         """What the last train_step/forward measured on this process (None before)."""
 
@@ -255,17 +273,19 @@ class Pipeline:
                 seen.setdefault(id(prm), prm)
         return list(seen.values())
 
-    def clip_grad_norm(self, max_norm: float, norm_type: float | str = 2.0, *,
+    def clip_grad_norm(self, max_norm: float, norm_type: float | str = 2.0,
                        error_if_nonfinite: bool = False) -> float:
         """Scale the stages' gradients so their norm over the whole model is at most ``max_norm``.
 
         The norm covers every stage of every pipeline rank (collective over the
         pipeline's group in distributed mode: call it on every rank, after
-        :meth:`train_step`). As ``torch.nn.utils.clip_grad_norm_``: the
-        gradients are multiplied by ``min(max_norm / (norm + 1e-6), 1)``; a NaN
-        anywhere makes the norm NaN (also for ``norm_type=inf``) and every
-        gradient NaN, an infinite element makes the norm inf and the finite
-        gradients 0. Sums are taken in float64.
+        :meth:`backward` or :meth:`train_step`; inside :meth:`no_sync` too,
+        since the gradients are never averaged over replicas). As
+        ``torch.nn.utils.clip_grad_norm_``: the gradients are multiplied by
+        ``min(max_norm / (norm + 1e-6), 1)``; a NaN anywhere makes the norm NaN
+        (also for ``norm_type=inf``) and every gradient NaN, an infinite
+        element makes the norm inf and the finite gradients 0. Sums are taken
+        in float64.
 
         Args:
             max_norm: the largest norm kept, a finite number > 0.
@@ -336,7 +356,11 @@ class Pipeline:
         """
         if not callable(loss_fn):
             raise TypeError(f"train_step: loss_fn must be callable, got {type(loss_fn).__name__}")
-        rows = self._agree_on_rows("train_step", x, target)
+        return self._train("train_step", x, target, loss_fn, accumulate=False)
+
+    def _train(self, what: str, x: Any, target: Any, loss_fn: LossFn, accumulate: bool) -> float:
+        """Run the training schedule once; write (or add) ``.grad``; the loss on every rank."""
+        rows = self._agree_on_rows(what, x, target)
         step = self._step_state(self._schedule, True, rows, x, target, loss_fn)
         self._execute(step, self._plan)
         loss = step.total_loss() if self.holds_last_stage else math.nan
@@ -344,7 +368,7 @@ class Pipeline:
             buf = np.array([loss], dtype=np.float64)
             comm.broadcast(buf, self._group, src=(self.num_stages - 1) % self.num_ranks)
             loss = float(buf[0])
-        step.write_grads()
+        step.write_grads(accumulate)
         self.last_stats = step.stats(self._expected_peaks)
         return loss
 
@@ -368,6 +392,156 @@ class Pipeline:
             return None
         outs = [step.outputs[mb] for mb in range(self.num_microbatches)]
         return _array.namespace(*outs).concatenate(outs, axis=0)
+
+    # -- the training calls shared with DDP and FSDP ----------------------------------
+
+    def backward(self, x: Any, target: Any = None, *, loss_fn: LossFn | None = None) -> float:
+        """One forward and backward pass of the batch, *adding* the gradients into ``.grad``.
+
+        The same pass as :meth:`train_step`, but as ``loss.backward()`` under
+        DDP: each local parameter's ``.grad`` gets this batch's gradient added
+        (set when it was None), so several calls (inside :meth:`no_sync`)
+        accumulate, and ``opt.zero_grad()`` clears them between steps. Call it
+        on every pipeline rank: the gradients of the whole model are then
+        final (a pipeline has no replicas to average over).
+
+        Args:
+            x: the input batch; read only where :attr:`holds_first_stage`
+                (others may pass None, or the same batch).
+            target: split into microbatches like ``x`` and passed to
+                ``loss_fn``; read only where :attr:`holds_last_stage`.
+            loss_fn: this call's microbatch loss instead of the constructor's.
+
+        Returns:
+            The full-batch loss (the row-weighted mean of the microbatch
+            losses), the same float on every rank.
+
+        Raises:
+            TypeError: no ``loss_fn`` here nor at construction, or one that
+                is not callable or returns something else than a pair.
+            ValueError: as :meth:`train_step`, on every rank alike.
+        """
+        fn = self._resolve_loss_fn(loss_fn, "Pipeline.backward")
+        return self._train("Pipeline.backward", x, target, fn, accumulate=True)
+
+    def step(self, x: Any, target: Any = None, *, optimizer: Any, max_norm: float | None = None,
+             loss_fn: LossFn | None = None) -> float:
+        """One training step: :meth:`backward`, optional clipping, ``optimizer.step()``,
+        ``optimizer.zero_grad()``.
+
+        Gradients accumulated by earlier :meth:`backward` calls inside
+        :meth:`no_sync` are included. Call it on every rank, each with an
+        optimizer over its own :meth:`parameters`.
+
+        Args:
+            x: the input batch (read where :attr:`holds_first_stage`).
+            target: the targets (read where :attr:`holds_last_stage`).
+            optimizer: what updates this rank's parameters (``step()`` and
+                ``zero_grad()``).
+            max_norm: clip the whole model's gradient to this norm first (see
+                :meth:`clip_grad_norm`); None: no clipping.
+            loss_fn: this call's microbatch loss instead of the constructor's.
+
+        Returns:
+            The full-batch loss, the same float on every rank.
+
+        Raises:
+            RuntimeError: called inside :meth:`no_sync` (use :meth:`backward`
+                for the micro-batches and ``step`` for the last one).
+            TypeError: ``optimizer`` lacks ``step()``/``zero_grad()``, no
+                ``loss_fn``, or ``max_norm`` is not a number.
+            ValueError: ``max_norm`` is not > 0, or a bad batch (as
+                :meth:`train_step`).
+        """
+        where = "Pipeline.step"
+        check_optimizer(optimizer, where)
+        if max_norm is not None:
+            positive_number(max_norm, where, "max_norm")  # before any work
+        if self._no_sync_depth:
+            raise RuntimeError(f"{where}: cannot step inside no_sync(); use backward() for the "
+                               "micro-batches, step() for the last one")
+        fn = self._resolve_loss_fn(loss_fn, where)
+        loss = self._train(where, x, target, fn, accumulate=True)
+        if max_norm is not None:
+            self.clip_grad_norm(max_norm)
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients over several :meth:`backward` calls; :meth:`step` is refused.
+
+        A pipeline's ranks hold different layers, not replicas, so there is
+        no gradient averaging to put off: :meth:`backward` always adds into
+        ``.grad`` and the block only marks the accumulation (a :meth:`step`
+        inside raises). It exists so that accumulation loops written for DDP
+        and FSDP run on a pipeline unchanged.
+        """
+        self._no_sync_depth += 1
+        try:
+            yield
+        finally:
+            self._no_sync_depth -= 1
+
+    @contextlib.contextmanager
+    def summon_full_params(self) -> Iterator[list[Parameter]]:
+        """Yield :meth:`parameters`: the Parameters of the stages held here, already whole.
+
+        A pipeline splits the model by layer, not inside arrays, so this
+        rank's parameters are complete and there is nothing to gather; the
+        other ranks' layers are *not* brought here (:meth:`state_dict` gives
+        the whole model on every rank). It exists so that code written for
+        FSDP (``with model.summon_full_params(): ...``) runs as is.
+        """
+        yield self.parameters()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear this rank's ``.grad`` (``None``, or zeros in place with False)."""
+        for prm in self.parameters():
+            if set_to_none:
+                prm.grad = None
+            elif prm.grad is not None:
+                prm.grad[...] = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{name: NumPy copy}`` of the whole model, every stage of every rank, on every rank.
+
+        Collective over the pipeline's ranks (call it on every rank). Keys
+        are the Parameters' names in model order (virtual stage, then
+        position in the stage), ``param{i}`` for an unnamed one with ``i`` its
+        index in that order: the keys and shapes DDP and FSDP give the same
+        model, so a state saved under one strategy loads under another.
+
+        Raises:
+            ValueError: two parameters of the model share a name.
+        """
+        return gather_state(self._stages, self._group, "Pipeline.state_dict")
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Copy this rank's parameters, in place, from the whole model's ``{name: array}``.
+
+        Collective (the model's layout is gathered first): every rank passes
+        the same whole state, as :meth:`state_dict` returns, and takes its own
+        stages' arrays from it. The whole state is checked before anything
+        is written.
+
+        Raises:
+            TypeError: ``state`` is not a mapping.
+            ValueError: a parameter missing from ``state``, a name that is no
+                parameter's, an array of another shape, or two parameters of
+                the model with the same name.
+        """
+        load_state(self._stages, self._group, state, "Pipeline.load_state_dict")
+
+    def _resolve_loss_fn(self, loss_fn: LossFn | None, where: str) -> LossFn:
+        if loss_fn is not None:
+            _check_loss_fn(loss_fn, where)
+            return loss_fn
+        if self.loss_fn is None:
+            raise TypeError(f"{where}: no loss_fn; pass loss_fn=... to the Pipeline (or to this "
+                            "call): loss_fn(y, target) -> (loss, grad_y) for one microbatch")
+        return self.loss_fn
 
     def _agree_on_rows(self, what: str, x: Any, target: Any) -> list[int]:
         """Rows per microbatch, checked the same way on every rank (so errors are collective)."""
@@ -452,6 +626,14 @@ def _shape_of(what: str, schedule: Any, num_microbatches: Any, chunks: Any) -> t
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{what}: {name} must be an int >= 1, got {value!r}")
     return num_microbatches, chunks
+
+
+def _check_loss_fn(loss_fn: Any, where: str) -> LossFn | None:
+    """``loss_fn`` when it is None or callable, else a TypeError naming ``where``."""
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(f"{where}: loss_fn must be a callable loss_fn(y, target) -> "
+                        f"(loss, grad_y), got {type(loss_fn).__name__} {loss_fn!r}")
+    return loss_fn
 
 
 def _log_schedule(dry_run: SimulationResult) -> None:
