@@ -9,7 +9,6 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-import axondist as ad
 from axondist.data import DistributedSampler
 
 lengths = st.integers(0, 200)
@@ -102,18 +101,6 @@ def test_sized_dataset_and_repr():
     assert "rank=1 of 2" in repr(s)
 
 
-def test_defaults_come_from_the_current_world_or_a_group():
-    def body(world):
-        s = DistributedSampler(11)
-        sub = world.new_group([1, 2])
-        in_sub = DistributedSampler(11, group=sub) if sub.is_member else None
-        return (s.rank, s.num_replicas,
-                None if in_sub is None else (in_sub.rank, in_sub.num_replicas))
-
-    results = ad.spawn(body, 3)
-    assert [r[:2] for r in results] == [(0, 3), (1, 3), (2, 3)]
-    assert [r[2] for r in results] == [None, (0, 2), (1, 2)]
-
 
 def test_explicit_rank_and_size_need_no_world():
     s = DistributedSampler(5, num_replicas=4, rank=3, shuffle=False)
@@ -138,17 +125,6 @@ def test_bad_types_and_epochs():
     with pytest.raises(ValueError, match="epoch"):
         s.set_epoch(-1)
 
-
-def test_non_member_must_pass_rank():
-    def body(world):
-        sub = world.new_group([0])
-        if sub.is_member:
-            return DistributedSampler(4, group=sub).rank
-        with pytest.raises(ValueError, match="not a member"):
-            DistributedSampler(4, group=sub)
-        return DistributedSampler(4, group=sub, rank=0).num_replicas
-
-    assert ad.spawn(body, 2) == [0, 1]
 
 
 @pytest.mark.parametrize("seed", ["a", 1.5, None, True])
