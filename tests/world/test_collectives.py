@@ -532,3 +532,19 @@ def test_ranks_may_be_numpy_integers_and_torch_habits_get_hints(n):
             world.new_group([0.7, 1.2])
 
     run_world(body, n)
+
+
+@given(n=world_sizes(2, 4), src=st.integers(0, 7), bad=st.sampled_from(["none", "0-d", "dtype"]))
+def test_scatter_tensor_refuses_bad_input_on_every_rank(n, src, bad):
+    """The source checks its input before the exchange and shares the verdict: every rank
+    raises the same error instead of waiting for data that never comes."""
+    def body(world):
+        root = src % world.world_size
+        x = {"none": None, "0-d": np.array(1.0),
+             "dtype": np.array(["a", "b"])}[bad] if world.rank == root else None
+        error = ad.UnsupportedDTypeError if bad == "dtype" else ad.InvalidBufferError
+        with pytest.raises(error, match=rf"raised on the source, rank {root}"):
+            ad.scatter_tensor(x, src=root)
+        ad.barrier()  # the world is still usable
+
+    run_world(body, n)
