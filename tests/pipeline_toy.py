@@ -2,7 +2,8 @@
 
 Backward passes are hand-written, both whole and split into input and weight
 halves (for the zero-bubble schedule). :func:`sequential` is the reference:
-the same layers one after the other on the whole batch.
+the same layers one after the other on the whole batch, and
+:func:`train_sequential` trains with it.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 import axondist as ad
+from axondist.optim import SGD, Adam
 from axondist.pipeline import PipelineStage
 
 
@@ -75,3 +77,39 @@ def sequential(stages: list[PipelineStage], x, t):
 def data(seed: int, rows: int, d_in: int, d_out: int):
     rng = np.random.default_rng([seed, 999])
     return rng.standard_normal((rows, d_in)), rng.standard_normal((rows, d_out))
+
+
+def make_optimizer(kind: str, params):
+    """SGD with momentum or Adam (the two optimizers the one-loop tests use)."""
+    return SGD(params, lr=0.1, momentum=0.9) if kind == "sgd" else Adam(params, lr=0.02)
+
+
+def state_of(stages: list[PipelineStage]) -> dict:
+    """``{name: copy}`` of every stage's parameters in model order."""
+    return {p.name: p.data.copy() for s in stages for p in s.params}
+
+
+def train_sequential(stages: list[PipelineStage], steps, max_norm, opt_kind: str):
+    """Train ``stages`` in one process; each step is a list of (x, t) batches whose gradients
+    are summed (accumulation), clipped to ``max_norm`` (None: not) by the global 2-norm.
+
+    Returns each step's last batch loss and pre-clipping norm.
+    """
+    params = [p for s in stages for p in s.params]
+    opt = make_optimizer(opt_kind, params)
+    losses, norms = [], []
+    for batches in steps:
+        total = None
+        for x, t in batches:
+            loss, grads, _ = sequential(stages, x, t)
+            flat = [g for gs in grads for g in gs]
+            total = flat if total is None else [a + b for a, b in zip(total, flat)]
+        norm = float(np.sqrt(sum(float(np.sum(g * g)) for g in total)))
+        coef = 1.0 if max_norm is None else min(max_norm / (norm + 1e-6), 1.0)
+        for p, g in zip(params, total):
+            p.grad = g * coef
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss)
+        norms.append(norm)
+    return losses, norms

@@ -4,7 +4,10 @@ The pipeline has as many ranks as the world (``chunks`` stages each); every
 rank builds all stages from the seed so it can run the sequential full-batch
 reference itself, then checks the loss, its own stages' gradients, its
 measured peak activations and (on the last rank) the inference output.
-The same bodies run on the mock world and under ``mpiexec -n K``.
+The same bodies run on the mock world and under ``mpiexec -n K``. The
+training calls shared with DDP and FSDP (``backward``, ``step``,
+``no_sync``, ``state_dict``...) are checked against single-process training
+for every schedule kind, and their bad inputs fail on every rank alike.
 """
 
 from __future__ import annotations
@@ -16,7 +19,18 @@ import pytest
 from harness import mock_only, run_world, world_sizes
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
-from pipeline_toy import bwd, data, fwd, layer_params, make_stages, mse, sequential
+from pipeline_toy import (
+    bwd,
+    data,
+    fwd,
+    layer_params,
+    make_optimizer,
+    make_stages,
+    mse,
+    sequential,
+    state_of,
+    train_sequential,
+)
 
 import axondist as ad
 from axondist.errors import NonFiniteNormError
@@ -198,6 +212,174 @@ def body_hand_made(world, kind, m):
     return True
 
 
+def step_batches(seed, step, rows, dims, style):
+    """The (x, t) batches of one step: two (accumulated) with style "accumulate", else one."""
+    count = 2 if style == "accumulate" else 1
+    return [data(seed + 1000 * step + k, rows, dims[0], dims[-1]) for k in range(count)]
+
+
+def body_one_loop(world, v, m, extra_rows, dims_all, seed, split, style, max_norm, opt_kind):
+    """backward/clip/step, step, and no_sync accumulation train like one process, for every
+    schedule kind; state_dict() then holds the whole trained model on every rank."""
+    p, r = world.world_size, world.rank
+    rows, steps = m + extra_rows, 2
+    for kind in SCHEDULES:
+        chunks = 1 if kind in SINGLE_CHUNK else v
+        dims = dims_all[: p * chunks + 1]
+        last = (p * chunks - 1) % p
+        batches = [step_batches(seed, k, rows, dims, style) for k in range(steps)]
+        ref = make_stages(seed, dims)
+        want_losses, want_norms = train_sequential(ref, batches, max_norm, opt_kind)
+        stages = make_stages(seed, dims, split)
+        pipe = Pipeline(local_stages(stages, p, r, chunks), world, num_microbatches=m,
+                        schedule=kind, chunks=chunks, loss_fn=mse)
+        opt = make_optimizer(opt_kind, pipe.parameters())
+        for k, step in enumerate(batches):
+            if style == "two_calls":  # x and target only where they are read
+                (x, t), = step
+                loss = pipe.backward(x if r == 0 else None, t if r == last else None)
+                if max_norm is not None:
+                    assert pipe.clip_grad_norm(max_norm) == pytest.approx(want_norms[k],
+                                                                          rel=1e-10)
+                opt.step()
+                opt.zero_grad()
+            else:  # every rank passes the whole batch, as a data-parallel loop does
+                with pipe.no_sync():
+                    for x, t in step[:-1]:
+                        pipe.backward(x, t)
+                loss = pipe.step(*step[-1], optimizer=opt, max_norm=max_norm)
+            assert loss == pytest.approx(want_losses[k], rel=1e-10), (kind, k)
+            assert all(prm.grad is None for prm in pipe.parameters())
+        state = pipe.state_dict()
+        want = state_of(ref)
+        assert list(state) == list(want), kind
+        for name in want:
+            np.testing.assert_allclose(state[name], want[name], rtol=1e-9, atol=1e-11,
+                                       err_msg=f"{kind} {split} {style} {name}")
+        pipe.close()
+    return True
+
+
+def unnamed_every_other(stages):
+    """The same stages with the odd stages' parameters unnamed (global names param{i})."""
+    for s, stage in enumerate(stages):
+        if s % 2:
+            for prm in stage.params:
+                prm.name = None
+    return stages
+
+
+def body_state_dict(world, chunks, seed):
+    """state_dict() is the whole model on every rank, as the one-process pipeline's; it loads
+    into a pipeline of other values (each rank taking its own stages), which then trains the
+    same."""
+    p, r = world.world_size, world.rank
+    n = p * chunks
+    dims = [3] * (n + 1)
+    kind = K.INTERLEAVED_ONE_F_ONE_B if chunks > 1 else K.ONE_F_ONE_B
+    last = (n - 1) % p
+    single = Pipeline.from_stages(unnamed_every_other(make_stages(seed, dims)),
+                                  num_microbatches=2, schedule=kind, chunks=chunks)
+    want = single.state_dict()
+    names = [name for s in range(n) for name in (
+        (f"param{2 * s}", f"param{2 * s + 1}") if s % 2 else (f"W{s}", f"b{s}"))]
+    assert list(want) == names
+
+    src = Pipeline(local_stages(unnamed_every_other(make_stages(seed, dims)), p, r, chunks),
+                   world, num_microbatches=2, schedule=kind, chunks=chunks, loss_fn=mse)
+    state = src.state_dict()
+    assert list(state) == names
+    for name in names:
+        np.testing.assert_array_equal(state[name], want[name])
+        assert isinstance(state[name], np.ndarray)
+
+    mine = local_stages(unnamed_every_other(make_stages(seed + 1, dims)), p, r, chunks)
+    dst = Pipeline(mine, world, num_microbatches=2, schedule=kind, chunks=chunks, loss_fn=mse)
+    dst.load_state_dict(state)
+    with dst.summon_full_params() as held:
+        assert held == dst.parameters() == [q for st_ in mine for q in st_.params]
+    for c, stage in enumerate(mine):
+        s = c * p + r
+        for k, prm in enumerate(stage.params):
+            np.testing.assert_array_equal(prm.data, want[names[2 * s + k]])
+    x, t = data(seed, 4, 3, 3)
+    args = (x if r == 0 else None, t if r == last else None)
+    assert dst.backward(*args) == src.backward(*args)
+    src.close()
+    dst.close()
+    return True
+
+
+def body_api_errors(world):
+    """Bad arguments to the training calls raise the same clear error on every rank, and the
+    pipeline works afterwards; a bad state on one rank does not leave the others waiting."""
+    p, r = world.world_size, world.rank
+    dims = [2] * (p + 1)
+    stage = make_stages(0, dims)[r]
+    with pytest.raises(TypeError, match=r"Pipeline: loss_fn must be a callable loss_fn\(y, "
+                                        r"target\) -> \(loss, grad_y\), got str 'mse'"):
+        Pipeline(stage, world, num_microbatches=2, loss_fn="mse")
+    pipe = Pipeline(stage, world, num_microbatches=2)
+    x, t = data(0, 4, 2, 2)
+    opt = SGD(pipe.parameters(), lr=0.1)
+    with pytest.raises(TypeError, match=r"Pipeline.backward: no loss_fn; pass loss_fn=\.\.\."):
+        pipe.backward(x, t)
+    with pytest.raises(TypeError, match="Pipeline.step: no loss_fn"):
+        pipe.step(x, t, optimizer=opt)
+    with pytest.raises(TypeError, match="Pipeline.backward: loss_fn must be a callable"):
+        pipe.backward(x, t, loss_fn=3)
+    with pytest.raises(TypeError, match=r"Pipeline.step: optimizer= must be an optimizer.*got "
+                                        "NoneType"):
+        pipe.step(x, t, optimizer=None, loss_fn=mse)
+    with pytest.raises(TypeError, match="Pipeline.step: max_norm must be a number, got str '1'"):
+        pipe.step(x, t, optimizer=opt, max_norm="1", loss_fn=mse)
+    with pytest.raises(ValueError, match="Pipeline.step: max_norm=-1.0 must be a finite number"):
+        pipe.step(x, t, optimizer=opt, max_norm=-1.0, loss_fn=mse)
+    with pipe.no_sync(), pytest.raises(RuntimeError, match="Pipeline.step: cannot step inside "
+                                                          "no_sync"):
+        pipe.step(x, t, optimizer=opt, loss_fn=mse)
+    with pytest.raises(ValueError, match=r"Pipeline.backward: x has 1 rows, fewer than "
+                                         "num_microbatches=2"):
+        pipe.backward(x[:1], t[:1], loss_fn=mse)
+    assert all(prm.grad is None for prm in pipe.parameters())  # nothing ran
+    pipe.backward(x, t, loss_fn=mse)
+    with pytest.raises(TypeError, match="clip_grad_norm: max_norm must be a number, got str"):
+        pipe.clip_grad_norm("1")
+    with pytest.raises(ValueError, match="clip_grad_norm: norm_type must be"):
+        pipe.clip_grad_norm(1.0, "two")
+
+    state = pipe.state_dict()
+    with pytest.raises(TypeError, match="load_state_dict: state must be a dict"):
+        pipe.load_state_dict([1, 2])
+    with pytest.raises(ValueError, match=r"missing \[\], unexpected \['q9'\]"):
+        pipe.load_state_dict({**state, "q9": np.zeros(1)})
+    with pytest.raises(ValueError, match=r"'b0' has shape \(7,\), the parameter has \(2,\)"):
+        pipe.load_state_dict({**state, "b0": np.zeros(7)})
+    partial = dict(state)
+    del partial[f"W{p - 1}"]
+    with pytest.raises(ValueError, match=rf"missing \['W{p - 1}'\]"):
+        pipe.load_state_dict(partial)
+    # A bad state on rank 0 alone: rank 0 raises, the others load (nobody waits).
+    if r == 0:
+        with pytest.raises(TypeError, match="state must be a dict"):
+            pipe.load_state_dict(None)
+    else:
+        pipe.load_state_dict(state)
+    for prm in pipe.parameters():
+        np.testing.assert_array_equal(prm.data, state[prm.name])
+    pipe.close()
+
+    clash = make_stages(0, dims)[r]
+    for prm in clash.params:
+        prm.name = "w"
+    twins = Pipeline(clash, world, num_microbatches=2)
+    with pytest.raises(ValueError, match=r"Pipeline.state_dict: two parameters are named 'w' "
+                                         r"\(in stages 0 and 0\); name them uniquely"):
+        twins.state_dict()
+    twins.close()
+    return True
+
+
 # ---------------------------------------------------------------- tests
 
 
@@ -318,3 +500,32 @@ def body_large_messages(world, width):
 def test_large_activations_do_not_deadlock():
     # 16 rows x 256 float64 = 32 KiB per microbatch activation.
     assert all(run_world(body_large_messages, 3, 256))
+
+
+@st.composite
+def one_loop_cases(draw):
+    size, v, m, extra_rows, dims, seed = draw(world_shapes())
+    return (size, v, m, extra_rows, dims, seed, draw(st.sampled_from(["full", "halves", "both"])),
+            draw(st.sampled_from(["two_calls", "one_call", "accumulate"])),
+            draw(st.sampled_from([None, 0.05, 100.0])), draw(st.sampled_from(["sgd", "adam"])))
+
+
+@settings(max_examples=8, deadline=None)
+@given(one_loop_cases())
+@example((2, 2, 3, 1, [2, 3, 1, 4, 2, 2, 3, 1, 4, 2, 3, 3, 2], 5, "halves", "accumulate", 0.05,
+          "adam"))
+def test_the_one_loop_calls_train_like_one_process(case):
+    size, *args = case
+    assert all(run_world(body_one_loop, size, *args))
+
+
+@settings(max_examples=4, deadline=None)
+@given(world_sizes(1, 3), st.integers(1, 2), st.integers(0, 100))
+def test_state_dict_is_the_whole_model_and_loads_back(size, chunks, seed):
+    assert all(run_world(body_state_dict, size, chunks, seed))
+
+
+@given(world_sizes(1, 3))
+@settings(max_examples=3, deadline=None)
+def test_training_call_errors_are_clear_on_every_rank(size):
+    assert all(run_world(body_api_errors, size))
