@@ -266,6 +266,65 @@ class ZeroRedundancyOptimizer:
                         for name, v in entry.items()}
         self.optim.load_state_dict({**state_dict, "state": local})
 
+    # --- sharded checkpoints: this rank's part only ---------------------------------------
+
+    def state_ranges(self) -> dict[int, tuple[int, int]]:
+        """``{parameter index: (start, stop)}``: the elements of each flattened parameter
+        this rank updates, and so holds optimizer state for (parameters it has none of are
+        left out). The ranges of all ranks tile every parameter."""
+        return {pc.param: (pc.start, pc.stop) for pc in self._pieces if pc is not None}
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """This rank's part of :meth:`state_dict`, without communication.
+
+        The wrapped optimizer's format, keyed by parameter index, except that
+        each state array is 1-D and holds elements ``state_ranges()[index]``
+        of the flattened state (copies, as ``state_dict()`` gives). A sharded
+        checkpoint (:func:`~axondist.checkpoint.save_sharded_checkpoint` with
+        this optimizer) writes these on each rank.
+
+        Returns:
+            ``{"optimizer", "version", "hyperparameters", "step_count",
+            "state": {param index: {"step": int, name: 1-D array}}}``.
+        """
+        sd = self.optim.state_dict()
+        state = {}
+        for k, entry in sd["state"].items():
+            piece = self._pieces[k]
+            if piece is not None:
+                state[piece.param] = entry
+        return {**sd, "state": dict(sorted(state.items()))}
+
+    def load_sharded_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load this rank's part of the state: :meth:`sharded_state_dict`'s format, for
+        the ranges :meth:`state_ranges` gives (of any saved world size). No communication.
+
+        Raises:
+            ValueError: not a state dict of ``optimizer_class``, a parameter
+                index this rank holds no range of, or an array whose size is
+                not its range's.
+        """
+        where = "ZeroRedundancyOptimizer.load_sharded_state_dict"
+        if not isinstance(state_dict, dict) or "state" not in state_dict:
+            raise ValueError(f"{where}: expected a dict made by sharded_state_dict(), got "
+                             f"{type(state_dict).__name__}")
+        ranges = self.state_ranges()
+        parts = {int(k): v for k, v in state_dict["state"].items()}
+        for i, entry in parts.items():
+            if i not in ranges:
+                raise ValueError(f"{where}: state for parameter index {i}, of which this rank "
+                                 f"updates no elements (it holds {sorted(ranges)})")
+            lo, hi = ranges[i]
+            for name, value in entry.items():
+                if name != "step" and int(np.size(value)) != hi - lo:
+                    raise ValueError(f"{where}: state {name!r} of parameter {i} has "
+                                     f"{int(np.size(value))} elements, its range [{lo}, {hi}) "
+                                     f"has {hi - lo}")
+        local = {k: {name: (int(v) if name == "step" else _array.to_host(v).reshape(-1))
+                     for name, v in parts[pc.param].items()}
+                 for k, pc in enumerate(self._pieces) if pc is not None and pc.param in parts}
+        self.optim.load_state_dict({**state_dict, "state": local})
+
     def __repr__(self) -> str:
         return (f"ZeroRedundancyOptimizer({self.optimizer_class.__name__}, "
                 f"{len(self.params)} parameters in {len(self.units)} units, state split over "

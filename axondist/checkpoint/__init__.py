@@ -15,7 +15,14 @@ from .index import FORMAT, INDEX_FILE, VERSION
 from .layouts import optimizer_meta, optimizer_state_dict_from, optimizer_state_names
 from .reader import CheckpointReader
 from .save import SaveHandle
-from .types import FlatShard, ShardedState, TensorSpec, dtype_name, param_names
+from .types import (
+    FlatShard,
+    ShardedOptimizer,
+    ShardedState,
+    TensorSpec,
+    dtype_name,
+    param_names,
+)
 
 __all__ = [
     "FORMAT",
@@ -27,6 +34,7 @@ __all__ = [
     "Checkpointer",
     "FlatShard",
     "SaveHandle",
+    "ShardedOptimizer",
     "ShardedState",
     "TensorSpec",
     "dtype_name",

@@ -26,7 +26,15 @@ from ..parameter import Parameter, parameters_of
 from ..process_group import ProcessGroup
 from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear, TensorParallelMLP
 from .reader import CheckpointReader
-from .types import FlatShard, ShardedState, TensorSpec, dtype_name, param_names
+from .types import (
+    FlatShard,
+    ShardedOptimizer,
+    ShardedState,
+    TensorSpec,
+    dtype_name,
+    optimizer_class_name,
+    param_names,
+)
 
 
 @dataclass(frozen=True)
@@ -103,6 +111,7 @@ class _Piece:
     pl: Placement
     data: Any
     owned: bool = False  # a private copy (state_dict arrays, gathered blocks)
+    start: int | None = None  # where data starts in the flattened tensor (None: from pl)
 
 
 def _pieces(params: Sequence[Parameter], names: list[str], pls: list[Placement],
@@ -110,7 +119,10 @@ def _pieces(params: Sequence[Parameter], names: list[str], pls: list[Placement],
     pieces = [_Piece(n, dtype_name(p.dtype), pl, p.data) for p, n, pl in zip(params, names, pls)]
     if optimizer is None:
         return pieces, None
-    sd = optimizer.state_dict()
+    sharded = isinstance(optimizer, ShardedOptimizer)
+    # a sharded optimizer's arrays are element ranges of the state: each rank writes its own
+    sd = optimizer.sharded_state_dict() if sharded else optimizer.state_dict()
+    ranges = optimizer.state_ranges() if sharded else {}
     index_of = {id(p): i for i, p in enumerate(params)}
     steps: dict[str, int] = {}
     opt_names = []
@@ -128,8 +140,9 @@ def _pieces(params: Sequence[Parameter], names: list[str], pls: list[Placement],
         for key in sorted(entry):
             if key != "step":
                 arr = entry[key]
+                start = ranges[k][0] if sharded else None
                 pieces.append(_Piece(f"optim/{names[j]}/{key}", dtype_name(arr.dtype), pls[j],
-                                     arr, owned=True))
+                                     arr, owned=True, start=start))
     return pieces, optimizer_meta(sd, steps, opt_names)
 
 
@@ -147,7 +160,7 @@ def layout_state(target: Any, optimizer: Any, g: ProcessGroup) -> ShardedState:
         flat = flat_name(pc.name)
         numel = int(np.prod(pl.shape, dtype=np.int64))
         tensors.append(TensorSpec(pc.name, pl.shape, pc.dtype, flat, 0))
-        start = pl.lo * pl.row_size if pl.axis == 0 else 0
+        start = pc.start if pc.start is not None else pl.lo * pl.row_size if pl.axis == 0 else 0
         mine.append(FlatShard(flat, numel, start, data, owned))
     claims = g.backend_for("save_sharded_checkpoint").allgather_object(
         [(s.flat, s.start, int(s.data.size)) for s in mine])
@@ -193,6 +206,8 @@ def load_layout(reader: CheckpointReader, target: Any, optimizer: Any, strict: b
                               "optimizer state; pass optimizer=None or save it with one")
     index_of = {id(p): i for i, p in enumerate(params)}
     listed = set(meta.get("params", meta["steps"]))
+    sharded = isinstance(optimizer, ShardedOptimizer)
+    ranges = optimizer.state_ranges() if sharded else {}
     state: dict[int, dict[str, Any]] = {}
     for k, p in enumerate(optimizer.params):
         i = index_of.get(id(p))
@@ -207,11 +222,30 @@ def load_layout(reader: CheckpointReader, target: Any, optimizer: Any, strict: b
                     f"for parameter {name!r}; pass strict=False to start its optimizer state "
                     "fresh")
             continue
+        if sharded and k not in ranges:
+            continue  # another rank holds all of this parameter's state
         entry: dict[str, Any] = {"step": int(meta["steps"][name])}
         for key in optimizer_state_names(reader, name):
-            entry[key] = _read_local(reader, f"optim/{name}/{key}", pls[i], p.shape)
+            if sharded:
+                entry[key] = _read_range(reader, f"optim/{name}/{key}", pls[i], ranges[k])
+            else:
+                entry[key] = _read_local(reader, f"optim/{name}/{key}", pls[i], p.shape)
         state[k] = entry
-    optimizer.load_state_dict(optimizer_state_dict_from(reader, optimizer, state))
+    full = optimizer_state_dict_from(reader, optimizer, state)
+    if sharded:
+        optimizer.load_sharded_state_dict(full)
+    else:
+        optimizer.load_state_dict(full)
+
+
+def _read_range(reader: CheckpointReader, name: str, pl: Placement, rng: tuple[int, int]
+                ) -> np.ndarray:
+    """Elements ``[start, stop)`` of flattened tensor ``name``, whose shape must be ``pl``'s."""
+    spec = reader.spec(name)
+    if tuple(spec.shape) != pl.shape:
+        raise CheckpointError(f"load_sharded_checkpoint: tensor {name!r} has shape "
+                              f"{tuple(spec.shape)} in the checkpoint, {pl.shape} in the model")
+    return reader.read(name, *rng)
 
 
 def optimizer_meta(sd: dict[str, Any], steps: dict[str, int],
@@ -255,9 +289,10 @@ def optimizer_state_dict_from(reader: CheckpointReader, optimizer: Any,
     if meta is None:
         raise CheckpointError(f"load_sharded_checkpoint: checkpoint {reader.path} holds no "
                               "optimizer state; pass optimizer=None or save it with one")
-    if meta["class"] != type(optimizer).__name__:
+    kind = optimizer_class_name(optimizer)
+    if meta["class"] != kind:
         raise CheckpointError(f"load_sharded_checkpoint: the checkpoint's optimizer is "
-                              f"{meta['class']}, not {type(optimizer).__name__}")
+                              f"{meta['class']}, not {kind}")
     return {"optimizer": meta["class"], "version": meta.get("version"),
             "hyperparameters": dict(meta["hyperparameters"]),
             "step_count": int(meta["step_count"]), "state": state}

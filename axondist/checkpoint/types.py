@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -63,6 +63,35 @@ class ShardedState:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+@runtime_checkable
+class ShardedOptimizer(Protocol):
+    """An optimizer that holds the state of element ranges of its parameters
+    (:class:`~axondist.zero.ZeroRedundancyOptimizer`): checkpoints save and load each
+    rank's ranges, in the format of the wrapped ``optimizer_class``."""
+
+    optimizer_class: type
+    params: list[Parameter]
+
+    def state_ranges(self) -> dict[int, tuple[int, int]]:
+        """``{parameter index: (start, stop)}`` of the flattened elements held here."""
+        ...
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """A state dict whose arrays are 1-D, the ranges of :meth:`state_ranges`."""
+        ...
+
+    def load_sharded_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load the format of :meth:`sharded_state_dict`."""
+        ...
+
+
+def optimizer_class_name(optimizer: Any) -> str:
+    """The optimizer class a checkpoint records: the wrapped one for a :class:`ShardedOptimizer`."""
+    if isinstance(optimizer, ShardedOptimizer):
+        return optimizer.optimizer_class.__name__
+    return type(optimizer).__name__
+
+
 def dtype_name(dtype: Any) -> str:
     """The dtype's name as the index stores it (``"bfloat16"`` included)."""
     return str(np.dtype(dtype)) if not is_bf16(dtype) else "bfloat16"
@@ -96,5 +125,5 @@ def param_names(params: Sequence[Parameter]) -> list[str]:
     return names
 
 
-__all__ = ["FlatShard", "ShardedState", "TensorSpec", "dtype_name", "is_bf16", "param_names",
-           "restore", "storable"]
+__all__ = ["FlatShard", "ShardedOptimizer", "ShardedState", "TensorSpec", "dtype_name", "is_bf16",
+           "optimizer_class_name", "param_names", "restore", "storable"]

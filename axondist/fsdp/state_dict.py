@@ -200,12 +200,12 @@ def _load_optimizer(f: ShardedModule, reader: CheckpointReader, optimizer: Any,
         flat = f.units[u]
         names = [all_names[i] for i in flat.param_indices]
         saved = {n: optimizer_state_names(reader, n) for n in names}
-        missing = [n for n in names if not saved[n] and n not in listed]
+        with_state = [n for n in names if n in steps or saved[n]]  # SGD's state: a step only
+        missing = [n for n in names if n not in with_state and n not in listed]
         if missing and strict:
             raise CheckpointError(f"load_sharded_checkpoint: checkpoint {reader.path} has no "
                                   f"optimizer entry for parameter(s) {missing}; pass "
                                   "strict=False to start their optimizer state fresh")
-        with_state = [n for n in names if saved[n]]
         if not with_state:
             continue
         # a unit's shard has one step count; parameters saved with different counts
@@ -214,7 +214,7 @@ def _load_optimizer(f: ShardedModule, reader: CheckpointReader, optimizer: Any,
         for key in sorted({key for n in with_state for key in saved[n]}):
             def piece(pos: int, lo: int, hi: int, key: str = key, names: list[str] = names,
                       saved: dict[str, list[str]] = saved) -> Any:
-                if not saved[names[pos]]:
+                if key not in saved[names[pos]]:
                     return 0.0  # no state (never updated, or not saved and not strict)
                 return reader.read(f"optim/{names[pos]}/{key}", lo, hi)
             first = next(n for n in with_state if key in saved[n])

@@ -10,16 +10,28 @@ another world size (or into the plain optimizer) and keep training identically.
 from __future__ import annotations
 
 import math
+import re
+import shutil
+import tempfile
 
 import numpy as np
 import pytest
-from harness import current_size, mock_only, run_world, world_sizes
-from hypothesis import given, settings
+from harness import UNDER_MPI, current_size, mock_only, run_world, world_sizes
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import axondist as ad
+from axondist import comm
+from axondist.checkpoint import (
+    Checkpointer,
+    CheckpointError,
+    CheckpointReader,
+    load_sharded_checkpoint,
+    save_sharded_checkpoint,
+)
 from axondist.ddp import DistributedDataParallel
 from axondist.errors import CollectiveMismatchError, UnsupportedDTypeError
+from axondist.fsdp import FSDP
 from axondist.optim import SGD, Adam, AdamW
 from axondist.zero import ZeroRedundancyOptimizer, shard_elements
 
@@ -266,3 +278,147 @@ def test_lr_passes_through() -> None:
         return zero.optim.lr
 
     assert ad.spawn(body, 2) == [0.25, 0.25]
+
+
+# --- sharded checkpoints ----------------------------------------------------------------------
+
+def shared_dir(world: ad.World, base: str | None) -> str:
+    """A fresh directory every rank sees: made by rank 0, its path broadcast."""
+    path = tempfile.mkdtemp(prefix="zero-ckpt-", dir=base) if world.rank == 0 else None
+    return comm.broadcast_object(path, world)
+
+
+def written_by_rank(path: str, n: int) -> list[int]:
+    """Optimizer-state elements each of ``n`` ranks wrote into the latest checkpoint."""
+    out = [0] * n
+    index = CheckpointReader(path).index
+    state_flats = {t["flat"] for name, t in index["tensors"].items() if name.startswith("optim/")}
+    for flat in state_flats:
+        for shard in index["flats"][flat]["shards"]:
+            out[int(re.search(r"\.rank(\d+)", shard["file"]).group(1))] += (shard["stop"]
+                                                                          - shard["start"])
+    return out
+
+
+def zeroed(seed: int) -> list[ad.Parameter]:
+    """The model of ``seed`` holding zeros: a load must fill every value."""
+    params = make_params(seed)
+    for p in params:
+        p.data[...] = 0
+    return params
+
+
+def assert_state_equal(got: dict, want: dict) -> None:
+    assert got["optimizer"] == want["optimizer"] and got["step_count"] == want["step_count"]
+    assert got["hyperparameters"] == want["hyperparameters"]
+    assert sorted(got["state"]) == sorted(want["state"])
+    for i, entry in want["state"].items():
+        assert got["state"][i]["step"] == entry["step"]
+        for name in entry:
+            if name != "step":
+                np.testing.assert_allclose(np.asarray(got["state"][i][name]), entry[name],
+                                           rtol=1e-5, atol=1e-7)
+
+
+@given(kind=st.sampled_from(sorted(KINDS)), seed=st.integers(0, 10_000),
+       skip=st.sampled_from([None, 0]), middle=st.sampled_from(["zero", "shard_optimizer"]),
+       async_save=st.booleans())
+@settings(max_examples=8, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_sharded_checkpoint_two_to_three_to_one_rank(tmp_path, kind: str, seed: int,
+                                                     skip: int | None, middle: str,
+                                                     async_save: bool) -> None:
+    """ZeRO on 2 ranks saves (each rank its own state shards); 3 ranks load it (ZeRO, or FSDP
+    SHARD_OPTIMIZER), train a step, save; 1 rank of ZeRO, then the plain optimizer, load that:
+    every stage equals the uninterrupted single-process run. A parameter that never gets a
+    gradient (``skip``) has no state, and still loads under strict."""
+    cls, kw = KINDS[kind]
+    base = None if UNDER_MPI else str(tmp_path)
+
+    def body(world: ad.World) -> None:
+        n = world.world_size
+        n_save = min(2, n)
+        path = shared_dir(world, base)
+        ckpt = Checkpointer(path)
+        save_group, one = world.new_group(range(n_save)), world.new_group([0])
+        want, ref = reference(seed, n_save, range(2), kind, skip=skip)
+        if save_group.is_member:  # 1. ZeRO over 2 ranks: 2 steps, save
+            ddp, zero = build(make_params(seed), save_group, kind, skip)
+            train(ddp, zero, seed, save_group.rank, range(2))
+            ckpt.save(ddp, zero, step=2, async_save=async_save)
+            ckpt.wait()
+            held = sum(int(v.size) for s in zero.optim.state.values()
+                       for name, v in s.items() if name != "step")
+            assert written_by_rank(path, n_save)[save_group.rank] == held
+        comm.barrier(world)
+        # 2. every rank (3 by default): ZeRO or FSDP SHARD_OPTIMIZER loads, 1 step, save
+        reference(seed, n, range(2, 3), kind, params=want, opt=ref, skip=skip)
+        params = zeroed(seed)
+        if middle == "zero":
+            ddp, zero = build(params, world, kind, skip)
+            assert ckpt.load(ddp, zero) == {}
+            assert zero.step_count == 2
+            train(ddp, zero, seed, world.rank, range(2, 3))
+            ckpt.save(ddp, zero, step=3)
+        else:
+            f = FSDP(params, world, sharding_strategy="shard_optimizer",
+                     units=[[i] for i in range(len(params))],
+                     grad_fn=lambda a, x, y: grad_fn(a, x, y, skip))
+            opt = cls(f.sharded_parameters(), **kw)
+            ckpt.load(f, opt)
+            f.step(*batch(seed, world.rank, 2), optimizer=opt)
+            ckpt.save(f, opt, step=3)
+        # 3. one rank of ZeRO loads, 1 step, saves; 4. the plain optimizer loads that
+        reference(seed, 1, range(3, 4), kind, params=want, opt=ref, skip=skip)
+        if one.is_member:
+            params = zeroed(seed)
+            ddp, zero = build(params, one, kind, skip)
+            ckpt.load(ddp, zero)
+            train(ddp, zero, seed, 0, range(3, 4))
+            ckpt.save(ddp, zero, step=4, async_save=async_save)
+            ckpt.wait()
+            for p, q in zip(params, want):
+                np.testing.assert_allclose(p.data, q.data, rtol=1e-5, atol=1e-6)
+        comm.barrier(world)
+        plain = zeroed(seed)
+        plain_opt = cls(plain, **kw)
+        load_sharded_checkpoint(path, plain, plain_opt)
+        for p, q in zip(plain, want):
+            np.testing.assert_allclose(p.data, q.data, rtol=1e-5, atol=1e-6)
+        assert_state_equal(plain_opt.state_dict(), ref.state_dict())
+        comm.barrier(world)
+        if world.rank == 0:
+            shutil.rmtree(path, ignore_errors=True)
+
+    run_world(body, current_size(3))
+
+
+def test_sharded_checkpoint_without_a_parameters_entry_is_refused_unless_not_strict(
+        tmp_path) -> None:
+    """The plain optimizer over all but parameter 0 saves; ZeRO over every parameter refuses
+    to load that (on every rank) unless strict=False, when parameter 0's state starts fresh."""
+    base = None if UNDER_MPI else str(tmp_path)
+
+    def body(world: ad.World) -> None:
+        path = shared_dir(world, base)
+        params = make_params(0)
+        if world.rank == 0:
+            opt = Adam(params[1:], lr=0.01)
+            for p in params:
+                p.grad = np.ones_like(p.data)
+            opt.step()
+            save_sharded_checkpoint(path, params, opt, group=world.new_group([0]))
+        else:
+            world.new_group([0])
+        comm.barrier(world)
+        ddp, zero = build(zeroed(0), world, "adam")
+        with pytest.raises(CheckpointError, match="no optimizer entry for parameter 'p0'; pass "
+                                                  "strict=False"):
+            load_sharded_checkpoint(path, ddp, zero)
+        load_sharded_checkpoint(path, ddp, zero, strict=False)
+        sd = zero.state_dict()
+        assert 0 not in sd["state"] and sorted(sd["state"]) == list(range(1, len(params)))
+        comm.barrier(world)
+        if world.rank == 0:
+            shutil.rmtree(path, ignore_errors=True)
+
+    run_world(body, current_size(2))
