@@ -22,6 +22,7 @@ feature more, so sizes need not divide the group size.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from math import prod
@@ -30,8 +31,11 @@ from typing import Any
 import numpy as np
 
 from . import _array
+from ._validate import positive_number
 from .comm import all_gather, all_reduce_sum, reduce_scatter_sum, split_sizes
+from .errors import NonFiniteNormError
 from .parameter import Parameter
+from .pipeline import clip as _clip
 from .process_group import ProcessGroup, resolve_group
 
 Array = Any
@@ -227,6 +231,10 @@ class _ParallelLinear:
     def parameters(self) -> list[Parameter]:
         """This rank's parameters: the weight shard, then the bias (when there is one)."""
         return [self.weight] + ([self.bias] if self.bias is not None else [])
+
+    def replicated_parameters(self) -> list[Parameter]:
+        """The parameters every rank holds whole (RowParallelLinear's bias), not shards."""
+        return [self.bias] if self._split_name == "in" and self.bias is not None else []
 
     def zero_grad(self) -> None:
         for p in self.parameters():
@@ -577,6 +585,10 @@ class TensorParallelMLP:
         """fc1's weight and bias shards, then fc2's (its bias replicated)."""
         return self.fc1.parameters() + self.fc2.parameters()
 
+    def replicated_parameters(self) -> list[Parameter]:
+        """fc2's bias: every rank holds it whole."""
+        return self.fc1.replicated_parameters() + self.fc2.replicated_parameters()
+
     def zero_grad(self) -> None:
         """Drop every parameter's gradient (``grad = None``), as before the first backward."""
         for p in self.parameters():
@@ -790,6 +802,10 @@ class TensorParallelAttention:
         return [p for p in (self.qkv_weight, self.qkv_bias, self.out_weight, self.out_bias)
                 if p is not None]
 
+    def replicated_parameters(self) -> list[Parameter]:
+        """The output bias: every rank holds it whole."""
+        return [self.out_bias] if self.out_bias is not None else []
+
     def zero_grad(self) -> None:
         """Drop every parameter's gradient (``grad = None``)."""
         for p in self.parameters():
@@ -884,7 +900,55 @@ class TensorParallelAttention:
         return self._dense(grads=True)
 
 
+def clip_grad_norm(layers: Sequence[Any], max_norm: float, norm_type: float = 2.0,
+                   error_if_nonfinite: bool = False) -> float:
+    """Clip the gradients of tensor-parallel ``layers`` by their global norm; return the norm.
+
+    The norm is the full model's: every shard counts once (each rank holds a
+    different one) and a replicated gradient (RowParallelLinear's bias) once,
+    not once per rank. NaN and inf propagate as in
+    ``torch.nn.utils.clip_grad_norm_``; every rank gets the same norm. The layers
+    must share one group. Combine with data parallelism by clipping after the
+    data-parallel average.
+
+    Raises:
+        NonFiniteNormError: the norm is NaN or inf and ``error_if_nonfinite`` (on
+            every rank; nothing is scaled).
+        ValueError: no layers, layers on different groups, or a bad ``max_norm``
+            or ``norm_type``.
+    """
+    layers = list(layers)
+    if not layers:
+        raise ValueError("tensor_parallel.clip_grad_norm: pass at least one layer")
+    group = layers[0].group
+    if any(layer.group is not group for layer in layers):
+        raise ValueError("tensor_parallel.clip_grad_norm: the layers are split over different "
+                         "groups; clip each group's layers in their own call")
+    counted, every = [], []
+    for layer in layers:
+        replicated = {id(p) for p in layer.replicated_parameters()}
+        for param in layer.parameters():
+            if param.grad is None:
+                continue
+            every.append(param.grad)
+            if id(param) not in replicated or group.rank == 0:
+                counted.append(param.grad)
+    norm = _clip.total_norm(counted, _clip.norm_type_of(norm_type, "clip_grad_norm"), group)
+    limit = positive_number(max_norm, "tensor_parallel.clip_grad_norm", "max_norm")
+    if error_if_nonfinite and not math.isfinite(norm):
+        raise NonFiniteNormError(
+            f"tensor_parallel.clip_grad_norm: the total norm of the gradients is {norm}; find "
+            "the NaN/inf gradient, or pass error_if_nonfinite=False to scale by it anyway")
+    coef = _clip.clip_coefficient(norm, limit)
+    if coef != 1.0:
+        with _array.quiet_nan_compare(every[0] if every else None):
+            for grad in every:
+                grad *= coef
+    return norm
+
+
 __all__ = [
+    "clip_grad_norm",
     "ACTIVATIONS",
     "ADJOINT",
     "Activation",

@@ -672,3 +672,43 @@ def _body_attention_tp_dp(world, tp_size, seed, steps):
 def test_attention_tp_x_dp_training_matches_one_rank(n, data, seed):
     tp_size = data.draw(st.sampled_from([d for d in range(1, n + 1) if n % d == 0]))
     run_world(_body_attention_tp_dp, n, tp_size, seed, 3)
+
+
+@given(n=world_sizes(1, 4), seed=st.integers(0, 2**31 - 1),
+       norm_type=st.sampled_from([1.0, 2.0, 3.0, float("inf")]),
+       max_norm=st.floats(0.01, 10.0), poison=st.sampled_from([None, "nan", "inf"]))
+def test_clip_grad_norm_equals_clipping_the_dense_model(n, seed, norm_type, max_norm, poison):
+    """The global norm counts each shard once and the replicated bias once, as the dense
+    model's; NaN and inf follow torch.nn.utils.clip_grad_norm_."""
+    rng = np.random.default_rng(seed)
+    w1, b1 = rng.standard_normal((6, 4)), rng.standard_normal(6)
+    w2, b2 = rng.standard_normal((3, 6)), rng.standard_normal(3)
+    x = rng.standard_normal((5, 4))
+
+    def body(world):
+        mlp = tp.TensorParallelMLP.from_dense(w1, b1, w2, b2, world)
+        y = mlp.forward(x)
+        mlp.backward(np.ones_like(y) * 0.3)
+        if poison is not None:
+            mlp.fc2.bias.grad[0] = np.nan if poison == "nan" else np.inf  # replicated
+        dense = mlp.full_grads()
+        grads = [g for pair in dense.values() for g in pair]
+        flat = np.concatenate([g.ravel() for g in grads])
+        with np.errstate(invalid="ignore"):
+            want = (np.max(np.abs(flat)) if np.isinf(norm_type)
+                    else np.sum(np.abs(flat) ** norm_type) ** (1 / norm_type))
+        got = tp.clip_grad_norm([mlp], max_norm, norm_type)
+        if np.isnan(want):
+            assert np.isnan(got)
+        else:
+            np.testing.assert_allclose(got, want, rtol=1e-12)
+        coef = min(1.0, max_norm / (want + 1e-6)) if np.isfinite(want) else None
+        after = mlp.full_grads()
+        for key, (dw, db) in after.items():
+            if coef is not None:
+                np.testing.assert_allclose(dw, dense[key][0] * coef, rtol=1e-12)
+        if poison is not None:
+            with pytest.raises(ad.NonFiniteNormError):
+                tp.clip_grad_norm([mlp], max_norm, norm_type, error_if_nonfinite=True)
+
+    run_world(body, n)
