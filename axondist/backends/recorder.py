@@ -11,12 +11,14 @@ watchdog reads the recorders of the ranks a stalled call waits for, and
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import time
 from collections.abc import Sequence
 from typing import Any
 
 _monotonic = time.monotonic
+_trace = logging.getLogger("axondist.trace")
 
 # Fields of a ring slot (a tuple, so a reader never sees half of an update).
 _GROUP, _SEQ, _OP, _DETAIL, _START, _BLOCKING = range(6)
@@ -112,6 +114,9 @@ class FlightRecorder:
         #: group name -> its members' world ranks.
         self.groups: dict[str, tuple[int, ...]] = {}
         self._counter = itertools.count()
+        #: Log every completed call at DEBUG on ``axondist.trace`` (decided when the rank's
+        #: world starts: set the level before ``init``/``spawn``).
+        self.trace = _trace.isEnabledFor(logging.DEBUG)
         #: Asks peers for their status (set by a watchdog): world ranks -> status dicts.
         self.query_peers: Any = None
 
@@ -128,11 +133,16 @@ class FlightRecorder:
 
     def end(self, slot: int) -> None:
         """Record that the call in ``slot`` completed (returned or raised)."""
-        self._ends[slot] = _monotonic()
+        end = self._ends[slot] = _monotonic()
         entry = self._slots[slot]
         if entry[_BLOCKING]:  # type: ignore[index]  # begin() filled the slot
             # blocking calls of a group end in the order they started
             self.completed[entry[_GROUP]] = entry[_SEQ]  # type: ignore[index]
+        if self.trace:
+            _trace.debug("rank %d: %s #%d on %s [%s] in %.3f ms", self.rank,
+                         entry[_OP], entry[_SEQ], entry[_GROUP],  # type: ignore[index]
+                         describe_detail(entry[_DETAIL], entry[_OP]),  # type: ignore[index]
+                         (end - entry[_START]) * 1e3)  # type: ignore[index]
 
     def complete(self, group: str, seq: int) -> None:
         """Count call ``seq`` of ``group`` as completed (a non-blocking call's wait ended)."""
