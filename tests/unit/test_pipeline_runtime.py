@@ -21,9 +21,12 @@ from pipeline_toy import (
     data,
     fwd,
     layer_params,
+    make_optimizer,
     make_stages,
     mse,
     sequential,
+    state_of,
+    train_sequential,
 )
 
 import axondist as ad
@@ -189,6 +192,97 @@ def test_shared_parameter_gets_the_sum_over_its_stages():
     _, grads, _ = sequential(stages, x, t)
     Pipeline.from_stages(stages, num_microbatches=2).train_step(x, t, mse)
     np.testing.assert_allclose(W.grad, grads[0][0] + grads[1][0], rtol=1e-12)
+
+
+# ---------------------------------------------------------------- the calls shared with DDP/FSDP
+
+
+@settings(max_examples=10, deadline=None)
+@given(shapes(), st.sampled_from(["one_call", "accumulate"]), st.sampled_from([None, 0.05]),
+       st.sampled_from(["sgd", "adam"]))
+def test_step_and_no_sync_accumulation_equal_sequential_training(shape, style, max_norm,
+                                                                 opt_kind):
+    p, v, m, rows, dims, seed = shape
+    for kind, chunks, split in variants(p, v):
+        d = dims[: p * chunks + 1]
+        count = 2 if style == "accumulate" else 1
+        steps = [[data(seed + 10 * k + j, rows, d[0], d[-1]) for j in range(count)]
+                 for k in range(2)]
+        ref = make_stages(seed, d)
+        want_losses, _ = train_sequential(ref, steps, max_norm, opt_kind)
+        pipe = Pipeline.from_stages(make_stages(seed, d, split), num_microbatches=m,
+                                    schedule=kind, chunks=chunks, loss_fn=mse)
+        opt = make_optimizer(opt_kind, pipe.parameters())
+        for batches, want in zip(steps, want_losses):
+            with pipe.no_sync():
+                for x, t in batches[:-1]:
+                    pipe.backward(x, t)
+            assert pipe.step(*batches[-1], optimizer=opt, max_norm=max_norm) == (
+                pytest.approx(want, rel=1e-10))
+        state = pipe.state_dict()
+        for name, value in state_of(ref).items():
+            np.testing.assert_allclose(state[name], value, rtol=1e-9, atol=1e-11,
+                                       err_msg=f"{kind} {split} {name}")
+
+
+@settings(max_examples=10, deadline=None)
+@given(shapes())
+def test_backward_adds_into_grad_and_train_step_replaces(shape):
+    p, v, m, rows, dims, seed = shape
+    for kind, chunks, split in variants(p, v):
+        stages = make_stages(seed, dims[: p * chunks + 1], split)
+        x, t = data(seed, rows, dims[0], dims[p * chunks])
+        _, want, _ = sequential(make_stages(seed, dims[: p * chunks + 1]), x, t)
+        pipe = Pipeline.from_stages(stages, num_microbatches=m, schedule=kind, chunks=chunks)
+        with pipe.no_sync():
+            pipe.backward(x, t, loss_fn=mse)
+            pipe.backward(x, t, loss_fn=mse)
+        check_grads(stages, want, 2, f"{kind} {split}: two backward calls")
+        pipe.train_step(x, t, mse)
+        check_grads(stages, want, 1, f"{kind} {split}: train_step after them")
+        pipe.zero_grad(set_to_none=False)
+        assert all(not prm.grad.any() for prm in pipe.parameters())
+        pipe.backward(x, t, loss_fn=mse)
+        check_grads(stages, want, 1, f"{kind} {split}: backward after zero_grad(False)")
+        pipe.zero_grad()
+        assert all(prm.grad is None for prm in pipe.parameters())
+
+
+def check_grads(stages, want, factor, where):
+    for stage, gs in zip(stages, want):
+        for prm, g in zip(stage.params, gs):
+            np.testing.assert_allclose(prm.grad, factor * g, rtol=1e-10, atol=1e-12,
+                                       err_msg=where)
+
+
+def test_state_dict_in_one_process_names_a_shared_parameter_once():
+    rng = np.random.default_rng(4)
+    W = ad.Parameter(rng.standard_normal((3, 3)) / 2, "W")
+    b = [ad.Parameter(np.zeros(3)), ad.Parameter(np.ones(3), "b1")]
+    stages = [PipelineStage(fwd, bwd, [W, b[0]]), PipelineStage(fwd, bwd, [W, b[1]])]
+    pipe = Pipeline.from_stages(stages, num_microbatches=2, loss_fn=mse)
+    state = pipe.state_dict()
+    assert list(state) == ["W", "param1", "b1"]
+    np.testing.assert_array_equal(state["b1"], np.ones(3))
+    state["b1"] = state["b1"] + 1  # a copy: the model is unchanged
+    np.testing.assert_array_equal(b[1].data, np.ones(3))
+    pipe.load_state_dict({"W": np.eye(3), "param1": np.full(3, 2.0), "b1": np.zeros(3)})
+    np.testing.assert_array_equal(W.data, np.eye(3))
+    np.testing.assert_array_equal(b[0].data, np.full(3, 2.0))
+    with pipe.summon_full_params() as held:
+        assert held == [W, b[0], b[1]]
+    with pytest.raises(ValueError, match=r"Pipeline.load_state_dict: 'W' has shape \(2, 3\)"):
+        pipe.load_state_dict({"W": np.eye(3)[:2], "param1": np.zeros(3), "b1": np.zeros(3)})
+    np.testing.assert_array_equal(b[1].data, np.zeros(3))  # nothing written by the failed load
+
+
+def test_clip_grad_norm_error_if_nonfinite_is_also_positional():
+    pipe = Pipeline.from_stages(make_stages(2, [2, 2, 2]), num_microbatches=2, loss_fn=mse)
+    pipe.backward(*data(2, 4, 2, 2))
+    pipe.parameters()[0].grad[0, 0] = math.inf
+    with pytest.raises(NonFiniteNormError, match="is inf"):
+        pipe.clip_grad_norm(1.0, 2.0, True)
+    assert pipe.clip_grad_norm(1.0, 2.0, False) == math.inf
 
 
 # ---------------------------------------------------------------- memory
