@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
 import math
 import os
@@ -31,11 +32,14 @@ import axondist as ad
 from axondist import comm
 from axondist._array import bfloat16
 from axondist.checkpoint import (
+    CheckpointError,
+    CheckpointReader,
     load_full_checkpoint,
     load_sharded_checkpoint,
     save_full_checkpoint,
     save_sharded_checkpoint,
 )
+from axondist.checkpoint.index import canonical_json, with_checksum
 from axondist.errors import CollectiveMismatchError, NonFiniteNormError, UnsupportedDTypeError
 from axondist.fsdp import (
     FSDP,
@@ -1006,3 +1010,190 @@ def test_complex_gradients_are_refused_in_sync_gradients() -> None:
         assert all(s.grad is None for s in f.sharded_parameters())
 
     run_world(body, current_size(2))
+
+
+# --- optimizer entries: "had no state" is not "missing" --------------------------------------
+
+def grad_fn_without(skip: int):
+    """``grad_fn`` with no gradient for parameter ``skip`` (it never gets optimizer state)."""
+    def fn(arrays: list, x: np.ndarray, y: np.ndarray) -> tuple[float, list]:
+        loss, grads = grad_fn(arrays, x, y)
+        grads[skip] = None
+        return loss, grads
+    return fn
+
+
+def reference_without(seed: int, ranks: int, steps: int, skip: int) -> tuple[list, object]:
+    """Adam on one process when parameter ``skip`` never gets a gradient."""
+    params = make_params(seed)
+    opt = Adam(params, lr=0.01)
+    for step in range(steps):
+        _, grads = grad_fn_without(skip)([p.data for p in params], *global_batch(seed, ranks, step))
+        for p, g in zip(params, grads):
+            p.grad = g
+        opt.step()
+        opt.zero_grad()
+    return params, opt
+
+
+@given(world_size=world_sizes(1, 4), strategy=st.sampled_from(STRATEGIES),
+       seed=st.integers(0, 10_000))
+@settings(max_examples=10, suppress_health_check=REUSED_FIXTURE)
+def test_plain_load_of_a_unit_that_never_had_a_gradient(tmp_path, world_size: int,
+                                                        strategy: ShardingStrategy,
+                                                        seed: int) -> None:
+    """FSDP (a unit per parameter) trains with no gradient for parameter 0, so its unit has no
+    optimizer state; a plain model and another FSDP load the checkpoint under strict and hold
+    what one process holds."""
+    base = None if UNDER_MPI else str(tmp_path)
+
+    def body(world: ad.World) -> None:
+        path = shared_dir(world, base)
+        n = len(model_shapes(seed))
+        f = wrap(make_params(seed), world, strategy, seed, units=[[i] for i in range(n)],
+                 grad_fn=grad_fn_without(0))
+        opt = Adam(f.sharded_parameters(), lr=0.01)
+        for step in range(2):
+            f.step(*batch(seed, world.rank, step), optimizer=opt)
+        save_sharded_checkpoint(path, f, opt)
+        f.close()
+        want, want_opt = reference_without(seed, world.world_size, 2, 0)
+        assert CheckpointReader(path).optimizer["params"] == f.parameter_names()
+        plain = make_params(seed, seed + 1)
+        plain_opt = Adam(plain)
+        load_sharded_checkpoint(path, plain, plain_opt)
+        assert_close([p.data for p in plain], [p.data for p in want])
+        got, ref = plain_opt.state_dict(), want_opt.state_dict()
+        assert sorted(got["state"]) == sorted(ref["state"]) and 0 not in got["state"]
+        for k, entry in ref["state"].items():
+            assert got["state"][k]["step"] == entry["step"] == 2
+            assert_close([got["state"][k]["exp_avg"]], [entry["exp_avg"]])
+        with wrap(make_params(seed, seed + 1), world, ShardingStrategy.FULL_SHARD, seed,
+                  units=[[i] for i in range(n)]) as g:
+            g_opt = Adam(g.sharded_parameters())
+            load_sharded_checkpoint(path, g, g_opt)
+            assert 0 not in g_opt.state_dict()["state"]
+            assert_close(full_values(g), [p.data for p in want])
+        cleanup(world, path)
+
+    run_world(body, world_size)
+
+
+def test_a_parameter_without_state_in_a_shared_unit_loads_as_zeros(tmp_path) -> None:
+    """The plain optimizer never updated parameter 0; FSDP with one unit for every parameter
+    loads the checkpoint under strict, parameter 0's part of the unit state being zeros."""
+    seed, n = 0, 3  # parameters of shapes (5, 3), (), (2, 5)
+    base = None if UNDER_MPI else str(tmp_path)
+
+    def body(world: ad.World) -> None:
+        path = shared_dir(world, base)
+        if world.rank == 0:
+            want, want_opt = reference_without(seed, 1, 1, 0)
+            save_sharded_checkpoint(path, want, want_opt, group=world.new_group([0]))
+        else:
+            world.new_group([0])
+        comm.barrier(world)
+        with FSDP(make_params(seed, 9), world, units=[list(range(n))]) as f:
+            opt = Adam(f.sharded_parameters())
+            load_sharded_checkpoint(path, f, opt)
+            want, want_opt = reference_without(seed, 1, 1, 0)
+            full = np.concatenate([np.zeros(want[0].size)] + [want_opt.state_dict()["state"][k]["exp_avg"]
+                                                   .reshape(-1) for k in range(1, n)])
+            lo, hi = f.units[0].valid_bounds(f.shard_rank)
+            start, _ = f.units[0].shard_bounds(f.shard_rank)
+            mine = opt.state_dict()["state"][0]["exp_avg"][lo - start:hi - start]
+            np.testing.assert_allclose(mine, full[lo:hi], rtol=1e-6)
+            assert_close(full_values(f), [p.data for p in want])
+        cleanup(world, path)
+
+    run_world(body, current_size(2))
+
+
+def drop_optimizer_entry(path: str, name: str) -> None:
+    """Remove parameter ``name`` from the latest checkpoint's optimizer entry (its state
+    tensors, step and listing) and re-checksum the index, as a foreign writer might."""
+    ckpt = CheckpointReader(path).path
+    index_path = os.path.join(ckpt, "index.json")
+    with open(index_path) as fh:
+        index = {k: v for k, v in json.load(fh).items() if k != "checksum"}
+    index["tensors"] = {k: v for k, v in index["tensors"].items()
+                        if not k.startswith(f"optim/{name}/")}
+    opt = index["optimizer"]
+    opt["steps"].pop(name, None)
+    opt["params"] = [p for p in opt["params"] if p != name]
+    with open(index_path, "wb") as fh:
+        fh.write(canonical_json(with_checksum(index)))
+
+
+@given(world_size=world_sizes(1, 4), strategy=st.sampled_from(STRATEGIES),
+       seed=st.integers(0, 10_000))
+@settings(max_examples=8, suppress_health_check=REUSED_FIXTURE)
+def test_a_removed_optimizer_entry_is_refused_unless_not_strict(tmp_path, world_size: int,
+                                                                strategy: ShardingStrategy,
+                                                                seed: int) -> None:
+    base = None if UNDER_MPI else str(tmp_path)
+
+    def body(world: ad.World) -> None:
+        path = shared_dir(world, base)
+        n = len(model_shapes(seed))
+        with wrap(make_params(seed), world, strategy, seed, units=[[i] for i in range(n)]) as f:
+            opt = Adam(f.sharded_parameters(), lr=0.01)
+            f.step(grad_fn, *batch(seed, world.rank, 0), optimizer=opt)
+            save_sharded_checkpoint(path, f, opt)
+        comm.barrier(world)
+        if world.rank == 0:
+            drop_optimizer_entry(path, "p0")
+        comm.barrier(world)
+        with wrap(make_params(seed, seed + 1), world, strategy, seed,
+                  units=[[i] for i in range(n)]) as g:
+            g_opt = Adam(g.sharded_parameters())
+            with pytest.raises(CheckpointError, match=r"no optimizer entry for parameter\(s\) "
+                                                      r"\['p0'\]; pass strict=False"):
+                load_sharded_checkpoint(path, g, g_opt)
+            load_sharded_checkpoint(path, g, g_opt, strict=False)
+            state = g_opt.state_dict()["state"]
+            assert 0 not in state and sorted(state) == list(range(1, n))
+        plain = make_params(seed, seed + 1)
+        with pytest.raises(CheckpointError, match="no optimizer entry for parameter 'p0'"):
+            load_sharded_checkpoint(path, plain, Adam(plain))
+        plain_opt = Adam(plain)
+        load_sharded_checkpoint(path, plain, plain_opt, strict=False)
+        assert 0 not in plain_opt.state_dict()["state"]
+        cleanup(world, path)
+
+    run_world(body, world_size)
+
+
+# --- groups are freed ---------------------------------------------------------------------------
+
+def test_hybrid_shard_built_and_closed_many_times() -> None:
+    """Each HYBRID_SHARD wrapper creates its node and replica groups; close() destroys them
+    (the user's group stays usable), so building and closing hundreds in a row works. Under
+    MPI that keeps the communicator count bounded."""
+    times = 40 if UNDER_MPI else 500
+
+    def body(world: ad.World) -> None:
+        n = world.world_size
+        rpn = next(d for d in (2, 1) if n % d == 0)
+        user = world.new_group(range(n))
+        for i in range(times):
+            f = FSDP(make_params(1), user, sharding_strategy="hybrid_shard", ranks_per_node=rpn)
+            created = f._created_groups
+            assert len(created) == 2 and all(g.is_member for g in created)
+            if i % 50 == 0:  # still trains before it is closed
+                f.step(grad_fn, *batch(1, world.rank, 0), optimizer=SGD(f.parameters(), lr=0.1))
+            f.close()
+            f.close()  # idempotent
+            assert f.closed and not any(g.is_member for g in created)
+        with pytest.raises(RuntimeError, match="gather_parameters: this FullyShardedDataParallel "
+                                               "is closed"):
+            f.gather_parameters()
+        x = np.ones(3)
+        comm.all_reduce(x, group=user)  # the group passed in is untouched
+        np.testing.assert_array_equal(x, np.full(3, n))
+        with FSDP(make_params(1), user, sharding_strategy="full_shard") as g:
+            assert g._created_groups == []
+        assert g.closed and user.is_member
+        user.destroy()
+
+    run_world(body, current_size(4), timeout=300)
