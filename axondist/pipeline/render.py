@@ -6,7 +6,9 @@ import bisect
 import math
 import os
 from collections.abc import Mapping
+from typing import Any
 
+from axondist._validate import positive_number
 from axondist.pipeline.schedules import ActionKind, Schedule
 from axondist.pipeline.simulate import Costs, SimulationResult, simulate
 
@@ -14,13 +16,15 @@ __all__ = ["render_image", "render_text"]
 
 
 def _as_result(
-    obj: Schedule | SimulationResult, costs: Costs | None, comm: float
+    obj: Schedule | SimulationResult, costs: Costs | None, comm: float, what: str
 ) -> SimulationResult:
     if isinstance(obj, SimulationResult):
         return obj
     if isinstance(obj, Schedule):
         return simulate(obj, costs, comm=comm)
-    raise TypeError(f"expected a Schedule or SimulationResult, got {type(obj).__name__}")
+    raise TypeError(
+        f"{what}: obj must be a Schedule (build_schedule or parse_schedule make one) or a "
+        f"SimulationResult (simulate makes one), got {type(obj).__name__} {obj!r:.60}")
 
 
 def render_text(
@@ -34,13 +38,29 @@ def render_text(
 
     A cell shows the action running at the middle of its slot (``"F0"``,
     ``"B3"``, ``"1F2"`` for chunk 1 when chunks > 1) or ``"."`` when the rank
-    is idle, so the bubble is visible.  An action lasting several slots fills
-    several cells.  ``slot`` defaults to 1 when all simulated times are
-    integers, else to the shortest action; actions shorter than ``slot`` may
-    not show.  A :class:`Schedule` is simulated first with ``costs``/``comm``.
-    The last line gives makespan, bubble fraction and peak activations.
+    is idle, so the bubble is visible; an action lasting several slots fills
+    several cells, and one shorter than ``slot`` may not show. The last line
+    gives makespan, bubble fraction and peak activations.
+
+    Args:
+        obj: a :class:`Schedule` (simulated first with ``costs`` and ``comm``)
+            or a :class:`SimulationResult`, simulated or measured
+            (:meth:`PipelineRunStats.as_simulation`).
+        costs: action durations for a Schedule, as for :func:`simulate`.
+        comm: message latency for a Schedule, as for :func:`simulate`.
+        slot: time units per column; 1 when every simulated time is an
+            integer, else the shortest action, when None.
+
+    Returns:
+        The grid, lines joined by newlines.
+
+    Raises:
+        TypeError: ``obj`` is neither a Schedule nor a SimulationResult, or
+            ``slot`` is not a number.
+        ValueError: ``slot`` is not a finite number > 0.
+        ScheduleError: the Schedule deadlocks (from :func:`simulate`).
     """
-    result = _as_result(obj, costs, comm)
+    result = _as_result(obj, costs, comm, "render_text")
     schedule = result.schedule
     timed = [t for row in result.timeline for t in row]
     if slot is None:
@@ -48,8 +68,7 @@ def render_text(
             slot = 1.0
         else:
             slot = min((t.end - t.start for t in timed), default=1.0)
-    if not slot > 0:
-        raise ValueError(f"slot must be > 0, got {slot!r}")
+    slot = positive_number(slot, "render_text", "slot")
     ncols = math.ceil(result.makespan / slot - 1e-9) if result.makespan > 0 else 0
 
     labels = {id(t): t.action.text(schedule.chunks) for t in timed}
@@ -86,9 +105,28 @@ def render_text(
 _COLORS: Mapping[ActionKind, str] = {
     ActionKind.F: "#4C72B0",
     ActionKind.B: "#55A868",
-    ActionKind.I: "#64B5CD",
-    ActionKind.W: "#8C8C8C",
+    ActionKind.I: "#2A8C9E",
+    ActionKind.W: "#7F7F7F",
 }
+_MEANING: Mapping[ActionKind, str] = {
+    ActionKind.F: "F: forward",
+    ActionKind.B: "B: backward",
+    ActionKind.I: "I: input gradient",
+    ActionKind.W: "W: weight gradient",
+}
+_INCH_PER_ACTION = 0.42  # the busiest rank's actions set the width, whatever the time unit
+_MAX_WIDTH = 24.0  # inches; beyond it labels that do not fit their bar are left out
+
+
+def _shade(chunk: int, chunks: int) -> float:
+    """Opacity of a chunk's bars: 1 for chunk 0, fading to 0.55 for the last."""
+    return 1.0 - 0.45 * (chunk / max(1, chunks - 1))
+
+
+def _figure_size(result: SimulationResult) -> tuple[float, float]:
+    most = max((len(row) for row in result.timeline), default=0)
+    width = min(_MAX_WIDTH, max(6.0, 2.5 + _INCH_PER_ACTION * most))
+    return width, 0.55 * result.schedule.num_ranks + 1.3
 
 
 def render_image(
@@ -99,50 +137,83 @@ def render_image(
     comm: float = 0.0,
     title: str | None = None,
 ) -> None:
-    """Draw the simulated timeline as a Gantt chart and save it to ``path``.
+    """Draw the timeline as a Gantt chart (one row per rank, white gaps = bubble) to ``path``.
 
-    The format follows the file extension (``.png``, ``.svg``, ``.pdf``...).
-    Needs matplotlib, which axondist does not depend on; raises ImportError
-    saying how to install it when it is missing.  Uses matplotlib's object
-    API only, so pyplot's global state and backend are left untouched.
+    Bars are coloured by action kind; the chunks of an interleaved schedule
+    are told apart by shade (chunk 0 darkest) and by the label's chunk
+    prefix. The width follows the busiest rank's number of actions rather
+    than the time unit, so seconds, milliseconds and simulate's units give
+    the same picture. matplotlib, which axondist does not depend on, is
+    imported on the first call, and only its object API is used: pyplot's
+    global state and backend are left alone.
+
+    Args:
+        obj: a :class:`Schedule` (simulated first with ``costs`` and ``comm``)
+            or a :class:`SimulationResult`, simulated or measured.
+        path: the file to write; the extension picks the format (``.png``,
+            ``.svg``, ``.pdf``...).
+        costs: action durations for a Schedule, as for :func:`simulate`.
+        comm: message latency for a Schedule, as for :func:`simulate`.
+        title: the picture's title; the kind, shape and bubble when None.
+
+    Raises:
+        ImportError: matplotlib is not installed (the message says how to
+            install it, or to use :func:`render_text`).
+        TypeError: ``obj`` is neither a Schedule nor a SimulationResult.
+        ScheduleError: the Schedule deadlocks (from :func:`simulate`).
     """
+    figure_cls, patch_cls = _matplotlib()
+    result = _as_result(obj, costs, comm, "render_image")
+    schedule = result.schedule
+    p = schedule.num_ranks
+    fig = figure_cls(figsize=_figure_size(result))
+    ax = fig.subplots()
+    inch_per_unit = fig.get_figwidth() * 0.8 / max(result.makespan, 1e-12)
+    for r, row in enumerate(result.timeline):
+        for t in row:
+            ax.barh(
+                r, t.end - t.start, left=t.start, height=0.8, color=_COLORS[t.action.kind],
+                alpha=_shade(t.action.chunk, schedule.chunks), edgecolor="black", linewidth=0.5,
+            )
+            label = t.action.text(schedule.chunks)
+            if (t.end - t.start) * inch_per_unit >= 0.065 * len(label):  # it fits at 7 pt
+                ax.text(
+                    (t.start + t.end) / 2, r, label,
+                    ha="center", va="center", fontsize=7, color="white",
+                )
+    ax.set_yticks(range(p), [f"rank {r}" for r in range(p)])
+    ax.invert_yaxis()
+    ax.set_xlim(0, result.makespan)
+    ax.set_xlabel("time")
+    present = {t.action.kind for row in result.timeline for t in row}
+    kinds = [k for k in ActionKind if k in present]
+    handles = [patch_cls(color=_COLORS[k], label=_MEANING[k]) for k in kinds]
+    if schedule.chunks > 1:
+        handles += [patch_cls(color="black", alpha=_shade(c, schedule.chunks), label=f"chunk {c}")
+                    for c in range(schedule.chunks)]
+    ax.legend(
+        handles=handles,
+        loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7,
+    )
+    name = schedule.kind.value if schedule.kind is not None else "custom"
+    ax.set_title(
+        title or f"{name}: {p} ranks, {schedule.num_microbatches} microbatches, "
+        f"{schedule.chunks} chunk(s), bubble {result.bubble_fraction:.1%}",
+        fontsize=9,
+    )
+    fig.tight_layout()
+    fig.savefig(os.fspath(path), dpi=100)
+
+
+def _matplotlib() -> tuple[Any, Any]:
+    """matplotlib's Figure and Patch classes, imported on first use (an optional dependency)."""
     try:
         from matplotlib.figure import Figure
         from matplotlib.patches import Patch
     except ImportError as err:
         raise ImportError(
             "render_image needs matplotlib, which is not installed; install it with "
-            "`pip install matplotlib` (or use render_text, which needs nothing)"
+            "`pip install matplotlib` (or `pip install 'axondist[examples]'`), or use "
+            "render_text, which needs nothing"
         ) from err
-    result = _as_result(obj, costs, comm)
-    schedule = result.schedule
-    p = schedule.num_ranks
-    fig = Figure(figsize=(max(6.0, min(40.0, result.makespan * 0.35)), 0.6 * p + 1.2))
-    ax = fig.subplots()
-    for r, row in enumerate(result.timeline):
-        for t in row:
-            shade = 1.0 - 0.45 * (t.action.chunk / max(1, schedule.chunks - 1))
-            ax.barh(
-                r, t.end - t.start, left=t.start, height=0.8,
-                color=_COLORS[t.action.kind], alpha=shade, edgecolor="black", linewidth=0.5,
-            )
-            ax.text(
-                (t.start + t.end) / 2, r, t.action.text(schedule.chunks),
-                ha="center", va="center", fontsize=7, color="white",
-            )
-    ax.set_yticks(range(p), [f"rank {r}" for r in range(p)])
-    ax.invert_yaxis()
-    ax.set_xlim(0, result.makespan)
-    ax.set_xlabel("time")
-    kinds = sorted({t.action.kind for row in result.timeline for t in row}, key=lambda k: k.value)
-    ax.legend(
-        handles=[Patch(color=_COLORS[k], label=k.value) for k in kinds],
-        loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7,
-    )
-    name = schedule.kind.name if schedule.kind is not None else "custom"
-    ax.set_title(
-        title or f"{name}: {p} ranks, {schedule.num_microbatches} microbatches, "
-        f"{schedule.chunks} chunk(s), bubble {result.bubble_fraction:.1%}"
-    )
-    fig.tight_layout()
-    fig.savefig(os.fspath(path))
+    return Figure, Patch
