@@ -1097,8 +1097,9 @@ def test_a_parameter_without_state_in_a_shared_unit_loads_as_zeros(tmp_path) -> 
             opt = Adam(f.sharded_parameters())
             load_sharded_checkpoint(path, f, opt)
             want, want_opt = reference_without(seed, 1, 1, 0)
-            full = np.concatenate([np.zeros(want[0].size)] + [want_opt.state_dict()["state"][k]["exp_avg"]
-                                                   .reshape(-1) for k in range(1, n)])
+            saved = want_opt.state_dict()["state"]
+            full = np.concatenate([np.zeros(want[0].size)]
+                                  + [saved[k]["exp_avg"].reshape(-1) for k in range(1, n)])
             lo, hi = f.units[0].valid_bounds(f.shard_rank)
             start, _ = f.units[0].shard_bounds(f.shard_rank)
             mine = opt.state_dict()["state"][0]["exp_avg"][lo - start:hi - start]
@@ -1169,8 +1170,8 @@ def test_a_removed_optimizer_entry_is_refused_unless_not_strict(tmp_path, world_
 def test_hybrid_shard_built_and_closed_many_times() -> None:
     """Each HYBRID_SHARD wrapper creates its node and replica groups; close() destroys them
     (the user's group stays usable), so building and closing hundreds in a row works. Under
-    MPI that keeps the communicator count bounded."""
-    times = 40 if UNDER_MPI else 500
+    MPI the count passes MPICH's limit (unclosed, the 1022nd pair of communicators fails)."""
+    times = 1100 if UNDER_MPI else 500  # MPICH runs out of communicators near 1024 pairs
 
     def body(world: ad.World) -> None:
         n = world.world_size
