@@ -5,7 +5,8 @@ sharding strategy are driven by the same calls: ``model.backward(*batch)``
 then ``model.clip_grad_norm``/``opt.step()``, the one-call
 ``model.step(*batch, optimizer=opt)``, and FSDP's older
 ``step(grad_fn, *batch, optimizer=opt)``; each must land on the parameters
-single-process training on the whole batch gives. ``examples/one_script.py``
+single-process training on the whole batch gives; so must a Pipeline holding the
+same model as stages, driven by the same calls. ``examples/one_script.py``
 runs on threads here and under ``mpiexec -n 2`` / ``-n 3`` and
 ``axondist run -n 2`` in subprocesses, each under its own timeout.
 """
@@ -32,6 +33,7 @@ from axondist.ddp import DDP
 from axondist.errors import NonFiniteNormError, UnsupportedDTypeError
 from axondist.fsdp import FSDP, ShardingStrategy
 from axondist.optim import SGD, Adam
+from axondist.pipeline import SCHEDULES, Pipeline, PipelineStage
 from axondist.zero import ZeroRedundancyOptimizer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -227,6 +229,120 @@ def test_summon_full_params_is_a_no_op_for_ddp_and_gathers_for_fsdp():
         return True
 
     assert all(run_world(body, 3))
+
+
+# --- the same model as a pipeline -----------------------------------------------------------
+# Stage 0 appends z = 0 to x; each stage adds its parameters' share of z = x @ theta to the
+# carried [x | z]; the loss is on z.
+
+OFFSETS = np.cumsum([0] + [int(np.prod(s)) for s in SHAPES])
+
+
+def stage_of(i: int, p: int) -> int:
+    """The pipeline stage holding parameter ``i`` when the model is split over ``p`` ranks."""
+    return i * p // len(SHAPES)
+
+
+def pipeline_stage(params: list[Parameter], rank: int, p: int) -> PipelineStage:
+    held = [i for i in range(len(SHAPES)) if stage_of(i, p) == rank]
+
+    def forward(arrays, h):
+        if rank == 0:
+            h = np.concatenate([h, np.zeros((len(h), 1))], axis=1)
+        z = h[:, -1].copy()
+        for i, a in zip(held, arrays):
+            z += h[:, OFFSETS[i]:OFFSETS[i + 1]] @ a.ravel()
+        return np.concatenate([h[:, :-1], z[:, None]], axis=1), h
+
+    def backward(arrays, h, grad):
+        gz = grad[:, -1]
+        grad_h = grad.copy()
+        grads = []
+        for i, a in zip(held, arrays):
+            grad_h[:, OFFSETS[i]:OFFSETS[i + 1]] += gz[:, None] * a.ravel()
+            grads.append((h[:, OFFSETS[i]:OFFSETS[i + 1]].T @ gz).reshape(a.shape))
+        return (grad_h[:, :-1] if rank == 0 else grad_h), grads
+
+    return PipelineStage(forward, backward, [params[i] for i in held])
+
+
+def pipeline_loss(h, y):
+    """grad_fn's loss on the carried z, and its gradient with respect to [x | z]."""
+    yh = np.tanh(h[:, -1])
+    r = yh - y
+    grad = np.zeros_like(h)
+    grad[:, -1] = r * (1 - yh * yh) / len(y)
+    return 0.5 * float(np.mean(r * r)), grad
+
+
+def build_pipeline(params, world, schedule="1f1b") -> Pipeline:
+    stage = pipeline_stage(params, world.rank, world.world_size)
+    return Pipeline(stage, world, num_microbatches=2, schedule=schedule, loss_fn=pipeline_loss)
+
+
+def global_batch(seed: int, world: int, step: int) -> tuple[np.ndarray, np.ndarray]:
+    """Every rank's batch of the data-parallel tests, concatenated: the pipeline's batch."""
+    parts = [batch(seed, r, step) for r in range(world)]
+    return np.concatenate([q[0] for q in parts]), np.concatenate([q[1] for q in parts])
+
+
+@given(size=world_sizes(1, 4), schedule=st.sampled_from(list(SCHEDULES)),
+       seed=st.integers(0, 2**16), steps=st.integers(1, 3),
+       style=st.sampled_from(["two_calls", "one_call"]),
+       max_norm=st.sampled_from([None, 0.05, 100.0]), opt_kind=st.sampled_from(["sgd", "adam"]))
+def test_a_pipeline_trains_like_one_process_with_the_same_calls(size, schedule, seed, steps,
+                                                                style, max_norm, opt_kind):
+    want, norms = reference(seed, current_size(size), steps, max_norm, opt_kind)
+
+    def body(world):
+        model = build_pipeline(init_params(seed, 0), world, schedule)
+        opt = make_opt(opt_kind, model.parameters())
+        for step in range(steps):
+            xb, yb = global_batch(seed, world.world_size, step)
+            if style == "two_calls":
+                model.backward(xb, yb)
+                if max_norm is not None:
+                    np.testing.assert_allclose(model.clip_grad_norm(max_norm), norms[step],
+                                               rtol=1e-9)
+                opt.step()
+                opt.zero_grad()
+            else:
+                model.step(xb, yb, optimizer=opt, max_norm=max_norm)
+        state = model.state_dict()
+        assert list(state) == [f"p{i}" for i in range(len(SHAPES))]
+        for name, value in want.items():
+            np.testing.assert_allclose(state[name], value, **TOL, err_msg=f"{schedule} {name}")
+        model.close()
+        return True
+
+    assert all(run_world(body, size))
+
+
+def test_a_pipeline_state_dict_loads_under_every_other_strategy_and_back():
+    def body(world):
+        pipe = build_pipeline(init_params(5, 0), world)
+        pipe.step(*global_batch(5, world.world_size, 0), optimizer=make_opt("sgd",
+                                                                            pipe.parameters()))
+        saved = pipe.state_dict()
+        for dst in KINDS:
+            other, _ = build(dst, init_params(6, world.rank), world)
+            other.load_state_dict(saved)
+            back = other.state_dict()
+            for name in saved:
+                np.testing.assert_array_equal(back[name], saved[name])
+            other.step(*batch(6, world.rank, 0), optimizer=make_opt("sgd", other.parameters()))
+            trained = other.state_dict()
+            target = build_pipeline(init_params(7, 0), world)
+            target.load_state_dict(trained)
+            again = target.state_dict()
+            assert list(again) == list(trained)
+            for name in trained:
+                np.testing.assert_array_equal(again[name], trained[name], err_msg=dst)
+            target.close()
+        pipe.close()
+        return True
+
+    assert all(run_world(body, current_size(3)))
 
 
 # --- failure paths ---------------------------------------------------------------------------
