@@ -422,3 +422,48 @@ def test_sharded_checkpoint_without_a_parameters_entry_is_refused_unless_not_str
             shutil.rmtree(path, ignore_errors=True)
 
     run_world(body, current_size(2))
+
+
+@given(world_size=world_sizes(1, 4), seed=st.integers(0, 10_000))
+@settings(max_examples=8)
+def test_sharded_state_dict_is_this_ranks_ranges_and_refuses_others(world_size: int,
+                                                                    seed: int) -> None:
+    """Each rank's ranges tile every parameter; its sharded state is the consolidated state
+    cut to them and loads back; a range of another size or parameter is refused, naming it."""
+    def body(world: ad.World) -> dict:
+        params = make_params(seed)
+        ddp, zero = build(params, world, "adam")
+        train(ddp, zero, seed, world.rank, range(2))
+        ranges, part, whole = zero.state_ranges(), zero.sharded_state_dict(), zero.state_dict()
+        assert sorted(part["state"]) == sorted(ranges)
+        for i, (lo, hi) in ranges.items():
+            for name in ("exp_avg", "exp_avg_sq"):
+                np.testing.assert_array_equal(part["state"][i][name],
+                                              whole["state"][i][name].reshape(-1)[lo:hi])
+        fresh = build([ad.Parameter(p.data.copy(), p.name) for p in params], world, "adam")[1]
+        fresh.load_sharded_state_dict(part)
+        assert fresh.sharded_state_dict()["step_count"] == 2
+        for i in ranges:
+            np.testing.assert_array_equal(fresh.sharded_state_dict()["state"][i]["exp_avg"],
+                                          part["state"][i]["exp_avg"])
+        where = "ZeroRedundancyOptimizer.load_sharded_state_dict"
+        with pytest.raises(ValueError, match=f"{where}: expected a dict made by "
+                                             "sharded_state_dict\\(\\), got list"):
+            fresh.load_sharded_state_dict([])  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="parameter index 99, of which this rank updates "
+                                             "no elements"):
+            fresh.load_sharded_state_dict({**part, "state": {99: {"step": 1}}})
+        for i, (lo, hi) in list(ranges.items())[:1]:  # a rank may own no elements at all
+            short = {**part, "state": {i: {**part["state"][i], "exp_avg": np.zeros(hi - lo + 1)}}}
+            with pytest.raises(ValueError, match=f"state 'exp_avg' of parameter {i} has "
+                                                 f"{hi - lo + 1} elements, its range "
+                                                 f"\\[{lo}, {hi}\\)"):
+                fresh.load_sharded_state_dict(short)
+        return ranges
+
+    results = run_world(body, world_size)
+    if not UNDER_MPI:  # the mock world sees every rank: the ranges tile each parameter
+        for i, p in enumerate(make_params(seed)):
+            spans = sorted(r[i] for r in results if i in r)
+            assert spans[0][0] == 0 and spans[-1][1] == p.size
+            assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
