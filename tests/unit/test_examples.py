@@ -8,6 +8,7 @@ and its loss curves against one process at several world sizes.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 import shutil
@@ -29,7 +30,8 @@ EXAMPLES = sorted((ROOT / "examples").glob("*.py"))
 FRAMEWORK = {"jax_grad.py": "jax", "torch_autograd.py": "torch", "digits_ddp_fsdp.py": "sklearn"}
 NEEDS = {**FRAMEWORK, "resume.py": "sklearn"}
 # Shorter runs than the defaults: the check against one process is the same.
-QUICK = {"digits_ddp_fsdp.py": ["--epochs", "2"], "char_lm.py": ["--steps", "3"]}
+QUICK = {"digits_ddp_fsdp.py": ["--epochs", "2"], "char_lm.py": ["--steps", "3"],
+         "pipeline_schedules.py": ["-p", "2", "-m", "3", "--repeats", "1", "--no-pictures"]}
 
 # The examples start their own worlds: running them once per MPI rank would only repeat them.
 pytestmark = mock_only
@@ -257,3 +259,104 @@ def test_char_lm_says_when_jax_is_missing():
             f"runpy.run_path({str(ROOT / 'examples' / 'char_lm.py')!r}, run_name='__main__')")
     proc = run([sys.executable, "-c", code], timeout=60)
     assert proc.returncode == 1 and "--grads jax needs JAX (pip install jax)" in proc.stderr
+
+
+# --- pipeline schedules ------------------------------------------------------------------
+
+SMALL = ["-p", "2", "-m", "3", "--repeats", "1"]
+
+
+def test_pipeline_schedules_example_draws_every_schedule(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    example = _example("pipeline_schedules")
+    assert example.main([*SMALL, "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    names = ad.pipeline.schedule_names()
+    expected = {f"pipeline_{n}{suffix}.png" for n in names for suffix in ("", "_measured")}
+    assert {p.name for p in tmp_path.iterdir()} == expected
+    assert all(p.read_bytes().startswith(b"\x89PNG") for p in tmp_path.iterdir())
+    for name in names:  # one table row each, with its verdict
+        row = next(ln for ln in out.splitlines() if ln.startswith(name + " "))
+        assert row.endswith("OK"), out
+    assert f"{len(expected)} pictures in {tmp_path}" in out and out.rstrip().endswith("yes")
+
+
+def test_pipeline_schedules_example_runs_without_matplotlib(tmp_path):
+    pictures = tmp_path / "pictures"
+    code = (f"import sys, runpy; sys.modules['matplotlib'] = None; "
+            f"sys.argv = ['pipeline_schedules.py', *{SMALL!r}, '--out', {str(pictures)!r}]; "
+            f"runpy.run_path({str(ROOT / 'examples' / 'pipeline_schedules.py')!r}, "
+            f"run_name='__main__')")
+    proc = run([sys.executable, "-c", code], timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "matplotlib is not installed; skipping the pictures" in proc.stdout
+    assert "pip install matplotlib" in proc.stdout and not pictures.exists()
+    assert proc.stdout.rstrip().endswith("yes")
+
+
+def test_pipeline_schedules_example_fails_on_an_invalid_schedule(monkeypatch, capsys):
+    example = _example("pipeline_schedules")
+    real = example.build_schedule
+
+    def broken(kind, p, m, chunks):  # GPipe's rank 0 runs a backward before its forward
+        if kind is ad.pipeline.PipelineSchedule.GPIPE:
+            return ad.pipeline.parse_schedule(["B0 F0", "F0 B0"], kind=kind)
+        return real(kind, p, m, chunks)
+
+    monkeypatch.setattr(example, "build_schedule", broken)
+    assert example.main(["-p", "2", "-m", "1", "--repeats", "1", "--no-pictures"]) == 1
+    out = capsys.readouterr().out
+    assert next(ln for ln in out.splitlines() if ln.startswith("gpipe ")).endswith(
+        "FAILED validation")
+    assert "gpipe: rank 0, step 0" in out and "expected F0 of stage 0 first" in out
+    assert next(ln for ln in out.splitlines() if ln.startswith("1f1b ")).endswith("OK")
+    assert out.rstrip().endswith("no (FAILED)")
+
+
+def test_pipeline_schedules_example_checks_bubble_and_activations():
+    """A step whose ranks waited longer than the schedule explains, or held other activations."""
+    example = _example("pipeline_schedules")
+    planned = example.plan(ad.pipeline.PipelineSchedule.ONE_F_ONE_B, 3, 4, 1, 10.0, 20.0)
+    exact = planned.simulated
+    assert example.gap(exact) == pytest.approx(0, abs=1e-12)  # a run exactly as simulated
+    assert example.verdict(planned, [exact], 0.15) == "OK"
+    shift = [0.0, 0.0, 100.0]  # rank 2 starts 100 ms late: the others wait for it
+    late = [tuple(ad.pipeline.TimedAction(t.action, t.start + shift[r], t.end + shift[r])
+                  for t in row) for r, row in enumerate(exact.timeline)]
+    waited = example.SimulationResult(
+        schedule=exact.schedule, comm=0.0, timeline=tuple(late),
+        makespan=max(row[-1].end for row in late), busy=exact.busy,
+        peak_activations=exact.peak_activations)
+    assert example.gap(waited) > 0.15
+    assert example.verdict(planned, [waited], 0.15) == "bubble DIFFERS by more than 0.15"
+    held = dataclasses.replace(exact, peak_activations=(4, 4, 4))
+    assert example.verdict(planned, [held], 0.15) == "peak activations DIFFER"
+    assert example.verdict(planned, [exact, waited, waited], 0.15).startswith("bubble DIFFERS")
+    assert example.verdict(planned, [exact, exact, waited], 0.15) == "OK"  # the median step
+
+
+def test_pipeline_schedules_example_refuses_bad_arguments(capsys):
+    example = _example("pipeline_schedules")
+    for args, message in [(["-m", "0"], "--microbatches 0: pass at least 1"),
+                          (["--tolerance", "nan"], "--tolerance nan: pass a positive number"),
+                          (["--forward-ms", "-1"], "--forward-ms -1.0: pass a positive number")]:
+        with pytest.raises(SystemExit, match="2"):
+            example.main(args)
+        assert message in capsys.readouterr().err
+
+
+@pytest.mark.mpi
+@pytest.mark.skipif(UNDER_MPI, reason="launches its own mpiexec")
+@pytest.mark.skipif(importlib.util.find_spec("mpi4py") is None or _mpiexec() is None,
+                    reason="needs mpi4py and mpiexec")
+@pytest.mark.parametrize("n", [2, 3])
+def test_pipeline_schedules_example_under_mpiexec(n, tmp_path):
+    # Longer stages than the default: MPI messages wait for busy-polling peers on a small machine.
+    proc = run([_mpiexec(), "-n", str(n), sys.executable,
+                str(ROOT / "examples" / "pipeline_schedules.py"), "-m", "3", "--repeats", "1",
+                "--forward-ms", "20", "--backward-ms", "40", "--out", str(tmp_path)],
+               timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.startswith(f"pipeline schedules on MPI, {n} processes"), proc.stdout
+    assert proc.stdout.count("[") >= len(ad.pipeline.schedule_names()), proc.stdout
+    assert proc.stdout.rstrip().endswith("yes"), proc.stdout
