@@ -8,7 +8,9 @@ itself (no recursion) and when mpi4py or MPICH's mpiexec is missing.
 This file is also the per-rank program of the MPI-only checks:
 ``mpiexec -n K python tests/world/test_mpi_launch.py CHECK`` runs the
 function ``CHECKS[CHECK]`` on every rank (each rank asserts its own results
-against NumPy references derived from seeds, then prints ``CHECK OK``).
+against NumPy references derived from seeds, then prints ``CHECK OK``);
+``CHECK`` = ``pytest ARGS`` runs pytest printing each failure's traceback at
+once, so it survives the abort that a failing rank starts.
 
 Environment: ``AXONDIST_MPI_LAUNCH_TIMEOUT`` (seconds per launch, default
 600), ``AXONDIST_MPI_TEST_EXAMPLES`` (hypothesis examples in the launched
