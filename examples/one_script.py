@@ -3,6 +3,7 @@
     python examples/one_script.py --strategy ddp                 # 4 ranks on threads
     python examples/one_script.py --strategy fsdp --world-size 3
     python examples/one_script.py --strategy hybrid --ranks-per-node 2
+    python examples/one_script.py --strategy pipeline --world-size 2
     mpiexec -n 2 python examples/one_script.py --strategy zero1  # the MPI world
     axondist run -n 3 examples/one_script.py --strategy ddp fsdp zero1 hybrid
 
@@ -11,14 +12,18 @@ gradients classifies the 8x8 digits of scikit-learn's ``load_digits`` (a
 seeded synthetic set of the same shape when scikit-learn is missing:
 ``pip install 'axondist[examples]'``). The training loop is the same for
 every strategy: ``model.backward(x, y)``, ``model.clip_grad_norm(...)``,
-``opt.step()``; evaluation runs inside ``model.summon_full_params()`` and
-the result is ``model.state_dict()``. Only :data:`WRAPPERS` (and the
-optimizer for ``zero1``) says which strategy runs:
+``opt.step()``; the result is ``model.state_dict()`` (the whole model on
+every rank, under every strategy), which the evaluation reads. Only
+:data:`WRAPPERS` (and the optimizer for ``zero1``, the batch for
+``pipeline``) says which strategy runs:
 
 * ``ddp``: every rank holds the model; gradients are averaged.
 * ``fsdp``: parameters, gradients and optimizer state sharded (FULL_SHARD).
 * ``zero1``: DDP with a ZeroRedundancyOptimizer (optimizer state sharded).
 * ``hybrid``: FSDP's HYBRID_SHARD, sharded within a node, replicated across.
+* ``pipeline``: the MLP's four operations (one per parameter) split in
+  order over at most 4 ranks, 1F1B over 4 micro-batches; not data
+  parallel, so every rank reads the whole global batch.
 
 Every rank starts from different random weights on purpose: each wrapper
 starts from rank 0's. The global batch (48 rows) is split evenly over the
@@ -47,6 +52,7 @@ from axondist.data import DistributedSampler
 from axondist.ddp import DDP
 from axondist.fsdp import FSDP
 from axondist.optim import SGD
+from axondist.pipeline import Pipeline, PipelineStage
 from axondist.zero import ZeroRedundancyOptimizer
 
 IN, HIDDEN, CLASSES = 64, 32, 10
@@ -63,6 +69,7 @@ WRAPPERS: dict[str, Callable[..., Any]] = {
     "hybrid": lambda params, group, rpn: FSDP(params, group, grad_fn=grad_fn,
                                               sharding_strategy="hybrid_shard",
                                               ranks_per_node=rpn),
+    "pipeline": lambda params, group, rpn: pipeline(params, group),
 }
 
 
@@ -116,6 +123,84 @@ def grad_fn(params: list[np.ndarray], x: np.ndarray, labels: np.ndarray
     return loss, [dh.T @ x, dh.sum(axis=0), dlogits.T @ a, dlogits.sum(axis=0)]
 
 
+# --- the same MLP as pipeline stages: one operation per parameter, split over the ranks ------
+
+def matmul_forward(arrays: list[np.ndarray], x: np.ndarray) -> tuple[np.ndarray, Any]:
+    return x @ arrays[0].T, x
+
+
+def matmul_backward(arrays: list[np.ndarray], x: np.ndarray, grad: np.ndarray) -> Any:
+    return grad @ arrays[0], [grad.T @ x]
+
+
+def bias_relu_forward(arrays: list[np.ndarray], x: np.ndarray) -> tuple[np.ndarray, Any]:
+    h = x + arrays[0]
+    return np.maximum(h, 0), h
+
+
+def bias_relu_backward(arrays: list[np.ndarray], h: np.ndarray, grad: np.ndarray) -> Any:
+    dh = grad * (h > 0)
+    return dh, [dh.sum(axis=0)]
+
+
+def bias_forward(arrays: list[np.ndarray], x: np.ndarray) -> tuple[np.ndarray, Any]:
+    return x + arrays[0], None
+
+
+def bias_backward(arrays: list[np.ndarray], _: Any, grad: np.ndarray) -> Any:
+    return grad, [grad.sum(axis=0)]
+
+
+#: (forward, backward) of the operation using parameter i: fc1.weight, fc1.bias + ReLU, ...
+OPERATIONS = [(matmul_forward, matmul_backward), (bias_relu_forward, bias_relu_backward),
+              (matmul_forward, matmul_backward), (bias_forward, bias_backward)]
+
+
+def operations_stage(ops: list[int], params: list[ad.Parameter]) -> PipelineStage:
+    """A stage running ``OPERATIONS[i]`` for each ``i`` in ``ops``, in order."""
+
+    def forward(arrays: list[np.ndarray], x: np.ndarray) -> tuple[np.ndarray, Any]:
+        saved = []
+        for k, i in enumerate(ops):
+            x, kept = OPERATIONS[i][0](arrays[k:k + 1], x)
+            saved.append(kept)
+        return x, saved
+
+    def backward(arrays: list[np.ndarray], saved: Any, grad: np.ndarray) -> Any:
+        grads: list[np.ndarray] = []
+        for k in reversed(range(len(ops))):
+            grad, one = OPERATIONS[ops[k]][1](arrays[k:k + 1], saved[k], grad)
+            grads = one + grads
+        return grad, grads
+
+    return PipelineStage(forward, backward, [params[i] for i in ops])
+
+
+def cross_entropy(logits: np.ndarray, labels: np.ndarray) -> tuple[float, np.ndarray]:
+    """The pipeline's loss_fn: mean softmax cross-entropy and its gradient (grad_fn's last part)."""
+    logits = logits - logits.max(axis=1, keepdims=True)
+    p = np.exp(logits)
+    p /= p.sum(axis=1, keepdims=True)
+    n = len(logits)
+    loss = -float(np.mean(np.log(p[np.arange(n), labels])))
+    p[np.arange(n), labels] -= 1
+    return loss, p / n
+
+
+def pipeline(params: list[ad.Parameter], group: ad.World) -> Pipeline:
+    """The four operations split in order over the ranks (at most 4), from rank 0's weights."""
+    ranks = group.world_size
+    if ranks > len(OPERATIONS):
+        raise ValueError(f"one_script: the pipeline splits the MLP's {len(OPERATIONS)} "
+                         f"operations over the ranks; use at most {len(OPERATIONS)} ranks, "
+                         f"not {ranks}")
+    for p in params:  # every rank starts from rank 0's values, as the other wrappers do
+        ad.broadcast(p.data, group, src=0)
+    ops = [i for i in range(len(OPERATIONS)) if i * ranks // len(OPERATIONS) == group.rank]
+    return Pipeline(operations_stage(ops, params), group, num_microbatches=4,
+                    loss_fn=cross_entropy)
+
+
 def accuracy(params: list[np.ndarray], x: np.ndarray, labels: np.ndarray) -> float:
     w1, b1, w2, b2 = params
     logits = np.maximum(x @ w1.T + b1, 0) @ w2.T + b2
@@ -145,7 +230,9 @@ def train(world: ad.World, strategy: str, steps: int, ranks_per_node: int | None
     params = init_params(SEED + world.rank)  # rank-dependent: the wrapper takes rank 0's
     model = WRAPPERS[strategy](params, world, ranks_per_node)
     opt = make_optimizer(strategy, model.parameters())
-    sampler = DistributedSampler(len(x), group=world, seed=SEED, drop_last=True)
+    # A pipeline's ranks hold layers of one model, not replicas: each reads the whole batch.
+    split = {"num_replicas": 1, "rank": 0} if strategy == "pipeline" else {"group": world}
+    sampler = DistributedSampler(len(x), **split, seed=SEED, drop_last=True)
     losses = []
     for rows in batches(sampler, steps):
         loss = model.backward(x[rows], labels[rows])  # gradients averaged over the ranks
@@ -153,9 +240,9 @@ def train(world: ad.World, strategy: str, steps: int, ranks_per_node: int | None
         opt.step()
         opt.zero_grad()
         losses.append(ad.all_reduce_scalar(loss, "mean", world))
-    with model.summon_full_params():                  # full weights, also under FSDP
-        acc = accuracy([p.data for p in params], x, labels)
-    return {"state": model.state_dict(), "losses": losses, "accuracy": acc}
+    state = model.state_dict()                        # the whole model, on every rank
+    acc = accuracy([state[p.name or ""] for p in params], x, labels)
+    return {"state": state, "losses": losses, "accuracy": acc}
 
 
 def train_single_process(steps: int) -> dict[str, np.ndarray]:
