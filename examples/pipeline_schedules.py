@@ -303,6 +303,10 @@ def main(argv: list[str] | None = None) -> int:
               f"F={args.forward_ms:g} ms, B={args.backward_ms:g} ms per rank (divided by its "
               f"chunks), median of {args.repeats} steps, bubble tolerance {args.tolerance:g}")
         print(table)
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        if world is not None and cores is not None and p > cores:
+            print(f"note: {p} processes share {cores} cores; a rank waiting in MPI's recv keeps "
+                  "its core busy, so messages wait for a free core and the measured bubble grows")
         if not args.no_pictures:
             written = draw(plans, runs, args.out)
             if written:

@@ -31,7 +31,8 @@ FRAMEWORK = {"jax_grad.py": "jax", "torch_autograd.py": "torch", "digits_ddp_fsd
 NEEDS = {**FRAMEWORK, "resume.py": "sklearn"}
 # Shorter runs than the defaults: the check against one process is the same.
 QUICK = {"digits_ddp_fsdp.py": ["--epochs", "2"], "char_lm.py": ["--steps", "3"],
-         "pipeline_schedules.py": ["-p", "2", "-m", "3", "--repeats", "1", "--no-pictures"]}
+         "pipeline_schedules.py": ["-p", "2", "-m", "3", "--repeats", "1", "--no-pictures",
+                                   "--tolerance", "1"]}
 
 # The examples start their own worlds: running them once per MPI rank would only repeat them.
 pytestmark = mock_only
@@ -263,7 +264,8 @@ def test_char_lm_says_when_jax_is_missing():
 
 # --- pipeline schedules ------------------------------------------------------------------
 
-SMALL = ["-p", "2", "-m", "3", "--repeats", "1"]
+# --tolerance 1 passes any bubble: the tests check no timing (the check itself is tested below).
+SMALL = ["-p", "2", "-m", "3", "--repeats", "1", "--tolerance", "1"]
 
 
 def test_pipeline_schedules_example_draws_every_schedule(tmp_path, capsys):
@@ -304,7 +306,8 @@ def test_pipeline_schedules_example_fails_on_an_invalid_schedule(monkeypatch, ca
         return real(kind, p, m, chunks)
 
     monkeypatch.setattr(example, "build_schedule", broken)
-    assert example.main(["-p", "2", "-m", "1", "--repeats", "1", "--no-pictures"]) == 1
+    assert example.main(["-p", "2", "-m", "1", "--repeats", "1", "--no-pictures",
+                         "--tolerance", "1"]) == 1
     out = capsys.readouterr().out
     assert next(ln for ln in out.splitlines() if ln.startswith("gpipe ")).endswith(
         "FAILED validation")
@@ -351,12 +354,16 @@ def test_pipeline_schedules_example_refuses_bad_arguments(capsys):
                     reason="needs mpi4py and mpiexec")
 @pytest.mark.parametrize("n", [2, 3])
 def test_pipeline_schedules_example_under_mpiexec(n, tmp_path):
-    # Longer stages than the default: MPI messages wait for busy-polling peers on a small machine.
     proc = run([_mpiexec(), "-n", str(n), sys.executable,
                 str(ROOT / "examples" / "pipeline_schedules.py"), "-m", "3", "--repeats", "1",
-                "--forward-ms", "20", "--backward-ms", "40", "--out", str(tmp_path)],
-               timeout=180)
+                "--tolerance", "1", "--out", str(tmp_path)], timeout=180)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.startswith(f"pipeline schedules on MPI, {n} processes"), proc.stdout
-    assert proc.stdout.count("[") >= len(ad.pipeline.schedule_names()), proc.stdout
+    names = ad.pipeline.schedule_names()
+    rows = [ln for ln in proc.stdout.splitlines() if ln.split(" ")[0] in names]
+    assert len(rows) == len(names) and all(ln.endswith("OK") for ln in rows), proc.stdout
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert len(list(tmp_path.glob("pipeline_*.png"))) == 2 * len(names)
+    else:
+        assert "matplotlib is not installed; skipping the pictures" in proc.stdout
     assert proc.stdout.rstrip().endswith("yes"), proc.stdout
