@@ -44,7 +44,7 @@ from axondist.pipeline.schedules import (
 )
 from axondist.pipeline.simulate import SimulationResult, simulate
 from axondist.pipeline.stage import PipelineStage
-from axondist.pipeline.state_dict import gather_state, load_state
+from axondist.pipeline._state_dict import gather_state, load_state
 from axondist.pipeline.transport import GroupTransport, InProcessTransport, Transport
 from axondist.pipeline.validation import validate
 from axondist.process_group import ProcessGroup, resolve_group
