@@ -25,6 +25,7 @@ from axondist._step import check_optimizer
 from axondist._validate import positive_number
 from axondist.errors import ScheduleError
 from axondist.parameter import Parameter
+from axondist.pipeline._state_dict import gather_state, load_state
 from axondist.pipeline.clip import clip_gradients
 from axondist.pipeline.communication import (
     CommunicationPlan,
@@ -44,7 +45,6 @@ from axondist.pipeline.schedules import (
 )
 from axondist.pipeline.simulate import SimulationResult, simulate
 from axondist.pipeline.stage import PipelineStage
-from axondist.pipeline._state_dict import gather_state, load_state
 from axondist.pipeline.transport import GroupTransport, InProcessTransport, Transport
 from axondist.pipeline.validation import validate
 from axondist.process_group import ProcessGroup, resolve_group
