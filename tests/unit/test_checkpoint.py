@@ -28,6 +28,7 @@ from axondist.checkpoint import (
     CheckpointError,
     CheckpointReader,
     FlatShard,
+    ShardedOptimizer,
     ShardedState,
     TensorSpec,
     load_full_checkpoint,
@@ -36,7 +37,9 @@ from axondist.checkpoint import (
     save_sharded_checkpoint,
     write_sharded,
 )
-from axondist.optim import Adam
+from axondist.checkpoint.types import optimizer_class_name
+from axondist.optim import SGD, Adam
+from axondist.zero import ZeroRedundancyOptimizer
 
 
 @pytest.fixture
@@ -663,3 +666,41 @@ def test_a_rank_failing_to_write_fails_the_save_on_every_rank(tmp_path, bad: int
     assert sorted(os.listdir(tmp_path)) == ["latest", "step-00000001"]
     ad.spawn(lambda w: save_sharded_checkpoint(tmp_path, _Wrapper(w, -1), step=3), 2)
     np.testing.assert_array_equal(CheckpointReader(tmp_path).read("t"), np.arange(8.0))
+
+
+# --- sharded optimizers and FSDP's optimizer shards ----------------------------------------------
+
+def test_zero_is_a_sharded_optimizer_saved_as_the_class_it_wraps(tmp_path, world) -> None:
+    params, _ = trained(0)
+    zero = ZeroRedundancyOptimizer(params[:3], Adam, world, lr=0.1)
+    assert isinstance(zero, ShardedOptimizer) and not isinstance(Adam(params[:3]), ShardedOptimizer)
+    assert optimizer_class_name(zero) == "Adam" == optimizer_class_name(Adam(params[:3]))
+    for p in params[:3]:
+        p.grad = np.ones_like(p.data)
+    zero.step()
+    save_sharded_checkpoint(tmp_path, params, zero, group=world, async_save=True).wait()
+    meta = CheckpointReader(tmp_path).optimizer
+    assert meta["class"] == "Adam" and meta["params"] == ["fc.w", "fc.b", "scale"]
+    other = model(1)
+    plain = Adam(other[:3])
+    load_sharded_checkpoint(tmp_path, other, plain)
+    want = zero.state_dict()
+    for k, entry in plain.state_dict()["state"].items():
+        np.testing.assert_array_equal(entry["exp_avg"], want["state"][k]["exp_avg"])
+    with pytest.raises(CheckpointError, match="the checkpoint's optimizer is Adam, not SGD"):
+        load_sharded_checkpoint(tmp_path, other, ZeroRedundancyOptimizer(other[:3], SGD, world,
+                                                                         lr=0.1))
+
+
+def test_fsdp_optimizer_shards_are_owned_copies(world) -> None:
+    """Optimizer state_dict() arrays are private copies: an async save need not copy them
+    again; the parameter shards are live and must be copied."""
+    f = ad.FSDP(model(0)[:3], world)
+    opt = Adam(f.sharded_parameters())
+    for p in f.sharded_parameters():
+        p.grad = np.ones_like(p.data)
+    opt.step()
+    state = f.sharded_checkpoint_state(opt)
+    owned = {s.flat: s.owned for s in state.shards}
+    assert owned and all(v == ("." in flat) for flat, v in owned.items())
+    assert state.optimizer["params"] == f.parameter_names()
