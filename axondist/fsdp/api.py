@@ -81,7 +81,8 @@ class FullyShardedDataParallel:
 
     Every rank of the group must make the same calls in the same order
     (construction creates sub-groups under HYBRID_SHARD; gather, sync and
-    checkpoint calls communicate).
+    checkpoint calls communicate). :meth:`close` (or a ``with`` block)
+    destroys the sub-groups it created.
 
     Raises:
         CollectiveMismatchError: the ranks wrap different models, or pass
