@@ -15,7 +15,7 @@ import contextlib
 import logging
 import math
 import weakref
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -25,6 +25,17 @@ from axondist._step import check_optimizer
 from axondist._validate import positive_number
 from axondist.errors import ScheduleError
 from axondist.parameter import Parameter
+from axondist.pipeline._arguments import (
+    ABSENT,
+    NONE,
+    SCALAR,
+    check_loss_fn,
+    forwards_only,
+    rows_code,
+    shape_of,
+    split_rows,
+    stage_list,
+)
 from axondist.pipeline._state_dict import gather_state, load_state
 from axondist.pipeline.clip import clip_gradients
 from axondist.pipeline.communication import (
@@ -36,12 +47,9 @@ from axondist.pipeline.executor import LossFn, RankRunner, StepState
 from axondist.pipeline.memory import PipelineRunStats
 from axondist.pipeline.render import render_text
 from axondist.pipeline.schedules import (
-    Action,
-    ActionKind,
     PipelineSchedule,
     Schedule,
     build_schedule,
-    schedule_names,
 )
 from axondist.pipeline.simulate import SimulationResult, simulate
 from axondist.pipeline.stage import PipelineStage
@@ -52,8 +60,6 @@ from axondist.process_group import ProcessGroup, resolve_group
 __all__ = ["LossFn", "Pipeline"]
 
 logger = logging.getLogger("axondist.pipeline")
-
-_ABSENT, _NONE, _SCALAR = -3, -1, -2  # batch-size codes exchanged by _agree_on_rows
 
 
 class Pipeline:
@@ -118,9 +124,9 @@ class Pipeline:
     ) -> None:
         g = resolve_group(group)
         g.backend_for("Pipeline")  # non-members get a clear error
-        m, v = _shape_of("Pipeline", schedule, num_microbatches, chunks)
-        self.loss_fn = _check_loss_fn(loss_fn, "Pipeline")
-        local = _stage_list(stages, "Pipeline")
+        m, v = shape_of("Pipeline", schedule, num_microbatches, chunks)
+        self.loss_fn = check_loss_fn(loss_fn, "Pipeline")
+        local = stage_list(stages, "Pipeline")
         if len(local) != v:
             raise ValueError(
                 f"Pipeline: rank {g.rank} passed {len(local)} stage(s) but chunks={v}; "
@@ -164,15 +170,15 @@ class Pipeline:
         Raises:
             ValueError, ScheduleError, TypeError: as for :class:`Pipeline`.
         """
-        m, v = _shape_of("Pipeline.from_stages", schedule, num_microbatches, chunks)
-        local = _stage_list(stages, "Pipeline.from_stages")
+        m, v = shape_of("Pipeline.from_stages", schedule, num_microbatches, chunks)
+        local = stage_list(stages, "Pipeline.from_stages")
         if len(local) % v:
             raise ValueError(
                 f"Pipeline.from_stages: {len(local)} stages do not split into chunks={v} "
                 "per rank; pass a multiple of chunks stages")
         p = len(local) // v
         self = cls.__new__(cls)
-        self.loss_fn = _check_loss_fn(loss_fn, "Pipeline.from_stages")
+        self.loss_fn = check_loss_fn(loss_fn, "Pipeline.from_stages")
         self._setup("Pipeline.from_stages", schedule, p, m, v, dict(enumerate(local)),
                     tuple(range(p)))
         self._group = None
@@ -192,7 +198,7 @@ class Pipeline:
             self._schedule = build_schedule(kind, p, m, v)
         validate(self._schedule)
         self._plan = communication_plan(self._schedule)
-        self._forward_schedule = _forwards_only(self._schedule)
+        self._forward_schedule = forwards_only(self._schedule)
         self._forward_plan = communication_plan(self._forward_schedule)
         check_channels(self._forward_plan)
         simulate(self._forward_schedule)  # raises on deadlock (never, for a valid schedule)
@@ -536,7 +542,7 @@ class Pipeline:
 
     def _resolve_loss_fn(self, loss_fn: LossFn | None, where: str) -> LossFn:
         if loss_fn is not None:
-            _check_loss_fn(loss_fn, where)
+            check_loss_fn(loss_fn, where)
             return loss_fn
         if self.loss_fn is None:
             raise TypeError(f"{where}: no loss_fn; pass loss_fn=... to the Pipeline (or to this "
@@ -545,8 +551,8 @@ class Pipeline:
 
     def _agree_on_rows(self, what: str, x: Any, target: Any) -> list[int]:
         """Rows per microbatch, checked the same way on every rank (so errors are collective)."""
-        x_rows = _rows_code(x) if self.holds_first_stage else _ABSENT
-        t_rows = _rows_code(target) if self.holds_last_stage else _ABSENT
+        x_rows = rows_code(x) if self.holds_first_stage else ABSENT
+        t_rows = rows_code(target) if self.holds_last_stage else ABSENT
         if self._group is not None:
             mine = np.array([[x_rows, t_rows]], dtype=np.int64)
             table = comm.all_gather(mine, self._group, sizes=[1] * self.num_ranks)
@@ -554,10 +560,10 @@ class Pipeline:
             t_rows = int(table[(self.num_stages - 1) % self.num_ranks, 1])
         m = self.num_microbatches
         last = (self.num_stages - 1) % self.num_ranks
-        if x_rows == _NONE:
+        if x_rows == NONE:
             raise ValueError(f"{what}: the rank holding stage 0 (rank 0) passed x=None; it "
                              "must pass the input batch")
-        if x_rows == _SCALAR:
+        if x_rows == SCALAR:
             raise ValueError(f"{what}: x must have a leading batch axis, got a 0-d array")
         if x_rows < m:
             raise ValueError(
@@ -565,7 +571,7 @@ class Pipeline:
                 f"microbatch needs at least one row (numpy.array_split would make empty "
                 f"ones): pass at least {m} rows or build the Pipeline with "
                 f"num_microbatches <= {x_rows}")
-        if t_rows == _SCALAR:
+        if t_rows == SCALAR:
             raise ValueError(f"{what}: target (on rank {last}) must have a leading batch axis "
                              "to split into microbatches, got a 0-d array")
         if t_rows >= 0 and t_rows != x_rows:
@@ -578,8 +584,8 @@ class Pipeline:
         m = self.num_microbatches
         return StepState(
             schedule, self._stages, self._ranks, training=training, rows=rows,
-            inputs=_split(x, m) if self.holds_first_stage else None,
-            targets=(_split(target, m) if self.holds_last_stage and target is not None
+            inputs=split_rows(x, m) if self.holds_first_stage else None,
+            targets=(split_rows(target, m) if self.holds_last_stage and target is not None
                      else None),
             loss_fn=loss_fn)
 
@@ -605,37 +611,6 @@ class Pipeline:
 # --- helpers ---------------------------------------------------------------------------
 
 
-def _shape_of(what: str, schedule: Any, num_microbatches: Any, chunks: Any) -> tuple[int, int]:
-    """``(num_microbatches, chunks)``: the arguments, checked, or those of a Schedule value."""
-    if isinstance(schedule, Schedule):
-        for name, value, own in (("num_microbatches", num_microbatches,
-                                  schedule.num_microbatches), ("chunks", chunks, schedule.chunks)):
-            if value is not None and value != own:
-                raise ScheduleError(f"{what}: {name}={value!r} but the schedule has {name}="
-                                    f"{own}; leave {name} out to use the schedule's")
-        return schedule.num_microbatches, schedule.chunks
-    if not isinstance(schedule, (PipelineSchedule, str)):
-        raise TypeError(f"{what}: schedule must be a PipelineSchedule, one of "
-                        f"{list(schedule_names())} or a Schedule, got "
-                        f"{type(schedule).__name__} {schedule!r}")
-    if num_microbatches is None:
-        raise ValueError(f"{what}: num_microbatches is required with a schedule kind "
-                         f"({schedule!r}); pass num_microbatches=m (m >= 1)")
-    chunks = 1 if chunks is None else chunks
-    for name, value in (("num_microbatches", num_microbatches), ("chunks", chunks)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{what}: {name} must be an int >= 1, got {value!r}")
-    return num_microbatches, chunks
-
-
-def _check_loss_fn(loss_fn: Any, where: str) -> LossFn | None:
-    """``loss_fn`` when it is None or callable, else a TypeError naming ``where``."""
-    if loss_fn is not None and not callable(loss_fn):
-        raise TypeError(f"{where}: loss_fn must be a callable loss_fn(y, target) -> "
-                        f"(loss, grad_y), got {type(loss_fn).__name__} {loss_fn!r}")
-    return loss_fn
-
-
 def _log_schedule(dry_run: SimulationResult) -> None:
     """The schedule at INFO on ``axondist.pipeline``: its shape, dry-run numbers and actions."""
     if not logger.isEnabledFor(logging.INFO):
@@ -646,46 +621,3 @@ def _log_schedule(dry_run: SimulationResult) -> None:
         "B=2): bubble %.3f, peak activations per rank %s\n%s",
         s.kind.value if s.kind is not None else "custom", s.num_ranks, s.chunks,
         s.num_microbatches, dry_run.bubble_fraction, list(dry_run.peak_activations), s.text())
-
-
-def _stage_list(stages: Any, what: str) -> list[PipelineStage]:
-    if isinstance(stages, PipelineStage):
-        return [stages]
-    if stages is None or isinstance(stages, (str, bytes)) or not isinstance(stages, Iterable):
-        raise TypeError(f"{what}: stages must be a PipelineStage or a list of them, got "
-                        f"{type(stages).__name__} {stages!r}; wrap forward/backward callables "
-                        "with PipelineStage(...)")
-    items = list(stages)
-    if not items:
-        raise ValueError(f"{what}: needs at least one PipelineStage, got none")
-    for i, st in enumerate(items):
-        if not isinstance(st, PipelineStage):
-            raise TypeError(f"{what}: stage {i} is a {type(st).__name__}, not a PipelineStage; "
-                            "wrap forward/backward callables with PipelineStage(...)")
-    return items
-
-
-def _rows_code(x: Any) -> int:
-    if x is None:
-        return _NONE
-    shape = getattr(x, "shape", None)
-    if shape is None:
-        shape = _array.as_array(x).shape
-    return _SCALAR if len(shape) == 0 else int(shape[0])
-
-
-def _split(x: Any, m: int) -> list[Any]:
-    x = _array.as_array(x)
-    return list(_array.namespace(x).array_split(x, m, axis=0))
-
-
-def _forwards_only(schedule: Schedule) -> Schedule:
-    """The schedule's forwards alone, in the same per-rank order (for inference)."""
-    rows = []
-    for r, row in enumerate(schedule.actions):
-        fs = [a for a in row if a.kind is ActionKind.F]
-        rows.append(tuple(Action(r, k, ActionKind.F, a.microbatch, a.chunk)
-                          for k, a in enumerate(fs)))
-    return Schedule(kind=schedule.kind, num_ranks=schedule.num_ranks,
-                    num_microbatches=schedule.num_microbatches, chunks=schedule.chunks,
-                    actions=tuple(rows))
