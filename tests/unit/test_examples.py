@@ -277,6 +277,8 @@ def test_pipeline_schedules_example_draws_every_schedule(tmp_path, capsys):
     expected = {f"pipeline_{n}{suffix}.png" for n in names for suffix in ("", "_measured")}
     assert {p.name for p in tmp_path.iterdir()} == expected
     assert all(p.read_bytes().startswith(b"\x89PNG") for p in tmp_path.iterdir())
+    # Times in ms: the width follows the number of actions, not the unit (at most 24 in, 100 dpi).
+    assert all(int.from_bytes(p.read_bytes()[16:20], "big") <= 2400 for p in tmp_path.iterdir())
     for name in names:  # one table row each, with its verdict
         row = next(ln for ln in out.splitlines() if ln.startswith(name + " "))
         assert row.endswith("OK"), out
