@@ -680,7 +680,7 @@ def test_zero_is_a_sharded_optimizer_saved_as_the_class_it_wraps(tmp_path, world
     zero.step()
     save_sharded_checkpoint(tmp_path, params, zero, group=world, async_save=True).wait()
     meta = CheckpointReader(tmp_path).optimizer
-    assert meta["class"] == "Adam" and meta["params"] == ["fc.w", "fc.b", "scale"]
+    assert meta["class"] == "Adam" and sorted(meta["params"]) == ["fc.b", "fc.w", "scale"]
     other = model(1)
     plain = Adam(other[:3])
     load_sharded_checkpoint(tmp_path, other, plain)

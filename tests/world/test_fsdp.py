@@ -1058,7 +1058,7 @@ def test_plain_load_of_a_unit_that_never_had_a_gradient(tmp_path, world_size: in
         save_sharded_checkpoint(path, f, opt)
         f.close()
         want, want_opt = reference_without(seed, world.world_size, 2, 0)
-        assert CheckpointReader(path).optimizer["params"] == f.parameter_names()
+        assert sorted(CheckpointReader(path).optimizer["params"]) == sorted(f.parameter_names())
         plain = make_params(seed, seed + 1)
         plain_opt = Adam(plain)
         load_sharded_checkpoint(path, plain, plain_opt)
