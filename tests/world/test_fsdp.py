@@ -1079,35 +1079,45 @@ def test_plain_load_of_a_unit_that_never_had_a_gradient(tmp_path, world_size: in
     run_world(body, world_size)
 
 
-def test_a_parameter_without_state_in_a_shared_unit_loads_as_zeros(tmp_path) -> None:
-    """The plain optimizer never updated parameter 0; FSDP with one unit for every parameter
-    loads the checkpoint under strict, parameter 0's part of the unit state being zeros."""
-    seed, n = 0, 3  # parameters of shapes (5, 3), (), (2, 5)
+@given(world_size=world_sizes(1, 4), strategy=st.sampled_from(STRATEGIES),
+       seed=st.integers(0, 10_000), data=st.data())
+@settings(max_examples=10, suppress_health_check=REUSED_FIXTURE)
+def test_a_parameter_without_state_in_a_shared_unit_loads_as_zeros(
+        tmp_path, world_size: int, strategy: ShardingStrategy, seed: int, data) -> None:
+    """The plain optimizer never updated parameter ``skip``; FSDP with one unit for every
+    parameter loads the checkpoint under strict, that parameter's part of the unit state
+    being zeros and the rest the saved state."""
+    n = len(model_shapes(seed))
+    skip = data.draw(st.integers(0, n - 1), label="parameter without state")
     base = None if UNDER_MPI else str(tmp_path)
 
     def body(world: ad.World) -> None:
         path = shared_dir(world, base)
+        want, want_opt = reference_without(seed, 1, 1, skip)
         if world.rank == 0:
-            want, want_opt = reference_without(seed, 1, 1, 0)
             save_sharded_checkpoint(path, want, want_opt, group=world.new_group([0]))
         else:
             world.new_group([0])
         comm.barrier(world)
-        with FSDP(make_params(seed, 9), world, units=[list(range(n))]) as f:
+        with wrap(make_params(seed, seed + 1), world, strategy, seed,
+                  units=[list(range(n))]) as f:
             opt = Adam(f.sharded_parameters())
             load_sharded_checkpoint(path, f, opt)
-            want, want_opt = reference_without(seed, 1, 1, 0)
             saved = want_opt.state_dict()["state"]
-            full = np.concatenate([np.zeros(want[0].size)]
-                                  + [saved[k]["exp_avg"].reshape(-1) for k in range(1, n)])
+            full = np.concatenate([np.zeros(p.size) if k == skip else
+                                   saved[k]["exp_avg"].reshape(-1) for k, p in enumerate(want)])
             lo, hi = f.units[0].valid_bounds(f.shard_rank)
             start, _ = f.units[0].shard_bounds(f.shard_rank)
-            mine = opt.state_dict()["state"][0]["exp_avg"][lo - start:hi - start]
-            np.testing.assert_allclose(mine, full[lo:hi], rtol=1e-6)
+            entry = opt.state_dict()["state"].get(0)
+            if n > 1:  # one parameter alone had no state: then the unit has none
+                np.testing.assert_allclose(entry["exp_avg"][lo - start:hi - start],
+                                           full[lo:hi], rtol=1e-6)
+            else:
+                assert entry is None
             assert_close(full_values(f), [p.data for p in want])
         cleanup(world, path)
 
-    run_world(body, current_size(2))
+    run_world(body, world_size)
 
 
 def drop_optimizer_entry(path: str, name: str) -> None:
