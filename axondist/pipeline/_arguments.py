@@ -23,11 +23,12 @@ from axondist.pipeline.schedules import (
 )
 from axondist.pipeline.stage import PipelineStage
 
-__all__ = ["ABSENT", "NONE", "SCALAR", "check_loss_fn", "forwards_only", "rows_code",
+__all__ = ["ABSENT", "NONE", "NO_LOSS_FN", "SCALAR", "check_loss_fn", "forwards_only", "rows_code",
            "shape_of", "split_rows", "stage_list"]
 
-#: Batch-size codes the ranks exchange before a step: not held here, None, a 0-d array.
-ABSENT, NONE, SCALAR = -3, -1, -2
+#: Codes the ranks exchange before a step in place of a row count: not held here, None, a
+#: 0-d array, and (for the last stage's target) no loss function to apply to it.
+ABSENT, NONE, SCALAR, NO_LOSS_FN = -3, -1, -2, -4
 
 
 def shape_of(what: str, schedule: Any, num_microbatches: Any, chunks: Any) -> tuple[int, int]:

@@ -27,6 +27,7 @@ from axondist.errors import ScheduleError
 from axondist.parameter import Parameter
 from axondist.pipeline._arguments import (
     ABSENT,
+    NO_LOSS_FN,
     NONE,
     SCALAR,
     check_loss_fn,
@@ -100,7 +101,7 @@ class Pipeline:
             True accept more than 1); 1 when left out, or the schedule's own.
         loss_fn: ``loss_fn(y, target) -> (loss, grad_y)`` for one microbatch
             (see :meth:`train_step`), used by :meth:`backward` and
-            :meth:`step`; only the last stage's rank calls it.
+            :meth:`step`; only the last stage's rank calls it (and needs it).
 
     Raises:
         ValueError: a bad count, a schedule that does not take ``chunks``, an
@@ -364,9 +365,13 @@ class Pipeline:
             raise TypeError(f"train_step: loss_fn must be callable, got {type(loss_fn).__name__}")
         return self._train("train_step", x, target, loss_fn, accumulate=False)
 
-    def _train(self, what: str, x: Any, target: Any, loss_fn: LossFn, accumulate: bool) -> float:
-        """Run the training schedule once; write (or add) ``.grad``; the loss on every rank."""
-        rows = self._agree_on_rows(what, x, target)
+    def _train(self, what: str, x: Any, target: Any, loss_fn: LossFn | None,
+               accumulate: bool) -> float:
+        """Run the training schedule once; write (or add) ``.grad``; the loss on every rank.
+
+        ``loss_fn`` may be None where the last stage is not held (it is never called there).
+        """
+        rows = self._agree_on_rows(what, x, target, no_loss_fn=loss_fn is None)
         step = self._step_state(self._schedule, True, rows, x, target, loss_fn)
         self._execute(step, self._plan)
         loss = step.total_loss() if self.holds_last_stage else math.nan
@@ -416,15 +421,17 @@ class Pipeline:
                 (others may pass None, or the same batch).
             target: split into microbatches like ``x`` and passed to
                 ``loss_fn``; read only where :attr:`holds_last_stage`.
-            loss_fn: this call's microbatch loss instead of the constructor's.
+            loss_fn: this call's microbatch loss instead of the constructor's
+                (only the last stage's rank needs one).
 
         Returns:
             The full-batch loss (the row-weighted mean of the microbatch
             losses), the same float on every rank.
 
         Raises:
-            TypeError: no ``loss_fn`` here nor at construction, or one that
-                is not callable or returns something else than a pair.
+            TypeError: no ``loss_fn`` (here or at construction) on the last
+                stage's rank (raised on every rank alike), or one that is not
+                callable or returns something else than a pair.
             ValueError: as :meth:`train_step`, on every rank alike.
         """
         fn = self._resolve_loss_fn(loss_fn, "Pipeline.backward")
@@ -455,7 +462,8 @@ class Pipeline:
             RuntimeError: called inside :meth:`no_sync` (use :meth:`backward`
                 for the micro-batches and ``step`` for the last one).
             TypeError: ``optimizer`` lacks ``step()``/``zero_grad()``, no
-                ``loss_fn``, or ``max_norm`` is not a number.
+                ``loss_fn`` on the last stage's rank, or ``max_norm`` is not a
+                number.
             ValueError: ``max_norm`` is not > 0, or a bad batch (as
                 :meth:`train_step`).
         """
@@ -540,19 +548,21 @@ class Pipeline:
         """
         load_state(self._stages, self._group, state, "Pipeline.load_state_dict")
 
-    def _resolve_loss_fn(self, loss_fn: LossFn | None, where: str) -> LossFn:
+    def _resolve_loss_fn(self, loss_fn: LossFn | None, where: str) -> LossFn | None:
+        """This call's ``loss_fn``, else the constructor's (None: neither; only the last
+        stage's rank needs one, and :meth:`_agree_on_rows` reports its absence to all)."""
         if loss_fn is not None:
             check_loss_fn(loss_fn, where)
             return loss_fn
-        if self.loss_fn is None:
-            raise TypeError(f"{where}: no loss_fn; pass loss_fn=... to the Pipeline (or to this "
-                            "call): loss_fn(y, target) -> (loss, grad_y) for one microbatch")
         return self.loss_fn
 
-    def _agree_on_rows(self, what: str, x: Any, target: Any) -> list[int]:
+    def _agree_on_rows(self, what: str, x: Any, target: Any, no_loss_fn: bool = False
+                       ) -> list[int]:
         """Rows per microbatch, checked the same way on every rank (so errors are collective)."""
         x_rows = rows_code(x) if self.holds_first_stage else ABSENT
-        t_rows = rows_code(target) if self.holds_last_stage else ABSENT
+        t_rows = ABSENT
+        if self.holds_last_stage:
+            t_rows = NO_LOSS_FN if no_loss_fn else rows_code(target)
         if self._group is not None:
             mine = np.array([[x_rows, t_rows]], dtype=np.int64)
             table = comm.all_gather(mine, self._group, sizes=[1] * self.num_ranks)
@@ -560,6 +570,10 @@ class Pipeline:
             t_rows = int(table[(self.num_stages - 1) % self.num_ranks, 1])
         m = self.num_microbatches
         last = (self.num_stages - 1) % self.num_ranks
+        if t_rows == NO_LOSS_FN:
+            raise TypeError(f"{what}: no loss_fn where the last stage lives (rank {last}); "
+                            "pass loss_fn=... to the Pipeline (or to this call): "
+                            "loss_fn(y, target) -> (loss, grad_y) for one microbatch")
         if x_rows == NONE:
             raise ValueError(f"{what}: the rank holding stage 0 (rank 0) passed x=None; it "
                              "must pass the input batch")

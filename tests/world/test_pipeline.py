@@ -322,7 +322,8 @@ def body_api_errors(world):
     pipe = Pipeline(stage, world, num_microbatches=2)
     x, t = data(0, 4, 2, 2)
     opt = SGD(pipe.parameters(), lr=0.1)
-    with pytest.raises(TypeError, match=r"Pipeline.backward: no loss_fn; pass loss_fn=\.\.\."):
+    with pytest.raises(TypeError, match=rf"Pipeline.backward: no loss_fn where the last stage "
+                                        rf"lives \(rank {p - 1}\); pass loss_fn=\.\.\."):
         pipe.backward(x, t)
     with pytest.raises(TypeError, match="Pipeline.step: no loss_fn"):
         pipe.step(x, t, optimizer=opt)
@@ -368,6 +369,21 @@ def body_api_errors(world):
     for prm in pipe.parameters():
         np.testing.assert_array_equal(prm.data, state[prm.name])
     pipe.close()
+
+    # Only the last stage's rank needs a loss_fn; when it lacks one, every rank says so.
+    only_last = Pipeline(make_stages(0, dims)[r], world, num_microbatches=2,
+                         loss_fn=mse if r == p - 1 else None)
+    want = sequential(make_stages(0, dims), x, t)[0]
+    assert only_last.backward(x, t) == pytest.approx(want, rel=1e-12)
+    only_last.close()
+    not_last = Pipeline(make_stages(0, dims)[r], world, num_microbatches=2,
+                        loss_fn=mse if r != p - 1 or p == 1 else None)
+    if p > 1:
+        with pytest.raises(TypeError, match=rf"no loss_fn where the last stage lives \(rank "
+                                            rf"{p - 1}\)"):
+            not_last.backward(x, t)
+    assert not_last.backward(x, t, loss_fn=mse) == pytest.approx(want, rel=1e-12)
+    not_last.close()
 
     clash = make_stages(0, dims)[r]
     for prm in clash.params:
