@@ -35,6 +35,7 @@ from .errors import CollectiveMismatchError
 from .fsdp import clip as _clip
 from .parameter import Parameter, parameters_of
 from .process_group import ProcessGroup, resolve_group
+from .tune import tuned_bucket_cap_mb
 
 ForwardFn = Callable[..., Any]
 
@@ -103,7 +104,9 @@ class DistributedDataParallel:
     Args:
         model: the model (anything :func:`~axondist.parameters_of` accepts).
         group: the data-parallel group (the current world when None).
-        bucket_cap_mb: MiB per gradient bucket (25, as torch DDP).
+        bucket_cap_mb: MiB per gradient bucket; None takes the size
+            ``python -m axondist tune`` picked for this world's layout (its
+            settings file), else 25, as torch DDP.
         first_bucket_mb: MiB of the first bucket of each dtype (1, as torch
             DDP): the first all-reduce starts after the first few gradients.
         broadcast_buffers: broadcast ``buffers`` at every synchronized step.
@@ -128,7 +131,7 @@ class DistributedDataParallel:
     """
 
     def __init__(self, model: Any, group: ProcessGroup | None = None, *,
-                 bucket_cap_mb: float = 25.0, first_bucket_mb: float = 1.0,
+                 bucket_cap_mb: float | None = None, first_bucket_mb: float = 1.0,
                  broadcast_buffers: bool = True, gradient_as_bucket_view: bool = True,
                  strategy: GradSyncStrategy | str = GradSyncStrategy.SYNCHRONOUS,
                  grad_fn: GradFn | None = None, forward_fn: ForwardFn | None = None,
@@ -138,6 +141,8 @@ class DistributedDataParallel:
         self.module = model
         self._params = parameters_of(model)
         self.process_group = resolve_group(group)
+        if bucket_cap_mb is None:
+            bucket_cap_mb = tuned_bucket_cap_mb(self.process_group)
         bucket_cap_mb = positive_number(bucket_cap_mb, "DistributedDataParallel",
                                         "bucket_cap_mb (MiB per bucket, e.g. 25)")
         first_bucket_mb = positive_number(first_bucket_mb, "DistributedDataParallel",

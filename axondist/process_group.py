@@ -46,6 +46,7 @@ class ProcessGroup:
             raise ValueError(f"ProcessGroup: {len(self._ranks)} ranks given for a backend of "
                              f"{backend.world_size}")
         self._world_rank = world_rank
+        self._destroyed = False
 
     @property
     def backend(self) -> Backend | None:
@@ -81,6 +82,10 @@ class ProcessGroup:
     def backend_for(self, what: str) -> Backend:
         """The backend, or a clear error when this process is not a member."""
         if self._backend is None:
+            if self._destroyed:
+                raise NotAMemberError(f"{what}: the group of ranks {list(self._ranks)} was "
+                                      "destroyed (group.destroy() or the end of `with group:`); "
+                                      "make a new one with new_group")
             who = f"rank {self._world_rank}" if self._world_rank is not None else "this process"
             raise NotAMemberError(
                 f"{what}: {who} is not a member of the group of ranks {list(self._ranks)}; "
@@ -113,6 +118,7 @@ class ProcessGroup:
         """
         backend, self._backend = self._backend, None
         if backend is not None:
+            self._destroyed = True
             backend.close()
 
     def __enter__(self) -> ProcessGroup:

@@ -20,6 +20,7 @@ import os
 import statistics
 import sys
 import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -202,6 +203,32 @@ def save_settings(settings: TuneSettings, path: str | os.PathLike[str] | None = 
     data = {"version": SETTINGS_VERSION, **asdict(settings)}
     target.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
     return target
+
+
+#: The bucket size without a matching tune file (torch DDP's).
+DEFAULT_BUCKET_CAP_MB = 25.0
+
+
+def tuned_bucket_cap_mb(group: ProcessGroup) -> float:
+    """The tuned bucket size when the settings file was measured on this group's layout
+    (world size and host count), else :data:`DEFAULT_BUCKET_CAP_MB`. An unreadable file
+    falls back to the default too (a warning says why)."""
+    found: Any = None
+    if group.rank == 0:  # one reader: every rank must pick the same size
+        try:
+            settings = load_settings()
+            found = None if settings is None else (settings.bucket_cap_mb, settings.world_size,
+                                                   settings.nodes)
+        except ValueError as exc:
+            found = str(exc)
+    found = comm.broadcast_object(found, group, src=0)
+    if isinstance(found, str):
+        warnings.warn(f"ignoring the tune settings: {found}", RuntimeWarning, stacklevel=3)
+        return DEFAULT_BUCKET_CAP_MB
+    nodes = len({info[0] for info in comm.all_gather_object(group.node_info(), group)})
+    if found is None or (found[1], found[2]) != (group.world_size, nodes):
+        return DEFAULT_BUCKET_CAP_MB
+    return float(found[0])
 
 
 def load_settings(path: str | os.PathLike[str] | None = None) -> TuneSettings | None:

@@ -144,6 +144,7 @@ def train(world: ad.World, args: argparse.Namespace) -> list[float]:
         losses.append(float(loss))
         done = step + 1
         if args.kill_at is not None and done == args.kill_at and rank == args.kill_rank:
+            ckpt.wait()  # the kill lands after the last save, so the resume point is known
             os.kill(os.getpid(), signal.SIGKILL)
         if done % args.every == 0 or done == args.steps:
             ckpt.save(target, opt, step=done, async_save=True)

@@ -34,6 +34,9 @@ _GONE_FOR = 3.0  # seconds a peer's port must refuse before the peer counts as g
 _MAX_LINE = 1 << 20
 GONE = "gone"
 NO_ANSWER = "no answer"
+_GONE_TEXT = "its diagnostics port refuses connections: its process ended"
+_NO_ANSWER_TEXT = ("its diagnostics port did not reply: its host is cut off, or it is stuck in "
+                   "code that holds the GIL")
 
 
 def host_addresses() -> list[str]:
@@ -176,15 +179,33 @@ class Watchdog:
 
     # --- the monitor --------------------------------------------------------------------------
     def _monitor(self) -> None:
+        parent = os.getppid()
         while not self._stopped:
             self._wake.wait(self._tick)
             self._wake.clear()
             if self._stopped:
                 return
+            if os.getppid() != parent:
+                self._orphaned(parent)
+                return
             try:
                 self._inspect()
             except Exception:  # noqa: BLE001 - the watchdog must never die of a bad reply
                 log.debug("watchdog inspection failed", exc_info=True)
+
+    def _orphaned(self, parent: int) -> None:
+        """The launcher that started this rank (mpiexec's proxy, pid ``parent``) is gone: the
+        job cannot finish and nothing else would end this rank. MPI_Abort needs that
+        launcher, so the rank prints and exits by itself."""
+        rank, size = self.recorder.rank, self.recorder.world_size
+        self._stopped = True
+        print_and_flush(f"[axondist rank {rank}/{size}] ",
+                        f"rank {rank} of {size} on host {self.recorder.host}: its launcher "
+                        f"(pid {parent}, mpiexec's process manager on this host) has died, so "
+                        "the job cannot finish; this rank exits\n"
+                        f"last calls of rank {rank} (flight recorder, oldest first):\n"
+                        + format_entries(self.recorder.entries(8)))
+        os._exit(1)
 
     def _needs(self, call: dict[str, Any]) -> list[int]:
         """World ranks a running call waits for."""
@@ -307,8 +328,9 @@ class Watchdog:
                 lines.append("  " + describe_status(status))
             else:
                 missing.append(r)
-                lines.append(f"  rank {r}: {status} (its diagnostics port "
-                             f"{'refuses connections' if status == GONE else 'did not reply'})")
+                host = self.peers[r][2] if r in self.peers else "?"
+                why = (_GONE_TEXT if status == GONE else _NO_ANSWER_TEXT)
+                lines.append(f"  rank {r} (host {host}): {status} ({why})")
         head = f"  missing ranks: {missing}" if missing else "  every rank has joined this call"
         return [head] + lines
 

@@ -527,6 +527,8 @@ class MockBackend(Backend):
 
     def close(self) -> None:
         """Shut down this rank's thread for ``async_op`` work without waiting; idempotent."""
+        if self.group_key != ("world",):
+            self.recorder.groups.pop(self.group_name, None)
         if self._executor is not None:
             self._executor.shutdown(wait=False)
             self._executor = None

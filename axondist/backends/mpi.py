@@ -979,7 +979,7 @@ def _abort_job(message: str) -> None:
     world = MPI.COMM_WORLD
     rank, size = world.Get_rank(), world.Get_size()
     print_and_flush(f"[axondist rank {rank}/{size}] ", message)
-    exit_soon(1, 10.0)  # should MPI_Abort itself hang
+    exit_soon(1, 5.0)  # should MPI_Abort itself hang (a launcher cut off from this host)
     world.Abort(1)
 
 

@@ -114,8 +114,9 @@ def test_a_fault_ends_the_job_in_time_and_leaves_nothing_running(
                                f"{run.launch.tail()}")
 
 
-@pytest.mark.xfail(reason="a rank does not notice that its launcher (hydra_pmi_proxy) died: "
-                          "it trains on as an orphan and mpiexec never ends")
+@pytest.mark.xfail(reason="the orphaned ranks now exit at once (their watchdog sees the parent "
+                          "die), but hydra's teardown of the rest then takes 5-35 s here",
+                   strict=False)
 def test_a_killed_remote_launcher_ends_the_job_and_its_ranks(cluster_ready: None) -> None:
     run = fault_run("launcher_killed", LIMIT + 5)  # a hang costs 35 s, not HARD_LIMIT
     assert not run.launch.timed_out, f"the job hung\n{run.launch.tail()}"
@@ -130,8 +131,6 @@ def test_a_host_whose_link_goes_down_is_named_by_the_watchdog(cluster_ready: Non
         assert f"rank {r}: no answer" in text or f"rank {r} (host node1" in text, text[-3000:]
 
 
-@pytest.mark.xfail(reason="the watchdog names no host for a peer whose diagnostics port does "
-                          "not reply (axondist/backends/_watchdog.py, _peer_lines)")
 def test_the_watchdog_names_the_cut_off_host(cluster_ready: None) -> None:
     text = fault_run("link_down").text
     assert "rank 2 (host node1" in text and "rank 3 (host node1" in text, text[-3000:]

@@ -707,6 +707,7 @@ def test_clip_grad_norm_equals_clipping_the_dense_model(n, seed, norm_type, max_
         for key, (dw, db) in after.items():
             if coef is not None:
                 np.testing.assert_allclose(dw, dense[key][0] * coef, rtol=1e-12)
+                np.testing.assert_allclose(db, dense[key][1] * coef, rtol=1e-12)
         if poison is not None:
             with pytest.raises(ad.NonFiniteNormError):
                 tp.clip_grad_norm([mlp], max_norm, norm_type, error_if_nonfinite=True)
