@@ -59,7 +59,7 @@ class NcclBackend(Backend):
         device: the CUDA device id this rank uses.
         timeout: seconds a wait may take before
             :class:`~axondist.errors.CollectiveTimeoutError`
-            (``AXONDIST_TIMEOUT``, default 300, when None).
+            (``AXONDIST_TIMEOUT``, default 600, when None).
 
     Creating it is collective: every rank must construct its backend (NCCL
     blocks until all have joined), then the ranks exchange host names for
