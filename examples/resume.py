@@ -143,9 +143,13 @@ def train(world: ad.World, args: argparse.Namespace) -> list[float]:
             opt.zero_grad()
         losses.append(float(loss))
         done = step + 1
-        if args.kill_at is not None and done == args.kill_at and rank == args.kill_rank:
-            ckpt.wait()  # the kill lands after the last save, so the resume point is known
-            os.kill(os.getpid(), signal.SIGKILL)
+        if args.kill_at is not None and done == args.kill_at:
+            # Every rank finishes the last save (rank 0 commits it) before the crash, so
+            # the resume point is known; a crash mid-save would resume one save earlier.
+            ckpt.wait()
+            ad.barrier(world)
+            if rank == args.kill_rank:
+                os.kill(os.getpid(), signal.SIGKILL)
         if done % args.every == 0 or done == args.steps:
             ckpt.save(target, opt, step=done, async_save=True)
         if rank == 0 and done % 10 == 0:

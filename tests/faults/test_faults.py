@@ -69,8 +69,10 @@ CASES: dict[str, Expect] = {
                            r"\(tag 0\)"),
     "recv_no_send": Expect(r"deadlock: rank \d waits in (barrier #1 on world|recv #1 on "
                            r"world:p2p \(peer=0)",
-                           r"barrier #1 on world .*did not join within 10 s.*rank 1 .*waits in "
-                           r"recv #1 on world:p2p \(peer=0, tag=0\)"),
+                           r"(barrier #1 on world .*did not join within 10 s.*rank 1 .*waits in "
+                           r"recv #1 on world:p2p \(peer=0, tag=0\)|recv on rank 1 from rank 0 "
+                           r"\(tag 0\): rank 0 sent nothing within 10 s; rank 0 .* waits in "
+                           r"barrier #1 on world)"),
     "recv_recv": Expect(r"recv #1 on world:p2p \(peer=[01], tag=0\) .*deadlock: rank [01] waits "
                         r"in recv #1 on world:p2p",
                         r"deadlock: every rank in the cycle rank [01] -> rank [01] -> rank [01] "
