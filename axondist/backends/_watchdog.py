@@ -75,6 +75,17 @@ def _request(address: tuple[list[str], int, str], message: dict[str, Any], host:
     return GONE if refused else NO_ANSWER
 
 
+_RUNNING: list[Watchdog] = []
+
+
+def silence_all() -> None:
+    """Stop this process's watchdogs without announcing a departure: the process is ending
+    the job itself (an uncaught exception, an abort), and its peers must not be told it
+    merely left."""
+    for dog in _RUNNING:
+        dog.stop()
+
+
 class Watchdog:
     """The watchdog and diagnostics server of one rank (see the module docstring).
 
@@ -117,6 +128,7 @@ class Watchdog:
         for target, name in ((self._serve, "server"), (self._monitor, "monitor")):
             threading.Thread(target=target, name=f"axondist-watchdog-{name}", daemon=True).start()
         atexit.register(self.announce_left)
+        _RUNNING.append(self)
 
     def stop(self) -> None:
         """Stop watching (the server keeps answering until the process ends)."""
@@ -378,4 +390,4 @@ def exit_soon(code: int, after: float) -> None:
 
 
 __all__ = ["GONE", "NO_ANSWER", "Watchdog", "exit_soon", "host_addresses", "print_and_flush",
-           "warn"]
+           "silence_all", "warn"]

@@ -39,7 +39,7 @@ from ._mpi_common import (
     unsupported,
 )
 from ._mpi_guard import CallGuard, wait_until
-from ._watchdog import Watchdog, exit_soon, print_and_flush
+from ._watchdog import Watchdog, exit_soon, print_and_flush, silence_all
 from .base import (
     Backend,
     CompletedWork,
@@ -894,6 +894,7 @@ def install_abort_hook() -> None:
     previous = sys.excepthook
 
     def abort_job(exc_type: type[BaseException], exc: BaseException, tb: Any) -> None:
+        silence_all()  # this rank fails: its peers must not read its exit as a departure
         world = MPI.COMM_WORLD
         rank, size = world.Get_rank(), world.Get_size()
         if size == 1:
@@ -976,6 +977,7 @@ def create_world_backend(*, comm: Any = None, abort_on_exception: bool = True,
 
 def _abort_job(message: str) -> None:
     """Print ``message`` on this rank and end the job on every rank (the watchdog's end)."""
+    silence_all()
     world = MPI.COMM_WORLD
     rank, size = world.Get_rank(), world.Get_size()
     print_and_flush(f"[axondist rank {rank}/{size}] ", message)
