@@ -14,7 +14,9 @@ import numbers
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
-from .errors import RankError
+import numpy as np
+
+from .errors import RankError, UnsupportedDTypeError
 
 E = TypeVar("E", bound=enum.Enum)
 
@@ -115,6 +117,21 @@ def sequence_of(value: Any, what: str, arg: str) -> Sequence[Any]:
     return list(value)
 
 
+def check_real_gradient(grad: Any, where: str, index: int, name: str | None = None) -> None:
+    """Refuse a complex gradient: averaging it into a real bucket would drop the imaginary part.
+
+    Raises:
+        UnsupportedDTypeError: ``grad``'s dtype is complex.
+    """
+    if np.dtype(grad.dtype).kind == "c":
+        label = f"parameter {index}" + (f" ({name})" if name else "")
+        raise UnsupportedDTypeError(
+            f"{where}: the gradient of {label} is {grad.dtype}; complex gradients are not "
+            "supported (casting to real would silently drop the imaginary part). Train the "
+            "real and imaginary parts as two real Parameters, or pass grad.real if that is "
+            "what you mean")
+
+
 MIB = 1 << 20
 
 
@@ -123,5 +140,5 @@ def mib(nbytes: float) -> str:
     return f"{nbytes / MIB:.3g} MiB"
 
 
-__all__ = ["MIB", "as_members", "as_rank", "mib", "parse_choice", "positive_number",
-           "positive_seconds", "sequence_of"]
+__all__ = ["MIB", "as_members", "as_rank", "check_real_gradient", "mib", "parse_choice",
+           "positive_number", "positive_seconds", "sequence_of"]

@@ -31,9 +31,9 @@ from typing import Any, Protocol
 import numpy as np
 
 from . import _array
+from ._validate import check_real_gradient
 from .backends.base import Backend, CompletedWork, Work
 from .comm import all_reduce
-from .errors import UnsupportedDTypeError
 from .ops import ReduceOp
 from .parameter import Parameter
 from .process_group import ProcessGroup, resolve_group
@@ -357,21 +357,6 @@ def _describe_item(item: Any) -> tuple[tuple[int, ...], np.dtype, Any]:
     if hasattr(item, "shape") and hasattr(item, "dtype"):
         return tuple(item.shape), np.dtype(item.dtype), item
     return tuple(int(d) for d in item), None, None  # type: ignore[return-value]
-
-
-def check_real_gradient(grad: Any, where: str, index: int, name: str | None = None) -> None:
-    """Refuse a complex gradient: averaging it into a real bucket would drop the imaginary part.
-
-    Raises:
-        UnsupportedDTypeError: ``grad``'s dtype is complex.
-    """
-    if np.dtype(grad.dtype).kind == "c":
-        label = f"parameter {index}" + (f" ({name})" if name else "")
-        raise UnsupportedDTypeError(
-            f"{where}: the gradient of {label} is {grad.dtype}; complex gradients are not "
-            "supported (casting to real would silently drop the imaginary part). Train the "
-            "real and imaginary parts as two real Parameters, or pass grad.real if that is "
-            "what you mean")
 
 
 class GradientSynchronizer:

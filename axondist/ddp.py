@@ -549,10 +549,7 @@ class DistributedDataParallel:
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear every ``.grad`` (``None``, or zeros in place with False, keeping bucket views)."""
         for p in self._params:
-            if set_to_none:
-                p.grad = None
-            elif p.grad is not None:
-                p.grad[...] = 0
+            p.zero_grad(set_to_none)
         self._unsynced = False
 
     # --- the same surface as FSDP ------------------------------------------------------------

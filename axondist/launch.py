@@ -15,7 +15,7 @@ from .backends import nccl
 from .backends.base import Backend
 from .backends.mock import MockBackend
 from .errors import CollectiveMismatchError, RankExitedError, WorldAbortedError
-from .process_group import World, current_world, init, peek_world, use_world
+from .process_group import World, init, peek_world, use_world
 
 T = TypeVar("T")
 
@@ -114,18 +114,11 @@ def run(fn: Callable[..., T], world_size: int, *args: Any, timeout: float | None
         This process's ranks' results, in rank order.
     """
     if launched_by_mpi():
-        world = current_world() if _has_mpi_world() else init(timeout=timeout)
+        world = peek_world()
+        if world is None or world.backend is None or world.backend.name != "mpi":
+            world = init(timeout=timeout)
         return [fn(world, *args, **kwargs)]
     return spawn(fn, world_size, *args, timeout=timeout, **kwargs)
-
-
-def _has_mpi_world() -> bool:
-    try:
-        world = current_world()
-    except Exception:  # noqa: BLE001 - no world yet: init() will say what is wrong
-        return False
-    backend = world.backend
-    return backend is not None and backend.name == "mpi"
 
 
 def run_ranks(backends: Sequence[Backend], fn: Callable[..., T], args: Sequence[Any],

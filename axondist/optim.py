@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from . import _array
-from .errors import UnsupportedDTypeError
+from ._validate import check_real_gradient
 from .parameter import Parameter, parameters_of
 
 #: state_dict format version, bumped when the layout below changes.
@@ -108,7 +108,7 @@ class Optimizer:
             if p.grad is None:
                 continue
             grad = p.grad
-            check_real_grad(grad, f"{type(self).__name__}.step", i, p.name)
+            check_real_gradient(grad, f"{type(self).__name__}.step", i, p.name)
             if tuple(grad.shape) != p.shape:
                 raise ValueError(
                     f"{type(self).__name__}.step: parameter {i} ({p.name or 'unnamed'}) has shape "
@@ -146,10 +146,7 @@ class Optimizer:
                 ``.grad`` is a view into a DDP bucket that must stay shared.
         """
         for p in self.params:
-            if set_to_none:
-                p.grad = None
-            elif p.grad is not None:
-                p.grad[...] = 0
+            p.zero_grad(set_to_none)
 
     # --- state ---------------------------------------------------------------------
 
@@ -399,21 +396,6 @@ class AdamW(Adam):
         super().__init__(params, lr, betas, eps, weight_decay)
 
 
-def check_real_grad(grad: Any, where: str, index: int, name: str | None) -> None:
-    """Refuse a complex gradient: the update would silently drop its imaginary part.
-
-    Raises:
-        UnsupportedDTypeError: ``grad`` is complex.
-    """
-    if np.dtype(grad.dtype).kind == "c":
-        label = f"parameter {index}" + (f" ({name})" if name else "")
-        raise UnsupportedDTypeError(
-            f"{where}: the gradient of {label} is {grad.dtype}; complex gradients are not "
-            "supported (casting to real would silently drop the imaginary part). Train the "
-            "real and imaginary parts as two real Parameters, or set grad.real if that is "
-            "what you mean")
-
-
 def optimizer_params(params: Any, where: str = "optimizer") -> list[Parameter]:
     """The Parameters for ``params``: a model, list/dict of Parameters, or any iterable.
 
@@ -432,4 +414,4 @@ def optimizer_params(params: Any, where: str = "optimizer") -> list[Parameter]:
     return parameters_of(params)
 
 
-__all__ = ["SGD", "Adam", "AdamW", "Optimizer", "check_real_grad", "optimizer_params"]
+__all__ = ["SGD", "Adam", "AdamW", "Optimizer", "optimizer_params"]

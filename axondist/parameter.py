@@ -50,9 +50,13 @@ class Parameter:
         """Bytes of ``data`` (the gradient not counted)."""
         return int(self.data.nbytes)
 
-    def zero_grad(self) -> None:
-        """Drop the gradient (``grad = None``)."""
-        self.grad = None
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop the gradient (``grad = None``), or with ``set_to_none=False`` zero it in place,
+        keeping its memory (a view into a DDP bucket must stay shared)."""
+        if set_to_none:
+            self.grad = None
+        elif self.grad is not None:
+            self.grad[...] = 0
 
     def __repr__(self) -> str:
         name = f"{self.name!r}, " if self.name else ""

@@ -19,9 +19,10 @@ from typing import Any
 import numpy as np
 
 from . import _array, comm
+from ._validate import check_real_gradient
 from .errors import CollectiveMismatchError
 from .fsdp.sharding import DEFAULT_UNIT_BYTES, FlatUnit, plan_units
-from .optim import STATE_DICT_VERSION, Optimizer, check_real_grad, optimizer_params
+from .optim import STATE_DICT_VERSION, Optimizer, optimizer_params
 from .parameter import Parameter
 from .process_group import ProcessGroup, resolve_group
 
@@ -144,7 +145,7 @@ class ZeroRedundancyOptimizer:
         """
         for i, p in enumerate(self.params):
             if p.grad is not None:
-                check_real_grad(p.grad, "ZeroRedundancyOptimizer.step", i, p.name)
+                check_real_gradient(p.grad, "ZeroRedundancyOptimizer.step", i, p.name)
             if p.grad is not None and tuple(p.grad.shape) != p.shape:
                 raise ValueError(f"ZeroRedundancyOptimizer.step: parameter {i} "
                                  f"({p.name or 'unnamed'}) has shape {p.shape} but its .grad has "
@@ -173,10 +174,7 @@ class ZeroRedundancyOptimizer:
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the parameters' gradients (``grad = None``, or zeros in place with False)."""
         for p in self.params:
-            if set_to_none:
-                p.grad = None
-            elif p.grad is not None:
-                p.grad[...] = 0
+            p.zero_grad(set_to_none)
 
     # --- memory and state ------------------------------------------------------------------
 

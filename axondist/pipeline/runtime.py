@@ -513,10 +513,7 @@ class Pipeline:
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear this rank's ``.grad`` (``None``, or zeros in place with False)."""
         for prm in self.parameters():
-            if set_to_none:
-                prm.grad = None
-            elif prm.grad is not None:
-                prm.grad[...] = 0
+            prm.zero_grad(set_to_none)
 
     def state_dict(self) -> dict[str, Any]:
         """``{name: NumPy copy}`` of the whole model, every stage of every rank, on every rank.
