@@ -7,7 +7,10 @@ and an ``/etc/netns/<ns>/hosts`` file that ``ip netns exec`` mounts over ``/etc/
 so every host resolves every name, its own to its 10.x address). Nothing is added to the
 machine's own network namespace. :meth:`SimCluster.mpiexec` runs hydra's ``mpiexec`` on
 ``node0`` with ``-launcher ssh -launcher-exec <script>``: the script, standing in for
-ssh, starts the remote ``hydra_pmi_proxy`` inside the right host's namespaces.
+ssh, starts the remote ``hydra_pmi_proxy`` inside the right host's namespaces. With
+``links=SlowLinks(delay_ms=5, rate_mbit=1000)`` the hosts' cables are slow: each ``eth0``
+is then a tap device of a relay process in the switch namespace (``relay.py``) that
+delays and paces every frame, instead of a veth on the bridge.
 :meth:`SimCluster.close` kills whatever still runs in the namespaces and removes
 everything the cluster made; :func:`why_no_cluster` says why none can be made here.
 """
@@ -17,6 +20,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import select
 import shutil
 import signal
 import subprocess
@@ -27,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+RELAY = Path(__file__).resolve().parent / "relay.py"
 MPIEXEC = Path(sys.executable).parent / "mpiexec"
 SUBNET = "10.99.0"
 ETC_NETNS = Path("/etc/netns")
@@ -101,6 +106,20 @@ class Launch:
         return "\n".join(parts + [f"--- mpiexec ---\n{self.launcher[-chars:]}"])
 
 
+@dataclass(frozen=True)
+class SlowLinks:
+    """Cables through the relay (``relay.py``): each carries ``rate_mbit`` Mbit/s each way
+    (0: no limit) and delays every frame by ``delay_ms`` one way; ``mtu`` is the hosts'
+    (large, so one Python process keeps up with a Gbit/s); a frame that would queue more
+    than ``backlog_ms`` is dropped."""
+
+    delay_ms: float = 0.0
+    rate_mbit: float = 0.0
+    mtu: int = 65000
+    backlog_ms: float = 100.0
+    start_delayed: bool = True
+
+
 @dataclass
 class SimCluster:
     """``hosts`` simulated hosts ``node0 ..`` on one bridge (see the module docstring).
@@ -110,10 +129,12 @@ class SimCluster:
 
     hosts: int = 2
     prefix: str = field(default_factory=lambda: f"ax{os.getpid()}n{next(_SERIAL)}")
+    links: SlowLinks | None = None
 
     def __post_init__(self) -> None:
         if not 1 <= self.hosts <= 8:
             raise ValueError(f"SimCluster: hosts={self.hosts} must be 1..8")
+        self.relay: subprocess.Popen[str] | None = None
         self.workdir = Path(tempfile.mkdtemp(prefix=f"{self.prefix}-"))
         self.switch = f"{self.prefix}sw"
         self.namespaces = [f"{self.prefix}h{i}" for i in range(self.hosts)]
@@ -132,14 +153,20 @@ class SimCluster:
         _ip("-n", self.switch, "link", "set", "br0", "up")
         hosts_file = "127.0.0.1 localhost\n" + "".join(
             f"{a} {n}\n" for a, n in zip(self.addresses, self.names))
+        taps = self._start_relay() if self.links is not None else []
         for i, ns in enumerate(self.namespaces):
             etc = ETC_NETNS / ns
             etc.mkdir(parents=True, exist_ok=True)
             (etc / "hosts").write_text(hosts_file)
             _ip("netns", "add", ns)
-            _ip("-n", self.switch, "link", "add", f"h{i}", "type", "veth", "peer", "name",
-                "eth0", "netns", ns)
-            _ip("-n", self.switch, "link", "set", f"h{i}", "master", "br0", "up")
+            if self.links is not None:  # the relay's tap becomes the host's eth0
+                _ip("-n", self.switch, "link", "set", taps[i], "netns", ns)
+                _ip("-n", ns, "link", "set", taps[i], "name", "eth0", "mtu",
+                    str(self.links.mtu))
+            else:
+                _ip("-n", self.switch, "link", "add", f"h{i}", "type", "veth", "peer", "name",
+                    "eth0", "netns", ns)
+                _ip("-n", self.switch, "link", "set", f"h{i}", "master", "br0", "up")
             _ip("-n", ns, "addr", "add", f"{self.addresses[i]}/24", "dev", "eth0")
             _ip("-n", ns, "link", "set", "eth0", "up")
             _ip("-n", ns, "link", "set", "lo", "up")
@@ -147,6 +174,46 @@ class SimCluster:
         self.launcher_script = self.workdir / "ssh-to-namespace.sh"
         self.launcher_script.write_text(_LAUNCHER.format(cases=cases.rstrip("\n")))
         self.launcher_script.chmod(0o755)
+
+    def _start_relay(self) -> list[str]:
+        """Start the relay in the switch namespace; the names of its taps, one per host."""
+        links = self.links
+        assert links is not None
+        argv = ["ip", "netns", "exec", self.switch, sys.executable, str(RELAY),
+                "--ports", str(self.hosts), "--prefix", "tap", "--rate-mbit",
+                str(links.rate_mbit), "--delay-ms", str(links.delay_ms), "--backlog-ms",
+                str(links.backlog_ms), "--stats", str(self.workdir / "relay-stats.json")]
+        if not links.start_delayed:
+            argv.append("--delay-off")
+        self.relay = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True)
+        assert self.relay.stdout is not None
+        ready, _, _ = select.select([self.relay.stdout], [], [], 30)
+        line = self.relay.stdout.readline() if ready else ""
+        if not line.startswith("READY "):
+            self.relay.kill()
+            rest = self.relay.communicate()[0]
+            raise RuntimeError(f"SimCluster: the relay did not start (printed {line!r}"
+                               f"{rest[-2000:]!r}, exit {self.relay.returncode})")
+        return line.split()[1:]
+
+    def set_delay(self, on: bool) -> None:
+        """Switch the relay's delay on (the ``delay_ms`` asked for) or off (no delay)."""
+        if self.relay is None:
+            raise ValueError("SimCluster.set_delay: this cluster has no relay; build it with "
+                             "links=SlowLinks(delay_ms=...)")
+        self.relay.send_signal(signal.SIGUSR1 if on else signal.SIGUSR2)
+
+    def relay_stats(self) -> dict[str, object]:
+        """Stop the relay and return what it forwarded: ``frames`` and ``bytes`` per
+        ``"src->dst"`` host pair, ``dropped``, and ``least_hold_s`` (the shortest time a
+        frame spent in the relay). The links are dead afterwards."""
+        if self.relay is None:
+            raise ValueError("SimCluster.relay_stats: this cluster has no relay")
+        self.relay.terminate()
+        self.relay.communicate(timeout=30)
+        stats: dict[str, object] = json.loads((self.workdir / "relay-stats.json").read_text())
+        return stats
 
     def pids(self, host: int | None = None) -> list[int]:
         """Every process still running on host ``host`` (None: on any host)."""
@@ -170,6 +237,10 @@ class SimCluster:
     def close(self) -> None:
         """Kill what runs on the hosts and remove the namespaces, links and files."""
         self.kill_all()
+        if getattr(self, "relay", None) is not None:  # its taps go with it
+            assert self.relay is not None
+            self.relay.kill()
+            self.relay.communicate()
         for ns in [*getattr(self, "namespaces", []), getattr(self, "switch", "")]:
             if ns:
                 _ip("netns", "del", ns, check=False)  # its veth ends go with it
@@ -191,6 +262,9 @@ class SimCluster:
 
     def set_link(self, host: int, up: bool) -> None:
         """Unplug (or plug back) host ``host``'s cable: its port on the bridge goes down."""
+        if self.links is not None:
+            raise ValueError("SimCluster.set_link: a cluster with slow links has no bridge "
+                             "ports to unplug; build it with links=None")
         _ip("-n", self.switch, "link", "set", f"h{host}", "up" if up else "down")
 
     def refuse_logins(self, host: int) -> None:
