@@ -15,12 +15,13 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .. import _array, comm
 from .._step import GradFn, check_grad_fn, check_optimizer, loss_and_gradients, split_grad_fn
+from ..backends.base import CompletedWork, Work
 from ..bucketing import check_real_gradient
 from ..checkpoint import CheckpointReader, ShardedState, param_names
 from ..errors import CheckpointError
@@ -28,11 +29,16 @@ from ..ops import ReduceOp
 from ..parameter import Parameter, parameters_of
 from ..process_group import ProcessGroup, resolve_group
 from . import clip as _clip
+from . import layers as _layers
 from . import state_dict as _state_dict
 from ._groups import check_same_model, sharding_groups
+from .layers import LayerPlan
 from .memory import Footprint, FSDPMemoryStats, HeldBytes, OptimizerModel, owner, unit_footprint
 from .policies import CPUOffload, MixedPrecision, ShardingSpec, ShardingStrategy
 from .sharding import DEFAULT_UNIT_BYTES, FlatUnit, plan_units, unit_indices
+
+if TYPE_CHECKING:
+    from ..pipeline import LossFn, PipelineStage
 
 logger = logging.getLogger("axondist.fsdp")
 
@@ -40,13 +46,42 @@ logger = logging.getLogger("axondist.fsdp")
 class _Unit:
     """Runtime state of one unit: its shard Parameter and what is gathered."""
 
-    __slots__ = ("flat", "shard", "full", "accum")
+    __slots__ = ("flat", "shard", "full", "accum", "pending")
 
     def __init__(self, flat: FlatUnit, shard: Parameter) -> None:
         self.flat = flat
         self.shard = shard
         self.full: Any = None  # the gathered padded flat buffer (compute dtype) or None
         self.accum: Any = None  # no_sync: summed unreduced gradients (master dtype, numel)
+        self.pending: GatherHandle | None = None  # an all-gather started, not yet waited for
+
+
+class GatherHandle:
+    """An all-gather of one or more units in flight (``gather_parameters(async_op=True)``).
+
+    :meth:`wait` completes it and installs the full parameters in the model;
+    until then the units count as not gathered. Waiting twice is harmless,
+    and resharding or gathering a unit again first finishes its pending
+    gather, so every rank still makes the same collectives.
+    """
+
+    __slots__ = ("_owner", "_parts")
+
+    def __init__(self, owner: FullyShardedDataParallel, parts: list[tuple[_Unit, Any]]) -> None:
+        self._owner = owner
+        self._parts = parts  # (unit, the Work whose result is its full buffer); emptied by wait()
+
+    def wait(self) -> None:
+        """Finish the all-gathers and point the model's Parameters at the full buffers."""
+        parts, self._parts = self._parts, []
+        for st, work in parts:
+            if st.pending is self:
+                st.pending = None
+                self._owner._install(st, work.wait())
+
+    def is_completed(self) -> bool:
+        """True once :meth:`wait` ran (the parameters are then in the model)."""
+        return not self._parts
 
 
 class FullyShardedDataParallel:
@@ -129,6 +164,10 @@ class FullyShardedDataParallel:
         self._shapes = [p.shape for p in self._params]
         self._no_sync_depth = 0
         self._optimizer: Any = None
+        self._layers: LayerPlan | None = None  # set by from_layers
+        self._loss_fn: Any = None
+        self.prefetch = True
+        self.reshard_after_forward = True
         self._closed = False
         self.shard_group, self.replica_group, self._created_groups = sharding_groups(
             self.group, self.spec, ranks_per_node, self.sharding_strategy.name)
@@ -136,6 +175,70 @@ class FullyShardedDataParallel:
         self._cast_buffers(model)
         if logger.isEnabledFor(logging.INFO):
             logger.info("%r; estimated per rank: %s", self, self.memory_estimate())
+
+    @classmethod
+    def from_layers(cls, layers: Sequence[PipelineStage], group: ProcessGroup | None = None, *,
+                    loss_fn: LossFn, prefetch: bool = True, reshard_after_forward: bool = True,
+                    **kwargs: Any) -> FullyShardedDataParallel:
+        """Wrap a model given as layers, one unit each, for steps that gather one layer at a time.
+
+        :meth:`backward` and :meth:`step` then take ``(x, target)`` and run the
+        layers' own callables, like FSDP2's per-module ``fully_shard``: forward
+        gathers each layer's unit just before it runs and, with
+        ``reshard_after_forward``, drops it right after; ``loss_fn(y, target)``
+        gives ``(loss, grad_y)``; backward gathers each unit again, sets its
+        gradients and reduce-scatters them before the next layer. With
+        ``prefetch`` the next unit's all-gather is started before the current
+        layer computes and waited for when that unit is needed. So at most two
+        units' full parameters are held (the current one and the prefetched
+        one; one without prefetch), against the whole model in the
+        ``grad_fn`` step; the price is moving the parameters three times per
+        step instead of twice. ``reshard_after_forward=False`` keeps every unit
+        from forward to backward: twice the parameters moved, the whole model
+        held at the end of forward (FSDP2's ZeRO-2-like setting). Strategies
+        that keep parameters (SHARD_GRAD_OP, NO_SHARD) hold them whatever the
+        flags. A callable passed first (``step(grad_fn, *batch, ...)``) still
+        runs the whole-model ``grad_fn`` step.
+
+        Args:
+            layers: ``PipelineStage(forward, backward, params)`` values (see
+                :class:`~axondist.pipeline.PipelineStage`), in forward order:
+                ``forward(param_arrays, x) -> (y, saved)``, ``backward(param_arrays,
+                saved, grad_y) -> (grad_x, param_grads)``. A layer without
+                parameters gets no unit. A Parameter belongs to one layer.
+            group: the data-parallel group (the current world when None).
+            loss_fn: ``loss_fn(y, target) -> (loss, grad_y)`` on the last
+                layer's output.
+            prefetch: overlap the next unit's all-gather with this layer.
+            reshard_after_forward: drop each unit after its forward.
+            **kwargs: the constructor's other arguments (not ``units`` or
+                ``grad_fn``: the layers decide both).
+
+        Returns:
+            The wrapper; its :attr:`module` is the list of layers.
+
+        Raises:
+            TypeError: ``layers`` is not a list of layers, ``loss_fn`` is not
+                callable, ``units``/``grad_fn`` given, or a flag not a bool.
+            ValueError: no layers, no parameters, or a Parameter in two layers.
+        """
+        where = "FullyShardedDataParallel.from_layers"
+        for arg in ("units", "grad_fn"):
+            if arg in kwargs:
+                raise TypeError(f"{where}: {arg}= is not taken: each layer's parameters are its "
+                                "unit and the layers' callables compute the gradients")
+        if not callable(loss_fn):
+            raise TypeError(f"{where}: loss_fn must be a callable loss_fn(y, target) returning "
+                            f"(loss, grad_y), got {type(loss_fn).__name__}")
+        for arg, flag in (("prefetch", prefetch), ("reshard_after_forward", reshard_after_forward)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{where}: {arg} must be True or False, got {flag!r}")
+        plan, params, units = LayerPlan.of(layers, where)
+        fsdp = cls(params, group, units=units, **kwargs)
+        fsdp.module = list(plan.layers)
+        fsdp._layers, fsdp._loss_fn = plan, loss_fn
+        fsdp.prefetch, fsdp.reshard_after_forward = prefetch, reshard_after_forward
+        return fsdp
 
     # --- construction ---------------------------------------------------------------
 
@@ -272,28 +375,59 @@ class FullyShardedDataParallel:
 
     # --- gather / reshard -------------------------------------------------------------------
 
-    def gather_parameters(self, unit: int | None = None) -> None:
+    def gather_parameters(self, unit: int | None = None, *,
+                          async_op: bool = False) -> GatherHandle | None:
         """All-gather full parameters of ``unit`` (every unit when None) into the model.
 
         Each model ``Parameter.data`` becomes a view of the unit's gathered
         flat buffer, in the compute dtype (``MixedPrecision.param_dtype`` or
         the master dtype). Always communicates, so it also refreshes values
-        that an optimizer step made stale (SHARD_GRAD_OP, NO_SHARD).
+        that an optimizer step made stale (SHARD_GRAD_OP, NO_SHARD). With
+        ``async_op`` the all-gathers are only started (the shards are read
+        now): compute on other units meanwhile, then ``handle.wait()``; this
+        is how :meth:`from_layers` prefetches the next unit.
+
+        Args:
+            unit: one unit's index, or None for every unit.
+            async_op: return a :class:`GatherHandle` instead of waiting.
+
+        Returns:
+            The handle with ``async_op``, else None.
+
+        Raises:
+            ValueError: ``unit`` is not a unit index.
         """
-        for st in self._select(unit, "gather_parameters"):
-            flat = st.flat
-            src = self._to_compute(st.shard.data)
-            cdt = self._compute_dtype(flat)
-            if src.dtype != cdt:
-                src = src.astype(cdt)
-            if self.shard_group is not None:
-                sizes = [flat.shard_size] * self._shards  # equal shards: no size exchange
-                full = comm.all_gather(src, self.shard_group, sizes=sizes)
-            else:
-                full = src  # one shard is the whole flat (may alias the master shard)
-            st.full = full
-            for i, view in zip(flat.param_indices, flat.layout.views(full[:flat.numel])):
-                self._params[i].data = view
+        units = self._select(unit, "gather_parameters")
+        for st in units:
+            self._finish_pending(st)
+        handle = GatherHandle(self, [(st, self._start_gather(st)) for st in units])
+        for st in units:
+            st.pending = handle
+        if async_op:
+            return handle
+        handle.wait()
+        return None
+
+    def _start_gather(self, st: _Unit) -> Work:
+        """Start ``st``'s all-gather; the Work's result is the full padded buffer."""
+        flat = st.flat
+        src = self._to_compute(st.shard.data)
+        cdt = self._compute_dtype(flat)
+        if src.dtype != cdt:
+            src = src.astype(cdt)
+        if self.shard_group is None:
+            return CompletedWork(src)  # one shard is the whole flat (may alias the master)
+        sizes = [flat.shard_size] * self._shards  # equal shards: no size exchange
+        return comm.all_gather(src, self.shard_group, sizes=sizes, async_op=True)
+
+    def _install(self, st: _Unit, full: Any) -> None:
+        st.full = full
+        for i, view in zip(st.flat.param_indices, st.flat.layout.views(full[:st.flat.numel])):
+            self._params[i].data = view
+
+    def _finish_pending(self, st: _Unit) -> None:
+        if st.pending is not None:
+            st.pending.wait()
 
     def reshard_parameters(self, unit: int | None = None) -> None:
         """Release the full parameters of ``unit`` (every unit when None).
@@ -321,6 +455,7 @@ class FullyShardedDataParallel:
             self._release(st)
 
     def _release(self, st: _Unit) -> None:
+        self._finish_pending(st)  # every rank started it: finish it before dropping it
         st.full = None
         for i in st.flat.param_indices:
             self._params[i].data = self._placeholder(st.flat)
@@ -345,8 +480,13 @@ class FullyShardedDataParallel:
             self.reshard_parameters(unit)
 
     def is_gathered(self, unit: int) -> bool:
-        """True while ``unit``'s full parameters are held."""
+        """True while ``unit``'s full parameters are held (not while only being gathered)."""
         return self._select(unit, "is_gathered")[0].full is not None
+
+    def is_gathering(self, unit: int) -> bool:
+        """True while an all-gather of ``unit`` started with ``async_op=True`` is not waited for
+        (its full buffer is already allocated)."""
+        return self._select(unit, "is_gathering")[0].pending is not None
 
     # --- gradients ----------------------------------------------------------------------------
 
@@ -552,6 +692,9 @@ class FullyShardedDataParallel:
             UnsupportedDTypeError: a complex gradient.
         """
         where = "FullyShardedDataParallel.backward"
+        if self._layers is not None and not (batch and callable(batch[0])
+                                             and not hasattr(batch[0], "shape")):
+            return self._layered_backward(batch, where)
         grad_fn, batch = split_grad_fn(self.grad_fn, batch, where)
         self.gather_parameters()
         arrays = [p.data for p in self._params]
@@ -566,6 +709,45 @@ class FullyShardedDataParallel:
         self.reshard_parameters()
         self.sync_gradients()
         return loss
+
+    def _layered_backward(self, batch: tuple[Any, ...], where: str) -> Any:
+        plan = self._layers
+        assert plan is not None
+        if len(batch) not in (1, 2):
+            raise TypeError(f"{where}: a wrapper made by from_layers takes backward(x, target) "
+                            f"(target may be left out), got {len(batch)} arguments")
+        self._select(None, where)  # refuses a closed wrapper
+        x, target = batch[0], batch[1] if len(batch) == 2 else None
+        y, saved = _layers.forward(self, plan, x, prefetch=self.prefetch,
+                                   reshard_after_forward=self.reshard_after_forward, keep=True,
+                                   where=where)
+        try:
+            loss, grad = _layers.loss_and_grad(self._loss_fn, y, target, where)
+        except BaseException:
+            self.reshard_parameters()
+            raise
+        del y
+        _layers.backward(self, plan, saved, grad, prefetch=self.prefetch, where=where)
+        return loss
+
+    def forward(self, x: Any) -> Any:
+        """The model's output on ``x``, one layer's unit gathered at a time (no gradients).
+
+        Only for a wrapper made by :meth:`from_layers`. Each unit is gathered
+        (the next one prefetched when ``prefetch``) and resharded after its
+        layer, so evaluation holds no more than a training step.
+
+        Raises:
+            RuntimeError: the wrapper was not made by :meth:`from_layers`.
+        """
+        where = "FullyShardedDataParallel.forward"
+        if self._layers is None:
+            raise RuntimeError(f"{where}: only a wrapper made by from_layers(...) knows its "
+                               "layers; otherwise gather_parameters() and run the model yourself")
+        self._select(None, where)
+        y, _ = _layers.forward(self, self._layers, x, prefetch=self.prefetch,
+                               reshard_after_forward=True, keep=False, where=where)
+        return y
 
     def step(self, *batch: Any, optimizer: Any, max_norm: float | None = None) -> Any:
         """One training step: :meth:`backward`, optional clipping, ``optimizer.step()``,
