@@ -83,6 +83,7 @@ _LAZY = {
     "ColumnParallelLinear": "tensor_parallel", "RowParallelLinear": "tensor_parallel",
     "TensorParallelMLP": "tensor_parallel", "TensorParallelAttention": "tensor_parallel",
     "DeviceMesh": "mesh", "make_mesh": "mesh",
+    "HierarchicalAllReduce": "hierarchical",
     "DistributedSampler": "data",
     "print0": "log", "all_reduce_scalar": "log",
     "MockBackend": "backends", "NcclBackend": "backends",
