@@ -1,23 +1,27 @@
-"""Slow links: all-reduce and DDP on a simulated 2-host x 2-rank cluster with limited links.
+"""Slow links: all-reduce and DDP on a simulated 2-host cluster with delayed, limited links.
 
-    sudo python benchmarks/bench_cluster.py [--json results.json] [--repeats N] [--rate 1gbit]
+    sudo python benchmarks/bench_cluster.py [--json results.json] [--repeats N]
+        [--delay-ms 5] [--rate-mbit 1000] [--per-host 2]
 
-Builds the simulated cluster of ``tests/cluster/simcluster.py`` (two network namespaces
-on a bridge, ranks 0, 1 on node0 and 2, 3 on node1), limits what each host receives to
-``--rate`` with a ``tbf`` queue on its switch port, and runs itself on the 4 ranks. Needs
-root; prints why and exits 0 otherwise. Every figure is the median (min-max) over timed
-batches, each the slowest rank's time, ratios paired batch by batch (``_common``).
+Builds the simulated cluster of ``tests/cluster/simcluster.py`` with slow links: each
+host's cable goes through the userspace relay of ``tests/cluster/relay.py`` (this kernel
+has no ``netem``), which delays every frame ``--delay-ms`` one way and carries at most
+``--rate-mbit`` each way. Ranks 0, 1 run on node0 and 2, 3 on node1 (``--per-host 1``:
+one each). The machine's cores are shared by every rank and the relay (2 cores here), so
+compute-heavy figures are pessimistic. Needs root; prints why and exits 0 otherwise.
+Every figure is the median (min-max) over timed batches, each the slowest rank's time,
+ratios paired batch by batch (``_common``). Rank 0 switches the relay's delay off and on
+(signals) for the "no delay" figures, so those pairs share one cluster and one job.
 
 * all-reduce of 4 KiB to 64 MiB float32: axondist vs raw mpi4py ``Allreduce`` (target:
-  axondist <= 1.1x raw from 4 MiB), and a hierarchical all-reduce composed of groups
-  (reduce-scatter within the host, all-reduce across hosts, all-gather within the host)
-  vs the flat one: below 1 means a hierarchical all-reduce would win on these links.
+  axondist <= 1.1x raw from 4 MiB; the 4 KiB row is the latency, the 64 MiB row's bus
+  bandwidth the links'), and :class:`axondist.HierarchicalAllReduce` vs the flat one.
 * ``python -m axondist tune``'s sweep on the same links, and the bucket it picks.
 * DDP on a 95 MiB model (160 arrays): gradient sync alone with 25 MiB buckets vs the
-  tuned size (target: tuned <= 1.0x default), and a backward step whose compute (a sleep
-  per array, as a GPU kernel leaves the CPU free) lasts as long as the sync:
-  SYNCHRONOUS vs OVERLAPPED (target: OVERLAPPED step <= 1.25x max(compute, sync), where
-  SYNCHRONOUS pays their sum).
+  tuned size (target: tuned <= 1.0x default); with the delay vs without it (target:
+  <= 1.5x); and a backward step whose compute (a sleep per array, as a GPU kernel leaves
+  the CPU free) lasts as long as the sync: SYNCHRONOUS vs OVERLAPPED (target: OVERLAPPED
+  step <= 1.25x max(compute, sync), where SYNCHRONOUS pays their sum).
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -46,7 +50,7 @@ from _common import (  # noqa: E402
     spread,
     write_json,
 )
-from cluster.simcluster import SimCluster, why_no_cluster  # noqa: E402
+from cluster.simcluster import SimCluster, SlowLinks, why_no_cluster  # noqa: E402
 
 import axondist as ad  # noqa: E402
 from axondist import tune  # noqa: E402
@@ -54,6 +58,7 @@ from axondist.bucketing import GradSyncStrategy  # noqa: E402
 from axondist.ddp import DDP  # noqa: E402
 
 RUNNER = {"quick_args": ["--repeats", "3"], "timeout": 900}
+RELAY_PID = "BENCH_RELAY_PID"  # the relay's process id, for rank 0 to signal
 
 DEFAULT_BUCKET_MB = 25.0
 SIZES = [4 << 10, 256 << 10, 4 << 20, 16 << 20, 64 << 20]
@@ -70,45 +75,46 @@ def model_shapes(layers: int = 40) -> list[tuple[int, ...]]:
 
 # --- on every rank ----------------------------------------------------------------------
 
-def _node_groups(world: ad.World) -> tuple[ad.ProcessGroup, ad.ProcessGroup]:
-    """This rank's host group and its group of same-local-rank peers across hosts."""
-    layout = ad.all_gather_object(world.node_info(), world)
-    node, local, _ = layout[world.rank]
-    mine = across = None
-    for k in sorted({info[0] for info in layout}):  # every rank creates every group
-        g = world.new_group([r for r, info in enumerate(layout) if info[0] == k])
-        mine = g if k == node else mine
-    for j in sorted({info[1] for info in layout}):
-        g = world.new_group([r for r, info in enumerate(layout) if info[1] == j])
-        across = g if j == local else across
-    assert mine is not None and across is not None
-    return mine, across
+class DelaySwitch:
+    """Switches the relay's delay on or off from rank 0 (signals: SIGUSR1 on, SIGUSR2
+    off), then a barrier; a no-op when already so. Every rank calls it."""
+
+    def __init__(self, comm: Any) -> None:
+        self.comm = comm
+        self.pid = int(os.environ.get(RELAY_PID, "0"))
+        self.on = True
+
+    def __call__(self, on: bool) -> None:
+        if on == self.on or not self.pid:
+            return
+        if self.comm.rank == 0:
+            os.kill(self.pid, signal.SIGUSR1 if on else signal.SIGUSR2)
+        self.comm.Barrier()
+        self.on = on
 
 
 def all_reduce_part(world: ad.World, mpi: Any, repeats: int) -> list[dict[str, Any]]:
     comm = mpi.COMM_WORLD
-    node, across = _node_groups(world)
+    hierarchical = ad.HierarchicalAllReduce(world)
     rows = []
     for nbytes in SIZES:
         x = np.ones(nbytes // 4, np.float32)
         y = np.ones(nbytes // 4, np.float32)
-
-        def hierarchical(x: np.ndarray = x) -> None:
-            part = ad.reduce_scatter(x, "sum", node)
-            ad.all_reduce(part, "sum", across)
-            ad.all_gather(part, node, out=x)
-
-        batch = max(1, min(50, (16 << 20) // nbytes))
-        times = alternate({"axondist": lambda x=x: ad.all_reduce(x),
-                           "raw": lambda y=y: comm.Allreduce(mpi.IN_PLACE, y, mpi.SUM),
-                           "hierarchical": hierarchical},
-                          batch=batch, repeats=repeats, comm=comm)
+        variants = {"axondist": lambda x=x: ad.all_reduce(x),
+                    "raw": lambda y=y: comm.Allreduce(mpi.IN_PLACE, y, mpi.SUM)}
+        if hierarchical.is_hierarchical:
+            variants["hierarchical"] = lambda x=x: hierarchical(x)
+        batch = max(1, min(20, (16 << 20) // nbytes))
+        times = alternate(variants, batch=batch, repeats=repeats, comm=comm)
         busbw = [tune.bus_bandwidth(nbytes, t, world.world_size) / 1e6 for t in times["raw"]]
-        rows.append({"size": nbytes, "axondist_ms": spread(times["axondist"], 1e3),
-                     "raw_ms": spread(times["raw"], 1e3), "raw_busbw_MBps": spread(busbw),
-                     "axondist/raw": ratio_spread(times["axondist"], times["raw"]),
-                     "hierarchical/flat": ratio_spread(times["hierarchical"],
-                                                       times["axondist"])})
+        row = {"size": nbytes, "axondist_ms": spread(times["axondist"], 1e3),
+               "raw_ms": spread(times["raw"], 1e3), "raw_busbw_MBps": spread(busbw),
+               "axondist/raw": ratio_spread(times["axondist"], times["raw"])}
+        if "hierarchical" in times:
+            row["hierarchical_ms"] = spread(times["hierarchical"], 1e3)
+            row["hierarchical/flat"] = ratio_spread(times["hierarchical"], times["axondist"])
+        rows.append(row)
+    hierarchical.close()
     return rows
 
 
@@ -126,7 +132,7 @@ def _ddp(shapes: list[tuple[int, ...]], strategy: GradSyncStrategy, bucket_mb: f
     return ddp
 
 
-def ddp_part(mpi: Any, repeats: int, tuned_mb: float) -> dict[str, Any]:
+def ddp_part(mpi: Any, repeats: int, tuned_mb: float, delay: DelaySwitch) -> dict[str, Any]:
     comm = mpi.COMM_WORLD
     shapes = model_shapes()
     grads = [np.full(s, 0.5, np.float32) for s in shapes]
@@ -141,6 +147,17 @@ def ddp_part(mpi: Any, repeats: int, tuned_mb: float) -> dict[str, Any]:
     alone = {f"sync {name}": _ddp(shapes, GradSyncStrategy.SYNCHRONOUS, mb, None).sync_gradients
              for name, mb in (("default", DEFAULT_BUCKET_MB), ("tuned", tuned_mb))}
     sync_times = alternate(alone, batch=1, repeats=repeats, comm=comm, prime=False)
+    default_sync = alone["sync default"]
+
+    def switched(on: bool) -> Callable[[], None]:
+        def call() -> None:
+            delay(on)  # in the untimed first call of each batch (prime)
+            default_sync()
+        return call
+
+    delay_times = alternate({"delay": switched(True), "no delay": switched(False)}, batch=1,
+                            repeats=repeats, comm=comm)
+    delay(True)
     compute = float(np.median(sync_times["sync default"]))
     pause[0] = compute / len(shapes)
     steps: dict[str, Callable[[], None]] = {}
@@ -167,6 +184,8 @@ def ddp_part(mpi: Any, repeats: int, tuned_mb: float) -> dict[str, Any]:
     return {
         "compute_s": compute, "tuned_mb": tuned_mb,
         "sync_s": {k: spread(v) for k, v in sync_times.items()},
+        "delay_sync_s": {k: spread(v) for k, v in delay_times.items()},
+        "delay/no delay sync": ratio_spread(delay_times["delay"], delay_times["no delay"]),
         "step_s": {k: spread(v) for k, v in step_times.items()},
         "tuned/default sync": ratio_spread(sync_times["sync tuned"], sync_times["sync default"]),
         "sync step/max(compute, sync)": ratio_spread(step_times["sync default"], bound),
@@ -181,12 +200,14 @@ def rank_main(args: argparse.Namespace) -> None:
     from mpi4py import MPI  # noqa: PLC0415 - only the ranks load MPI
 
     world = ad.init()
-    results: dict[str, Any] = {"world_size": world.world_size, "rate": args.rate,
+    results: dict[str, Any] = {"world_size": world.world_size, "per_host": args.per_host,
+                               "delay_ms": args.delay_ms, "rate_mbit": args.rate_mbit,
                                "repeats": args.repeats}
     results["all_reduce"] = all_reduce_part(world, MPI, args.repeats)
     settings = tune.tune(world, TUNE_SIZES, repeats=3)
     results["tune"] = [{"size": p.nbytes, "busbw_MBps": p.busbw / 1e6} for p in settings.sweep]
-    results["ddp"] = ddp_part(MPI, args.repeats, settings.bucket_cap_mb)
+    results["ddp"] = ddp_part(MPI, args.repeats, settings.bucket_cap_mb,
+                              DelaySwitch(MPI.COMM_WORLD))
     if world.rank == 0:
         Path(args.rank_out).write_text(json.dumps(results))
 
@@ -200,32 +221,50 @@ def _targets(results: dict[str, Any]) -> dict[str, bool]:
         "axondist all_reduce <= 1.1x raw from 4 MiB": all(r["axondist/raw"]["median"] <= 1.1
                                                           for r in big),
         "tuned buckets sync <= 1.0x default": ddp["tuned/default sync"]["median"] <= 1.0,
+        f"DDP sync with {results['delay_ms']:g} ms delay <= 1.5x no delay":
+            ddp["delay/no delay sync"]["median"] <= 1.5,
         "OVERLAPPED step <= 1.25x max(compute, sync)":
             ddp["overlapped step/max(compute, sync)"]["median"] <= 1.25,
     }
 
 
+def _all_reduce_table(rows: list[dict[str, Any]]) -> str:
+    hier = "hierarchical/flat" in rows[0]
+    header = ["size", "axondist ms", "raw ms", "axondist/raw", "raw busbw MB/s"]
+    header += ["hierarchical ms", "hierarchical/flat"] if hier else []
+    body = []
+    for r in rows:
+        cells = [format_size(r["size"]), format_spread(r["axondist_ms"]),
+                 format_spread(r["raw_ms"]), format_spread(r["axondist/raw"]),
+                 format_spread(r["raw_busbw_MBps"])]
+        if hier:
+            cells += [format_spread(r["hierarchical_ms"]), format_spread(r["hierarchical/flat"])]
+        body.append(cells)
+    return format_table(header, body)
+
+
 def report(results: dict[str, Any]) -> str:
-    rows = [[format_size(r["size"]), format_spread(r["axondist_ms"]), format_spread(r["raw_ms"]),
-             format_spread(r["axondist/raw"]), format_spread(r["raw_busbw_MBps"]),
-             format_spread(r["hierarchical/flat"])] for r in results["all_reduce"]]
     ddp = results["ddp"]
-    lines = [f"2 hosts x 2 ranks, each host receiving at most {results['rate']}; "
-             f"{results['repeats']} timed batches per figure",
-             format_table(["size", "axondist ms", "raw ms", "axondist/raw", "raw busbw MB/s",
-                           "hierarchical/flat"], rows), "",
+    rate = f"{results['rate_mbit']:g} Mbit/s" if results["rate_mbit"] else "no rate limit"
+    seconds = {**ddp["sync_s"], **{f"sync default, {k}": v
+                                   for k, v in ddp["delay_sync_s"].items()},
+               **{f"step {k}": v for k, v in ddp["step_s"].items()}}
+    ratios = ("tuned/default sync", "delay/no delay sync", "sync step/max(compute, sync)",
+              "overlapped step/max(compute, sync)", "overlapped tuned/default step")
+    relay = results.get("relay", {})
+    lines = [f"2 hosts x {results['per_host']} ranks on {os.cpu_count()} cores; links: "
+             f"{results['delay_ms']:g} ms one way, {rate} each way (userspace relay, "
+             f"{relay.get('dropped', '?')} frames dropped); {results['repeats']} timed "
+             "batches per figure, median (min-max)",
+             _all_reduce_table(results["all_reduce"]), "",
              "tune sweep: " + ", ".join(f"{format_size(p['size'])} {p['busbw_MBps']:.0f} MB/s"
                                         for p in results["tune"]),
-             f"tuned bucket: {ddp['tuned_mb']:g} MiB (default {DEFAULT_BUCKET_MB:g})", "",
+             f"tuned bucket: {ddp['tuned_mb']:g} MiB (default {DEFAULT_BUCKET_MB:g}); "
+             f"compute per step {ddp['compute_s']:.3g} s", "",
              format_table(["DDP 95 MiB", "seconds"],
-                          [[k, format_spread(v)] for k, v in
-                           {**ddp["sync_s"], **{f"step {k}": v
-                                                for k, v in ddp["step_s"].items()}}.items()]),
+                          [[k, format_spread(v)] for k, v in seconds.items()]),
              "", format_table(["ratio", "median (min-max)"],
-                              [[k, format_spread(ddp[k])] for k in
-                               ("tuned/default sync", "sync step/max(compute, sync)",
-                                "overlapped step/max(compute, sync)",
-                                "overlapped tuned/default step")]), ""]
+                              [[k, format_spread(ddp[k])] for k in ratios]), ""]
     lines += [f"target {'met' if ok else 'MISSED'}: {name}"
               for name, ok in results["targets"].items()]
     return "\n".join(lines)
@@ -237,19 +276,21 @@ def driver(args: argparse.Namespace) -> int:
         print(f"bench_cluster: skipped: {reason}")
         write_json(args.json, {"skipped": reason})
         return 0
-    with SimCluster(hosts=2) as cluster:
-        for h in range(2):  # shape what each host receives
-            subprocess.run(["ip", "netns", "exec", cluster.switch, "tc", "qdisc", "add", "dev",
-                            f"h{h}", "root", "tbf", "rate", args.rate, "burst", "128kb",
-                            "latency", "100ms"], check=True, capture_output=True, text=True)
+    links = SlowLinks(delay_ms=args.delay_ms, rate_mbit=args.rate_mbit)
+    with SimCluster(hosts=2, links=links) as cluster:
+        assert cluster.relay is not None
         out = cluster.workdir / "results.json"
-        run = cluster.run([2, 2], ["-m", "mpi4py", os.path.abspath(__file__), "--rank",
-                                   "--rank-out", str(out), "--repeats", str(args.repeats),
-                                   "--rate", args.rate], timeout=args.timeout)
+        run = cluster.run([args.per_host] * 2,
+                          ["-m", "mpi4py", os.path.abspath(__file__), "--rank",
+                           "--rank-out", str(out), "--repeats", str(args.repeats),
+                           "--delay-ms", str(args.delay_ms), "--rate-mbit", str(args.rate_mbit),
+                           "--per-host", str(args.per_host)],
+                          env={RELAY_PID: str(cluster.relay.pid)}, timeout=args.timeout)
         if run.returncode != 0 or not out.exists():
             print(f"bench_cluster: the run failed (exit {run.returncode})\n{run.tail()}")
             return 1
         results = json.loads(out.read_text())
+        results["relay"] = cluster.relay_stats()
     results["targets"] = _targets(results)
     print(report(results))
     write_json(args.json, results)
@@ -260,7 +301,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", default=None, help="write the results here")
     parser.add_argument("--repeats", type=int, default=5, help="timed batches per variant")
-    parser.add_argument("--rate", default="1gbit", help="tbf rate per host (default 1gbit)")
+    parser.add_argument("--delay-ms", type=float, default=5.0, help="one way (default 5)")
+    parser.add_argument("--rate-mbit", type=float, default=1000.0,
+                        help="each way, per host (default 1000; 0: no limit)")
+    parser.add_argument("--per-host", type=int, choices=(1, 2), default=2,
+                        help="ranks per host (default 2)")
     parser.add_argument("--timeout", type=float, default=800.0, help="seconds for the run")
     parser.add_argument("--rank", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--rank-out", default="", help=argparse.SUPPRESS)

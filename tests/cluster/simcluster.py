@@ -191,10 +191,13 @@ class SimCluster:
         ready, _, _ = select.select([self.relay.stdout], [], [], 30)
         line = self.relay.stdout.readline() if ready else ""
         if not line.startswith("READY "):
-            self.relay.kill()
-            rest = self.relay.communicate()[0]
-            raise RuntimeError(f"SimCluster: the relay did not start (printed {line!r}"
-                               f"{rest[-2000:]!r}, exit {self.relay.returncode})")
+            try:  # the rest of what it printed, once it has ended
+                rest = self.relay.communicate(timeout=10)[0]
+            except subprocess.TimeoutExpired:
+                self.relay.kill()
+                rest = self.relay.communicate()[0]
+            raise RuntimeError(f"SimCluster: the relay did not start (exit "
+                               f"{self.relay.returncode}); it printed:\n{(line + rest)[-2000:]}")
         return line.split()[1:]
 
     def set_delay(self, on: bool) -> None:
@@ -240,7 +243,9 @@ class SimCluster:
         if getattr(self, "relay", None) is not None:  # its taps go with it
             assert self.relay is not None
             self.relay.kill()
-            self.relay.communicate()
+            self.relay.wait()
+            if self.relay.stdout is not None:
+                self.relay.stdout.close()
         for ns in [*getattr(self, "namespaces", []), getattr(self, "switch", "")]:
             if ns:
                 _ip("netns", "del", ns, check=False)  # its veth ends go with it
