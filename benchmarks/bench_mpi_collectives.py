@@ -1,31 +1,39 @@
-"""axondist's MPI backend vs raw mpi4py vs torch.distributed (gloo), in one launch.
+"""axondist's MPI backend vs raw mpi4py (and torch.distributed gloo), in one launch.
 
     mpiexec -n 2 python benchmarks/bench_mpi_collectives.py [--json results.json]
 
-For each collective and size, the three variants run on the same float32
-NumPy buffers (gloo through ``torch.from_numpy``, sharing the memory) in
-alternating timed batches (axondist, mpi4py, gloo, then the order rotates;
-see ``_common.alternate``), each batch timed on the slowest rank; the table
-gives microseconds per call and paired ratios (batch k of one variant over
-batch k of the other), each as median (min-max) over the batches; the targets
-read the medians. ``axondist/mpi4py`` below 1 and ``gloo/axondist`` above 1
-mean axondist is faster. Sizes are each rank's input
-buffer (``all_gather`` returns ``world_size`` times that).
+For each collective and size the variants run on the same float32 NumPy
+buffers in alternating timed batches (the order rotates; see
+``_common.alternate``), each batch timed on the slowest rank; the table gives
+microseconds per call and paired ratios (batch k of one variant over batch k
+of the other), each as median (min-max) over the batches; the targets read
+the medians. A ratio ``axondist/X`` below 1 means axondist is faster. Sizes
+are each rank's input buffer. The header says whether the cross-rank checks
+were on (run once with ``AXONDIST_CHECKS=0`` to time the calls without them).
 
-Raw mpi4py is ``Allreduce(MPI.IN_PLACE, buf, MPI.SUM)``, ``Bcast(buf, 0)`` and
-``Allgather(buf, out)`` on ``COMM_WORLD``. axondist is ``all_reduce(buf)``,
-``broadcast(buf, src=0)`` and ``all_gather(buf, sizes=..., out=out)`` (``sizes``
-skips the exchange of row counts, ``out`` reuses the result array as raw
-mpi4py does: a fresh 32 MiB array per call costs as much again in page
-faults). gloo is skipped, and named as not measured, when torch is not
-importable. For ``all_gather`` the table also shows the call without
-``sizes`` (``all_gather(buf, out=out)``, column ``no sizes``): leading sizes
-may differ between ranks, so it first all-gathers every rank's size (one
-small ``allgather`` of Python objects); the targets apply to the ``sizes=``
-call.
+Rows (raw mpi4py on ``COMM_WORLD``, with the buffers axondist gets):
 
-Targets: axondist/mpi4py <= 1.05 from 1 MiB, and within max(1.5x, +2 us)
-below; gloo/axondist >= 2 at 16 MiB and > 1 at every size.
+* ``all_reduce``: ``all_reduce(buf)`` vs ``Allreduce(IN_PLACE, buf, SUM)``.
+* ``all_reduce_mean``: ``all_reduce_mean(buf)`` vs the raw SUM, and vs the raw
+  SUM followed by ``np.divide(buf, n, out=buf)`` (column ``sum+divide``).
+* ``scaled_sum``: the world backend's ``scaled_sum_blocking(buf, 1/n)``
+  (DDP's weighted gradient sum) vs the raw SUM and vs ``sum+divide``.
+* ``reduce_scatter``: ``reduce_scatter_sum(buf)`` vs ``Reduce_scatter_block``
+  into a preallocated result; column ``backend`` is the backend's
+  ``reduce_scatter_blocking`` with that result (what the public call costs
+  without its argument checks and result allocation).
+* ``all_gather``: ``all_gather(buf, sizes=..., out=out)`` vs ``Allgather``;
+  column ``no sizes`` is ``all_gather(buf, out=out)``, which first exchanges
+  every rank's row count.
+* ``broadcast``: ``broadcast(buf, src=0)`` vs ``Bcast(buf, 0)``.
+
+gloo (``all_reduce``, ``broadcast``, ``all_gather``) is skipped, and named as
+not measured, when torch is not importable.
+
+Targets: every ``axondist/mpi4py`` (and ``no sizes/mpi4py``) ratio <= 1.05
+from 1 MiB and within max(1.5x, +3 us) below; ``all_reduce_mean`` <= 1.05x
+the raw SUM from 1 MiB; ``scaled_sum`` <= 1.05x ``sum+divide`` from 1 MiB;
+gloo/axondist >= 2 at 16 MiB and > 1 at every size.
 """
 
 from __future__ import annotations
@@ -54,43 +62,81 @@ from _common import (  # noqa: E402
 )
 
 import axondist as ad  # noqa: E402
+from axondist.process_group import current_world  # noqa: E402
 
 # How benchmarks/run.py launches this file.
 RUNNER = {"ranks": 2, "quick_args": ["--repeats", "3"], "timeout": 900}
 
 DEFAULT_SIZES = [4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
-OPS = ("all_reduce", "broadcast", "all_gather")
+OPS = ("all_reduce", "all_reduce_mean", "scaled_sum", "reduce_scatter", "all_gather",
+       "broadcast")
+#: op -> the (numerator, denominator) ratios its table shows.
+RATIOS: dict[str, list[tuple[str, str]]] = {
+    "all_reduce": [("axondist", "mpi4py"), ("gloo", "axondist")],
+    "all_reduce_mean": [("axondist", "mpi4py"), ("axondist", "sum+divide")],
+    "scaled_sum": [("axondist", "mpi4py"), ("axondist", "sum+divide")],
+    "reduce_scatter": [("axondist", "mpi4py"), ("backend", "mpi4py")],
+    "all_gather": [("axondist", "mpi4py"), ("no sizes", "mpi4py"), ("gloo", "axondist")],
+    "broadcast": [("axondist", "mpi4py"), ("gloo", "axondist")],
+}
 
 
-def _variants(op: str, nbytes: int, comm: Any, mpi: Any, dist: Any) -> dict[str, Callable[[], Any]]:
+def _variants(op: str, nbytes: int, comm: Any, mpi: Any,
+              dist: Any) -> dict[str, Callable[[], Any]]:
     n = comm.size
     buf = np.zeros(nbytes // 4, np.float32)  # zeros: repeated sums stay finite
+    backend: Any = current_world().backend
+    raw_sum = lambda: comm.Allreduce(mpi.IN_PLACE, buf, mpi.SUM)  # noqa: E731
+
+    def sum_divide() -> None:
+        comm.Allreduce(mpi.IN_PLACE, buf, mpi.SUM)
+        np.divide(buf, n, out=buf)
+
     fns: dict[str, Callable[[], Any]] = {}
     if op == "all_reduce":
         fns["axondist"] = lambda: ad.all_reduce(buf)
-        fns["mpi4py"] = lambda: comm.Allreduce(mpi.IN_PLACE, buf, mpi.SUM)
-    elif op == "broadcast":
-        fns["axondist"] = lambda: ad.broadcast(buf, src=0)
-        fns["mpi4py"] = lambda: comm.Bcast(buf, 0)
-    else:
+        fns["mpi4py"] = raw_sum
+    elif op == "all_reduce_mean":
+        fns["axondist"] = lambda: ad.all_reduce_mean(buf)
+        fns["mpi4py"] = raw_sum
+        fns["sum+divide"] = sum_divide
+    elif op == "scaled_sum":
+        fns["axondist"] = lambda: backend.scaled_sum_blocking(buf, 1.0 / n)
+        fns["mpi4py"] = raw_sum
+        fns["sum+divide"] = sum_divide
+    elif op == "reduce_scatter":
+        buf = np.zeros(max(n, nbytes // 4 // n * n), np.float32)  # splits evenly
+        mine = np.zeros(buf.size // n, np.float32)
+        counts = [mine.size] * n
+        fns["axondist"] = lambda: ad.reduce_scatter_sum(buf)
+        fns["mpi4py"] = lambda: comm.Reduce_scatter_block(buf, mine, mpi.SUM)
+        fns["backend"] = lambda: backend.reduce_scatter_blocking(buf, mine, counts,
+                                                                 ad.ReduceOp.SUM)
+    elif op == "all_gather":
         out = np.zeros(buf.size * n, np.float32)
         sizes = [buf.size] * n
         fns["axondist"] = lambda: ad.all_gather(buf, sizes=sizes, out=out)
         fns["mpi4py"] = lambda: comm.Allgather(buf, out)
         fns["no sizes"] = lambda: ad.all_gather(buf, out=out)
-    if dist is not None:
-        import torch
-
-        t = torch.from_numpy(buf)
-        if op == "all_reduce":
-            fns["gloo"] = lambda: dist.all_reduce(t)
-        elif op == "broadcast":
-            fns["gloo"] = lambda: dist.broadcast(t, 0)
-        else:
-            tout = torch.from_numpy(np.zeros(buf.size * n, np.float32))
-            gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-            fns["gloo"] = lambda: gather(tout, t)
+    else:
+        fns["axondist"] = lambda: ad.broadcast(buf, src=0)
+        fns["mpi4py"] = lambda: comm.Bcast(buf, 0)
+    if dist is not None and op in ("all_reduce", "broadcast", "all_gather"):
+        fns["gloo"] = _gloo(op, dist, buf, n)
     return fns
+
+
+def _gloo(op: str, dist: Any, buf: np.ndarray, n: int) -> Callable[[], Any]:
+    import torch  # only when start_gloo found it
+
+    t = torch.from_numpy(buf)
+    if op == "all_reduce":
+        return lambda: dist.all_reduce(t)
+    if op == "broadcast":
+        return lambda: dist.broadcast(t, 0)
+    tout = torch.from_numpy(np.zeros(buf.size * n, np.float32))
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return lambda: gather(tout, t)
 
 
 def run(sizes: list[int], repeats: int, use_torch: bool,
@@ -101,8 +147,10 @@ def run(sizes: list[int], repeats: int, use_torch: bool,
     ad.init("mpi")
     comm = MPI.COMM_WORLD
     dist = start_gloo(comm) if use_torch else None
+    backend: Any = current_world().backend
     results: dict[str, Any] = {
-        "world_size": comm.size, "repeats": repeats, "ops": {},
+        "world_size": comm.size, "repeats": repeats,
+        "checks": bool(backend.options.checks), "ops": {},
         "missing_peers": (missing_peers({"torch.distributed (gloo)": "torch"}) if use_torch
                           else {"torch.distributed (gloo)": "skipped (--no-torch)"})}
     for op in ops:
@@ -113,51 +161,50 @@ def run(sizes: list[int], repeats: int, use_torch: bool,
                               comm=comm)  # each batch: the slowest rank's time
             row: dict[str, Any] = {"bytes": nbytes}
             row.update({f"{k}_us": spread(v, 1e6) for k, v in times.items()})
-            row["axondist/mpi4py"] = ratio_spread(times["axondist"], times["mpi4py"])
-            if "no sizes" in times:
-                row["no sizes/mpi4py"] = ratio_spread(times["no sizes"], times["mpi4py"])
-            if "gloo" in times:
-                row["gloo/axondist"] = ratio_spread(times["gloo"], times["axondist"])
-            row["meets_target"] = _meets_target(row)
+            for num, den in RATIOS[op]:
+                if num in times and den in times:
+                    row[f"{num}/{den}"] = ratio_spread(times[num], times[den])
+            row["meets_target"] = meets_target(op, row)
             rows.append(row)
     if dist is not None:
         dist.destroy_process_group()
     return results
 
 
-def _meets_target(row: dict[str, Any]) -> bool:
-    """The targets, on the medians."""
-    ratio = row["axondist/mpi4py"]["median"]
-    ok = ratio <= 1.05 if row["bytes"] >= 1 << 20 else (
-        ratio <= 1.5 or row["axondist_us"]["median"] <= row["mpi4py_us"]["median"] + 2.0)
+def _within(row: dict[str, Any], num: str, den: str, limit: float) -> bool:
+    """``num/den`` <= ``limit`` from 1 MiB; below, <= max(1.5x, ``den`` + 3 us)."""
+    ratio = row[f"{num}/{den}"]["median"]
+    if row["bytes"] >= 1 << 20:
+        return bool(ratio <= limit)
+    return bool(ratio <= 1.5 or row[f"{num}_us"]["median"] <= row[f"{den}_us"]["median"] + 3.0)
+
+
+def meets_target(op: str, row: dict[str, Any]) -> bool:
+    """The targets of ``op`` (see the module docstring), on the medians of ``row``."""
+    ok = _within(row, "axondist", "mpi4py", 1.05)
+    if op == "scaled_sum":
+        ok = _within(row, "axondist", "sum+divide", 1.05)  # its floor is a sum and a pass
+    if op == "all_gather":
+        ok = ok and _within(row, "no sizes", "mpi4py", 1.05)
     if "gloo/axondist" in row:
         gloo = row["gloo/axondist"]["median"]
-        ok = ok and gloo > 1.0
-        if row["bytes"] == 16 << 20:
-            ok = ok and gloo >= 2.0
+        ok = ok and gloo > 1.0 and (row["bytes"] != 16 << 20 or gloo >= 2.0)
     return ok
 
 
 def report(results: dict[str, Any]) -> str:
     """The ratio tables as text."""
-    out = [f"world size {results['world_size']}; us per call, median (min-max) over "
-           f"{results['repeats']} timed batches (the slowest rank's); ratios paired by batch"]
+    out = [f"world size {results['world_size']}, checks {'on' if results['checks'] else 'off'}; "
+           f"us per call, median (min-max) over {results['repeats']} timed batches (the "
+           "slowest rank's); ratios paired by batch"]
     for op, rows in results["ops"].items():
-        gloo = any("gloo_us" in r for r in rows)
-        nosizes = any("no sizes_us" in r for r in rows)
-        header = ["size", "axondist", "mpi4py"] + (["gloo"] if gloo else []) + \
-            ["axondist/mpi4py"] + (["gloo/axondist"] if gloo else []) + \
-            (["no sizes", "no sizes/mpi4py"] if nosizes else []) + ["target"]
-        table = []
-        for r in rows:
-            keys = (["axondist_us", "mpi4py_us"] + (["gloo_us"] if gloo else [])
-                    + ["axondist/mpi4py"] + (["gloo/axondist"] if gloo else [])
-                    + (["no sizes_us", "no sizes/mpi4py"] if nosizes else []))
-            line = [format_size(r["bytes"]), *(format_spread(r[k]) for k in keys)]
-            line += ["met" if r["meets_target"] else "MISSED"]
-            table.append(line)
-        title = op + (" (axondist: sizes= and out=; no sizes: out= only)" if nosizes else "")
-        out += ["", title, format_table(header, table)]
+        names = [k[:-3] for k in rows[0] if k.endswith("_us")]
+        ratios = [f"{a}/{b}" for a, b in RATIOS[op] if f"{a}/{b}" in rows[0]]
+        header = ["size", *names, *ratios, "target"]
+        table = [[format_size(r["bytes"]), *(format_spread(r[f"{k}_us"]) for k in names),
+                  *(format_spread(r[k]) for k in ratios),
+                  "met" if r["meets_target"] else "MISSED"] for r in rows]
+        out += ["", op, format_table(header, table)]
     out += [f"not measured: {peer} ({why})" for peer, why in results["missing_peers"].items()]
     return "\n".join(out)
 

@@ -11,6 +11,7 @@ host staging) that are tested without MPI.
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields, replace
@@ -19,6 +20,7 @@ from typing import Any, NoReturn
 import numpy as np
 
 from .. import _array
+from .._validate import positive_number
 from ..errors import (
     BackendUnavailableError,
     CollectiveMismatchError,
@@ -50,6 +52,13 @@ class MPIOptions:
     """All-reduces and broadcasts bigger than this run in pieces of at most
     this many bytes; 0 never splits. Env: ``AXONDIST_MPI_CHUNK_BYTES``."""
 
+    piece_bytes: int | None = None
+    """Piece size of a blocking AVERAGE or weighted sum (``scaled_sum_blocking``): each
+    piece is scaled while it is in cache, and each is one blocking round trip. None picks
+    by the group's layout (:func:`piece_size`): 512 KiB where every rank shares one node
+    (a round trip costs microseconds), ``chunk_bytes`` across nodes (a round trip may cost
+    milliseconds). Env: ``AXONDIST_PIECE_MB`` (MiB, fractions allowed: ``0.5``)."""
+
     host_staging: str = "auto"
     """How CuPy arrays reach MPI: ``"auto"`` (directly when MPI is CUDA-aware,
     else through host copies), ``"never"`` (always directly: you know MPI is
@@ -70,6 +79,11 @@ class MPIOptions:
         if not isinstance(self.chunk_bytes, int) or self.chunk_bytes < 0:
             raise ValueError(
                 f"MPIOptions: chunk_bytes must be an int >= 0, got {self.chunk_bytes!r}")
+        if self.piece_bytes is not None and (
+                isinstance(self.piece_bytes, bool) or not isinstance(self.piece_bytes, int)
+                or self.piece_bytes < 1):
+            raise ValueError(f"MPIOptions: piece_bytes must be an int >= 1 or None (the size "
+                             f"picked by the layout), got {self.piece_bytes!r}")
         if self.host_staging not in _STAGING_MODES:
             raise ValueError(f"MPIOptions: host_staging must be one of {_STAGING_MODES}, "
                              f"got {self.host_staging!r}")
@@ -86,6 +100,8 @@ class MPIOptions:
         opts = cls(debug=debug_enabled(), checks=checks_enabled())
         if "AXONDIST_MPI_CHUNK_BYTES" in env:
             opts = replace(opts, chunk_bytes=int(env["AXONDIST_MPI_CHUNK_BYTES"]))
+        if env.get("AXONDIST_PIECE_MB"):
+            opts = replace(opts, piece_bytes=piece_bytes_from_env(env["AXONDIST_PIECE_MB"]))
         if "AXONDIST_MPI_HOST_STAGING" in env:
             opts = replace(opts, host_staging=env["AXONDIST_MPI_HOST_STAGING"].lower())
         return replace(opts, **overrides)
@@ -99,6 +115,46 @@ def piece_bounds(numel: int, itemsize: int, chunk_bytes: int) -> list[tuple[int,
     per = max(1, chunk_bytes // itemsize)
     pieces = max(1, -(-numel // per))
     return [(k * numel // pieces, (k + 1) * numel // pieces) for k in range(pieces)]
+
+
+#: The piece size of fused arithmetic on one node: small enough that a piece is still in
+#: the core's cache between the arithmetic and MPI's copy of it (see docs/backends.md).
+FUSED_PIECE_BYTES = 512 << 10
+
+
+def piece_bytes_from_env(text: str) -> int:
+    """Bytes per piece from ``AXONDIST_PIECE_MB`` (MiB, fractions allowed), at least 1.
+
+    Raises:
+        ValueError: not a number, or not a finite number > 0.
+    """
+    try:
+        mib = float(text)
+    except ValueError:
+        raise ValueError(f"mpi backend: AXONDIST_PIECE_MB={text!r} is not a number; set it "
+                         "to a size in MiB > 0 (0.5, 16) or unset it for the size picked by "
+                         "the layout") from None
+    return max(1, round(positive_number(mib, "mpi backend", "AXONDIST_PIECE_MB") * 2**20))
+
+
+def piece_size(option: int | None, node_ids: Sequence[int], chunk_bytes: int) -> int:
+    """Bytes per piece of a fused (scaled) all-reduce, at most ``chunk_bytes`` (0: no
+    limit): ``option`` when set; else :data:`FUSED_PIECE_BYTES` when every rank is on one
+    node, and ``chunk_bytes`` when the group spans nodes, where each piece costs a network
+    round trip (a 95 MiB model in 512 KiB pieces is ~190 of them per step)."""
+    limit = chunk_bytes or sys.maxsize
+    if option is not None:
+        return min(option, limit)
+    return min(FUSED_PIECE_BYTES, limit) if len(set(node_ids)) <= 1 else limit
+
+
+def mean_scaling(n: int) -> tuple[str, float]:
+    """How AVERAGE turns a sum of ``n`` values into their mean: ``("multiply", 1 / n)``
+    when ``n`` is a power of two (1/n is exact, so the product equals the quotient bit for
+    bit, and a multiplication runs ~3x faster than a division), else ``("divide", n)``."""
+    if n & (n - 1) == 0:
+        return "multiply", 1.0 / n
+    return "divide", float(n)
 
 
 def displacements(counts: Sequence[int]) -> list[int]:

@@ -31,7 +31,9 @@ from ._mpi_common import (
     displacements,
     host_copy,
     load_mpi,
+    mean_scaling,
     piece_bounds,
+    piece_size,
     raise_mpi_error,
     split_tag,
     synchronize_device,
@@ -54,14 +56,6 @@ from .recorder import FlightRecorder
 # Bound by _load_mpi(): module globals keep the hot path to plain lookups.
 MPI: Any = None
 _IN_PLACE: Any = None
-
-#: Piece size where a pass over the data is fused with the all-reduce (AVERAGE's
-#: division, :meth:`MPIBackend.scaled_sum_blocking`'s weighting): small enough
-#: that the piece is still in the core's cache between the arithmetic and MPI's
-#: copy of it. Measured on 95 MiB of float32 in 25 MiB buckets, 2 ranks: a
-#: weighting pass before whole-bucket all-reduces cost 1.35x the all-reduces
-#: alone; fused per 1 MiB piece 1.12x, per 512 KiB 1.02x, per 256 KiB 1.05x.
-FUSED_PIECE_BYTES = 512 << 10
 
 
 def _load_mpi() -> Any:
@@ -229,7 +223,19 @@ class MPIBackend(Backend):
         return StagedWork(work, finish, args[out])
 
     def _divide(self, buf: Any) -> None:
-        _array.namespace(buf).divide(buf, self.world_size, out=buf, casting="unsafe")
+        """Turn the sum in ``buf`` into the mean, in place (see :func:`mean_scaling`)."""
+        how, by = mean_scaling(self.world_size)
+        getattr(_array.namespace(buf), how)(buf, by, out=buf, casting="unsafe")
+
+    #: Bytes per fused piece once :meth:`_piece` computed it (0: not yet).
+    _piece_memo = 0
+
+    def _piece(self) -> int:
+        """Bytes per piece of a fused all-reduce (``options.piece_bytes``, else by layout)."""
+        if not self._piece_memo:
+            self._piece_memo = piece_size(self.options.piece_bytes, self._nodes,
+                                          self.options.chunk_bytes)
+        return self._piece_memo
 
     def _transfer(self, buf: Any, what: str) -> tuple[Any, Any]:
         plan = self._transfer_plans.get(buf.dtype)
@@ -336,7 +342,7 @@ class MPIBackend(Backend):
             raise unsupported("all_reduce", buf.dtype, op)
         view, mtype, mop, average = plan
         data = buf if view is None else buf.view(view)
-        if average and data.nbytes > FUSED_PIECE_BYTES:
+        if average and data.nbytes > self._piece():
             self._fused_pieces(buf, data, mtype, mop, 1.0, True)
             return
         if data.nbytes > self._chunk:
@@ -354,11 +360,11 @@ class MPIBackend(Backend):
 
         Equal to ``buf *= factor`` (casting unsafely to ``buf``'s dtype; skipped
         when ``factor`` is 1) then a SUM :meth:`all_reduce_blocking`, but in
-        pieces of ``FUSED_PIECE_BYTES``, each weighted just before its
+        pieces (:attr:`MPIOptions.piece_bytes`), each weighted just before its
         Allreduce so MPI reads it from cache: one pass over memory instead of
-        two. The pieces depend only on ``buf``'s size and dtype, so ranks with
-        different factors (sample weights) make the same MPI calls. What
-        gradient buckets use for their weighted sum.
+        two. The pieces depend only on ``buf``'s size and dtype and the group,
+        so ranks with different factors (sample weights) make the same MPI
+        calls. What gradient buckets use for their weighted sum.
         """
         plan = self._plans_by_name["SUM"].get(buf.dtype)
         if plan is None:
@@ -372,20 +378,22 @@ class MPIBackend(Backend):
 
     def _fused_pieces(self, buf: Any, data: Any, mtype: Any, mop: Any, factor: float,
                       average: bool) -> None:
-        """Blocking all-reduce piece by piece: each piece multiplied by ``factor`` (unless 1;
-        NumPy buffers only) before its Allreduce and, for AVERAGE, divided by the group
-        size after it (in ``buf``'s namespace: a device buffer MPI reads directly too)."""
+        """Blocking all-reduce piece by piece (:meth:`_piece` bytes each): each piece
+        multiplied by ``factor`` (unless 1; NumPy buffers only) before its Allreduce and, for
+        AVERAGE, turned into the mean after it, while in cache (in ``buf``'s namespace: a
+        device buffer MPI reads directly too)."""
         flat, wire = buf.reshape(-1), data.reshape(-1)
-        comm, n, scale = self._comm, self.world_size, factor != 1.0
-        xp = _array.namespace(buf)
+        comm, scale = self._comm, factor != 1.0
+        how, by = mean_scaling(self.world_size)
+        mean = getattr(_array.namespace(buf), how) if average else None
         try:
-            for lo, hi in piece_bounds(flat.size, flat.itemsize, FUSED_PIECE_BYTES):
+            for lo, hi in piece_bounds(flat.size, flat.itemsize, self._piece()):
                 piece = flat[lo:hi]
                 if scale:
                     np.multiply(piece, factor, out=piece, casting="unsafe")
                 comm.Allreduce(_IN_PLACE, [wire[lo:hi], mtype], mop)
-                if average:
-                    xp.divide(piece, n, out=piece, casting="unsafe")
+                if mean is not None:
+                    mean(piece, by, out=piece, casting="unsafe")
         except MPI.Exception as exc:
             raise_mpi_error(exc, "all_reduce")
 
@@ -552,7 +560,8 @@ class MPIBackend(Backend):
                 or recv.size != counts[self.rank]):
             raise self._bad_counts("reduce_scatter", counts, (("send", send, sum(counts)),
                                                               ("recv", recv, counts[self.rank])))
-        if self._needs_host(send, recv):
+        if ((type(send) is not np.ndarray or type(recv) is not np.ndarray or self._stage_always)
+                and self._needs_host(send, recv)):
             return self._via_host(
                 lambda s, r: self._host.reduce_scatter(s, r, counts, op, signature=signature,
                                                        async_op=async_op),
@@ -562,22 +571,55 @@ class MPIBackend(Backend):
                         signature + (("counts", tuple(counts)), ("reduce_op", op.name)), async_op)
         key = (send.dtype, tuple(counts), op._name_, async_op)
         if not async_op:
-            self._blocking("reduce_scatter", key, self._reduce_scatter_call, send, recv, counts,
-                           op, False)
+            self._blocking("reduce_scatter", key, self._reduce_scatter_now, send, recv, counts,
+                           op)
             return CompletedWork(recv)
-        return self._issue("reduce_scatter", key, self._reduce_scatter_call, send, recv, counts,
-                           op, True)
+        return self._issue("reduce_scatter", key, self._reduce_scatter_start, send, recv, counts,
+                           op)
 
-    def _reduce_scatter_call(self, send: Any, recv: Any, counts: list[int], op: ReduceOp,
-                             async_op: bool) -> Work:
-        s, mtype, mop, average = self._reduction(send, op, "reduce_scatter")
-        r, _, _, _ = self._reduction(recv, op, "reduce_scatter")
+    def reduce_scatter_blocking(self, send: Any, recv: Any, counts: list[int],
+                                op: ReduceOp) -> None:
+        """The blocking :meth:`reduce_scatter` without a Work object (see
+        :meth:`all_reduce_blocking`): ``counts`` is a list of ints the caller checked against
+        the group and the buffers, ``send`` and ``recv`` NumPy arrays of one dtype."""
+        if self._slow:
+            self.reduce_scatter(send, recv, counts, op, signature=(("dtype", send.dtype),))
+            return
+        self._blocking("reduce_scatter", (send.dtype, tuple(counts), op._name_, False),
+                       self._reduce_scatter_now, send, recv, counts, op)
+
+    def _reduce_scatter_plan(self, send: Any, recv: Any, op: ReduceOp) -> tuple[Any, Any, Any,
+                                                                                 Any, bool]:
+        """(send view, recv view, MPI datatype, MPI op, average) of a reduce-scatter."""
+        plan = self._plans_by_name[op._name_].get(send.dtype)
+        if plan is None:
+            raise unsupported("reduce_scatter", send.dtype, op)
+        if recv.dtype != send.dtype:
+            raise InvalidBufferError(f"reduce_scatter: recv has dtype {recv.dtype} but send has "
+                                     f"{send.dtype}; pass a recv of send's dtype")
+        view, mtype, mop, average = plan
+        if view is None:
+            return send, recv, mtype, mop, average
+        return send.view(view), recv.view(view), mtype, mop, average
+
+    def _reduce_scatter_now(self, send: Any, recv: Any, counts: list[int], op: ReduceOp) -> None:
+        """The MPI call of a blocking reduce-scatter (``Reduce_scatter_block`` for equal
+        counts: no counts array to build), then AVERAGE's scaling of this rank's block."""
+        s, r, mtype, mop, average = self._reduce_scatter_plan(send, recv, op)
         try:
-            if not async_op:
+            if counts.count(counts[0]) == len(counts):
+                self._comm.Reduce_scatter_block([s, mtype], [r, mtype], mop)
+            else:
                 self._comm.Reduce_scatter([s, mtype], [r, mtype], counts, mop)
-                if average:
-                    self._divide(recv)
-                return CompletedWork(recv)
+        except MPI.Exception as exc:
+            raise_mpi_error(exc, "reduce_scatter")
+        if average:
+            self._divide(recv)
+
+    def _reduce_scatter_start(self, send: Any, recv: Any, counts: list[int],
+                              op: ReduceOp) -> Work:
+        s, r, mtype, mop, average = self._reduce_scatter_plan(send, recv, op)
+        try:
             request = self._comm.Ireduce_scatter([s, mtype], [r, mtype], counts, mop)
         except MPI.Exception as exc:
             raise_mpi_error(exc, "reduce_scatter")

@@ -1,0 +1,166 @@
+"""Means, weighted sums and reduce-scatters in pieces, on every rank count.
+
+The public calls run on the mock world and, under ``mpiexec``, on MPI (big
+odd-length buffers, so MPI splits them into pieces). The backend-level
+properties need MPI itself and are skipped elsewhere: each builds a backend
+with its own piece size on a duplicate of the world's communicator and
+compares the average with the sum the same backend computes in pieces of the
+same size, bit for bit (the sum's order is MPI's, the same in both).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+from harness import UNDER_MPI, mpi_world, run_world, world_sizes
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import axondist as ad
+from axondist import ReduceOp, _array
+from axondist.backends._mpi_common import MPIOptions, piece_size
+from axondist.backends.mpi import MPIBackend
+
+FLOATS = ["float16", "bfloat16", "float32", "float64", "complex64", "complex128"]
+TOL = {"float16": 2e-3, "bfloat16": 1.6e-2, "float32": 2e-6, "float64": 1e-14,
+       "complex64": 2e-6, "complex128": 1e-14}
+seeds = st.integers(0, 2**31 - 1)
+mpi_only = pytest.mark.skipif(not UNDER_MPI, reason="needs an MPI world (run under mpiexec; "
+                                                    "tests/world/test_mpi_launch.py does)")
+
+
+def values(seed: int, rank: int, numel: int, dtype: str) -> np.ndarray:
+    """Rank ``rank``'s input: standard normal values (complex: both parts)."""
+    rng = np.random.default_rng([seed, rank])
+    x = rng.standard_normal(numel)
+    if dtype.startswith("complex"):
+        x = x + 1j * rng.standard_normal(numel)
+    return x.astype(_array.dtype_named(dtype))
+
+
+# --- public calls, every world ------------------------------------------------------------
+
+@settings(max_examples=6)
+@given(n=world_sizes(1, 4), seed=seeds, dtype=st.sampled_from(FLOATS),
+       numel=st.sampled_from([1, 4097, 131_073, 300_001]))
+def test_mean_of_big_odd_buffers_matches_numpy(n, seed, dtype, numel):
+    """Above the 512 KiB piece size on MPI; float16/bfloat16 go through float32."""
+    def body(world: ad.World) -> None:
+        k = world.world_size
+        inputs = [values(seed, r, numel, dtype) for r in range(k)]
+        got = ad.all_reduce_mean(inputs[world.rank].copy())
+        wide = np.stack(inputs).astype(np.complex128 if "complex" in dtype else np.float64)
+        want = wide.mean(axis=0)
+        assert got.dtype == inputs[0].dtype
+        np.testing.assert_allclose(got.astype(want.dtype), want, rtol=TOL[dtype],
+                                   atol=TOL[dtype])
+
+    run_world(body, n)
+
+
+@settings(max_examples=6)
+@given(n=world_sizes(1, 4), seed=seeds, dtype=st.sampled_from(FLOATS + ["int32"]),
+       rows=st.integers(0, 40), mean=st.booleans())
+def test_reduce_scatter_of_uneven_and_even_rows_matches_numpy(n, seed, dtype, rows, mean):
+    op = ReduceOp.AVERAGE if mean and dtype != "int32" else ReduceOp.SUM
+
+    def body(world: ad.World) -> None:
+        k = world.world_size
+        inputs = [values(seed, r, rows * 3, dtype).reshape(rows, 3) for r in range(k)]
+        got = ad.reduce_scatter(inputs[world.rank], op)
+        wide = np.stack(inputs).astype(np.complex128 if "complex" in dtype else np.float64)
+        want = np.array_split(wide.mean(axis=0) if mean and dtype != "int32"
+                              else wide.sum(axis=0), k)[world.rank]
+        assert got.shape == want.shape and got.dtype == inputs[0].dtype
+        tol = TOL.get(dtype, 0) * k
+        np.testing.assert_allclose(got.astype(want.dtype), want, rtol=tol, atol=tol)
+
+    run_world(body, n)
+
+
+# --- the MPI backend itself ---------------------------------------------------------------
+
+def _backend(**options: Any) -> Any:
+    """A backend over a duplicate of the MPI world's communicator (collective)."""
+    world = mpi_world().backend
+    return MPIBackend(world.comm.Dup(), MPIOptions(**options), recorder=world.recorder,
+                      group_name="world.pieces")
+
+
+@mpi_only
+@given(seed=seeds, dtype=st.sampled_from(FLOATS), numel=st.integers(0, 700),
+       piece=st.integers(1, 600))
+def test_average_is_the_pieced_sum_divided_by_n_bit_for_bit(seed, dtype, numel, piece):
+    """Every dtype, odd lengths, pieces of any size (a piece holds at least one element):
+    the mean equals the sum of the same pieces divided by n, bit for bit, also where the
+    division is a multiplication by an exact 1/n (n a power of two)."""
+    b = _backend(piece_bytes=piece, chunk_bytes=piece)  # the sum's pieces: the same calls
+    try:
+        x = values(seed, b.rank, numel, dtype)
+        total, mean = x.copy(), x.copy()
+        b.all_reduce(total, ReduceOp.SUM)
+        b.all_reduce(mean, ReduceOp.AVERAGE)
+        np.testing.assert_array_equal(mean, np.divide(total, b.world_size))
+        again = x.copy()
+        b.all_reduce_blocking(again, ReduceOp.AVERAGE)
+        np.testing.assert_array_equal(again, mean)
+    finally:
+        b.close()
+
+
+@mpi_only
+@given(seed=seeds, dtype=st.sampled_from(FLOATS), numel=st.integers(0, 700),
+       piece=st.integers(1, 600))
+def test_scaled_sum_weights_each_rank_then_sums_bit_for_bit(seed, dtype, numel, piece):
+    """Ranks pass different factors; each piece is weighted once, before its sum."""
+    b = _backend(piece_bytes=piece, chunk_bytes=piece)
+    try:
+        x = values(seed, b.rank, numel, dtype)
+        factor = (b.rank + 1) / 7
+        want = np.multiply(x, factor, casting="unsafe").astype(x.dtype)
+        b.all_reduce(want, ReduceOp.SUM)
+        got = x.copy()
+        b.scaled_sum_blocking(got, factor)
+        np.testing.assert_array_equal(got, want)
+    finally:
+        b.close()
+
+
+@mpi_only
+@given(seed=seeds, dtype=st.sampled_from(FLOATS + ["int64", "bool"]),
+       counts_seed=seeds, equal=st.booleans(), op=st.sampled_from(list(ReduceOp)))
+def test_reduce_scatter_blocking_equals_the_general_call(seed, dtype, counts_seed, equal, op):
+    """Equal counts (Reduce_scatter_block) and uneven ones; AVERAGE is the SUM divided."""
+    b = _backend()
+    try:
+        n = b.world_size
+        rng = np.random.default_rng(counts_seed)
+        counts = [int(rng.integers(0, 9))] * n if equal else [int(c) for c in
+                                                              rng.integers(0, 9, size=n)]
+        x = values(seed, b.rank, sum(counts), dtype)
+        if x.dtype not in b._plans_by_name[op.name]:
+            with pytest.raises(ad.UnsupportedDTypeError, match="reduce_scatter"):
+                b.reduce_scatter_blocking(x, np.zeros(counts[b.rank], x.dtype), counts, op)
+            return
+        fast = np.zeros(counts[b.rank], x.dtype)
+        general = np.zeros(counts[b.rank], x.dtype)
+        b.reduce_scatter_blocking(x, fast, counts, op)
+        assert b.reduce_scatter(x, general, counts, op).wait() is general
+        np.testing.assert_array_equal(fast, general)
+        if op is ReduceOp.AVERAGE:
+            total = np.zeros(counts[b.rank], x.dtype)
+            b.reduce_scatter_blocking(x, total, counts, ReduceOp.SUM)
+            np.testing.assert_array_equal(fast, np.divide(total, n).astype(x.dtype))
+    finally:
+        b.close()
+
+
+@mpi_only
+def test_the_automatic_piece_size_follows_the_layout():
+    b = _backend()
+    try:
+        assert b._piece() == piece_size(None, b._nodes, b.options.chunk_bytes)
+    finally:
+        b.close()
