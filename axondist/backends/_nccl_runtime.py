@@ -1,4 +1,5 @@
-"""The NCCL backend's machinery: loading CuPy, NCCL error wrapping, groups, Work handles.
+"""The NCCL backend's machinery: loading CuPy, NCCL error wrapping, groups, Work handles,
+and what one rank's backends share (flight recorder, watchdog, the cross-rank check's keys).
 
 See :mod:`axondist.backends.nccl` for how they fit together. Nothing here
 imports CuPy at module level.
@@ -6,15 +7,28 @@ imports CuPy at module level.
 
 from __future__ import annotations
 
+import hashlib
 import importlib
+import itertools
+import os
+import re
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
-from ..errors import BackendUnavailableError
+import numpy as np
+
+from ..errors import (
+    BackendUnavailableError,
+    CollectiveMismatchError,
+    CollectiveTimeoutError,
+    RankExitedError,
+)
 from ._nccl_types import GroupedCallError, NcclError, missing_cupy_message, nccl_error
-from .base import Work
+from ._watchdog import Watchdog, print_and_flush
+from .base import Work, compare_signatures, stall_warning_after
+from .recorder import CALL_FIELDS, FlightRecorder, format_entries
 
 if TYPE_CHECKING:
     from ._nccl_backend import NcclBackend
@@ -138,11 +152,17 @@ def require_no_group(what: str) -> None:
 # --- handles ------------------------------------------------------------------------------
 
 class NcclWork(Work):
-    """Handle of one NCCL operation: an event recorded after it on the backend's stream."""
+    """Handle of one NCCL operation: an event recorded after it on the backend's stream.
 
-    __slots__ = ("_backend", "_op", "_result", "_keep", "_event", "_done", "_error")
+    Its flight-recorder entry is stamped done once the event is seen complete
+    (in :meth:`wait`, :meth:`is_completed`, or when later calls sweep it).
+    """
 
-    def __init__(self, backend: NcclBackend, op: str, result: Any, keep: tuple[Any, ...]) -> None:
+    __slots__ = ("_backend", "_op", "_result", "_keep", "_event", "_done", "_error", "_entry",
+                 "_check")
+
+    def __init__(self, backend: NcclBackend, op: str, result: Any, keep: tuple[Any, ...],
+                 entry: Entry | None = None) -> None:
         self._backend = backend
         self._op = op
         self._result = result
@@ -150,10 +170,19 @@ class NcclWork(Work):
         self._event: Any = None
         self._done = False
         self._error: BaseException | None = None
+        self._entry = entry
+        #: Settles the cross-rank check of an async call (raises on a mismatch).
+        self._check: Callable[[], None] | None = None
 
     def _fail(self, error: BaseException) -> None:
         self._error = error
         self._keep = None
+        self._record_end()
+
+    def _record_end(self) -> None:
+        if self._entry is not None:
+            self._backend._state.finish(self._entry)
+            self._entry = None
 
     def wait(self, timeout: float | None = None) -> Any:
         """Block the host until the operation completed; return its result.
@@ -162,7 +191,13 @@ class NcclWork(Work):
             timeout: seconds (the backend's timeout when None).
 
         Raises:
-            CollectiveTimeoutError: not completed in time (peers missing).
+            CollectiveTimeoutError: not completed in time (peers missing); with
+                the default timeout, the watchdog's report (the communicators
+                are aborted then); with an explicit ``timeout``, the operation
+                keeps running and ``wait`` may be called again.
+            RankExitedError: a rank the operation needs has left.
+            CollectiveMismatchError: the ranks disagree on the call (its
+                check is settled here, before the data is waited for).
             NcclError: NCCL reported a failure of this communicator.
             GroupedCallError: called inside the ``grouped()`` block that
                 issued it, before anything ran.
@@ -175,15 +210,33 @@ class NcclWork(Work):
             raise GroupedCallError(
                 f"{self._op}: wait() inside NcclBackend.grouped(): the group's operations start "
                 "when the with-block ends; pass async_op=True and call wait() after the block")
-        self._backend._wait_event(self._event, self._op, timeout)
+        entry, state = self._entry, self._backend._state
+        waiting = None
+        if entry is not None and not entry.blocking and not self._event.done:
+            waiting = state.begin(entry.group, entry.seq, f"wait {self._op}", None, True)
+        try:
+            if self._check is not None:
+                self._check()
+                self._check = None
+            self._backend._wait_event(self._event, self._op, timeout)
+        except CollectiveMismatchError as exc:
+            self._fail(exc)
+            raise
+        finally:
+            if waiting is not None:
+                state.finish(waiting)
         self._done, self._keep = True, None
+        self._record_end()
         return self._result
 
     def is_completed(self) -> bool:
         """True once the GPU finished the operation (never blocks)."""
         if self._done or self._error is not None:
             return True
-        return self._event is not None and bool(self._event.done)
+        if self._event is not None and bool(self._event.done):
+            self._record_end()
+            return True
+        return False
 
     def wait_stream(self, stream: Any = None) -> None:
         """Make ``stream`` (the current stream when None) wait for the operation, on the GPU.
@@ -197,6 +250,198 @@ class NcclWork(Work):
         cupy = self._backend._cupy
         with cupy.cuda.Device(self._backend.device):
             (stream or cupy.cuda.get_current_stream()).wait_event(self._event)
+
+
+# --- what one rank's backends share -----------------------------------------------------------
+
+#: Seconds a launched process whose communicators the watchdog aborted keeps running (its
+#: exception unwinds, a handler may save what it can) before it ends itself.
+EXIT_AFTER_ABORT = 30.0
+
+
+class Entry:
+    """One call in the rank's flight recorder, until its completion is recorded."""
+
+    __slots__ = ("group", "seq", "slot", "index", "blocking", "open")
+
+    def __init__(self, group: str, seq: int, slot: int, index: int, blocking: bool) -> None:
+        self.group, self.seq, self.slot, self.index = group, seq, slot, index
+        self.blocking, self.open = blocking, True
+
+
+class RankState:
+    """What the backends of one rank (its world and its sub-groups) share.
+
+    The flight recorder, the watchdog (for more than one rank), the check
+    switches read when the world was created, the rank's live communicators
+    and, once the watchdog ended the rank's communication, its verdict: every
+    wait then raises it.
+
+    Args:
+        rank: the rank in the world.
+        world_size: ranks in the world.
+        host: this host's name, for messages.
+        timeout: seconds a call may wait for its peers.
+        checks: run the cross-rank check before each collective.
+        debug: compare every argument by name instead of a hash.
+    """
+
+    def __init__(self, rank: int, world_size: int, host: str, timeout: float, *,
+                 checks: bool, debug: bool) -> None:
+        self.recorder = FlightRecorder(rank, world_size, host)
+        # The ring's size: an entry whose slot was reused since is not stamped at completion.
+        capacity = len(self.recorder._slots)
+        self._stamp_within = capacity - min(8, capacity // 4)
+        self._counter = itertools.count()
+        self._latest = -1
+        self.timeout = timeout
+        self.checks = checks
+        self.debug = debug
+        self.watchdog: Watchdog | None = None
+        self.comms: list[Any] = []
+        #: Events the rank's threads are polling now (what the watchdog's verdict is about).
+        self.polling: set[Any] = set()
+        self.verdict: str | None = None
+        self._verdict_kind: type[Exception] = CollectiveTimeoutError
+        self._timed_out = False
+        #: End the process :data:`EXIT_AFTER_ABORT` s after a watchdog abort (launched jobs).
+        self.end_process = False
+
+    # --- the flight recorder --------------------------------------------------------------
+    def begin(self, group: str, seq: int, op: str, detail: Any, blocking: bool) -> Entry:
+        """Record call ``seq`` of ``group`` as started (enqueued) now."""
+        index = self._latest = next(self._counter)
+        return Entry(group, seq, self.recorder.begin(group, seq, op, detail, blocking), index,
+                     blocking)
+
+    def finish(self, entry: Entry) -> None:
+        """Record ``entry``'s call as completed (once; later calls do nothing)."""
+        if not entry.open:
+            return
+        entry.open = False
+        if self._latest - entry.index < self._stamp_within:
+            self.recorder.end(entry.slot)
+        if not entry.blocking:
+            self.recorder.complete(entry.group, entry.seq)
+
+    # --- the watchdog ---------------------------------------------------------------------
+    def make_watchdog(self, token: str) -> Watchdog:
+        """This rank's watchdog (started by the caller once every rank's address is known)."""
+        self.watchdog = Watchdog(self.recorder, timeout=self.timeout,
+                                 stall=stall_warning_after(self.timeout),
+                                 abort=self._stopped_by_watchdog, token=token)
+        return self.watchdog
+
+    def _stopped_by_watchdog(self, message: str) -> None:
+        """The watchdog's end, on its thread: abort this rank's communicators, so the call
+        that waits returns and raises the verdict (NCCL cannot cancel a single call).
+
+        A verdict about a call whose GPU work already completed (its thread had not
+        noticed yet: a peer that sent, then left) is dropped; that rank's later waits
+        still end at their own timeout.
+        """
+        if not any(not event.done for event in list(self.polling)):
+            return
+        waited = max((e["started_s_ago"] for e in self.recorder.running()), default=0.0)
+        self._timed_out = waited >= self.timeout
+        left = self.watchdog is not None and bool(self.watchdog.left)
+        self._verdict_kind = (RankExitedError if left and not self._timed_out
+                              else CollectiveTimeoutError)
+        self.verdict = message
+        self.abort_all()
+        if self.end_process:
+            timer = threading.Timer(EXIT_AFTER_ABORT, self._end_process)
+            timer.daemon = True
+            timer.start()
+
+    def _end_process(self) -> None:
+        rank, size = self.recorder.rank, self.recorder.world_size
+        print_and_flush(f"[axondist rank {rank}/{size}] ",
+                        f"{self.verdict}\nthe process did not end within {EXIT_AFTER_ABORT:g} s "
+                        "of the abort: exiting")
+        os._exit(1)
+
+    def abort_all(self) -> None:
+        """``ncclCommAbort`` every live communicator of this rank (from any thread)."""
+        comms, self.comms = self.comms, []
+        for comm in comms:
+            try:
+                comm.abort()
+            except Exception:  # noqa: BLE001 - an abort must reach every communicator
+                continue
+
+    def verdict_error(self, op: str, where: str) -> Exception:
+        """The error a call of this rank raises once the watchdog ended its communication."""
+        head = (f"{op}: not completed within {self.timeout:g} s on {where}" if self._timed_out
+                else f"{op}: cannot complete on {where}")
+        return self._verdict_kind(
+            f"{head}; the watchdog aborted this rank's NCCL communicators (ncclCommAbort), "
+            f"which cannot be used any more:\n{self.verdict}")
+
+    def timeout_error(self, op: str, where: str, limit: float) -> CollectiveTimeoutError:
+        """The error of a wait that ran past ``limit`` without a watchdog verdict."""
+        return CollectiveTimeoutError(
+            f"{op}: not completed within {limit:g} s on {where}; every rank of the group must "
+            "make the same calls in the same order (NCCL_DEBUG=INFO shows where each rank is)"
+            f"\nlast calls of rank {self.recorder.rank} (flight recorder, oldest first):\n"
+            + format_entries(self.recorder.entries(8)))
+
+
+# --- the cross-rank check ----------------------------------------------------------------------
+
+def check_pair(op: str, key: tuple[Any, ...]) -> np.ndarray:
+    """``[h, -h]`` for a 62-bit hash of a call's name and key (the same on every rank): after
+    a MAX all-reduce the ranks agree exactly when the result is still ``[h, -h]``."""
+    digest = hashlib.blake2b(repr((op, key)).encode(), digest_size=8).digest()
+    h = int.from_bytes(digest, "little") >> 2
+    return np.array([h, -h], dtype=np.int64)
+
+
+def named_signatures(calls: Sequence[tuple[str, tuple[Any, ...]]]
+                     ) -> list[tuple[tuple[str, Any], ...]]:
+    """Every rank's ``(op, key)`` as ``compare_signatures`` takes them, fields named by
+    :data:`~axondist.backends.recorder.CALL_FIELDS` (the raw key when names cannot tell
+    the calls apart)."""
+    named = [(("op", name),) + tuple(zip(CALL_FIELDS.get(name, ()), _printable(key)))
+             for name, key in calls]
+    if all(s == named[0] for s in named):
+        return [(("op", name), ("key", repr(key))) for name, key in calls]
+    return named
+
+
+_FIELD = re.compile(r"(\w+)=(\[[^\]]*\]|[^,]*)")
+_UNKNOWN = "unknown (its watchdog did not answer)"
+
+
+def recorded_call(status: Any, group: str, seq: int) -> tuple[str, str, bool] | None:
+    """``(op, detail text, blocking)`` of call ``seq`` of ``group`` in a peer's flight-recorder
+    status (what its watchdog answered); None when it is not there."""
+    if not isinstance(status, dict):
+        return None
+    for e in list(status.get("running") or []) + list(status.get("recent") or []):
+        name = str(e.get("op", ""))
+        if e.get("group") == group and e.get("seq") == seq and \
+                not name.startswith(("wait ", "check ")):
+            return name, str(e.get("detail", "")), bool(e.get("blocking", True))
+    return None
+
+
+def mismatch_error(op: str, calls: Sequence[tuple[str, str, bool] | None]
+                   ) -> tuple[CollectiveMismatchError, bool]:
+    """The error naming what differs between the ranks' calls (each as :func:`recorded_call`
+    gives it, None when unknown), and whether a call was async or unknown."""
+    signatures = [(("op", _UNKNOWN),) if c is None else
+                  (("op", c[0]),) + tuple(_FIELD.findall(c[1])) + (("async_op", not c[2]),)
+                  for c in calls]
+    error = compare_signatures(op, signatures) or CollectiveMismatchError(
+        f"{op}: the ranks' cross-rank check disagreed, though their recorded calls look alike: "
+        + "; ".join(f"rank {k}: {c}" for k, c in enumerate(calls)))
+    return error, any(c is None or not c[2] for c in calls)
+
+
+def _printable(key: tuple[Any, ...]) -> tuple[Any, ...]:
+    return tuple(str(v) if isinstance(v, np.dtype) else list(v) if isinstance(v, tuple) else v
+                 for v in key)
 
 
 class WorldLink:

@@ -43,6 +43,9 @@ def create_world_backend(**options: Any) -> NcclBackend:
     environment with a TCP rendezvous at ``MASTER_ADDR:MASTER_PORT``; with
     neither, a one-rank world. The GPU is ``device`` when given, else
     ``node-local rank % device count``; it becomes the current CuPy device.
+    When the watchdog aborts this rank's communicators (a call past
+    ``timeout``, a needed rank gone), the waiting call raises its report and
+    the process ends itself 30 s later should that error be caught.
 
     Args:
         **options: ``timeout`` (seconds, also for the rendezvous) and
@@ -69,6 +72,7 @@ def create_world_backend(**options: Any) -> NcclBackend:
         backend = NcclBackend(NcclBackend.generate_unique_id(), 0, 1,
                               0 if device is None else int(device), timeout=timeout)
     cupy.cuda.Device(backend.device).use()
+    backend._state.end_process = True  # a launched job: a watchdog abort ends this process
     return backend
 
 

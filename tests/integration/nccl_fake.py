@@ -51,6 +51,7 @@ class Settings:
         self.hang_events = False  # events never complete (to test timeouts)
         self.async_error: int | None = None  # check_async_error raises this status
         self.calls: list[tuple[str, int]] = []  # (NCCL call, rank) in posting order
+        self.aborted: list[int] = []  # ranks whose communicators were aborted, in order
         self.match_timeout = 20.0
 
 
@@ -313,6 +314,10 @@ class _World:
         sends, recvs = self.sends[key], self.recvs[key]
         while sends and recvs:
             s, r = sends.popleft(), recvs.popleft()
+            if not (s.comm.alive and r.comm.alive):  # a side was aborted: the peer sees an error
+                s.finish(NcclError(6))
+                r.finish(NcclError(6))
+                continue
             if s.args["count"] != r.args["count"] or s.args["dtype"] != r.args["dtype"]:
                 s.finish(NcclError(5))
                 r.finish(NcclError(5))
@@ -329,6 +334,8 @@ class _World:
         same = all(o.kind == first.kind and all(o.args[k] == first.args[k] for k in fields)
                    for o in ops)
         error = None if same else NcclError(5)
+        if not all(o.comm.alive for o in ops):  # a rank aborted its communicator
+            same, error = False, NcclError(6)
         if same:
             getattr(self, "_" + first.kind)(ops, **{k: first.args[k] for k in fields})
         for o in ops:
@@ -518,7 +525,14 @@ class NcclCommunicator:
         self.alive = False
 
     def abort(self) -> None:
+        """ncclCommAbort: this rank's calls in flight end at once (their results are garbage),
+        from any thread; a peer's matching call then fails with ncclRemoteError."""
         self.alive = False
+        SETTINGS.aborted.append(self.rank)
+        with _PENDING_LOCK:
+            ops = [o for pending in _PENDING.values() for o in pending if o.comm is self]
+        for op in ops:
+            op.done.set()
 
     def device_id(self) -> int:
         return self.device

@@ -688,17 +688,40 @@ def test_debug_mode_compares_arguments_across_ranks(fake, monkeypatch):
     assert all(spawn(body, 2))
 
 
-def test_timeouts_and_async_errors_name_the_operation(fake):
+def test_a_timeout_aborts_the_communicators_with_the_watchdogs_report(fake):
     from axondist.backends.nccl import NcclBackend
 
     b0, b1 = NcclBackend.create_world([0, 1], timeout=0.3)
     x = ad.to_device(np.ones(2))
-    # rank 1 never joins: NCCL would spin forever, the wait gives up
+    # rank 1 never joins: NCCL would spin forever, the watchdog aborts rank 0's communicator
     with pytest.raises(CollectiveTimeoutError, match=r"all_reduce: not completed within 0.3 s on "
-                                                     r"rank 0 of 2 \(GPU 0\)"):
+                                                     r"rank 0 of 2 \(GPU 0\)") as e:
         b0.all_reduce(x, ReduceOp.SUM)
+    text = str(e.value)
+    assert "the watchdog aborted this rank's NCCL communicators (ncclCommAbort)" in text
+    assert "all_reduce #1 on world (dtype=float64, shape=[2], reduce_op=SUM) timed out" in text
+    assert "missing ranks: [1]" in text and "rank 1 (host " in text
+    assert "is not in any axondist call (busy in its own code)" in text
+    assert "last calls of rank 0 (flight recorder, oldest first)" in text
+    assert not b0._comm.alive  # ncclCommAbort
+    with pytest.raises(CollectiveTimeoutError, match=r"broadcast: not completed within 0.3 s"):
+        b0.broadcast(x, 0)  # an aborted communicator is never used again
+    b0.close()
+    b1.close()
+
+
+def test_async_errors_name_the_operation(fake, monkeypatch):
+    from axondist.backends.nccl import NcclBackend
+
+    monkeypatch.setenv("AXONDIST_CHECKS", "0")  # the async call's own check would wait too
+    b0, b1 = NcclBackend.create_world([0, 1], timeout=30)
+    x = ad.to_device(np.ones(2))
     work = b0.broadcast(x, 0, async_op=True)
     assert not work.is_completed()
+    with pytest.raises(CollectiveTimeoutError, match=r"broadcast: not completed within 0.2 s on "
+                                                     r"rank 0 of 2 \(GPU 0\); it keeps running"):
+        work.wait(timeout=0.2)  # an explicit timeout leaves the call running
+    assert b0._comm.alive
     fake.async_error = 6  # a peer died
     with pytest.raises(nt.NcclError, match="broadcast: NCCL failed with ncclRemoteError") as e:
         work.wait(timeout=5.0)
@@ -708,7 +731,9 @@ def test_timeouts_and_async_errors_name_the_operation(fake):
     b1.close()
 
 
-def test_mismatched_calls_surface_as_nccl_errors(fake):
+def test_mismatched_calls_surface_as_nccl_errors_without_checks(fake, monkeypatch):
+    monkeypatch.setenv("AXONDIST_CHECKS", "0")  # unsafe: NCCL itself meets the wrong calls
+
     def body(world):
         x = dev(np.zeros(3 + world.rank, np.float32))  # different counts: NCCL misbehaves
         with pytest.raises(nt.NcclError, match="all_reduce: NCCL failed with ncclInvalidUsage"):
@@ -716,6 +741,7 @@ def test_mismatched_calls_surface_as_nccl_errors(fake):
         return True
 
     assert all(spawn(body, 2))
+    assert [k for k, _ in fake.calls].count("allReduce") == 2  # no check call
 
 
 def test_nccl_call_errors_are_wrapped(fake):
