@@ -7,7 +7,9 @@ when the result is ``[h, -h]``. Every collective starts with it, so a rank
 in ``barrier`` meets a rank in ``all_reduce`` inside the check, and both
 raise :class:`~axondist.errors.CollectiveMismatchError` before any data
 moves. Only then do the ranks exchange their full arguments (pickled) to say
-what differs.
+what differs. A small blocking all-reduce (SUM, AVERAGE, MIN, MAX of up to
+``RIDE_MAX_BYTES``) carries its check inside its own message instead: see
+:class:`Rider`.
 """
 
 from __future__ import annotations
@@ -21,18 +23,70 @@ from typing import Any
 import numpy as np
 
 from ..errors import CollectiveTimeoutError
+from ._mpi_common import raise_mpi_error
 from .base import compare_signatures
 from .recorder import CALL_FIELDS as FIELDS
 from .recorder import FlightRecorder, describe_status
 
 _CACHE_LIMIT = 4096
 
+#: Largest blocking all-reduce whose check rides in its message (:class:`Rider`). Below
+#: this a separate check costs about as much as the data's own all-reduce (both are
+#: latency bound); above it MPI's own algorithms win.
+RIDE_MAX_BYTES = 64 << 10
+
+#: A check message's header: the call's hash, a "ranks disagree" flag, the payload bytes.
+_HEADER = 24
+_TAG = 1
+
+#: NumPy's equal of each MPI reduction that a riding all-reduce applies itself (MIN and
+#: MAX propagate NaN, as the MPI backend's float ops do).
+_UFUNCS = {"SUM": np.add, "AVERAGE": np.add, "MAX": np.maximum, "MIN": np.minimum,
+           "PRODUCT": np.multiply}
+_RIDING_DTYPES = frozenset(np.dtype(t) for t in (np.float32, np.float64, np.int32, np.int64))
+
 
 def _hash_pair(op: str, key: tuple[Any, ...]) -> np.ndarray:
     """``[h, -h]`` for a 62-bit hash of the call's name and key (the same on every rank)."""
-    digest = hashlib.blake2b(repr((op, key)).encode(), digest_size=8).digest()
-    h = int.from_bytes(digest, "little") >> 2
+    h = _call_hash(op, key) >> 1
     return np.array([h, -h], dtype=np.int64)
+
+
+def _call_hash(op: str, key: tuple[Any, ...]) -> int:
+    """A 63-bit hash of the call's name and key (the same on every rank)."""
+    digest = hashlib.blake2b(repr((op, key)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def _schedule(rank: int, size: int) -> list[tuple[str, int]]:
+    """Recursive doubling over ``size`` ranks as ``(step, peer)``: ranks past the largest
+    power of two fold into a partner first and get the result back at the end."""
+    p = 1 << (size.bit_length() - 1)
+    if rank >= p:
+        return [("fold_out", rank - p)]
+    steps = [("fold_in", rank + p)] if rank + p < size else []
+    steps += [("swap", rank ^ mask) for mask in (1 << k for k in range(p.bit_length() - 1))]
+    return steps + ([("return", rank + p)] if rank + p < size else [])
+
+
+class Rider:
+    """A small blocking all-reduce whose check travels in its own message.
+
+    Ranks send each other their data behind a header holding a hash of the call
+    (point to point, by recursive doubling, on the guard's own communicator) and
+    combine it with :data:`_UFUNCS`; a receiver compares the sender's hash and
+    size with its own, so ranks that disagree, even on the size, find out from
+    the same messages and no rank ever receives more than it expects (MPICH
+    aborts a collective whose sizes differ). One exchange instead of a check
+    and then the data: at 4 KiB the separate check costs as much as the data.
+    """
+
+    __slots__ = ("h", "nbytes", "mine", "theirs", "ufunc", "divisor")
+
+    def __init__(self, h: int, nbytes: int, mine: np.ndarray, theirs: np.ndarray, ufunc: Any,
+                 divisor: int) -> None:
+        self.h, self.nbytes, self.mine, self.theirs = h, nbytes, mine, theirs
+        self.ufunc, self.divisor = ufunc, divisor  # divisor: 0 unless AVERAGE
 
 
 class CallGuard:
@@ -65,6 +119,17 @@ class CallGuard:
         self._view = self._out.data  # a memoryview: indexing gives Python ints
         self._out_spec = (self._out, self._int64)
         self._specs: dict[tuple[str, tuple[Any, ...]], tuple[np.ndarray, Any]] = {}
+        #: all_reduce key -> its Rider, or False where the check cannot ride.
+        self.riders: dict[tuple[Any, ...], Rider | bool] = {}
+        self._hashes: dict[tuple[str, tuple[Any, ...]], int] = {}
+        self._mpi = mpi
+        self._byte = mpi.BYTE
+        self._status = mpi.Status()
+        self._steps = _schedule(comm.Get_rank(), comm.Get_size())
+        # The checks' own messages, apart from the data's and the users' sends.
+        self._check_comm = comm.Dup() if checks and self._steps else None
+        self._send: np.ndarray | None = None
+        self._recv: np.ndarray | None = None
         self.groups_made = 0
 
     def begin(self, op: str, detail: Any, blocking: bool = True) -> tuple[int, int]:
@@ -83,13 +148,106 @@ class CallGuard:
         Raises:
             CollectiveMismatchError: on every rank, naming what differs.
         """
-        spec = self._specs.get((op, key))
-        if spec is None:
-            spec = self._new_spec(op, key)
-        self.comm.Allreduce(spec, self._out_spec, self._max)
-        view = self._view
-        if view[0] != -view[1]:
+        h = self._hashes.get((op, key))
+        if h is None:
+            h = self._hash(op, key)
+        if self._exchange(h, 0, None, None, None):
             self._disagree(op, key)
+
+    def rider(self, key: tuple[Any, ...], dtype: np.dtype, count: int, op_name: str,
+              n: int) -> Rider | bool:
+        """The :class:`Rider` of blocking all-reduce ``key`` (``count`` elements of
+        ``dtype`` sent as themselves, op ``op_name``), or False where it cannot ride."""
+        nbytes = count * dtype.itemsize
+        ufunc = _UFUNCS.get(op_name)
+        if (ufunc is None or dtype not in _RIDING_DTYPES or nbytes > RIDE_MAX_BYTES
+                or self._check_comm is None):
+            return False
+        send, recv = self._buffers()
+        if len(self.riders) >= _CACHE_LIMIT:
+            self.riders.clear()
+        end = _HEADER + nbytes
+        return Rider(self._hash("all_reduce", key), nbytes, send[_HEADER:end].view(dtype),
+                     recv[_HEADER:end].view(dtype), ufunc, n if op_name == "AVERAGE" else 0)
+
+    def ride(self, rider: Rider, flat: np.ndarray, key: tuple[Any, ...]) -> None:
+        """All-reduce ``flat`` (a flat view of the caller's contiguous buffer) with its
+        check riding along (see :class:`Rider`); the caller's buffer is written only
+        once every rank agreed.
+
+        Raises:
+            CollectiveMismatchError: on every rank, naming what differs.
+        """
+        mine = rider.mine
+        np.copyto(mine, flat)
+        if self._exchange(rider.h, rider.nbytes, mine, rider.theirs, rider.ufunc):
+            self._disagree("all_reduce", key)
+        if rider.divisor:
+            np.divide(mine, rider.divisor, out=flat, casting="unsafe")
+        else:
+            np.copyto(flat, mine)
+
+    def _exchange(self, h: int, nbytes: int, mine: np.ndarray | None,
+                  theirs: np.ndarray | None, ufunc: Any) -> int:
+        """Recursive doubling of ``mine`` (combined in place with ``ufunc``) behind a
+        header with hash ``h``; true when any rank's call differs from this one's."""
+        if self._check_comm is None:
+            return 0
+        send, recv = self._send, self._recv
+        if send is None or recv is None:
+            send, recv = self._buffers()
+        header, seen = self._send_words, self._recv_words
+        header[0], header[1], header[2] = h, 0, nbytes
+        comm, status, byte, total, flag = self._check_comm, self._status, self._byte, \
+            _HEADER + nbytes, 0
+        mpi_error = self._mpi.Exception
+        try:
+            for step, peer in self._steps:
+                if step == "swap":
+                    comm.Sendrecv([send, total, byte], peer, _TAG, [recv, byte], peer, _TAG,
+                                  status)
+                elif step == "fold_in":
+                    comm.Recv([recv, byte], peer, _TAG, status)
+                elif step == "return":
+                    comm.Send([send, total, byte], peer, _TAG)
+                    continue
+                else:  # fold_out: hand this rank's part over, get the result back
+                    comm.Send([send, total, byte], peer, _TAG)
+                    comm.Recv([recv, byte], peer, _TAG, status)
+                    flag = seen[1] or seen[0] != h or status.Get_count(byte) != total
+                    if not flag and mine is not None:
+                        np.copyto(mine, theirs)  # type: ignore[arg-type]
+                    continue
+                if flag or seen[1] or seen[0] != h or status.Get_count(byte) != total:
+                    flag = header[1] = 1
+                elif mine is not None:
+                    ufunc(mine, theirs, out=mine)
+        except mpi_error as exc:
+            raise_mpi_error(exc, "the cross-rank check")
+        return flag
+
+    def _buffers(self) -> tuple[np.ndarray, np.ndarray]:
+        """The check messages' buffers: room for any rank's largest riding message."""
+        if self._send is None or self._recv is None:
+            self._send = np.zeros(_HEADER + RIDE_MAX_BYTES, np.uint8)
+            self._recv = np.zeros(_HEADER + RIDE_MAX_BYTES, np.uint8)
+            # memoryviews: indexing gives Python ints without NumPy scalars
+            self._send_words = self._send[:_HEADER].view(np.int64).data
+            self._recv_words = self._recv[:_HEADER].view(np.int64).data
+        return self._send, self._recv
+
+    def _hash(self, op: str, key: tuple[Any, ...]) -> int:
+        """``op`` and ``key``'s hash, remembered (a bounded cache)."""
+        if len(self._hashes) >= _CACHE_LIMIT:
+            self._hashes.clear()
+        h = self._hashes[(op, key)] = _call_hash(op, key)
+        return h
+
+    def close(self) -> None:
+        """Free the checks' communicator (collective, with the group's own)."""
+        comm, self._check_comm = self._check_comm, None
+        if comm is not None:
+            comm.Free()
 
     def _new_spec(self, op: str, key: tuple[Any, ...]) -> tuple[np.ndarray, Any]:
         """The send buffer of ``(op, key)``'s check, remembered (a bounded cache)."""
@@ -165,4 +323,4 @@ def _printable(key: tuple[Any, ...]) -> tuple[Any, ...]:
                  for v in key)
 
 
-__all__ = ["FIELDS", "CallGuard"]
+__all__ = ["FIELDS", "RIDE_MAX_BYTES", "CallGuard", "Rider"]

@@ -40,7 +40,7 @@ from ._mpi_common import (
     type_table,
     unsupported,
 )
-from ._mpi_guard import CallGuard, wait_until
+from ._mpi_guard import CallGuard, Rider, wait_until
 from ._watchdog import Watchdog, exit_soon, print_and_flush, silence_all
 from .base import (
     Backend,
@@ -297,10 +297,24 @@ class MPIBackend(Backend):
         slot = rec.begin(guard.group, next(guard.seqs), "all_reduce", key)
         try:
             if guard.checks:
+                rider = guard.riders.get(key)
+                if rider is None:
+                    rider = guard.riders[key] = self._new_rider(key, buf, op)
+                if rider:
+                    guard.ride(rider, buf.reshape(-1), key)  # type: ignore[arg-type]
+                    return
                 guard.agree("all_reduce", key)
             self._all_reduce_now(buf, op)
         finally:
             rec.end(slot)
+
+    def _new_rider(self, key: tuple[Any, ...], buf: Any, op: ReduceOp) -> Rider | bool:
+        """The :class:`Rider` of blocking all-reduce ``key``, or False where its check
+        cannot ride in its message (host NumPy buffers sent as themselves only)."""
+        plan = self._plans_by_name[op._name_].get(buf.dtype)
+        if plan is None or plan[0] is not None or type(buf) is not np.ndarray:
+            return False
+        return self._guard.rider(key, buf.dtype, buf.size, op._name_, self.world_size)
 
     def _blocking(self, op: str, key: tuple[Any, ...], run: Callable[..., Any],
                   *args: Any) -> Any:
@@ -914,6 +928,7 @@ class MPIBackend(Backend):
         if comm is not None and not MPI.Is_finalized() and comm != MPI.COMM_NULL:
             self._guard.rec.groups.pop(self._guard.group, None)
             self._guard.rec.groups.pop(self._guard.p2p_group, None)
+            self._guard.close()
             comm.Free()
 
 

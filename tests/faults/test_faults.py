@@ -84,6 +84,11 @@ CASES: dict[str, Expect] = {
     "op_mismatch": Expect(*[r"all_reduce: ranks disagree on reduce_op \(rank 0: SUM, .*MAX\)"] * 2),
     "sizes_mismatch": Expect(*[r"all_gather: ranks disagree on counts \(rank 0: .6, 6.*"
                                r"rank 1: .3, 6"] * 2),
+    "shape_mismatch_small": Expect(*[r"all_reduce: ranks disagree on shape \(rank 0: .1024,?., "
+                                     r"rank 1: .2048,?."] * 2),
+    "small_vs_large": Expect(*[r"all_reduce: ranks disagree on shape \(rank 0: .1024,?., "
+                               r"rank 1: .1048576,?."] * 2),
+    "mismatch_caught_then_good": Expect(None, None),
     "ddp_num_samples": Expect(r"ranks called different collectives at the same point \(rank 0 "
                               r"called all_reduce, rank 1 called scaled_sum",
                               r"all_reduce: ranks disagree on dtype \(rank 0: float64, rank 1: "

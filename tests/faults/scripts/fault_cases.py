@@ -112,6 +112,28 @@ def sizes_mismatch(world: ad.World) -> None:
     ad.all_gather(x, sizes=rows)
 
 
+def shape_mismatch_small(world: ad.World) -> None:
+    ad.all_reduce(np.ones(1024 if world.rank == 0 else 2048, np.float32))
+
+
+def small_vs_large(world: ad.World) -> None:
+    ad.all_reduce(np.ones(1024 if world.rank == 0 else 1 << 20, np.float32))
+
+
+def mismatch_caught_then_good(world: ad.World) -> None:
+    """Must not fail: after a caught shape mismatch the next all-reduce is right."""
+    try:
+        ad.all_reduce(np.ones(8 if world.rank == 0 else 9, np.float32))
+    except ad.CollectiveMismatchError as exc:
+        assert "disagree on shape" in str(exc), exc
+    else:
+        raise AssertionError("a shape mismatch was accepted")
+    x = np.full(1000, world.rank + 1.0)
+    ad.all_reduce(x)
+    assert (x == world.world_size * (world.world_size + 1) / 2).all(), x[:4]
+    print(f"mismatch_caught_then_good OK rank {world.rank}", flush=True)
+
+
 def ddp_num_samples(world: ad.World) -> None:
     p = ad.Parameter(np.ones(8, np.float32), name="w")
     ddp = ad.DDP([p])
@@ -155,7 +177,8 @@ def many_groups(world: ad.World) -> None:
 CASES = {f.__name__: f for f in (
     skip_collective, exit0, exit1, finally_barrier, stuck, monitored, killed, wrong_group,
     send_no_recv, recv_no_send, recv_recv, dtype_same_bytes, int_vs_float, op_mismatch,
-    sizes_mismatch, ddp_num_samples, recv_wrong_out_then_good, many_groups)}
+    sizes_mismatch, shape_mismatch_small, small_vs_large, mismatch_caught_then_good,
+    ddp_num_samples, recv_wrong_out_then_good, many_groups)}
 
 
 def main() -> None:

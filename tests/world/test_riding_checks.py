@@ -1,0 +1,66 @@
+"""All-reduces around the size where the MPI backend's cross-rank check stops riding in
+the message itself (``RIDE_MAX_BYTES``): the same values on both sides of it, for
+every op and dtype the riding path takes, equal on every rank and to NumPy's.
+Runs on the mock world too (where the sizes are simply more cases).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from harness import run_world, world_sizes
+from hypothesis import given
+from hypothesis import strategies as st
+
+import axondist as ad
+from axondist.backends._mpi_guard import RIDE_MAX_BYTES
+
+OPS = ["sum", "average", "max", "min", "product"]
+DTYPES = ["float32", "float64", "int32", "int64"]
+
+
+def _input(seed: int, rank: int, size: int, dtype: str, op: str) -> np.ndarray:
+    rng = np.random.default_rng([seed, rank])
+    if op == "product":
+        return rng.choice([-1, 1, 2], size=size).astype(dtype)
+    if dtype.startswith("int"):
+        return rng.integers(-50, 50, size=size).astype(dtype)
+    return rng.standard_normal(size).astype(dtype)
+
+
+def _reference(inputs: list[np.ndarray], op: str) -> np.ndarray:
+    stack = np.stack(inputs)
+    wide = stack.astype(np.float64) if stack.dtype.kind == "f" else stack
+    return {"sum": wide.sum(0), "average": wide.mean(0), "max": wide.max(0),
+            "min": wide.min(0), "product": wide.prod(0)}[op]
+
+
+def _body(world: ad.World, seed: int, size: int, dtype: str, op: str) -> np.ndarray:
+    x = _input(seed, world.rank, size, dtype, op)
+    ad.all_reduce(x, op)
+    want = _reference([_input(seed, r, size, dtype, op) for r in range(world.world_size)], op)
+    if x.dtype.kind == "f":
+        tol = (1e-5 if dtype == "float32" else 1e-12) * world.world_size
+        np.testing.assert_allclose(x.astype(np.float64), want, rtol=tol, atol=tol)
+    else:
+        np.testing.assert_array_equal(x, want)
+    # every rank holds the same bits: the ranks' results gathered and compared
+    everyone = ad.all_gather_object(x.tobytes())
+    assert all(b == everyone[0] for b in everyone), "ranks hold different results"
+    return x
+
+
+@given(n=world_sizes(1, 5), seed=st.integers(0, 2**31 - 1), dtype=st.sampled_from(DTYPES),
+       op=st.sampled_from(OPS), offset=st.sampled_from([-1, 0, 1]))
+def test_all_reduce_on_both_sides_of_the_riding_limit(n, seed, dtype, op, offset):
+    if op == "average" and dtype.startswith("int"):
+        op = "sum"
+    size = RIDE_MAX_BYTES // np.dtype(dtype).itemsize + offset
+    run_world(_body, n, seed, size, dtype, op)
+
+
+@given(n=world_sizes(1, 5), seed=st.integers(0, 2**31 - 1), size=st.integers(0, 40),
+       dtype=st.sampled_from(DTYPES), op=st.sampled_from(OPS))
+def test_small_all_reduces_match_numpy_on_every_rank(n, seed, size, dtype, op):
+    if op == "average" and dtype.startswith("int"):
+        op = "sum"
+    run_world(_body, n, seed, size, dtype, op)
