@@ -70,7 +70,7 @@ class MPIOptions:
     allgather per call (slow; names every argument). Env: ``AXONDIST_DEBUG=1``."""
 
     checks: bool = True
-    """Check before every collective, with one 16-byte all-reduce, that all
+    """Check before every collective, with one exchange of 24-byte headers, that all
     ranks call the same collective with the same arguments. Turning it off
     (``AXONDIST_CHECKS=0``) is unsafe: a mismatch then hangs, truncates or
     returns wrong numbers. Env: ``AXONDIST_CHECKS``."""

@@ -1,15 +1,18 @@
 """What runs around every MPI call: its sequence number, its flight-recorder entry, and
 the cross-rank check that the ranks called the same thing with the same arguments.
 
-The check is one extra ``Allreduce`` of two int64 (``MAX`` of ``[h, -h]``,
-where ``h`` hashes the call's name and arguments): the ranks agree exactly
-when the result is ``[h, -h]``. Every collective starts with it, so a rank
-in ``barrier`` meets a rank in ``all_reduce`` inside the check, and both
+A blocking call's check is an exchange of 24-byte headers (a hash of the
+call's name and arguments, a "disagree" flag, a size) by recursive doubling
+over point-to-point messages on a communicator of its own; a small blocking
+all-reduce (up to ``RIDE_MAX_BYTES``) sends its data behind the header in the
+same messages (:class:`Rider`). Every blocking collective starts with it, so
+a rank in ``barrier`` meets a rank in ``all_reduce`` inside the check, ranks
+that disagree even on a message's size find out from the same messages (no
+collective ever runs with sizes that differ: MPICH aborts those), and all
 raise :class:`~axondist.errors.CollectiveMismatchError` before any data
-moves. Only then do the ranks exchange their full arguments (pickled) to say
-what differs. A small blocking all-reduce (SUM, AVERAGE, MIN, MAX of up to
-``RIDE_MAX_BYTES``) carries its check inside its own message instead: see
-:class:`Rider`.
+reaches a caller's buffer. Only then do the ranks exchange their full
+arguments (pickled) to say what differs. A non-blocking call's check is an
+``Iallreduce`` (MAX of ``[h, -h]``), settled in its ``wait()``.
 """
 
 from __future__ import annotations

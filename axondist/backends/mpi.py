@@ -1,6 +1,6 @@
 """The MPI backend: one process per rank, over mpi4py, on axondist's own duplicate of
 ``COMM_WORLD``. Every collective is recorded in the rank's flight recorder and starts with
-a 16-byte check that all ranks make the same call; a watchdog ends a job that stalls.
+a check that all ranks make the same call (carried in the data of a small all-reduce); a watchdog ends a job that stalls.
 ``docs/backends.md`` explains the design (pieces, fused arithmetic, half-precision and
 NaN handling, CuPy staging, the checks and the watchdog) and the measurements behind it.
 """
