@@ -91,24 +91,35 @@ class HierarchicalAllReduce:
     Results equal the flat all-reduce's up to floating-point rounding (the sums are
     grouped differently); AVERAGE averages the nodes' averages, exact as the nodes are
     even. With one node, one rank per node, or (``uneven="flat"``) uneven nodes it
-    is the flat all-reduce.
+    is the flat all-reduce, and so is it for arrays under ``min_bytes``: three
+    collectives cost three latencies, which only large arrays repay.
 
     Args:
         group: the group (current world when None).
         nodes: node id of each group rank, the same list on every rank (default: every
             rank's ``group.node_info()``, exchanged).
         uneven: ``"flat"`` (fall back, :attr:`is_hierarchical` False) or ``"error"``.
+        min_bytes: arrays of fewer bytes take the flat all-reduce (default 1 MiB; 0:
+            always three steps).
 
     Raises:
         ValueError: ``nodes`` has the wrong length or differs between ranks; ``uneven``
-            is not a valid choice; the nodes are uneven and ``uneven="error"``.
-        TypeError: ``nodes`` is not a list of ints.
+            is not a valid choice; the nodes are uneven and ``uneven="error"``;
+            ``min_bytes`` is negative.
+        TypeError: ``nodes`` is not a list of ints; ``min_bytes`` is not an int.
         NotAMemberError: this process is not in ``group``.
     """
 
     def __init__(self, group: ProcessGroup | None = None, *, nodes: Sequence[int] | None = None,
-                 uneven: Uneven | str = Uneven.FLAT) -> None:
+                 uneven: Uneven | str = Uneven.FLAT, min_bytes: int = 1 << 20) -> None:
         policy = parse_choice(Uneven, uneven, "HierarchicalAllReduce: uneven")
+        if isinstance(min_bytes, bool) or not isinstance(min_bytes, (int, numbers.Integral)):
+            raise TypeError(f"HierarchicalAllReduce: min_bytes must be an int (bytes), got "
+                            f"{type(min_bytes).__name__} {min_bytes!r}")
+        if min_bytes < 0:
+            raise ValueError(f"HierarchicalAllReduce: min_bytes={min_bytes} must be >= 0 "
+                             "(0: every array takes the three steps)")
+        self.min_bytes = int(min_bytes)
         self.group = current_world() if group is None else resolve_group(group)
         size = self.group.world_size
         mine = (_checked_nodes(nodes, size) if nodes is not None
@@ -159,9 +170,9 @@ class HierarchicalAllReduce:
         if self._closed:
             raise NotAMemberError("HierarchicalAllReduce: called after close(); build a new "
                                   "HierarchicalAllReduce(group) on every rank")
-        if self._node is None or self._across is None:
-            return all_reduce(x, op, self.group)
         x = _array.as_array(x)
+        if self._node is None or self._across is None or x.nbytes < self.min_bytes:
+            return all_reduce(x, op, self.group)
         op = ReduceOp.parse(op)
         check_op_dtype(op, x.dtype, "HierarchicalAllReduce")
         _array.check_writable(x, "HierarchicalAllReduce")

@@ -95,7 +95,7 @@ class DelaySwitch:
 
 def all_reduce_part(world: ad.World, mpi: Any, repeats: int) -> list[dict[str, Any]]:
     comm = mpi.COMM_WORLD
-    hierarchical = ad.HierarchicalAllReduce(world)
+    hierarchical = ad.HierarchicalAllReduce(world, min_bytes=0)  # three steps at every size
     rows = []
     for nbytes in SIZES:
         x = np.ones(nbytes // 4, np.float32)
@@ -253,9 +253,10 @@ def report(results: dict[str, Any]) -> str:
               "overlapped step/max(compute, sync)", "overlapped tuned/default step")
     relay = results.get("relay", {})
     lines = [f"2 hosts x {results['per_host']} ranks on {os.cpu_count()} cores; links: "
-             f"{results['delay_ms']:g} ms one way, {rate} each way (userspace relay, "
-             f"{relay.get('dropped', '?')} frames dropped); {results['repeats']} timed "
-             "batches per figure, median (min-max)",
+             f"{results['delay_ms']:g} ms one way, {rate} each way (userspace relay: "
+             f"{relay.get('dropped', '?')} frames dropped, busy "
+             f"{relay.get('cpu_s', 0) / max(relay.get('wall_s', 0), 1e-9):.0%} of the run); "
+             f"{results['repeats']} timed batches per figure, median (min-max)",
              _all_reduce_table(results["all_reduce"]), "",
              "tune sweep: " + ", ".join(f"{format_size(p['size'])} {p['busbw_MBps']:.0f} MB/s"
                                         for p in results["tune"]),

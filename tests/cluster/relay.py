@@ -84,12 +84,15 @@ def open_tap(name: str) -> int:
 
 @dataclass
 class Stats:
-    """What the relay did: frames and bytes per (sender, receiver), drops, least hold."""
+    """What the relay did: frames and bytes per (sender, receiver), drops, least hold,
+    and its own CPU time against the wall-clock time it served."""
 
     frames: dict[str, int] = field(default_factory=dict)
     bytes: dict[str, int] = field(default_factory=dict)
     dropped: int = 0
     least_hold_s: float | None = None
+    cpu_s: float = 0.0  # the relay's own CPU time: near wall_s, it was the bottleneck
+    wall_s: float = 0.0
 
     def count(self, src: int, dst: int, nbytes: int) -> None:
         key = f"{src}->{dst}"
@@ -155,12 +158,15 @@ class Relay:
         for fd in self.fds:
             poller.register(fd, select.EPOLLIN)
         ports = {fd: port for port, fd in enumerate(self.fds)}
+        started, cpu = time.monotonic(), time.process_time()
         while self.running:
             soonest = self._deliver(time.monotonic())
             # bounded, so a SIGTERM (whose handler only clears `running`) ends the loop
             wait = 0.2 if soonest is None else max(0.0, min(0.2, soonest - time.monotonic()))
             for fd, _ in poller.poll(wait):
                 self._receive(ports[fd], time.monotonic())
+        self.stats.wall_s = time.monotonic() - started
+        self.stats.cpu_s = time.process_time() - cpu
 
 
 def main() -> int:

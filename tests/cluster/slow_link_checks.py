@@ -15,7 +15,7 @@ def hierarchical_equals_flat(expect: str = "hierarchical") -> None:
     """The node layout as detected; HierarchicalAllReduce against the flat all_reduce for
     several sizes, dtypes and ops (``expect``: "hierarchical", or "flat" on uneven nodes)."""
     world = ad.init()
-    with ad.HierarchicalAllReduce(world) as hier:
+    with ad.HierarchicalAllReduce(world, min_bytes=0) as hier:
         assert hier.is_hierarchical == (expect == "hierarchical"), hier
         print("PLAN " + json.dumps([list(r) for r in hier.plan.within]), flush=True)
         rng = np.random.default_rng(world.rank)

@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import axondist as ad
+from axondist import hierarchical
 from axondist.backends.mock import MockBackend
 from axondist.errors import InvalidBufferError, NotAMemberError, UnsupportedDTypeError
 from axondist.hierarchical import HierarchicalAllReduce, hierarchy_plan
@@ -63,7 +64,7 @@ def test_equals_numpy_under_any_layout(nodes: list[int], shape: tuple[int, ...],
     dtype, op = dtype_op
 
     def body(world: ad.World) -> tuple[bool, np.ndarray]:
-        with HierarchicalAllReduce(world, nodes=nodes) as hier:
+        with HierarchicalAllReduce(world, nodes=nodes, min_bytes=0) as hier:
             x = _inputs(world.rank, shape, dtype)
             assert hier(x, op) is x
             return hier.is_hierarchical, x
@@ -85,7 +86,7 @@ def round_robin_nodes(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_detects_the_layout_from_node_info(round_robin_nodes: None) -> None:
     def body(world: ad.World) -> tuple[Any, ...]:
-        hier = HierarchicalAllReduce()  # the current world, nodes from node_info()
+        hier = HierarchicalAllReduce(min_bytes=0)  # the current world, nodes from node_info()
         x = np.full(6, float(world.rank + 1))
         hier(x)
         sizes = (hier._node.world_size, hier._across.world_size)  # type: ignore[union-attr]
@@ -106,6 +107,29 @@ def test_one_node_or_one_rank_per_node_is_the_flat_all_reduce() -> None:
 
     assert ad.spawn(body, 3, [0, 0, 0]) == [False] * 3
     assert ad.spawn(body, 3, [0, 1, 2]) == [False] * 3
+
+
+def test_arrays_under_min_bytes_take_the_flat_all_reduce(monkeypatch: pytest.MonkeyPatch
+                                                         ) -> None:
+    steps: list[int] = []
+    real = hierarchical.reduce_scatter
+
+    def counted(x: Any, *args: Any) -> Any:
+        steps.append(x.nbytes)
+        return real(x, *args)
+
+    monkeypatch.setattr(hierarchical, "reduce_scatter", counted)
+
+    def body(world: ad.World) -> list[float]:
+        with HierarchicalAllReduce(world, nodes=[0, 0, 1, 1], min_bytes=64) as hier:
+            small, large = np.ones(7), np.ones(8)  # 56 and 64 bytes
+            hier(small)
+            hier(large)
+            return [*small, *large]
+
+    assert ad.spawn(body, 4) == [[4.0] * 15] * 4
+    assert steps == [64] * 4, "only the 64-byte array took the three steps, on each rank"
+    assert HierarchicalAllReduce.__init__.__kwdefaults__["min_bytes"] == 1 << 20
 
 
 def test_uneven_nodes_fall_back_to_flat_or_are_refused() -> None:
@@ -135,6 +159,10 @@ def test_uneven_nodes_fall_back_to_flat_or_are_refused() -> None:
      r"HierarchicalAllReduce: nodes must hold ints \(node ids\), got str '1'"),
     ({"nodes": [0, 0, 1, True]}, TypeError, r"nodes must hold ints \(node ids\), got bool"),
     ({"nodes": 3}, TypeError, r"HierarchicalAllReduce: nodes must be a list, got int 3"),
+    ({"min_bytes": -1}, ValueError,
+     r"HierarchicalAllReduce: min_bytes=-1 must be >= 0 \(0: every array takes the three"),
+    ({"min_bytes": 1.5}, TypeError,
+     r"HierarchicalAllReduce: min_bytes must be an int \(bytes\), got float 1.5"),
     ({"uneven": "ignore"}, ValueError,
      r"HierarchicalAllReduce: uneven='ignore' is not one of Uneven's names; use one of "
      r"'flat', 'error'"),
@@ -165,7 +193,7 @@ def test_ranks_passing_different_layouts_all_raise() -> None:
 
 def test_bad_buffers_and_a_closed_reducer_are_refused() -> None:
     def body(world: ad.World) -> None:
-        hier = HierarchicalAllReduce(world, nodes=[0, 0, 1, 1])
+        hier = HierarchicalAllReduce(world, nodes=[0, 0, 1, 1], min_bytes=0)
         read_only = np.ones(4)
         read_only.flags.writeable = False
         with pytest.raises(InvalidBufferError, match="HierarchicalAllReduce: the array is "
