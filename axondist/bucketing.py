@@ -24,6 +24,7 @@ scaling be one operation when a gradient must be copied into its bucket.
 from __future__ import annotations
 
 import enum
+from collections import deque
 from collections.abc import Callable, Sequence
 from math import prod
 from typing import Any, Protocol
@@ -32,7 +33,7 @@ import numpy as np
 
 from . import _array
 from ._validate import check_real_gradient
-from .backends.base import Backend, CompletedWork, Work
+from .backends.base import Backend, CompletedWork, PersistentAllReduce, Work
 from .comm import all_reduce
 from .ops import ReduceOp
 from .parameter import Parameter
@@ -146,7 +147,9 @@ class GradientBucket:
             self.dtype = np.dtype(like.dtype) if like is not None else np.dtype(np.float32)
         source = self._like if self._like is not None else like
         xp = _array.namespace(source) if source is not None else np
+        # Written once here, so no step pays the page faults of fresh memory.
         self.buffer = xp.empty(self.capacity, dtype=self.dtype)
+        self.buffer[...] = 0
 
     def reserve(self, shape: Sequence[int], *, like: Any = None) -> Any:
         """Claim room for an array of ``shape``; return its (uninitialized) view, or None
@@ -338,7 +341,8 @@ class _Slot:
 
 
 class _BucketState:
-    __slots__ = ("bucket", "flat", "indices", "launched", "pending", "work")
+    __slots__ = ("bucket", "factor", "flat", "indices", "launched", "pending", "persistent",
+                 "work")
 
     def __init__(self, bucket: GradientBucket, indices: list[int]) -> None:
         self.bucket, self.indices = bucket, indices
@@ -348,6 +352,10 @@ class _BucketState:
         self.pending = len(indices)
         self.work: Work | None = None
         self.launched = False
+        #: the bucket's persistent all-reduce (OVERLAPPED, default hook), made once per group
+        self.persistent: PersistentAllReduce | None = None
+        #: the weight still to apply to the whole bucket, piece by piece, before it starts
+        self.factor = 1.0
 
 
 def _describe_item(item: Any) -> tuple[tuple[int, ...], np.dtype, Any]:
@@ -420,6 +428,15 @@ class GradientSynchronizer:
         self._num_samples: float | None = None
         self._next_launch = 0
         self._oldest_in_flight = 0
+        #: persistent pieces waiting to start, in the one order every rank starts them
+        self._queue: deque[tuple[_BucketState, int]] = deque()
+        #: started pieces, oldest first (at most PIPELINE_WINDOW)
+        self._in_flight: deque[Work] = deque()
+        self._persistent_owner: Backend | None = None
+
+    #: Pieces of persistent all-reduces in flight at once. Each piece is weighted just
+    #: before it starts; with few in flight MPI copies it while it is still in cache.
+    PIPELINE_WINDOW = 2
 
     # --- layout ----------------------------------------------------------------------------
     def _caps(self, dtype: np.dtype) -> tuple[int, int]:
@@ -449,6 +466,7 @@ class GradientSynchronizer:
             The buckets, in communication order, as lists of gradient indices.
         """
         self._wait_pending()
+        self._free_persistent()
         items = [_describe_item(x) for x in shapes_or_params]
         by_dtype: dict[np.dtype, list[int]] = {}
         for i in reversed(range(len(items))):
@@ -515,6 +533,8 @@ class GradientSynchronizer:
         self._next_launch = 0
         self._oldest_in_flight = 0
         self._group = resolve_group(group if group is not None else self.group)
+        if self._persistent_path():
+            self._make_persistent()
         self._count_work = None
         self._num_samples = None
         if num_samples is not None:
@@ -567,7 +587,7 @@ class GradientSynchronizer:
         if self.strategy is GradSyncStrategy.OVERLAPPED:
             if state.pending == 0:
                 self._launch_ready()
-            self._progress()
+            self._progress(slot.view.size)
 
     def _weight(self) -> float:
         """This rank's weight; waits for the sample total the first time it is needed."""
@@ -594,6 +614,11 @@ class GradientSynchronizer:
                 for i in unweighted:
                     view = self.slots[i].view
                     xp.multiply(view, factor, out=view, casting="unsafe")
+        state.launched = True
+        if async_op and state.persistent is not None:
+            state.factor, state.work = whole, None
+            self._queue.extend((state, k) for k in range(len(state.persistent.bounds)))
+            return
         fused = self._fused_backend(data, async_op)
         if fused is not None:
             fused.scaled_sum_blocking(data, whole)
@@ -603,7 +628,6 @@ class GradientSynchronizer:
                 _array.namespace(data).multiply(data, whole, out=data, casting="unsafe")
             work = self.hook(data, self._group, async_op)  # type: ignore[arg-type]
             state.work = work if isinstance(work, Work) else None
-        state.launched = True
 
     def _fused_backend(self, data: Any, async_op: bool) -> Backend | None:
         """The backend when it can weight and sum this bucket in one call
@@ -613,13 +637,56 @@ class GradientSynchronizer:
             return None
         return self._group.backend_for("GradientSynchronizer")  # type: ignore[union-attr]
 
-    def _progress(self) -> None:
-        """Test the oldest bucket in flight.
+    # --- persistent all-reduces (OVERLAPPED with the default hook) --------------------------
+    def _persistent_path(self) -> bool:
+        """Whether buckets go through persistent all-reduces (the same on every rank)."""
+        return self.strategy is GradSyncStrategy.OVERLAPPED and self.hook is sum_hook
 
-        MPI advances a non-blocking collective only inside MPI calls (unless
-        the library runs a progress thread); a test between two gradients
-        lets the all-reduces move on while the gradients are being computed.
+    def _make_persistent(self) -> None:
+        """Give every bucket its persistent all-reduce on this step's group (made on the
+        first step, again only when the group changes). Collective, in bucket order, at
+        the start of a step: the same point on every rank."""
+        backend = self._group.backend_for("GradientSynchronizer")  # type: ignore[union-attr]
+        if self.buckets and self._persistent_owner is backend:
+            return
+        self._free_persistent()
+        for state in self.buckets:
+            state.persistent = backend.persistent_all_reduce(state.flat, ReduceOp.SUM)
+        self._persistent_owner = backend
+
+    def _pump(self, pieces: int) -> None:
+        """Start the next ``pieces`` queued pieces, each weighted just before it starts;
+        with the window full, first wait for the oldest piece in flight. The count does
+        not depend on timing, so every rank starts the same pieces at the same calls."""
+        queue, in_flight = self._queue, self._in_flight
+        for _ in range(pieces):
+            if not queue:
+                return
+            if len(in_flight) >= self.PIPELINE_WINDOW:
+                in_flight.popleft().wait()
+            state, k = queue.popleft()
+            handle = state.persistent
+            if state.factor != 1.0:
+                piece = handle.piece(k)  # type: ignore[union-attr]
+                _array.namespace(piece).multiply(piece, state.factor, out=piece,
+                                                 casting="unsafe")
+            in_flight.append(handle.start(k))  # type: ignore[union-attr]
+
+    def _progress(self, added: int = 0) -> None:
+        """Move the all-reduces in flight on, after a gradient of ``added`` elements.
+
+        Persistent pieces: start about as many elements as the gradient had (at
+        least one piece), so communication keeps pace with the backward pass.
+        Otherwise test the oldest bucket in flight: MPI advances a non-blocking
+        collective only inside MPI calls (unless the library runs a progress
+        thread); a test between two gradients lets the all-reduces move on while
+        the gradients are being computed.
         """
+        if self._queue:
+            state, k = self._queue[0]
+            lo, hi = state.persistent.bounds[k]  # type: ignore[union-attr]
+            self._pump(max(1, added // max(1, hi - lo)))
+            return
         while self._oldest_in_flight < self._next_launch:
             work = self.buckets[self._oldest_in_flight].work
             if work is not None and not work.is_completed():
@@ -652,6 +719,7 @@ class GradientSynchronizer:
                 for state in self.buckets[self._next_launch:]:
                     self._launch(state, async_op=overlapped)
                 self._next_launch = len(self.buckets)
+                self._pump(len(self._queue))
         finally:
             self._wait_pending()
             self._active = False
@@ -676,7 +744,14 @@ class GradientSynchronizer:
         return [i for i, s in enumerate(self.slots) if not s.ready]
 
     def _wait_pending(self) -> None:
+        """Wait for every all-reduce in flight; pieces not started yet are dropped."""
         first_error: BaseException | None = None
+        self._queue.clear()
+        while self._in_flight:
+            try:
+                self._in_flight.popleft().wait()
+            except BaseException as exc:  # noqa: BLE001 - wait for the rest, then raise
+                first_error = first_error or exc
         for state in self.buckets:
             work, state.work = state.work, None
             if work is not None:
@@ -699,6 +774,32 @@ class GradientSynchronizer:
         for s in self.slots:
             s.ready = False
         self._active = False
+
+    def close(self) -> None:
+        """Wait for what is in flight and free the persistent all-reduces (under MPI their
+        requests, which otherwise keep the group's communicator alive); idempotent.
+
+        Every rank calls it. A later step makes new ones.
+        """
+        self._wait_pending()
+        self._active = False
+        self._free_persistent()
+
+    @property
+    def persistent(self) -> list[PersistentAllReduce]:
+        """The buckets' persistent all-reduces, in bucket order (empty until the first
+        OVERLAPPED step with the default hook, and after :meth:`close`)."""
+        return [s.persistent for s in self.buckets if s.persistent is not None]
+
+    def _free_persistent(self) -> None:
+        """Free the buckets' persistent all-reduces (each waits for its pieces in flight)."""
+        self._queue.clear()
+        self._in_flight.clear()
+        for state in self.buckets:
+            handle, state.persistent = state.persistent, None
+            if handle is not None:
+                handle.free()
+        self._persistent_owner = None
 
     def __repr__(self) -> str:
         sizes = ", ".join(str(s.bucket.capacity) for s in self.buckets)

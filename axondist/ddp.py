@@ -638,6 +638,15 @@ class DistributedDataParallel:
                 self.add_gradient(i, grads[i])
         return loss
 
+    def close(self) -> None:
+        """Release what gradient synchronization holds on the group: under MPI, the
+        persistent all-reduce requests of OVERLAPPED buckets (they keep the group's
+        communicator alive). Idempotent; every rank calls it, before destroying the
+        group. The wrapper stays usable: a later step sets them up again.
+        """
+        self._in_step = False
+        self.synchronizer.close()
+
     def _abandon(self) -> None:
         """Leave a failed step: wait for what is in flight, close the step."""
         self._in_step = False

@@ -14,10 +14,11 @@ import abc
 import concurrent.futures
 import math
 import os
+import time
 from collections.abc import Callable, Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeAlias
 
-from .._array import namespace
+from .._array import describe, namespace
 from ..errors import CollectiveMismatchError, CollectiveTimeoutError
 from ..ops import ReduceOp
 from .recorder import FlightRecorder
@@ -177,6 +178,146 @@ class ThenWork(Work):
         return self._done or self._inner.is_completed()
 
 
+class PolledWork(Work):
+    """A Work completed by polling: ``test()`` says, without blocking, whether the
+    operation finished; ``block()`` waits for it.
+
+    ``wait(timeout)`` polls until the deadline (sleeps growing to 1 ms);
+    ``finish`` runs once after completion. With ``record=(recorder, group,
+    seq)`` each wait is recorded in that flight recorder as call ``seq`` of
+    ``group``, so the watchdog sees which call a waiting rank is in.
+    """
+
+    __slots__ = ("_test", "_block", "_result", "what", "_finish", "_record", "_done")
+
+    def __init__(self, test: Callable[[], bool], block: Callable[[], Any], result: Any = None,
+                 what: str = "the operation", finish: Callable[[], None] | None = None,
+                 record: tuple[FlightRecorder, str, int] | None = None) -> None:
+        self._test, self._block, self._result, self.what = test, block, result, what
+        self._finish, self._record, self._done = finish, record, False
+
+    def wait(self, timeout: float | None = None) -> Any:
+        """Wait for the operation (at most ``timeout`` seconds); the result.
+
+        Raises:
+            CollectiveTimeoutError: ``timeout`` passed first (the operation keeps
+                running: call ``wait`` again).
+        """
+        if self._done:
+            return self._result
+        slot = None
+        if self._record is not None:
+            recorder, group, seq = self._record
+            slot = recorder.begin(group, seq, f"wait {self.what}", None)
+        try:
+            if timeout is None:
+                self._block()
+            else:
+                deadline, pause = time.monotonic() + timeout, 1e-5
+                while not self._test():
+                    if time.monotonic() >= deadline:
+                        raise CollectiveTimeoutError(
+                            f"Work.wait: {self.what} did not complete within timeout="
+                            f"{timeout:g} s; it is still running (call wait() again, or check "
+                            "that every rank started it)")
+                    time.sleep(pause)
+                    pause = min(pause * 2, 1e-3)
+        finally:
+            if slot is not None:
+                self._record[0].end(slot)  # type: ignore[index]
+        self._complete()
+        return self._result
+
+    def is_completed(self) -> bool:
+        """Test without blocking; runs ``finish`` when the operation just completed."""
+        if not self._done and self._test():
+            self._complete()
+        return self._done
+
+    def _complete(self) -> None:
+        if not self._done:
+            self._done = True
+            if self._finish is not None:
+                self._finish()
+
+
+class PersistentAllReduce:
+    """An in-place all-reduce of one buffer, set up once and started again every step.
+
+    The buffer is cut into pieces (``bounds``: ``[lo, hi)`` ranges of its flat
+    view, chosen by the backend, the same on every rank); :meth:`start` starts
+    one piece's reduction and returns its Work. Every rank must start the
+    pieces in the same order, interleaved in the same way with its other
+    collectives on the group, and may change a piece's values only until it
+    starts it (so a caller can weight each piece just before it leaves, while
+    the piece is in cache). Made by :meth:`Backend.persistent_all_reduce`.
+
+    Args:
+        buf: the contiguous buffer reduced in place.
+        bounds: the pieces as element ranges of ``buf.reshape(-1)``, in start order.
+        start: ``start(k)`` starts piece ``k`` and returns its Work.
+        free: releases what the backend set up (None: nothing to release).
+    """
+
+    __slots__ = ("buf", "bounds", "_start", "_free", "_works")
+
+    def __init__(self, buf: Any, bounds: Sequence[tuple[int, int]],
+                 start: Callable[[int], Work], free: Callable[[], None] | None = None) -> None:
+        self.buf = buf
+        self.bounds = [(int(lo), int(hi)) for lo, hi in bounds]
+        self._start: Callable[[int], Work] | None = start
+        self._free = free
+        self._works: list[Work | None] = [None] * len(self.bounds)
+
+    @property
+    def freed(self) -> bool:
+        """True once :meth:`free` ran: the handle cannot start anything any more."""
+        return self._start is None
+
+    def piece(self, k: int) -> Any:
+        """Piece ``k`` as a view of the buffer (flat)."""
+        lo, hi = self.bounds[k]
+        return self.buf.reshape(-1)[lo:hi]
+
+    def start(self, k: int) -> Work:
+        """Start piece ``k``'s reduction; its Work's ``wait()`` returns once it is done.
+
+        Raises:
+            RuntimeError: the handle was freed, or piece ``k``'s previous start
+                has not completed yet (wait for its Work first).
+        """
+        if self._start is None:
+            raise RuntimeError("PersistentAllReduce.start: the handle was freed (its DDP or "
+                               "synchronizer was closed); make a new one")
+        previous = self._works[k]
+        if previous is not None and not previous.is_completed():
+            raise RuntimeError(f"PersistentAllReduce.start: piece {k} is still being reduced; "
+                               "wait() for its Work before starting it again")
+        work = self._works[k] = self._start(k)
+        return work
+
+    def free(self) -> None:
+        """Wait for the pieces still in flight, then release the backend's resources.
+
+        Idempotent; every rank calls it (a piece in flight completes only once
+        every rank started it).
+        """
+        if self._start is None:
+            return
+        self._start = None
+        works, self._works = self._works, []
+        for work in works:
+            if work is not None:
+                work.wait()
+        free, self._free = self._free, None
+        if free is not None:
+            free()
+
+    def __repr__(self) -> str:
+        state = "freed" if self.freed else f"{len(self.bounds)} pieces"
+        return f"PersistentAllReduce({describe(self.buf)}, {state})"
+
+
 class Backend(abc.ABC):
     """One rank's endpoint in one communicator.
 
@@ -197,6 +338,10 @@ class Backend(abc.ABC):
     #: True when collectives accept host (NumPy) buffers: callers may exchange
     #: small metadata arrays on it (NCCL takes device memory only).
     host_collectives: ClassVar[bool] = True
+    #: The handle :meth:`persistent_all_reduce` returns (an alias backends build theirs from).
+    Persistent: TypeAlias = PersistentAllReduce
+    #: The Work of a request completed by polling (an alias for the same reason).
+    Polled: TypeAlias = PolledWork
 
     # --- collectives on buffers -------------------------------------------------
     @abc.abstractmethod
@@ -316,6 +461,25 @@ class Backend(abc.ABC):
         self.all_reduce(buf, ReduceOp.SUM,
                         signature=(("dtype", buf.dtype), ("shape", buf.shape),
                                    ("weighted", True))).wait()
+
+    def persistent_all_reduce(self, buf: Any,
+                              op: ReduceOp = ReduceOp.SUM) -> PersistentAllReduce:
+        """Set up the in-place all-reduce of ``buf`` for many starts (see
+        :class:`PersistentAllReduce`); collective: every rank calls it, in the same order.
+
+        The default has one piece, started as an ordinary non-blocking
+        :meth:`all_reduce` each time, with its usual checks. The MPI backend
+        overrides it with MPI-4 persistent collectives (``Allreduce_init``), set
+        up and checked across ranks once, in pieces a caller can weight just
+        before they leave.
+        """
+        signature: Signature = ((("dtype", buf.dtype), ("shape", buf.shape))
+                                if self.needs_signature else ())
+
+        def start(_: int) -> Work:
+            return self.all_reduce(buf, op, signature=signature, async_op=True)
+
+        return PersistentAllReduce(buf, [(0, int(buf.size))], start)
 
     # --- point to point -----------------------------------------------------------
     @abc.abstractmethod
