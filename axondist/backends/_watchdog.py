@@ -291,6 +291,9 @@ class Watchdog:
         if gone:
             return (f"ranks {gone} are gone: their diagnostics port refuses connections, so "
                     "their processes ended (killed, or exited)")
+        differ = self._different_calls(call, statuses)
+        if differ:
+            return differ
         cycle = []
         for r, status in statuses.items():
             if not isinstance(status, dict) or self._present(call, status):
@@ -306,6 +309,41 @@ class Watchdog:
                     "collectives on the same groups in the same order, and each receive needs "
                     "a matching send")
         return None
+
+    def _different_calls(self, call: dict[str, Any], statuses: dict[int, Any]) -> str | None:
+        """Text naming the ranks whose call of the same number differs from this rank's
+        (the check cannot see a blocking call meet a non-blocking one: MPI never
+        matches them, so both wait), or None."""
+        if "peer" in call:
+            return None
+        group, seq = call["group"], call["seq"]
+
+        def issued(entries: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
+            return next((e for e in entries if e["group"] == group and e["seq"] == seq
+                         and not e["op"].startswith("wait ")), None)
+
+        mine = issued(self.recorder.entries(32))
+        if mine is None:
+            return None
+        calls = {self.recorder.rank: mine}
+        for r, status in statuses.items():
+            if isinstance(status, dict):
+                theirs = issued(list(status.get("recent", [])) + list(status.get("running", [])))
+                if theirs is not None:
+                    calls[r] = theirs
+
+        def what(e: dict[str, Any]) -> tuple[Any, ...]:
+            return (e["op"], e.get("detail"), bool(e["blocking"]))
+
+        if len({what(e) for e in calls.values()}) < 2:
+            return None
+        described = "; ".join(f"rank {r}: {e['op']} ({e.get('detail') or 'no arguments'}, "
+                              f"{'blocking' if e['blocking'] else 'async_op=True'})"
+                              for r, e in sorted(calls.items()))
+        return (f"ranks called different collectives as call #{seq} on {group}: {described}. "
+                "Every rank must make the same call with the same arguments, and pass the "
+                "same async_op: MPI never matches a non-blocking collective with a blocking "
+                "one")
 
     def _present(self, call: dict[str, Any], status: dict[str, Any]) -> bool:
         if "peer" in call:
