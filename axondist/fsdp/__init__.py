@@ -9,6 +9,7 @@ reports per-rank memory.
 Checkpoints live in :mod:`axondist.checkpoint`.
 """
 
+from ._gather import GatherHandle
 from .api import FSDP, FullyShardedDataParallel
 from .memory import FSDPMemoryStats
 from .policies import (
@@ -27,6 +28,7 @@ __all__ = [
     "FSDP",
     "FSDPMemoryStats",
     "FlatUnit",
+    "GatherHandle",
     "FullyShardedDataParallel",
     "MixedPrecision",
     "ShardingSpec",

@@ -12,29 +12,25 @@ is described in docs/guide.md (FSDP).
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .. import _array, comm
 from .._step import GradFn, check_grad_fn, check_optimizer, loss_and_gradients, split_grad_fn
-from ..backends.base import CompletedWork, Work
-from ..bucketing import check_real_gradient
 from ..checkpoint import CheckpointReader, ShardedState, param_names
-from ..errors import CheckpointError
-from ..ops import ReduceOp
 from ..parameter import Parameter, parameters_of
 from ..process_group import ProcessGroup, resolve_group
-from . import clip as _clip
 from . import layers as _layers
 from . import state_dict as _state_dict
+from ._gather import _Unit
+from ._gradients import GradientSync
 from ._groups import check_same_model, sharding_groups
 from .layers import LayerPlan
-from .memory import Footprint, FSDPMemoryStats, HeldBytes, OptimizerModel, owner, unit_footprint
-from .policies import CPUOffload, MixedPrecision, ShardingSpec, ShardingStrategy
+from .memory import Footprint, FSDPMemoryStats, HeldBytes, OptimizerModel, unit_footprint
+from .policies import CPUOffload, MixedPrecision, ShardingStrategy
 from .sharding import DEFAULT_UNIT_BYTES, FlatUnit, plan_units, unit_indices
 
 if TYPE_CHECKING:
@@ -43,48 +39,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("axondist.fsdp")
 
 
-class _Unit:
-    """Runtime state of one unit: its shard Parameter and what is gathered."""
-
-    __slots__ = ("flat", "shard", "full", "accum", "pending")
-
-    def __init__(self, flat: FlatUnit, shard: Parameter) -> None:
-        self.flat = flat
-        self.shard = shard
-        self.full: Any = None  # the gathered padded flat buffer (compute dtype) or None
-        self.accum: Any = None  # no_sync: summed unreduced gradients (master dtype, numel)
-        self.pending: GatherHandle | None = None  # an all-gather started, not yet waited for
-
-
-class GatherHandle:
-    """An all-gather of one or more units in flight (``gather_parameters(async_op=True)``).
-
-    :meth:`wait` completes it and installs the full parameters in the model;
-    until then the units count as not gathered. Waiting twice is harmless,
-    and resharding or gathering a unit again first finishes its pending
-    gather, so every rank still makes the same collectives.
-    """
-
-    __slots__ = ("_owner", "_parts")
-
-    def __init__(self, owner: FullyShardedDataParallel, parts: list[tuple[_Unit, Any]]) -> None:
-        self._owner = owner
-        self._parts = parts  # (unit, the Work whose result is its full buffer); emptied by wait()
-
-    def wait(self) -> None:
-        """Finish the all-gathers and point the model's Parameters at the full buffers."""
-        parts, self._parts = self._parts, []
-        for st, work in parts:
-            if st.pending is self:
-                st.pending = None
-                self._owner._install(st, work.wait())
-
-    def is_completed(self) -> bool:
-        """True once :meth:`wait` ran (the parameters are then in the model)."""
-        return not self._parts
-
-
-class FullyShardedDataParallel:
+class FullyShardedDataParallel(GradientSync):
     """Shard a model's parameters, gradients and optimizer state over a group.
 
     Args:
@@ -242,26 +197,12 @@ class FullyShardedDataParallel:
 
     # --- construction ---------------------------------------------------------------
 
-    @property
-    def spec(self) -> ShardingSpec:
-        """What the strategy shards and over which ranks (``sharding_strategy.spec``)."""
-        return self.sharding_strategy.spec
-
     def _unit_plan(self, units: Sequence[Sequence[Any]] | None,
                    unit_size_mb: float) -> list[list[int]]:
         if units is None and callable(getattr(self.module, "units", None)):
             units = unit_indices(self.module.units(), self._params)
         return plan_units([p.size for p in self._params], [p.dtype for p in self._params],
                           units, int(unit_size_mb * 2**20))
-
-    @property
-    def _shards(self) -> int:
-        return self.shard_group.world_size if self.shard_group is not None else 1
-
-    @property
-    def shard_rank(self) -> int:
-        """This rank's index in its shard group (0 when units are not split)."""
-        return self.shard_group.rank if self.shard_group is not None else 0
 
     def _build_units(self, plan: list[list[int]], sync_states: bool) -> list[_Unit]:
         out = []
@@ -288,24 +229,6 @@ class FullyShardedDataParallel:
             return
         for b in parameters_of(list(model.buffers())):
             b.data = b.data.astype(dtype)
-
-    # --- where arrays live --------------------------------------------------------------
-
-    def _to_rest(self, x: Any) -> Any:
-        """Where shards rest: host memory under CPU offload, else where computed."""
-        return _array.to_host(x) if self.cpu_offload.offloads_shards else x
-
-    def _to_compute(self, x: Any) -> Any:
-        """On the compute device (a copy only when ``x`` rests on the host of a GPU run)."""
-        if self._on_device and not _array.is_cupy(x):
-            return _array.to_device(x)
-        return x
-
-    def _compute_dtype(self, flat: FlatUnit) -> np.dtype:
-        return self.mixed_precision.compute_dtype(flat.dtype)
-
-    def _placeholder(self, flat: FlatUnit) -> Any:
-        return self._xp.empty(0, dtype=self._compute_dtype(flat))
 
     # --- introspection --------------------------------------------------------------------
 
@@ -361,305 +284,6 @@ class FullyShardedDataParallel:
             ValueError: ``unit`` is not a unit index.
         """
         return self._to_compute(self._select(unit, "communication_shard")[0].shard.data)
-
-    def _select(self, unit: int | None, where: str) -> list[_Unit]:
-        if self._closed:
-            raise RuntimeError(f"{where}: this FullyShardedDataParallel is closed (close() "
-                               "destroyed the groups it created); wrap the model again")
-        if unit is None:
-            return self._units
-        if not isinstance(unit, (int, np.integer)) or not 0 <= unit < len(self._units):
-            raise ValueError(f"{where}: unit={unit!r} is not a unit index "
-                             f"(0..{len(self._units) - 1})")
-        return [self._units[unit]]
-
-    # --- gather / reshard -------------------------------------------------------------------
-
-    def gather_parameters(self, unit: int | None = None, *,
-                          async_op: bool = False) -> GatherHandle | None:
-        """All-gather full parameters of ``unit`` (every unit when None) into the model.
-
-        Each model ``Parameter.data`` becomes a view of the unit's gathered
-        flat buffer, in the compute dtype (``MixedPrecision.param_dtype`` or
-        the master dtype). Always communicates, so it also refreshes values
-        that an optimizer step made stale (SHARD_GRAD_OP, NO_SHARD). With
-        ``async_op`` the all-gathers are only started (the shards are read
-        now): compute on other units meanwhile, then ``handle.wait()``; this
-        is how :meth:`from_layers` prefetches the next unit.
-
-        Args:
-            unit: one unit's index, or None for every unit.
-            async_op: return a :class:`GatherHandle` instead of waiting.
-
-        Returns:
-            The handle with ``async_op``, else None.
-
-        Raises:
-            ValueError: ``unit`` is not a unit index.
-        """
-        units = self._select(unit, "gather_parameters")
-        for st in units:
-            self._finish_pending(st)
-        handle = GatherHandle(self, [(st, self._start_gather(st)) for st in units])
-        for st in units:
-            st.pending = handle
-        if async_op:
-            return handle
-        handle.wait()
-        return None
-
-    def _start_gather(self, st: _Unit) -> Work:
-        """Start ``st``'s all-gather; the Work's result is the full padded buffer."""
-        flat = st.flat
-        src = self._to_compute(st.shard.data)
-        cdt = self._compute_dtype(flat)
-        if src.dtype != cdt:
-            src = src.astype(cdt)
-        if self.shard_group is None:
-            return CompletedWork(src)  # one shard is the whole flat (may alias the master)
-        sizes = [flat.shard_size] * self._shards  # equal shards: no size exchange
-        return comm.all_gather(src, self.shard_group, sizes=sizes, async_op=True)
-
-    def _install(self, st: _Unit, full: Any) -> None:
-        st.full = full
-        for i, view in zip(st.flat.param_indices, st.flat.layout.views(full[:st.flat.numel])):
-            self._params[i].data = view
-
-    def _finish_pending(self, st: _Unit) -> None:
-        if st.pending is not None:
-            st.pending.wait()
-
-    def reshard_parameters(self, unit: int | None = None) -> None:
-        """Release the full parameters of ``unit`` (every unit when None).
-
-        FULL_SHARD and HYBRID_SHARD drop the gathered buffer and set each
-        model ``Parameter.data`` to a 0-size placeholder (shape ``(0,)``).
-        SHARD_GRAD_OP and NO_SHARD keep the full parameters resident (they
-        become stale after an optimizer step until the next gather).
-        """
-        if not self.spec.parameters:
-            self._select(unit, "reshard_parameters")  # still check the argument
-            return
-        for st in self._select(unit, "reshard_parameters"):
-            self._release(st)
-
-    def release_parameters(self, unit: int | None = None) -> None:
-        """Drop the full parameters of ``unit`` (every unit when None), whatever the strategy.
-
-        Unlike :meth:`reshard_parameters` this also releases what SHARD_GRAD_OP,
-        SHARD_OPTIMIZER and NO_SHARD keep, e.g. after the shards were
-        overwritten by a load; call :meth:`gather_parameters` before the next
-        forward.
-        """
-        for st in self._select(unit, "release_parameters"):
-            self._release(st)
-
-    def _release(self, st: _Unit) -> None:
-        self._finish_pending(st)  # every rank started it: finish it before dropping it
-        st.full = None
-        for i in st.flat.param_indices:
-            self._params[i].data = self._placeholder(st.flat)
-
-    @contextlib.contextmanager
-    def summon_full_params(self, unit: int | None = None) -> Iterator[list[Parameter]]:
-        """Gather full parameters for the block; reshard when it ends, also on an exception.
-
-        Yields the model's Parameters (full arrays inside the block). The
-        strategy decides what "reshard" keeps, as in :meth:`reshard_parameters`.
-
-        Args:
-            unit: one unit's index, or None for every unit.
-
-        Raises:
-            ValueError: ``unit`` is not a unit index.
-        """
-        self.gather_parameters(unit)
-        try:
-            yield self.full_parameters()
-        finally:
-            self.reshard_parameters(unit)
-
-    def is_gathered(self, unit: int) -> bool:
-        """True while ``unit``'s full parameters are held (not while only being gathered)."""
-        return self._select(unit, "is_gathered")[0].full is not None
-
-    def is_gathering(self, unit: int) -> bool:
-        """True while an all-gather of ``unit`` started with ``async_op=True`` is not waited for
-        (its full buffer is already allocated)."""
-        return self._select(unit, "is_gathering")[0].pending is not None
-
-    # --- gradients ----------------------------------------------------------------------------
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Accumulate gradients locally, without communicating, until the block ends.
-
-        Inside the block :meth:`sync_gradients` adds each unit's full
-        gradients into a full-size, unsharded accumulation buffer (in the
-        master dtype) and clears ``.grad``: no reduce-scatter, but a full
-        gradient copy per unit stays in memory. The first ``sync_gradients``
-        after the block reduces the buffer together with the gradients then
-        set. Without ``no_sync``, every sync reduce-scatters and adds into the
-        shard gradient, so accumulation keeps only sharded gradients.
-        """
-        self._no_sync_depth += 1
-        try:
-            yield
-        finally:
-            self._no_sync_depth -= 1
-
-    def _flat_grads(self, st: _Unit, where: str) -> list[Any] | None:
-        grads = [self._params[i].grad for i in st.flat.param_indices]
-        if all(g is None for g in grads):
-            return None
-        for i, g in zip(st.flat.param_indices, grads):
-            if g is not None:
-                check_real_gradient(g, where, i, self._names[i])
-            if g is not None and tuple(g.shape) != self._shapes[i]:
-                raise ValueError(f"{where}: parameter {self._names[i]!r} has shape "
-                                 f"{self._shapes[i]} but its .grad has shape {tuple(g.shape)}")
-        return grads
-
-    def sync_gradients(self, unit: int | None = None) -> None:
-        """Reduce the model's full gradients into the shard gradients (averaged over ranks).
-
-        For each selected unit whose parameters have a ``.grad`` (a missing
-        one counts as zeros; a unit with none is skipped, so every rank must
-        set gradients for the same units): flatten in the reduce dtype,
-        reduce-scatter (FULL_SHARD, SHARD_GRAD_OP), all-reduce (NO_SHARD), or
-        both (HYBRID_SHARD: within the node, then across nodes), cast to the
-        master dtype and ADD into ``shard.grad`` (set when None). The full
-        gradients are then dropped (``.grad = None``). Inside :meth:`no_sync`
-        no communication happens (see there).
-        """
-        for st in self._select(unit, "sync_gradients"):
-            grads = self._flat_grads(st, "sync_gradients")
-            if self._no_sync_depth:
-                if grads is not None:
-                    self._accumulate_locally(st, grads)
-            elif grads is not None or st.accum is not None:
-                self._reduce_unit(st, grads)
-            for i in st.flat.param_indices:
-                self._params[i].grad = None
-
-    def _accumulate_locally(self, st: _Unit, grads: list[Any]) -> None:
-        flat = st.flat
-        if st.accum is None:
-            xp = np if (self.cpu_offload.offloads_accumulation or not self._on_device) else self._xp
-            st.accum = xp.zeros(flat.numel, dtype=flat.dtype)
-        on_host = not _array.is_cupy(st.accum)
-        for view, g in zip(flat.layout.views(st.accum), grads):
-            if g is not None:
-                view += _array.to_host(g) if on_host else self._to_compute(g)
-
-    def _reduce_unit(self, st: _Unit, grads: list[Any] | None) -> None:
-        flat = st.flat
-        rdt = self.mixed_precision.communication_dtype(flat.dtype)
-        buf = self._xp.empty(flat.padded_numel, dtype=rdt)
-        buf[flat.numel:] = 0  # padding
-        for k, view in enumerate(flat.layout.views(buf[:flat.numel])):
-            g = grads[k] if grads is not None else None
-            view[...] = 0 if g is None else g
-        if st.accum is not None:
-            buf[:flat.numel] += self._to_compute(st.accum).astype(rdt)
-            st.accum = None
-        keep_full = self.shard_group is not None and not self.spec.gradients
-        if self.shard_group is None:
-            part = buf
-        elif keep_full:
-            part = comm.all_reduce(buf, ReduceOp.AVERAGE, self.shard_group)
-        else:
-            part = comm.reduce_scatter(buf, ReduceOp.AVERAGE, self.shard_group)
-        del buf
-        if self.replica_group is not None:
-            comm.all_reduce(part, ReduceOp.AVERAGE, self.replica_group)
-        if keep_full:
-            self._keep_full_gradient(st, part)
-            return
-        part = self._to_rest(part.astype(flat.dtype, copy=part.dtype != flat.dtype))
-        if st.shard.grad is None:
-            st.shard.grad = part
-        else:
-            st.shard.grad += part
-
-    def _keep_full_gradient(self, st: _Unit, full: Any) -> None:
-        """Unsharded gradients (SHARD_OPTIMIZER): keep the full average, hand the shard a view.
-
-        The shard gradient is a view of the full padded average in the master
-        dtype, so accumulating into it (or clipping it) acts on the full
-        buffer it keeps alive; dropping it (``zero_grad``) frees that buffer.
-        """
-        flat = st.flat
-        full = self._to_rest(full.astype(flat.dtype, copy=full.dtype != flat.dtype))
-        lo, hi = flat.shard_bounds(self.shard_rank)
-        held = st.shard.grad
-        base = owner(held) if held is not None else None
-        if held is None:
-            st.shard.grad = full[lo:hi]
-        elif base is not held and getattr(base, "size", -1) == flat.padded_numel:
-            base += full
-        else:  # the user replaced the view: accumulate into the shard only
-            held += full[lo:hi]
-
-    def zero_grad(self) -> None:
-        """Drop shard gradients, the model's full gradients and no_sync buffers."""
-        for st in self._units:
-            st.shard.grad = None
-            st.accum = None
-        for p in self._params:
-            p.grad = None
-
-    def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0,
-                       error_if_nonfinite: bool = False) -> float:
-        """Scale the shard gradients so their global norm is at most ``max_norm``.
-
-        The norm is that of the whole model's averaged gradient, padding
-        excluded: each shard group rank's local sum of ``|g|**p`` is summed
-        over the shard group (the node under HYBRID_SHARD; replicas hold the
-        same values), and under NO_SHARD the local norm is the global one.
-        When the norm exceeds ``max_norm`` every shard gradient is multiplied
-        by ``max_norm / (norm + 1e-6)``. Non-finite values behave as in
-        ``torch.nn.utils.clip_grad_norm_``: a NaN anywhere makes the norm NaN
-        and every gradient NaN; an inf makes the norm inf and scales by 0.
-        Call it after :meth:`sync_gradients`.
-
-        Args:
-            max_norm: the largest norm allowed.
-            norm_type: p (> 0) or ``math.inf``.
-            error_if_nonfinite: raise instead of scaling by a NaN or inf norm.
-
-        Returns:
-            The norm before clipping (the same float on every rank).
-
-        Raises:
-            RuntimeError: gradients are still pending in a no_sync buffer, or the
-                norm is not finite and ``error_if_nonfinite`` is set (on every rank;
-                a :class:`~axondist.errors.NonFiniteNormError`).
-            TypeError: ``max_norm`` is not a number.
-            ValueError: ``max_norm`` is not > 0, or ``norm_type`` is not > 0 or inf.
-        """
-        limit = _clip.check_max_norm(max_norm, "FullyShardedDataParallel.clip_grad_norm")
-        p = _clip.check_norm_type(norm_type, "clip_grad_norm")
-        if any(st.accum is not None for st in self._units):
-            raise RuntimeError("clip_grad_norm: gradients accumulated under no_sync() are not "
-                               "reduced yet; call sync_gradients() outside no_sync() first")
-        pieces, grads = [], []
-        for st in self._units:
-            g = st.shard.grad
-            if g is None:
-                continue
-            start, _ = st.flat.shard_bounds(self.shard_rank)
-            lo, hi = st.flat.valid_bounds(self.shard_rank)
-            pieces.append(g[lo - start:hi - start])
-            grads.append(g)
-        xp = _array.namespace(*grads) if grads else self._xp
-        total = _clip.global_norm(pieces, p, self.shard_group, xp)
-        if error_if_nonfinite:
-            _clip.check_finite(total, p, "clip_grad_norm")
-        coef = _clip.clip_coefficient(total, limit)
-        if coef is not None:
-            _clip.scale(grads, coef)
-        return total
 
     # --- one-call training ------------------------------------------------------------------
 
@@ -918,19 +542,7 @@ class FullyShardedDataParallel:
         each node already holds a whole copy). For rank 0 only, use
         :meth:`full_state_dict`.
         """
-        out: dict[str, Any] = {}
-        for u, st in enumerate(self._units):
-            flat = st.flat
-            shard = self.communication_shard(u)
-            if self.shard_group is not None:
-                full = comm.all_gather(shard, self.shard_group,
-                                       sizes=[flat.shard_size] * self._shards)
-            else:
-                full = shard
-            full = _array.to_host(full[:flat.numel])
-            for i, view in zip(flat.param_indices, flat.layout.views(full)):
-                out[self._names[i]] = view.copy()
-        return {name: out[name] for name in self._names}
+        return _state_dict.gathered_state_dict(self)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Take this rank's shards from ``{name: full array}`` (every rank passes the same).
@@ -943,24 +555,7 @@ class FullyShardedDataParallel:
             TypeError: ``state`` is not a mapping.
             ValueError: a name missing or unknown, or an array of another shape.
         """
-        where = "FullyShardedDataParallel.load_state_dict"
-        if not isinstance(state, Mapping):
-            raise TypeError(f"{where}: state must be a dict {{name: array}} such as "
-                            f"state_dict() returns, got {type(state).__name__}")
-        missing = [n for n in self._names if n not in state]
-        unknown = [k for k in state if k not in self._names]
-        if missing or unknown:
-            raise ValueError(f"{where}: the state's names differ from the model's: missing "
-                             f"{missing[:5]}, unexpected {unknown[:5]}; load a state_dict() of "
-                             "the same model")
-        for name, shape in zip(self._names, self._shapes):
-            got = tuple(np.shape(state[name]))
-            if got != shape:  # checked here: a rank only reads the parameters in its shards
-                raise ValueError(f"{where}: {name!r} has shape {got}, the parameter has {shape}")
-        try:
-            _state_dict.load_full_state_dict(self, dict(state))
-        except CheckpointError as exc:
-            raise ValueError(f"{where}: {exc}") from None
+        _state_dict.load_state_dict(self, state, "FullyShardedDataParallel.load_state_dict")
 
     def load_full_state_dict(self, state: dict[str, Any]) -> None:
         """Take this rank's shards from a full ``{name: array}`` state (every rank passes it).

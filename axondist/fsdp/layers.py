@@ -20,7 +20,8 @@ from .._array import as_array
 from ..parameter import Parameter
 
 if TYPE_CHECKING:
-    from .api import FullyShardedDataParallel, GatherHandle
+    from ._gather import GatherHandle
+    from .api import FullyShardedDataParallel
 
 
 @dataclass(frozen=True)

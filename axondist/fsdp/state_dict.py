@@ -9,7 +9,7 @@ cut into the shard whatever the world size or unit layout that produced it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import numpy as np
@@ -86,6 +86,48 @@ def full_state_dict(f: ShardedModule) -> dict[str, Any] | None:
             for i, view in zip(flat.param_indices, flat.layout.views(host)):
                 out[names[i]] = view.copy()
     return out
+
+
+def gathered_state_dict(f: ShardedModule) -> dict[str, Any]:
+    """See :meth:`FullyShardedDataParallel.state_dict` (every rank gets every array)."""
+    names = f.parameter_names()
+    out: dict[str, Any] = {}
+    for u, flat in enumerate(f.units):
+        full = f.communication_shard(u)
+        if f.shard_group is not None:
+            full = comm.all_gather(full, f.shard_group,
+                                   sizes=[flat.shard_size] * f.shard_group.world_size)
+        full = _array.to_host(full[:flat.numel])
+        for i, view in zip(flat.param_indices, flat.layout.views(full)):
+            out[names[i]] = view.copy()
+    return {name: out[name] for name in names}
+
+
+def load_state_dict(f: ShardedModule, state: Mapping[str, Any], where: str) -> None:
+    """See :meth:`FullyShardedDataParallel.load_state_dict`; ``where`` names it in errors.
+
+    Raises:
+        TypeError: ``state`` is not a mapping.
+        ValueError: a name missing or unknown, or an array of another shape.
+    """
+    if not isinstance(state, Mapping):
+        raise TypeError(f"{where}: state must be a dict {{name: array}} such as "
+                        f"state_dict() returns, got {type(state).__name__}")
+    names = f.parameter_names()
+    missing = [n for n in names if n not in state]
+    unknown = [k for k in state if k not in names]
+    if missing or unknown:
+        raise ValueError(f"{where}: the state's names differ from the model's: missing "
+                         f"{missing[:5]}, unexpected {unknown[:5]}; load a state_dict() of "
+                         "the same model")
+    for name, shape in zip(names, f.param_shapes):
+        got = tuple(np.shape(state[name]))
+        if got != shape:  # checked here: a rank only reads the parameters in its shards
+            raise ValueError(f"{where}: {name!r} has shape {got}, the parameter has {shape}")
+    try:
+        load_full_state_dict(f, dict(state))
+    except CheckpointError as exc:
+        raise ValueError(f"{where}: {exc}") from None
 
 
 def fill_shard(f: ShardedModule, flat: FlatUnit, target: Any,

@@ -1,0 +1,204 @@
+"""FSDP's gradient calls: reduce full gradients into shard gradients, accumulate, clip.
+
+:class:`GradientSync` adds them to :class:`~axondist.fsdp._gather.UnitState`;
+:class:`~axondist.fsdp.FullyShardedDataParallel` inherits both. What each
+strategy does with a unit's gradients (reduce-scatter, all-reduce, both) is
+read from its :class:`~axondist.fsdp.ShardingSpec`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from .. import _array, comm
+from ..bucketing import check_real_gradient
+from ..ops import ReduceOp
+from . import clip as _clip
+from ._gather import UnitState, _Unit
+from .memory import owner
+
+
+class GradientSync(UnitState):
+    """Gradient reduction, no_sync accumulation, zero_grad and clipping over the units."""
+
+    _names: list[str]
+    _shapes: list[tuple[int, ...]]
+    _no_sync_depth: int
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally, without communicating, until the block ends.
+
+        Inside the block :meth:`sync_gradients` adds each unit's full
+        gradients into a full-size, unsharded accumulation buffer (in the
+        master dtype) and clears ``.grad``: no reduce-scatter, but a full
+        gradient copy per unit stays in memory. The first ``sync_gradients``
+        after the block reduces the buffer together with the gradients then
+        set. Without ``no_sync``, every sync reduce-scatters and adds into the
+        shard gradient, so accumulation keeps only sharded gradients.
+        """
+        self._no_sync_depth += 1
+        try:
+            yield
+        finally:
+            self._no_sync_depth -= 1
+
+    def _flat_grads(self, st: _Unit, where: str) -> list[Any] | None:
+        grads = [self._params[i].grad for i in st.flat.param_indices]
+        if all(g is None for g in grads):
+            return None
+        for i, g in zip(st.flat.param_indices, grads):
+            if g is not None:
+                check_real_gradient(g, where, i, self._names[i])
+            if g is not None and tuple(g.shape) != self._shapes[i]:
+                raise ValueError(f"{where}: parameter {self._names[i]!r} has shape "
+                                 f"{self._shapes[i]} but its .grad has shape {tuple(g.shape)}")
+        return grads
+
+    def sync_gradients(self, unit: int | None = None) -> None:
+        """Reduce the model's full gradients into the shard gradients (averaged over ranks).
+
+        For each selected unit whose parameters have a ``.grad`` (a missing
+        one counts as zeros; a unit with none is skipped, so every rank must
+        set gradients for the same units): flatten in the reduce dtype,
+        reduce-scatter (FULL_SHARD, SHARD_GRAD_OP), all-reduce (NO_SHARD), or
+        both (HYBRID_SHARD: within the node, then across nodes), cast to the
+        master dtype and ADD into ``shard.grad`` (set when None). The full
+        gradients are then dropped (``.grad = None``). Inside :meth:`no_sync`
+        no communication happens (see there).
+        """
+        for st in self._select(unit, "sync_gradients"):
+            grads = self._flat_grads(st, "sync_gradients")
+            if self._no_sync_depth:
+                if grads is not None:
+                    self._accumulate_locally(st, grads)
+            elif grads is not None or st.accum is not None:
+                self._reduce_unit(st, grads)
+            for i in st.flat.param_indices:
+                self._params[i].grad = None
+
+    def _accumulate_locally(self, st: _Unit, grads: list[Any]) -> None:
+        flat = st.flat
+        if st.accum is None:
+            xp = np if (self.cpu_offload.offloads_accumulation or not self._on_device) else self._xp
+            st.accum = xp.zeros(flat.numel, dtype=flat.dtype)
+        on_host = not _array.is_cupy(st.accum)
+        for view, g in zip(flat.layout.views(st.accum), grads):
+            if g is not None:
+                view += _array.to_host(g) if on_host else self._to_compute(g)
+
+    def _reduce_unit(self, st: _Unit, grads: list[Any] | None) -> None:
+        flat = st.flat
+        rdt = self.mixed_precision.communication_dtype(flat.dtype)
+        buf = self._xp.empty(flat.padded_numel, dtype=rdt)
+        buf[flat.numel:] = 0  # padding
+        for k, view in enumerate(flat.layout.views(buf[:flat.numel])):
+            g = grads[k] if grads is not None else None
+            view[...] = 0 if g is None else g
+        if st.accum is not None:
+            buf[:flat.numel] += self._to_compute(st.accum).astype(rdt)
+            st.accum = None
+        keep_full = self.shard_group is not None and not self.spec.gradients
+        if self.shard_group is None:
+            part = buf
+        elif keep_full:
+            part = comm.all_reduce(buf, ReduceOp.AVERAGE, self.shard_group)
+        else:
+            part = comm.reduce_scatter(buf, ReduceOp.AVERAGE, self.shard_group)
+        del buf
+        if self.replica_group is not None:
+            comm.all_reduce(part, ReduceOp.AVERAGE, self.replica_group)
+        if keep_full:
+            self._keep_full_gradient(st, part)
+            return
+        part = self._to_rest(part.astype(flat.dtype, copy=part.dtype != flat.dtype))
+        if st.shard.grad is None:
+            st.shard.grad = part
+        else:
+            st.shard.grad += part
+
+    def _keep_full_gradient(self, st: _Unit, full: Any) -> None:
+        """Unsharded gradients (SHARD_OPTIMIZER): keep the full average, hand the shard a view.
+
+        The shard gradient is a view of the full padded average in the master
+        dtype, so accumulating into it (or clipping it) acts on the full
+        buffer it keeps alive; dropping it (``zero_grad``) frees that buffer.
+        """
+        flat = st.flat
+        full = self._to_rest(full.astype(flat.dtype, copy=full.dtype != flat.dtype))
+        lo, hi = flat.shard_bounds(self.shard_rank)
+        held = st.shard.grad
+        base = owner(held) if held is not None else None
+        if held is None:
+            st.shard.grad = full[lo:hi]
+        elif base is not held and getattr(base, "size", -1) == flat.padded_numel:
+            base += full
+        else:  # the user replaced the view: accumulate into the shard only
+            held += full[lo:hi]
+
+    def zero_grad(self) -> None:
+        """Drop shard gradients, the model's full gradients and no_sync buffers."""
+        for st in self._units:
+            st.shard.grad = None
+            st.accum = None
+        for p in self._params:
+            p.grad = None
+
+    def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0,
+                       error_if_nonfinite: bool = False) -> float:
+        """Scale the shard gradients so their global norm is at most ``max_norm``.
+
+        The norm is that of the whole model's averaged gradient, padding
+        excluded: each shard group rank's local sum of ``|g|**p`` is summed
+        over the shard group (the node under HYBRID_SHARD; replicas hold the
+        same values), and under NO_SHARD the local norm is the global one.
+        When the norm exceeds ``max_norm`` every shard gradient is multiplied
+        by ``max_norm / (norm + 1e-6)``. Non-finite values behave as in
+        ``torch.nn.utils.clip_grad_norm_``: a NaN anywhere makes the norm NaN
+        and every gradient NaN; an inf makes the norm inf and scales by 0.
+        Call it after :meth:`sync_gradients`.
+
+        Args:
+            max_norm: the largest norm allowed.
+            norm_type: p (> 0) or ``math.inf``.
+            error_if_nonfinite: raise instead of scaling by a NaN or inf norm.
+
+        Returns:
+            The norm before clipping (the same float on every rank).
+
+        Raises:
+            RuntimeError: gradients are still pending in a no_sync buffer, or the
+                norm is not finite and ``error_if_nonfinite`` is set (on every rank;
+                a :class:`~axondist.errors.NonFiniteNormError`).
+            TypeError: ``max_norm`` is not a number.
+            ValueError: ``max_norm`` is not > 0, or ``norm_type`` is not > 0 or inf.
+        """
+        limit = _clip.check_max_norm(max_norm, "FullyShardedDataParallel.clip_grad_norm")
+        p = _clip.check_norm_type(norm_type, "clip_grad_norm")
+        if any(st.accum is not None for st in self._units):
+            raise RuntimeError("clip_grad_norm: gradients accumulated under no_sync() are not "
+                               "reduced yet; call sync_gradients() outside no_sync() first")
+        pieces, grads = [], []
+        for st in self._units:
+            g = st.shard.grad
+            if g is None:
+                continue
+            start, _ = st.flat.shard_bounds(self.shard_rank)
+            lo, hi = st.flat.valid_bounds(self.shard_rank)
+            pieces.append(g[lo - start:hi - start])
+            grads.append(g)
+        xp = _array.namespace(*grads) if grads else self._xp
+        total = _clip.global_norm(pieces, p, self.shard_group, xp)
+        if error_if_nonfinite:
+            _clip.check_finite(total, p, "clip_grad_norm")
+        coef = _clip.clip_coefficient(total, limit)
+        if coef is not None:
+            _clip.scale(grads, coef)
+        return total
+
+
+__all__ = ["GradientSync"]
