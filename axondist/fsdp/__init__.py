@@ -9,7 +9,6 @@ reports per-rank memory.
 Checkpoints live in :mod:`axondist.checkpoint`.
 """
 
-from ._gather import GatherHandle
 from .api import FSDP, FullyShardedDataParallel
 from .memory import FSDPMemoryStats
 from .policies import (
@@ -28,7 +27,6 @@ __all__ = [
     "FSDP",
     "FSDPMemoryStats",
     "FlatUnit",
-    "GatherHandle",
     "FullyShardedDataParallel",
     "MixedPrecision",
     "ShardingSpec",

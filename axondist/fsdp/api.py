@@ -23,12 +23,12 @@ from .._step import GradFn, check_grad_fn, check_optimizer, loss_and_gradients, 
 from ..checkpoint import CheckpointReader, ShardedState, param_names
 from ..parameter import Parameter, parameters_of
 from ..process_group import ProcessGroup, resolve_group
-from . import layers as _layers
+from . import _layers
 from . import state_dict as _state_dict
 from ._gather import _Unit
 from ._gradients import GradientSync
 from ._groups import check_same_model, sharding_groups
-from .layers import LayerPlan
+from ._layers import LayerPlan
 from .memory import Footprint, FSDPMemoryStats, HeldBytes, OptimizerModel, unit_footprint
 from .policies import CPUOffload, MixedPrecision, ShardingStrategy
 from .sharding import DEFAULT_UNIT_BYTES, FlatUnit, plan_units, unit_indices
@@ -119,7 +119,7 @@ class FullyShardedDataParallel(GradientSync):
         self._shapes = [p.shape for p in self._params]
         self._no_sync_depth = 0
         self._optimizer: Any = None
-        self._layers: LayerPlan | None = None  # set by from_layers
+        self._layer_plan: LayerPlan | None = None  # set by from_layers
         self._loss_fn: Any = None
         self.prefetch = True
         self.reshard_after_forward = True
@@ -191,7 +191,7 @@ class FullyShardedDataParallel(GradientSync):
         plan, params, units = LayerPlan.of(layers, where)
         fsdp = cls(params, group, units=units, **kwargs)
         fsdp.module = list(plan.layers)
-        fsdp._layers, fsdp._loss_fn = plan, loss_fn
+        fsdp._layer_plan, fsdp._loss_fn = plan, loss_fn
         fsdp.prefetch, fsdp.reshard_after_forward = prefetch, reshard_after_forward
         return fsdp
 
@@ -288,9 +288,11 @@ class FullyShardedDataParallel(GradientSync):
     # --- one-call training ------------------------------------------------------------------
 
     def backward(self, *batch: Any) -> Any:
-        """Gather all units, compute gradients, reshard, sync; return the loss.
+        """Compute gradients and reduce them into the shard gradients; return the loss.
 
-        ``grad_fn(param_arrays, *batch)`` (the constructor's) gets the full
+        On a wrapper made by :meth:`from_layers`, ``backward(x, target)`` walks
+        the layers, one unit gathered at a time (the next one prefetched); see
+        there. Otherwise ``grad_fn(param_arrays, *batch)`` (the constructor's) gets the full
         parameter arrays in model order and returns ``(loss, grads)``, one
         gradient per parameter (None for none), or is a generator of
         ``(index, grad)`` pairs returning the loss, as under DDP. A callable
@@ -298,25 +300,28 @@ class FullyShardedDataParallel(GradientSync):
         *batch)``. All units are gathered at once (peak memory: the whole
         model's full parameters, once); gradients are then reduce-scattered
         unit by unit, each unit's full gradients dropped as soon as they are
-        reduced. For unit-at-a-time peak memory drive
-        ``gather_parameters(u)`` / ``sync_gradients(u)`` /
-        ``reshard_parameters(u)`` yourself. Inside :meth:`no_sync` the sync
-        only accumulates locally.
+        reduced: it moves the parameters twice per step where the layered
+        step moves them three times, and holds the whole model where that one
+        holds one or two units. Inside :meth:`no_sync` the sync only
+        accumulates locally.
 
         Args:
-            *batch: passed to ``grad_fn`` after the parameter arrays.
+            *batch: passed to ``grad_fn`` after the parameter arrays; under
+                :meth:`from_layers`, ``x`` and (optionally) ``target``.
 
         Returns:
-            The loss ``grad_fn`` reported (this rank's).
+            The loss ``grad_fn`` (or ``loss_fn``) reported (this rank's).
 
         Raises:
             TypeError: no ``grad_fn``, or it returned something else than
-                ``(loss, grads)`` or a generator.
+                ``(loss, grads)`` or a generator; a layered wrapper given more
+                than ``(x, target)``, or a ``loss_fn`` result that is not a pair.
             ValueError: a wrong number of gradients, or one of the wrong shape.
+            RuntimeError: the wrapper is closed.
             UnsupportedDTypeError: a complex gradient.
         """
         where = "FullyShardedDataParallel.backward"
-        if self._layers is not None and not (batch and callable(batch[0])
+        if self._layer_plan is not None and not (batch and callable(batch[0])
                                              and not hasattr(batch[0], "shape")):
             return self._layered_backward(batch, where)
         grad_fn, batch = split_grad_fn(self.grad_fn, batch, where)
@@ -335,7 +340,7 @@ class FullyShardedDataParallel(GradientSync):
         return loss
 
     def _layered_backward(self, batch: tuple[Any, ...], where: str) -> Any:
-        plan = self._layers
+        plan = self._layer_plan
         assert plan is not None
         if len(batch) not in (1, 2):
             raise TypeError(f"{where}: a wrapper made by from_layers takes backward(x, target) "
@@ -365,11 +370,11 @@ class FullyShardedDataParallel(GradientSync):
             RuntimeError: the wrapper was not made by :meth:`from_layers`.
         """
         where = "FullyShardedDataParallel.forward"
-        if self._layers is None:
+        if self._layer_plan is None:
             raise RuntimeError(f"{where}: only a wrapper made by from_layers(...) knows its "
                                "layers; otherwise gather_parameters() and run the model yourself")
         self._select(None, where)
-        y, _ = _layers.forward(self, self._layers, x, prefetch=self.prefetch,
+        y, _ = _layers.forward(self, self._layer_plan, x, prefetch=self.prefetch,
                                reshard_after_forward=True, keep=False, where=where)
         return y
 
@@ -379,10 +384,13 @@ class FullyShardedDataParallel(GradientSync):
 
         Shard gradients accumulated by earlier :meth:`backward` calls are
         included, and are cleared after the step. The older call shape
-        ``step(grad_fn, *batch, optimizer=opt)`` works too.
+        ``step(grad_fn, *batch, optimizer=opt)`` works too. On a wrapper made
+        by :meth:`from_layers`, ``step(x, target, optimizer=opt)`` holds one
+        layer's unit at a time (plus the prefetched next one).
 
         Args:
-            *batch: passed to ``grad_fn`` (a callable first overrides it).
+            *batch: passed to ``grad_fn`` (a callable first overrides it), or
+                ``x, target`` under :meth:`from_layers`.
             optimizer: an optimizer built on :meth:`parameters` (the shards).
             max_norm: clip to this global norm first (:meth:`clip_grad_norm`).
 

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 import axondist as ad
 from axondist.fsdp import FSDP, MixedPrecision, ShardingStrategy
-from axondist.fsdp.layers import LayerPlan
+from axondist.fsdp._layers import LayerPlan
 from axondist.optim import SGD, Adam
 from axondist.pipeline import PipelineStage
 
