@@ -1,11 +1,15 @@
 """An in-process world: N ranks on N threads of one process, deterministic.
 
-Each collective is a round: every rank deposits its buffers, the last to
-arrive checks that all ranks agree on the arguments, and each rank computes
-its share of the result in rank order (the same bits on every run). A call
-whose peers do not come warns after the stall time, naming them and their
-last calls, and fails at the world's timeout; a peer that left or failed, or
-a cycle of receives, fails it at once.
+Each collective is a round of its own, with its own lock: every rank deposits
+its buffers, and the last to arrive checks that all ranks agree on the
+arguments. A small round is then done whole by that rank, for every rank; a
+large one is split, each rank reducing or copying its own slice of every
+output in parallel (NumPy releases the GIL for the loops), and the round ends
+when every slice is done. Reductions combine in rank order, so every run gives
+the same bits. Messages wait in per-pair mailboxes. A call whose peers do not
+come warns after the stall time, naming them and their last calls, and fails at
+the world's timeout; a peer that left or failed, or a cycle of receives, fails
+it at once.
 """
 
 from __future__ import annotations
@@ -44,28 +48,100 @@ from .recorder import FlightRecorder, describe_call, describe_status
 #: before it is reported as a deadlock.
 _CYCLE_STILL = 1.0
 
-# Below this many elements one rank reduces everything: slicing costs more
-# than it saves.
-_PARALLEL_REDUCE_MIN = 1 << 20
+#: Bytes a round reads and writes, below which the last rank to arrive does all of it:
+#: waking the other ranks to help costs more than the work they would take.
+_SHARED_MIN_BYTES = 1 << 20
+
+#: Bytes of one buffer per part of a large all-reduce (parts are claimed one at a time,
+#: so a rank that wakes late finds less left to do).
+_PART_BYTES = 256 << 10
+
+# Stages of a round.
+_GATHERING, _SHARING, _DONE = range(3)
+
+Text = Callable[[], str]
+
+
+class _Signal:
+    """A lock with a wait/notify_all pair (what ``threading.Condition`` does, for a
+    fraction of its set-up cost: one is made per collective call)."""
+
+    __slots__ = ("_lock", "_sleepers")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._sleepers: list[Any] = []
+
+    def __enter__(self) -> _Signal:
+        self._lock.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
+
+    def wait(self, timeout: float) -> None:
+        """Release the lock (held by the caller), sleep until notified or ``timeout``
+        seconds passed, and take the lock again."""
+        sleeper = threading.Lock()
+        sleeper.acquire()
+        self._sleepers.append(sleeper)
+        self._lock.release()
+        try:
+            sleeper.acquire(True, max(timeout, 0.0))
+        finally:
+            self._lock.acquire()
+            if sleeper in self._sleepers:
+                self._sleepers.remove(sleeper)
+
+    def notify_all(self) -> None:
+        """Wake every thread sleeping in :meth:`wait` (call it holding the lock)."""
+        for sleeper in self._sleepers:
+            sleeper.release()
+        self._sleepers.clear()
 
 
 class _Round:
-    """One collective call, shared by the ranks of a group."""
+    """One collective call, shared by the ranks of a group; ``signal`` guards its fields.
 
-    __slots__ = ("op_name", "payloads", "signatures", "arrived", "departed", "error", "scratch")
+    Its work is split into ``parts`` (numbered from 0), which ranks claim one at a
+    time (``claimed``) until every part is ``finished``.
+    """
+
+    __slots__ = ("op_name", "payloads", "signatures", "arrived", "parts", "claimed",
+                 "finished", "stage", "error", "signal")
 
     def __init__(self, op_name: str, size: int) -> None:
         self.op_name = op_name
         self.payloads: list[Any] = [None] * size
         self.signatures: list[Signature | None] = [None] * size
         self.arrived = 0
-        self.departed = 0
+        self.parts = 0
+        self.claimed = 0
+        self.finished = 0
+        self.stage = _GATHERING
         self.error: BaseException | None = None
-        self.scratch: dict[str, Any] = {}
+        self.signal = _Signal()
+
+
+class _Mailbox:
+    """Messages from one rank to another with one tag, oldest first."""
+
+    __slots__ = ("items", "signal")
+
+    def __init__(self) -> None:
+        self.items: collections.deque[Any] = collections.deque()
+        self.signal = _Signal()
 
 
 class MockWorld:
-    """State shared by every rank of one in-process world."""
+    """State shared by every rank of one in-process world.
+
+    ``lock`` guards the tables (rounds, mailboxes, who left, who receives) and
+    is only held briefly; threads sleep on the signal of the round or mailbox
+    they wait for, and :meth:`abort` and :meth:`mark_left` wake every sleeper
+    through ``sleepers``. Lock order: a round's or mailbox's signal first, then
+    ``lock``.
+    """
 
     def __init__(self, world_size: int, timeout: float | None = None) -> None:
         if world_size < 1:
@@ -75,43 +151,58 @@ class MockWorld:
             timeout, "mock world")
         self.stall = stall_warning_after(self.timeout)
         self.recorders = [FlightRecorder(r, world_size, "in-process") for r in range(world_size)]
+        self.lock = threading.Lock()
         #: world rank -> why it left (its function returned, sys.exit, an error).
         self.left: dict[int, str] = {}
         #: world rank -> (its mailbox, the world rank it receives from) while it waits.
-        self.receiving: dict[int, tuple[collections.deque, int]] = {}
+        self.receiving: dict[int, tuple[_Mailbox, int]] = {}
         #: Counts posted messages and completed rounds: a receive cycle is a deadlock
         #: only when it holds while nothing moves anywhere in the world.
         self.progress = 0
-        self.cond = threading.Condition()
         self.rounds: dict[tuple[Any, int], _Round] = {}
-        self.mailboxes: dict[tuple[Any, int, int, int], collections.deque] = (
-            collections.defaultdict(collections.deque)
-        )
+        self.mailboxes: dict[tuple[Any, int, int, int], _Mailbox] = {}
+        #: The signals threads sleep on now, with how many sleep on each.
+        self.sleepers: collections.Counter[_Signal] = collections.Counter()
         self.abort_reason: str | None = None
+
+    def _wake_everyone(self) -> None:
+        with self.lock:
+            signals = list(self.sleepers)
+        for signal in signals:
+            with signal:
+                signal.notify_all()
 
     def abort(self, rank: int, exc: BaseException) -> None:
         """Mark the world failed and wake every waiting rank."""
-        with self.cond:
+        with self.lock:
             if self.abort_reason is None:
                 self.abort_reason = f"rank {rank} failed with {type(exc).__name__}: {exc}"
-            self.cond.notify_all()
+        self._wake_everyone()
 
     def mark_left(self, rank: int, why: str) -> None:
         """Record that ``rank`` will make no more calls, and wake the ranks waiting for it."""
-        with self.cond:
+        with self.lock:
             self.left[rank] = why
-            self.cond.notify_all()
+        self._wake_everyone()
+
+    def mailbox(self, key: tuple[Any, int, int, int]) -> _Mailbox:
+        """The mailbox of ``(group key, source, destination, tag)``, created when first used."""
+        with self.lock:
+            box = self.mailboxes.get(key)
+            if box is None:
+                box = self.mailboxes[key] = _Mailbox()
+            return box
 
     def unreceived(self) -> list[str]:
         """Messages sent but never received, as text (what a finished world should not hold)."""
-        with self.cond:
-            return [f"{len(box)} from rank {src} to rank {dst} (tag {tag}"
+        with self.lock:
+            return [f"{len(box.items)} from rank {src} to rank {dst} (tag {tag}"
                     + (f", group {key})" if key != ("world",) else ")")
-                    for (key, src, dst, tag), box in self.mailboxes.items() if box]
+                    for (key, src, dst, tag), box in self.mailboxes.items() if box.items]
 
-    def _check_abort(self, what: str) -> None:
+    def _check_abort(self, what: str | Text) -> None:
         if self.abort_reason is not None:
-            raise WorldAbortedError(f"{what} cancelled: {self.abort_reason}")
+            raise WorldAbortedError(f"{_text(what)} cancelled: {self.abort_reason}")
 
     def describe_rank(self, rank: int) -> str:
         """What ``rank`` is doing, from its flight recorder."""
@@ -122,16 +213,32 @@ class MockWorld:
         done = (f"after {describe_call(last)}" if last else "before making any call")
         return f"rank {rank} left {done}"
 
-    def wait_for(self, ready: Callable[[], bool], what: str,
-                 missing: Callable[[], str],
-                 waiting_for: Callable[[], list[int]] | None = None,
+    def wait_for(self, signal: _Signal, ready: Callable[[], bool], what: str | Text,
+                 missing: Text, waiting_for: Callable[[], list[int]] | None = None,
                  timeout: float | None = None) -> None:
-        """Wait (holding ``cond``) until ``ready()``.
+        """Wait (holding ``signal``, which whoever makes ``ready()`` true notifies) until
+        ``ready()``.
 
         ``waiting_for`` lists the world ranks the wait needs: one that left
         fails the wait at once, and the stall warning names each with its last
         calls. Abort, departure and timeout become errors.
         """
+        if ready():
+            return
+        with self.lock:
+            self.sleepers[signal] += 1
+        try:
+            self._sleep_until(signal, ready, what, missing, waiting_for, timeout)
+        finally:
+            with self.lock:
+                self.sleepers[signal] -= 1
+                if not self.sleepers[signal]:
+                    del self.sleepers[signal]
+
+    def _sleep_until(self, signal: _Signal, ready: Callable[[], bool],
+                     what: str | Text, missing: Text,
+                     waiting_for: Callable[[], list[int]] | None,
+                     timeout: float | None) -> None:
         start = time.monotonic()
         timeout = self.timeout if timeout is None else timeout
         deadline = start + timeout
@@ -142,22 +249,32 @@ class MockWorld:
             gone = [r for r in needed if r in self.left]
             if gone:
                 raise RankExitedError(
-                    f"{what}: " + "; ".join(f"{self.describe_rank(r)} ({self.left[r]})"
-                                            for r in gone)
+                    f"{_text(what)}: " + "; ".join(f"{self.describe_rank(r)} ({self.left[r]})"
+                                                   for r in gone)
                     + ": it will never join this call")
             now = time.monotonic()
             if now >= deadline:
                 detail = "".join(f"; {self.describe_rank(r)}" for r in needed)
                 raise CollectiveTimeoutError(
-                    f"{what}: {missing()} within {timeout:g} s{detail}; every rank of the "
-                    "group must make the same collective calls in the same order"
+                    f"{_text(what)}: {missing()} within {timeout:g} s{detail}; every rank of "
+                    "the group must make the same collective calls in the same order"
                 )
-            if now >= warn_at and needed:
-                warn(f"stall: {what} has waited {now - start:.1f} s (fails at {timeout:g} s); "
-                     f"missing ranks {needed}:\n"
-                     + "\n".join("  " + self.describe_rank(r) for r in needed), "[axondist] ")
+            if now >= warn_at:
+                if needed:
+                    warn(f"stall: {_text(what)} has waited {now - start:.1f} s (fails at "
+                         f"{timeout:g} s); missing ranks {needed}:\n"
+                         + "\n".join("  " + self.describe_rank(r) for r in needed),
+                         "[axondist] ")
                 warn_at = now + self.stall
-            self.cond.wait(min(deadline - now, warn_at - now, 1.0))
+            signal.wait(min(deadline - now, warn_at - now, 1.0))
+
+
+def _text(what: str | Text) -> str:
+    return what if isinstance(what, str) else what()
+
+
+Part = Callable[[_Round, int], None]
+Whole = Callable[[_Round], None]
 
 
 class MockBackend(Backend):
@@ -194,60 +311,118 @@ class MockBackend(Backend):
         return (f"{op_name} #{seq + 1} on {self.group_name} of ranks {list(self.global_ranks)} "
                 f"(rank {self.global_ranks[self.rank]})")
 
-    def _arrive(self, op_name: str, seq: int, payload: Any, signature: Signature,
-                timeout: float | None = None) -> _Round:
-        """Deposit this rank's payload and wait for every rank of the group."""
-        w, n = self.world, self.world_size
-        what = self._describe(op_name, seq)
-        with w.cond:
-            w._check_abort(what)
-            key = (self.group_key, seq)
+    def _join(self, op_name: str, seq: int, payload: Any, signature: Signature,
+              part: Part | None, whole: Whole | None, parts: int, work_bytes: int,
+              timeout: float | None) -> _Round:
+        """Deposit this rank's payload and take part in the round until it is done.
+
+        The last rank to arrive checks the signatures; then it does the whole
+        round itself (small) or opens its parts to every rank (large), and each
+        rank claims parts until none is left and waits for the last to finish.
+        """
+        w, n, me = self.world, self.world_size, self.rank
+        key = (self.group_key, seq)
+
+        def what() -> str:
+            return self._describe(op_name, seq)
+
+        w._check_abort(what)
+        with w.lock:
             rnd = w.rounds.get(key)
             if rnd is None:
                 rnd = w.rounds[key] = _Round(op_name, n)
-            rnd.payloads[self.rank] = payload
-            rnd.signatures[self.rank] = (("op", op_name),) + tuple(signature)
+        with rnd.signal:
+            rnd.payloads[me] = payload
+            rnd.signatures[me] = (("op", op_name),) + tuple(signature)
             rnd.arrived += 1
-            if rnd.arrived == n:
-                rnd.error = compare_signatures(op_name, rnd.signatures)
-                w.progress += 1
-                w.cond.notify_all()
-            else:
+            last = rnd.arrived == n
+            if not last:
                 def absent() -> list[int]:
                     return [self.global_ranks[r] for r in range(n) if rnd.signatures[r] is None]
 
-                def missing() -> str:
-                    return f"ranks {absent()} of {n} did not join"
-
                 try:
-                    w.wait_for(lambda: rnd.arrived == n, what, missing, absent, timeout)
+                    w.wait_for(rnd.signal, lambda: rnd.stage != _GATHERING, what,
+                               lambda: f"ranks {absent()} of {n} did not join", absent, timeout)
                 except BaseException:
-                    w.rounds.pop(key, None)
+                    with w.lock:
+                        if w.rounds.get(key) is rnd:
+                            del w.rounds[key]
                     raise
-            if rnd.error is not None:
-                self._leave(key, rnd)
-                raise rnd.error
+        if last:
+            self._start(key, rnd, part, whole, parts, work_bytes)
+        if rnd.stage == _SHARING:
+            assert part is not None  # only rounds with parts are shared
+            self._work(rnd, part, what)
+        if rnd.error is not None:
+            raise rnd.error
         return rnd
 
-    def _depart(self, seq: int, rnd: _Round, wait: bool) -> None:
-        """Leave the round; with ``wait``, only once every rank finished reading inputs."""
-        w, n = self.world, self.world_size
-        key = (self.group_key, seq)
-        with w.cond:
-            self._leave(key, rnd)
-            if wait and rnd.departed < n:
-                w.wait_for(lambda: rnd.departed >= n, self._describe(rnd.op_name, seq),
-                           lambda: "some ranks did not finish")
+    def _start(self, key: Any, rnd: _Round, part: Part | None, whole: Whole | None,
+               parts: int, work_bytes: int) -> None:
+        """What the last rank to arrive does: check the signatures, then do the whole round
+        (a small one) or open its parts to every rank (a large one), and wake the others."""
+        w = self.world
+        with w.lock:
+            del w.rounds[key]
+            w.progress += 1
+        error: BaseException | None = compare_signatures(rnd.op_name, rnd.signatures)
+        stage = _DONE
+        if error is None and part is not None:
+            if self.world_size > 1 and parts > 1 and work_bytes >= _SHARED_MIN_BYTES:
+                stage = _SHARING
+                rnd.parts = parts
+            else:
+                try:
+                    if whole is not None:
+                        whole(rnd)
+                    else:
+                        rnd.parts = parts
+                        for i in range(parts):
+                            part(rnd, i)
+                except BaseException as exc:
+                    error = exc
+        with rnd.signal:
+            rnd.error = error
+            rnd.stage = stage
+            rnd.signal.notify_all()
 
-    def _leave(self, key: Any, rnd: _Round) -> None:
-        rnd.departed += 1
-        if rnd.departed == self.world_size:
-            self.world.rounds.pop(key, None)
-        self.world.cond.notify_all()
+    def _work(self, rnd: _Round, part: Part, what: Text) -> None:
+        """Claim and do parts of a shared round until none is left; return once every part
+        is done (the first error of any part is the round's error)."""
+        signal = rnd.signal
+        while True:
+            with signal:
+                i = rnd.claimed
+                if i == rnd.parts:
+                    self.world.wait_for(signal, lambda: rnd.stage == _DONE, what,
+                                        lambda: "some ranks did not finish their part")
+                    return
+                rnd.claimed = i + 1
+            error: BaseException | None = None
+            try:
+                part(rnd, i)
+            except BaseException as exc:
+                error = exc
+            with signal:
+                if error is not None and rnd.error is None:
+                    rnd.error = error
+                rnd.finished += 1
+                if rnd.finished == rnd.parts:
+                    rnd.stage = _DONE
+                    signal.notify_all()
 
     def _run(self, op_name: str, payload: Any, signature: Signature,
-             compute: Callable[[_Round], Any], async_op: bool, wait_all: bool = True,
+             result: Callable[[_Round], Any], async_op: bool, part: Part | None = None,
+             parts: int = 0, whole: Whole | None = None, work_bytes: int = 0,
              timeout: float | None = None) -> Work:
+        """Run one collective round (see :meth:`_join`); each rank returns ``result(round)``.
+
+        ``part(round, i)`` does part ``i`` of ``parts`` of the round's outputs
+        (every rank's), from ``round.payloads`` (the ranks' payloads, in rank
+        order); any rank's thread may run it. ``whole(round)``, when given,
+        does every part at once. ``work_bytes`` (what the round reads and
+        writes) decides whether the ranks share the parts.
+        """
         seq = self._seq
         self._seq += 1
         recorder = self.recorder
@@ -255,14 +430,10 @@ class MockBackend(Backend):
         def execute() -> Any:
             slot = recorder.begin(self.group_name, seq + 1, op_name, signature)
             try:
-                rnd = self._arrive(op_name, seq, payload, signature, timeout)
-                try:
-                    result = compute(rnd)
-                finally:
-                    self._depart(seq, rnd, wait_all)
+                return result(self._join(op_name, seq, payload, signature, part, whole, parts,
+                                         work_bytes, timeout))
             finally:
                 recorder.end(slot)
-            return result
 
         if not async_op:
             return CompletedWork(execute())
@@ -277,140 +448,113 @@ class MockBackend(Backend):
                    async_op: bool = False) -> Work:
         """Reduce ``buf`` in place over the group, combining in rank order.
 
-        The result is built in rank 0's buffer and copied out, so every rank gets
-        the same bits on every run; from 2**20 elements on, each rank reduces one
-        slice in parallel.
+        Every element is the same rank-ordered combination on every run. The
+        result is built in rank 0's buffer and copied into the others'; a large
+        buffer part by part (slices of about 256 KiB), the ranks taking parts
+        in parallel.
         """
-        def compute(rnd: _Round) -> Any:
-            self._reduce_share(rnd, op, rnd.payloads, buf.size)
-            return buf
+        n = self.world_size
 
-        return self._run("all_reduce", buf, signature + (("reduce_op", op.name),),
-                         compute, async_op)
+        def part(rnd: _Round, i: int) -> None:
+            numel, m = rnd.payloads[0].size, rnd.parts
+            lo, hi = i * numel // m, (i + 1) * numel // m
+            _reduce_and_copy([f[lo:hi] for f in rnd.payloads], op)
 
-    def _reduce_share(self, rnd: _Round, op: ReduceOp, inputs: Sequence[Any], numel: int) -> None:
-        """This rank's part of an all-reduce, once every rank's input has arrived.
-
-        The result is accumulated in place in rank 0's buffer (so no temporary
-        is allocated), in rank order. Small buffers: the first rank here does
-        all of it under the lock. Large buffers: each rank reduces one slice in
-        parallel and a barrier waits for every slice. Then every other rank
-        copies rank 0's buffer; the departure barrier in :meth:`_run` keeps
-        rank 0 from returning (and reusing its buffer) before they are done.
-        """
-        n, r, w = self.world_size, self.rank, self.world
-        flats = [x.reshape(-1) for x in inputs]
-        if numel < _PARALLEL_REDUCE_MIN:
-            with w.cond:
-                if not rnd.scratch.get("reduced"):
-                    combine_into(flats[0], flats, op)
-                    rnd.scratch["reduced"] = True
-        else:
-            lo, hi = r * numel // n, (r + 1) * numel // n
-            if hi > lo:
-                combine_into(flats[0][lo:hi], [f[lo:hi] for f in flats], op)
-            with w.cond:
-                rnd.scratch["slices"] = rnd.scratch.get("slices", 0) + 1
-                w.cond.notify_all()
-                w.wait_for(lambda: rnd.scratch["slices"] >= n, f"{rnd.op_name} (reducing slices)",
-                           lambda: "some ranks did not finish reducing")
-        if r != 0:
-            flats[r][...] = flats[0]
+        parts = max(1, min(buf.nbytes // _PART_BYTES, 4 * n))
+        return self._run("all_reduce", buf.reshape(-1), signature + (("reduce_op", op.name),),
+                         lambda rnd: buf, async_op, part, parts,
+                         lambda rnd: _reduce_and_copy(rnd.payloads, op), 2 * n * buf.nbytes)
 
     def broadcast(self, buf: Any, root: int, *, signature: Signature = (),
                   async_op: bool = False) -> Work:
         """Copy ``root``'s ``buf`` into every other rank's ``buf`` (``root``'s is untouched)."""
         self._check_rank(root, "broadcast", "root")
 
-        def compute(rnd: _Round) -> Any:
-            if self.rank != root:
-                buf[...] = rnd.payloads[root]
-            return buf
+        def part(rnd: _Round, k: int) -> None:
+            if k != root:
+                rnd.payloads[k][...] = rnd.payloads[root]
 
-        return self._run("broadcast", buf, signature + (("root", root),), compute, async_op)
+        n = self.world_size
+        return self._run("broadcast", buf, signature + (("root", root),), lambda rnd: buf,
+                         async_op, part, n, work_bytes=2 * n * buf.nbytes)
 
     def all_gather(self, send: Any, recv: Any, counts: Sequence[int], *,
                    signature: Signature = (), async_op: bool = False) -> Work:
         """Write each rank's ``send`` (``counts[k]`` elements from rank k) into ``recv``."""
-        def compute(rnd: _Round) -> Any:
-            flat, off = recv.reshape(-1), 0
-            for k, c in enumerate(counts):
-                flat[off:off + c] = rnd.payloads[k].reshape(-1)
-                off += c
-            return recv
+        def part(rnd: _Round, k: int) -> None:
+            _concatenate(rnd.payloads[k][1], [p[0] for p in rnd.payloads], counts)
 
-        return self._run("all_gather", send, signature + (("counts", tuple(counts)),),
-                         compute, async_op)
+        n = self.world_size
+        return self._run("all_gather", (send, recv), signature + (("counts", tuple(counts)),),
+                         lambda rnd: recv, async_op, part, n, work_bytes=2 * n * recv.nbytes)
 
     def reduce_scatter(self, send: Any, recv: Any, counts: Sequence[int], op: ReduceOp, *,
                        signature: Signature = (), async_op: bool = False) -> Work:
         """Reduce the ranks' ``send``; ``recv`` gets this rank's block (``counts[rank]`` long)."""
-        def compute(rnd: _Round) -> Any:
-            lo = sum(counts[: self.rank])
-            hi = lo + counts[self.rank]
-            combine_into(recv.reshape(-1), [p.reshape(-1)[lo:hi] for p in rnd.payloads], op)
-            return recv
+        def part(rnd: _Round, k: int) -> None:
+            lo = sum(counts[:k])
+            hi = lo + counts[k]
+            combine_into(rnd.payloads[k][1].reshape(-1),
+                         [p[0].reshape(-1)[lo:hi] for p in rnd.payloads], op)
 
-        return self._run("reduce_scatter", send,
+        n = self.world_size
+        return self._run("reduce_scatter", (send, recv),
                          signature + (("counts", tuple(counts)), ("reduce_op", op.name)),
-                         compute, async_op)
+                         lambda rnd: recv, async_op, part, n, work_bytes=2 * n * send.nbytes)
 
     def gather(self, send: Any, recv: Any | None, counts: Sequence[int], root: int, *,
                signature: Signature = (), async_op: bool = False) -> Work:
         """Concatenate the ranks' ``send`` into ``root``'s ``recv``; other ranks' result is None."""
         self._check_rank(root, "gather", "root")
 
-        def compute(rnd: _Round) -> Any:
-            if self.rank != root:
-                return None
-            assert recv is not None  # the root always passes its receive buffer
-            flat, off = recv.reshape(-1), 0
-            for k, c in enumerate(counts):
-                flat[off:off + c] = rnd.payloads[k].reshape(-1)
-                off += c
-            return recv
+        def whole(rnd: _Round) -> None:
+            target = rnd.payloads[root][1]
+            assert target is not None  # the root always passes its receive buffer
+            _concatenate(target, [p[0] for p in rnd.payloads], counts)
 
-        return self._run("gather", send,
+        return self._run("gather", (send, recv),
                          signature + (("root", root), ("counts", tuple(counts))),
-                         compute, async_op)
+                         lambda rnd: recv if self.rank == root else None, async_op,
+                         lambda rnd, i: whole(rnd), 1, whole)
 
     def scatter(self, send: Any | None, recv: Any, counts: Sequence[int], root: int, *,
                 signature: Signature = (), async_op: bool = False) -> Work:
         """Copy this rank's block (``counts[rank]`` long) of ``root``'s ``send`` into ``recv``."""
         self._check_rank(root, "scatter", "root")
 
-        def compute(rnd: _Round) -> Any:
-            lo = sum(counts[: self.rank])
-            recv.reshape(-1)[...] = rnd.payloads[root].reshape(-1)[lo:lo + counts[self.rank]]
-            return recv
+        def part(rnd: _Round, k: int) -> None:
+            lo = sum(counts[:k])
+            rnd.payloads[k][1].reshape(-1)[...] = rnd.payloads[root][0].reshape(-1)[
+                lo:lo + counts[k]]
 
-        return self._run("scatter", send,
+        n = self.world_size
+        return self._run("scatter", (send, recv),
                          signature + (("root", root), ("counts", tuple(counts))),
-                         compute, async_op)
+                         lambda rnd: recv, async_op, part, n, work_bytes=2 * n * recv.nbytes)
 
     def barrier(self) -> None:
         """Return once every rank of the group has arrived (or fail after the world's timeout)."""
-        self._run("barrier", None, (), lambda rnd: None, False, wait_all=False)
+        self._run("barrier", None, (), _nothing, False)
 
     def monitored_barrier(self, timeout: float) -> None:
         """:meth:`barrier` failing after ``timeout`` seconds, naming the absent ranks."""
-        self._run("barrier", None, (), lambda rnd: None, False, wait_all=False, timeout=timeout)
+        self._run("barrier", None, (), _nothing, False, timeout=timeout)
 
     # --- objects -----------------------------------------------------------------------
     def allgather_object(self, obj: Any) -> list[Any]:
         """Every rank's ``obj`` (the objects themselves, not copies), in rank order."""
-        return self._run("allgather_object", obj, (),
-                         lambda rnd: list(rnd.payloads), False, wait_all=False).wait()
+        return self._run("allgather_object", obj, (), lambda rnd: list(rnd.payloads),
+                         False).wait()
 
     def broadcast_object(self, obj: Any, root: int) -> Any:
         """``root``'s ``obj`` on every rank (the same object, not a copy)."""
         self._check_rank(root, "broadcast_object", "root")
         return self._run("broadcast_object", obj, (("root", root),),
-                         lambda rnd: rnd.payloads[root], False, wait_all=False).wait()
+                         lambda rnd: rnd.payloads[root], False).wait()
 
     # --- point to point ----------------------------------------------------------------
-    def _mailbox(self, src: int, dst: int, tag: int) -> collections.deque:
-        return self.world.mailboxes[(self.group_key, src, dst, tag)]
+    def _mailbox(self, src: int, dst: int, tag: int) -> _Mailbox:
+        return self.world.mailbox((self.group_key, src, dst, tag))
 
     def send(self, buf: Any, dst: int, tag: int = 0) -> None:
         """Post a copy of ``buf`` to ``dst``'s mailbox and return at once (never blocks)."""
@@ -422,11 +566,14 @@ class MockBackend(Backend):
 
     def _post(self, item: Any, dst: int, tag: int, what: str) -> None:
         self._check_rank(dst, what, "dst")
-        with self.world.cond:
-            self.world._check_abort(what)
-            self._mailbox(self.rank, dst, tag).append(item)
-            self.world.progress += 1
-            self.world.cond.notify_all()
+        w = self.world
+        w._check_abort(what)
+        box = self._mailbox(self.rank, dst, tag)
+        with box.signal:
+            box.items.append(item)
+            with w.lock:
+                w.progress += 1
+            box.signal.notify_all()
 
     def _take(self, src: int, tag: int, what: str, pop: bool = True) -> Any:
         """The next message from ``src`` with ``tag`` (removed from the mailbox if ``pop``)."""
@@ -439,41 +586,47 @@ class MockBackend(Backend):
         seen: list[float] = []  # (progress, since) while a cycle is seen
 
         def ready() -> bool:
-            if box:
+            if box.items:
                 return True
-            if not self._receive_cycle(me, peer):
+            with w.lock:
+                cycle = self._receive_cycle(me, peer)
+                progress = w.progress
+            if not cycle:
                 seen.clear()
-            elif not seen or seen[0] != w.progress:
-                seen[:] = [w.progress, time.monotonic()]
+            elif not seen or seen[0] != progress:
+                seen[:] = [progress, time.monotonic()]
             elif time.monotonic() - seen[1] >= _CYCLE_STILL:
                 raise CollectiveTimeoutError(
                     f"{description}: deadlock: every rank in the cycle "
-                    + " -> ".join(f"rank {r}" for r in self._receive_cycle(me, peer))
+                    + " -> ".join(f"rank {r}" for r in cycle)
                     + " waits to receive from the next one and no message moved for "
                     f"{_CYCLE_STILL:g} s; make one side send first")
             return False
 
-        with w.cond:
-            if not box:
+        with box.signal:
+            if not box.items:
                 self._p2p_seq += 1
                 slot = self.recorder.begin(f"{self.group_name}:p2p", self._p2p_seq, what,
                                            (("peer", peer), ("tag", tag)))
-                w.receiving[me] = (box, peer)
+                with w.lock:
+                    w.receiving[me] = (box, peer)
                 try:
-                    w.wait_for(ready, description, lambda: f"rank {peer} sent nothing",
-                               lambda: [peer])
+                    w.wait_for(box.signal, ready, description,
+                               lambda: f"rank {peer} sent nothing", lambda: [peer])
                 finally:
-                    w.receiving.pop(me, None)
+                    with w.lock:
+                        w.receiving.pop(me, None)
                     self.recorder.end(slot)
-            return box.popleft() if pop else box[0]
+            return box.items.popleft() if pop else box.items[0]
 
     def _receive_cycle(self, me: int, peer: int) -> list[int]:
         """The ranks of a cycle of pending receives from this rank back to it (empty when
-        there is none). Alone it proves nothing: another thread of a rank may still send."""
+        there is none; call it holding the world's lock). Alone it proves nothing: another
+        thread of a rank may still send."""
         w, chain, at = self.world, [me], peer
         while at in w.receiving and at not in chain:
             mailbox, source = w.receiving[at]
-            if mailbox:
+            if mailbox.items:
                 return []  # its message is there: it is about to wake up
             chain.append(at)
             at = source
@@ -520,6 +673,7 @@ class MockBackend(Backend):
 
     def _check_rank(self, r: int, what: str, arg: str) -> None:
         as_rank(r, self.world_size, what, arg)
+
     def drain(self) -> None:
         """Wait until this rank's ``async_op`` calls finished (they may still fail)."""
         if self._executor is not None:
@@ -532,6 +686,25 @@ class MockBackend(Backend):
         if self._executor is not None:
             self._executor.shutdown(wait=False)
             self._executor = None
+
+
+def _nothing(rnd: _Round) -> None:
+    return None
+
+
+def _reduce_and_copy(parts: Sequence[Any], op: ReduceOp) -> None:
+    """Combine ``parts`` into ``parts[0]`` in rank order, then copy it into the others."""
+    combine_into(parts[0], parts, op)
+    for part in parts[1:]:
+        part[...] = parts[0]
+
+
+def _concatenate(recv: Any, sends: Sequence[Any], counts: Sequence[int]) -> None:
+    """Write ``sends`` (``counts[k]`` elements from the k-th) one after another into ``recv``."""
+    flat, off = recv.reshape(-1), 0
+    for send, c in zip(sends, counts):
+        flat[off:off + c] = send.reshape(-1)
+        off += c
 
 
 def _group_name(group_key: Any) -> str:
