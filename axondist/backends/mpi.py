@@ -619,7 +619,11 @@ class MPIBackend(Backend):
     def _reduce_scatter_now(self, send: Any, recv: Any, counts: list[int], op: ReduceOp) -> None:
         """The MPI call of a blocking reduce-scatter (``Reduce_scatter_block`` for equal
         counts: no counts array to build), then AVERAGE's scaling of this rank's block."""
-        s, r, mtype, mop, average = self._reduce_scatter_plan(send, recv, op)
+        plan = self._plans_by_name[op._name_].get(send.dtype)
+        if plan is not None and plan[0] is None and recv.dtype is send.dtype:
+            s, r, mtype, mop, average = send, recv, plan[1], plan[2], plan[3]  # no views
+        else:
+            s, r, mtype, mop, average = self._reduce_scatter_plan(send, recv, op)
         try:
             if counts.count(counts[0]) == len(counts):
                 self._comm.Reduce_scatter_block([s, mtype], [r, mtype], mop)
