@@ -437,6 +437,8 @@ class GradientSynchronizer:
     #: Pieces of persistent all-reduces in flight at once. Each piece is weighted just
     #: before it starts; with few in flight MPI copies it while it is still in cache.
     PIPELINE_WINDOW = 2
+    #: Largest piece of a persistent all-reduce in bytes (None: the backend's choice).
+    piece_bytes: int | None = None
 
     # --- layout ----------------------------------------------------------------------------
     def _caps(self, dtype: np.dtype) -> tuple[int, int]:
@@ -651,7 +653,8 @@ class GradientSynchronizer:
             return
         self._free_persistent()
         for state in self.buckets:
-            state.persistent = backend.persistent_all_reduce(state.flat, ReduceOp.SUM)
+            state.persistent = backend.persistent_all_reduce(state.flat, ReduceOp.SUM,
+                                                             piece_bytes=self.piece_bytes)
         self._persistent_owner = backend
 
     def _pump(self, pieces: int) -> None:

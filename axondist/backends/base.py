@@ -462,24 +462,34 @@ class Backend(abc.ABC):
                         signature=(("dtype", buf.dtype), ("shape", buf.shape),
                                    ("weighted", True))).wait()
 
-    def persistent_all_reduce(self, buf: Any,
-                              op: ReduceOp = ReduceOp.SUM) -> PersistentAllReduce:
+    def persistent_all_reduce(self, buf: Any, op: ReduceOp = ReduceOp.SUM, *,
+                              piece_bytes: int | None = None) -> PersistentAllReduce:
         """Set up the in-place all-reduce of ``buf`` for many starts (see
         :class:`PersistentAllReduce`); collective: every rank calls it, in the same order.
 
-        The default has one piece, started as an ordinary non-blocking
-        :meth:`all_reduce` each time, with its usual checks. The MPI backend
-        overrides it with MPI-4 persistent collectives (``Allreduce_init``), set
-        up and checked across ranks once, in pieces a caller can weight just
-        before they leave.
+        The default starts an ordinary non-blocking :meth:`all_reduce` of the
+        piece each time, with its usual checks; one piece unless
+        ``piece_bytes`` asks for more. The MPI backend overrides it with MPI-4
+        persistent collectives (``Allreduce_init``), set up and checked across
+        ranks once, in pieces (of 512 KiB unless ``piece_bytes`` says otherwise)
+        that a caller can weight just before they leave.
+
+        Args:
+            buf: contiguous buffer, reduced in place at every start.
+            op: the reduction.
+            piece_bytes: the largest piece in bytes (None: the backend's choice).
         """
-        signature: Signature = ((("dtype", buf.dtype), ("shape", buf.shape))
-                                if self.needs_signature else ())
+        flat = buf.reshape(-1)
+        bounds = _piece_bounds(int(flat.size), flat.dtype.itemsize, piece_bytes)
+        shapes = [(hi - lo,) for lo, hi in bounds]
 
-        def start(_: int) -> Work:
-            return self.all_reduce(buf, op, signature=signature, async_op=True)
+        def start(k: int) -> Work:
+            piece = flat[bounds[k][0]:bounds[k][1]]
+            signature: Signature = ((("dtype", piece.dtype), ("shape", shapes[k]))
+                                    if self.needs_signature else ())
+            return self.all_reduce(piece, op, signature=signature, async_op=True)
 
-        return PersistentAllReduce(buf, [(0, int(buf.size))], start)
+        return PersistentAllReduce(buf, bounds, start)
 
     # --- point to point -----------------------------------------------------------
     @abc.abstractmethod
@@ -521,6 +531,16 @@ class Backend(abc.ABC):
 
     def close(self) -> None:  # noqa: B027 - an optional hook: backends without resources keep it
         """Release resources (idempotent)."""
+
+
+def _piece_bounds(numel: int, itemsize: int, piece_bytes: int | None) -> list[tuple[int, int]]:
+    """``[lo, hi)`` ranges cutting ``numel`` elements into the fewest near-equal pieces of at
+    most ``piece_bytes`` (one piece when None; at least one element each)."""
+    if piece_bytes is None:
+        return [(0, numel)]
+    per = max(1, int(piece_bytes) // max(1, itemsize))
+    pieces = max(1, -(-numel // per))
+    return [(k * numel // pieces, (k + 1) * numel // pieces) for k in range(pieces)]
 
 
 def compare_signatures(op_name: str,
