@@ -11,8 +11,8 @@ that would wait more than ``backlog`` seconds for its cables is dropped, as a sw
 full queue drops. The timing rules are :class:`LinkSchedule`, a pure class the tests
 check without any network. Run as ``python relay.py --ports N ...``: it prints
 ``READY <tap names>`` once the taps exist, ``SIGUSR1`` switches the delay on and
-``SIGUSR2`` off (the benchmark pairs runs with and without it), and on ``SIGTERM`` it
-writes what it forwarded to ``--stats`` as JSON.
+``SIGUSR2`` off (the benchmark pairs runs with and without it; it answers ``DELAY <ms>``),
+and on ``SIGTERM`` it writes what it forwarded to ``--stats`` as JSON.
 """
 
 from __future__ import annotations
@@ -90,7 +90,8 @@ class Stats:
     frames: dict[str, int] = field(default_factory=dict)
     bytes: dict[str, int] = field(default_factory=dict)
     dropped: int = 0
-    least_hold_s: float | None = None
+    by_delay_ms: dict[str, int] = field(default_factory=dict)  # frames given each delay
+    least_hold_s: dict[str, float] = field(default_factory=dict)  # by the delay given
     cpu_s: float = 0.0  # the relay's own CPU time: near wall_s, it was the bottleneck
     wall_s: float = 0.0
 
@@ -110,8 +111,8 @@ class Relay:
         self.stats = Stats()
         self.running = True
         self._where: dict[bytes, int] = {}  # MAC address -> port, learnt from senders
-        # per receiving port: (due time, arrival time, frame), due times in order
-        self._queues: list[collections.deque[tuple[float, float, bytes]]] = [
+        # per receiving port: (due time, arrival time, delay given, frame), due times in order
+        self._queues: list[collections.deque[tuple[float, float, str, bytes]]] = [
             collections.deque() for _ in fds]
 
     def _receive(self, src: int, now: float) -> None:
@@ -132,18 +133,19 @@ class Relay:
                 if due is None:
                     self.stats.dropped += 1
                     continue
-                self._queues[port].append((due, now, frame))
+                given = f"{self.schedule.delay * 1e3:g}"
+                self._queues[port].append((due, now, given, frame))
                 self.stats.count(src, port, len(frame))
+                self.stats.by_delay_ms[given] = self.stats.by_delay_ms.get(given, 0) + 1
 
     def _deliver(self, now: float) -> float | None:
         """Write every frame that is due; the next due time, or None when all are out."""
         soonest = None
         for port, queue in enumerate(self._queues):
             while queue and queue[0][0] <= now:
-                _, arrived, frame = queue.popleft()
-                hold = now - arrived
-                if self.stats.least_hold_s is None or hold < self.stats.least_hold_s:
-                    self.stats.least_hold_s = hold
+                _, arrived, given, frame = queue.popleft()
+                least = self.stats.least_hold_s
+                least[given] = min(least.get(given, now - arrived), now - arrived)
                 try:
                     os.write(self.fds[port], frame)
                 except OSError:  # the host's eth0 is down or gone: the frame is lost
@@ -191,9 +193,11 @@ def main() -> int:
 
     def delay_on(*_: object) -> None:
         schedule.delay = relay.delay
+        print(f"DELAY {schedule.delay * 1e3:g} ms", flush=True)  # the acknowledgement
 
     def delay_off(*_: object) -> None:
         schedule.delay = 0.0
+        print("DELAY 0 ms", flush=True)
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGUSR1, delay_on)

@@ -201,11 +201,16 @@ class SimCluster:
         return line.split()[1:]
 
     def set_delay(self, on: bool) -> None:
-        """Switch the relay's delay on (the ``delay_ms`` asked for) or off (no delay)."""
-        if self.relay is None:
+        """Switch the relay's delay on (the ``delay_ms`` asked for) or off (no delay), and
+        wait until the relay says it has."""
+        if self.relay is None or self.relay.stdout is None:
             raise ValueError("SimCluster.set_delay: this cluster has no relay; build it with "
                              "links=SlowLinks(delay_ms=...)")
         self.relay.send_signal(signal.SIGUSR1 if on else signal.SIGUSR2)
+        ready, _, _ = select.select([self.relay.stdout], [], [], 10)
+        line = self.relay.stdout.readline() if ready else ""
+        if not line.startswith("DELAY "):
+            raise RuntimeError(f"SimCluster.set_delay: the relay did not answer (got {line!r})")
 
     def relay_stats(self) -> dict[str, object]:
         """Stop the relay and return what it forwarded: ``frames`` and ``bytes`` per

@@ -92,14 +92,15 @@ def test_relay_learns_floods_delays_and_counts() -> None:
         serving.join(10)
     assert relay.stats.frames == {"0->1": 1, "0->2": 1, "1->0": 1}
     assert relay.stats.bytes["1->0"] == len(_frame(1, _mac(0), b"to zero"))
-    assert relay.stats.least_hold_s is not None and relay.stats.least_hold_s >= 0.02
+    assert relay.stats.by_delay_ms == {"20": 3}
+    assert relay.stats.least_hold_s["20"] >= 0.02, "never before the delay"
     assert relay.stats.dropped == 0
     for a, b in pairs:
         a.close()
         b.close()
 
 
-def test_a_job_runs_over_slow_links_and_every_byte_crosses_the_relay(
+def test_jobs_run_over_slow_links_every_byte_through_the_relay_delay_switchable(
         cluster_ready: None) -> None:
     with SimCluster(hosts=2, links=SlowLinks(delay_ms=2, rate_mbit=0)) as slow:
         relay_pid = slow.relay.pid if slow.relay else 0
@@ -107,12 +108,18 @@ def test_a_job_runs_over_slow_links_and_every_byte_crosses_the_relay(
         assert run.returncode == 0, run.tail()
         assert all("big_all_reduce OK" in text for text in run.ranks), run.tail()
         received, sent = slow.link_bytes(1)
+        slow.set_delay(False)
+        quick = slow.run([1, 1], ["-m", "mpi4py", CHECKS, "big_all_reduce", "1"], timeout=120)
+        assert quick.returncode == 0, quick.tail()
         stats = slow.relay_stats()
         namespaces = [*slow.namespaces, slow.switch]
     for key in ("0->1", "1->0"):  # each host sends its 16 MiB to the other, via the relay
         assert stats["bytes"][key] >= 16 << 20, stats  # type: ignore[index]
     assert received >= 16 << 20 and sent >= 16 << 20, (received, sent)
-    assert stats["least_hold_s"] >= 0.002, stats  # type: ignore[operator]
+    assert stats["least_hold_s"]["2"] >= 0.002, stats  # type: ignore[index]
+    delays = stats["by_delay_ms"]  # the first job's frames got 2 ms, the second's none
+    assert delays["2"] > (16 << 20) // 65000 and delays["0"] > 0, delays  # type: ignore[index]
+    assert set(delays) == {"0", "2"}, delays  # type: ignore[arg-type]
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert not set(namespaces) & set(listed.split()), listed
     with pytest.raises(ProcessLookupError):
