@@ -55,14 +55,14 @@ class GatherHandle:
         """Finish the all-gathers and point the model's Parameters at the full buffers."""
         parts, self._parts = self._parts, []
         for st, work in parts:
+            full = work.wait()  # every request is completed, installed or not
             if st.pending is self:
                 st.pending = None
-                self._owner._install(st, work.wait())
+                self._owner._install(st, full)
 
     def is_completed(self) -> bool:
         """True once :meth:`wait` ran (the parameters are then in the model)."""
         return not self._parts
-
 
 
 class UnitState:
