@@ -145,6 +145,8 @@ class FutureWork(Work):
             try:
                 value = self._future.result(timeout)
             except concurrent.futures.TimeoutError:
+                if self._future.done():  # the operation's own timeout error: raise it as is
+                    raise
                 raise CollectiveTimeoutError(
                     f"Work.wait: {self.what} did not complete within timeout={timeout:g} s; "
                     "it is still running (call wait() again, or check that every rank "

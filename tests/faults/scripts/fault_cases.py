@@ -120,6 +120,14 @@ def small_vs_large(world: ad.World) -> None:
     ad.all_reduce(np.ones(1024 if world.rank == 0 else 1 << 20, np.float32))
 
 
+def async_mismatch(world: ad.World) -> None:
+    x = np.ones(4, np.float32)
+    if world.rank == 0:
+        ad.all_reduce(x)
+    else:
+        ad.all_reduce(x, async_op=True).wait()
+
+
 def mismatch_caught_then_good(world: ad.World) -> None:
     """Must not fail: after a caught shape mismatch the next all-reduce is right."""
     try:
@@ -177,8 +185,31 @@ def many_groups(world: ad.World) -> None:
 CASES = {f.__name__: f for f in (
     skip_collective, exit0, exit1, finally_barrier, stuck, monitored, killed, wrong_group,
     send_no_recv, recv_no_send, recv_recv, dtype_same_bytes, int_vs_float, op_mismatch,
-    sizes_mismatch, shape_mismatch_small, small_vs_large, mismatch_caught_then_good,
+    sizes_mismatch, shape_mismatch_small, small_vs_large, async_mismatch, mismatch_caught_then_good,
     ddp_num_samples, recv_wrong_out_then_good, many_groups)}
+
+
+def ddp_overlapped_stall(world: ad.World) -> None:
+    """After a first good step, rank 1 stops in its own code before its first bucket of
+    the next: it never starts that bucket's persistent all-reduce, and the ranks waiting
+    for it name it."""
+    params = [ad.Parameter(np.zeros(1000, np.float32), name=f"w{i}") for i in range(2)]
+    ddp = ad.DDP(params, strategy="overlapped", bucket_cap_mb=0.001, first_bucket_mb=0.001)
+    steps = iter(range(2))
+
+    def grad_fn(arrays: list) -> object:
+        if next(steps) == 1 and world.rank == 1:
+            time.sleep(60)
+        yield 1, np.ones(1000, np.float32)
+        yield 0, np.ones(1000, np.float32)
+        return 0.0
+
+    ddp.backward(grad_fn)
+
+    ddp.backward(grad_fn)
+
+
+CASES[ddp_overlapped_stall.__name__] = ddp_overlapped_stall
 
 
 def main() -> None:
