@@ -61,7 +61,7 @@ RUNNER = {"quick_args": ["--repeats", "3"], "timeout": 900}
 RELAY_PID = "BENCH_RELAY_PID"  # the relay's process id, for rank 0 to signal
 
 DEFAULT_BUCKET_MB = 25.0
-SIZES = [4 << 10, 256 << 10, 4 << 20, 16 << 20, 64 << 20]
+SIZES = [4 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
 TUNE_SIZES = [256 << 10 << k for k in range(9)]  # 256 KiB .. 64 MiB
 
 
