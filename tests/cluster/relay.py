@@ -84,12 +84,14 @@ def open_tap(name: str) -> int:
 
 @dataclass
 class Stats:
-    """What the relay did: frames and bytes per (sender, receiver), drops, least hold,
-    and its own CPU time against the wall-clock time it served."""
+    """What the relay did: frames and bytes per (sender, receiver), frames dropped and
+    lost, frames and least hold per delay given, and its own CPU time against the
+    wall-clock time it served."""
 
     frames: dict[str, int] = field(default_factory=dict)
     bytes: dict[str, int] = field(default_factory=dict)
-    dropped: int = 0
+    dropped: int = 0  # a full queue: the cables were booked more than the backlog ahead
+    lost: int = 0  # the receiving tap refused the frame (its eth0 down, not yet up)
     by_delay_ms: dict[str, int] = field(default_factory=dict)  # frames given each delay
     least_hold_s: dict[str, float] = field(default_factory=dict)  # by the delay given
     cpu_s: float = 0.0  # the relay's own CPU time: near wall_s, it was the bottleneck
@@ -149,7 +151,7 @@ class Relay:
                 try:
                     os.write(self.fds[port], frame)
                 except OSError:  # the host's eth0 is down or gone: the frame is lost
-                    self.stats.dropped += 1
+                    self.stats.lost += 1
             if queue and (soonest is None or queue[0][0] < soonest):
                 soonest = queue[0][0]
         return soonest

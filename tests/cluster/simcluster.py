@@ -214,8 +214,10 @@ class SimCluster:
 
     def relay_stats(self) -> dict[str, object]:
         """Stop the relay and return what it forwarded: ``frames`` and ``bytes`` per
-        ``"src->dst"`` host pair, ``dropped``, and ``least_hold_s`` (the shortest time a
-        frame spent in the relay). The links are dead afterwards."""
+        ``"src->dst"`` host pair, ``dropped`` (queue full) and ``lost`` (refused by a
+        tap), ``by_delay_ms`` and ``least_hold_s`` (frames, and the shortest time one
+        spent in the relay, per delay given), ``cpu_s`` and ``wall_s``. The links are
+        dead afterwards."""
         if self.relay is None:
             raise ValueError("SimCluster.relay_stats: this cluster has no relay")
         self.relay.terminate()
