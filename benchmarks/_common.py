@@ -115,6 +115,33 @@ def ratio_spread(numerator: Sequence[float], denominator: Sequence[float]) -> di
     return spread(paired_ratios(numerator, denominator))
 
 
+def target(name: str, measured: Mapping[str, float], limit: float,
+           at_most: bool = True) -> dict[str, Any]:
+    """A report row judging ``measured`` (a :func:`spread`) against ``limit`` on its median:
+    ``{"target": name, "measured": measured, "limit": limit, "meets_target": bool}``."""
+    value = measured["median"]
+    ok = value <= limit if at_most else value >= limit
+    return {"target": name, "measured": dict(measured), "limit": limit, "meets_target": bool(ok)}
+
+
+def verdict(row: Mapping[str, Any]) -> str:
+    """``met`` or ``MISSED`` for a :func:`target` row."""
+    return "met" if row["meets_target"] else "MISSED"
+
+
+def process_memory_mib(field: str = "VmHWM") -> float:
+    """This process's memory from ``/proc/self/status`` in MiB: ``VmHWM`` (peak resident
+    set) or ``VmRSS`` (resident now); NaN where the file does not exist."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) / 1024  # kB
+    except OSError:
+        pass
+    return float("nan")
+
+
 def missing_peers(peers: Mapping[str, str]) -> dict[str, str]:
     """``{peer: "MODULE not installed"}`` for each peer (label -> module) not importable."""
     return {label: f"{module} not installed" for label, module in peers.items()
