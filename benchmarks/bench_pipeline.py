@@ -12,8 +12,9 @@ Every stage sleeps a fixed time: ``F`` = ``--forward-ms``, ``B`` =
 divided by ``chunks`` for interleaved stages so every schedule has the same
 work per rank, ``m * (F + B)``.  Sleeping releases the GIL and the CPU, so
 threads and processes overlap like devices would, even on a small machine.
-Each schedule runs ``--repeats`` timed steps after one warm-up (barrier
-before each step); the table gives medians:
+Each schedule runs ``--repeats`` (at least 3) timed steps after one warm-up
+(barrier before each step); each step's time is the slowest rank's, and the
+table gives the median (min-max) over the steps:
 
 * ``formula``: the textbook bubble, ``(p - 1) / (m + p - 1)`` for GPipe and
   1F1B, ``(p - 1) / (v * m + p - 1)`` for interleaved 1F1B (none for ZB-H1);
@@ -41,7 +42,7 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(_HERE), _HERE]  # the checkout's axondist, and _common
 
 import numpy as np  # noqa: E402
-from _common import format_table, median, write_json  # noqa: E402
+from _common import format_spread, format_table, median, spread, write_json  # noqa: E402
 
 import axondist as ad  # noqa: E402
 from axondist.launch import launched_by_mpi  # noqa: E402
@@ -120,8 +121,12 @@ def run(world: ad.World, args: argparse.Namespace) -> list[dict[str, Any]]:
                 for ta in pipe.last_stats.timeline[r]:
                     durations[ta.action.kind.value].append(ta.end - ta.start)
         mine = np.array([[median(steps), median(idle), pipe.last_stats.peak_activations[r]]
-                         + [median(durations[k]) if durations[k] else 0.0 for k in KINDS]])
-        table = ad.all_gather(mine, world, sizes=[1] * p)  # every rank's medians
+                         + [median(durations[k]) if durations[k] else 0.0 for k in KINDS]
+                         + steps + idle])
+        table = ad.all_gather(mine, world, sizes=[1] * p)  # every rank's medians and steps
+        every_step = table[:, 3 + len(KINDS):3 + len(KINDS) + args.repeats]
+        every_idle = table[:, 3 + len(KINDS) + args.repeats:]
+        slowest = every_step.max(axis=0)  # per step, the slowest rank's time
         costs = {"F": tf / v, "B": tb / v, "I": tb / (2 * v), "W": tb / (2 * v)}
         sim = simulate(pipe.schedule, costs)
         # The same schedule with each rank's measured action times (sleep overshoots):
@@ -131,15 +136,15 @@ def run(world: ad.World, args: argparse.Namespace) -> list[dict[str, Any]]:
             lambda a, table=table: float(table[a.rank, 3 + KINDS.index(a.kind.value)]))
         formula = (None if SCHEDULES[kind].split_backward
                    else PipelineMemoryStats.bubble_fraction(p, m, v))
-        step = float(table[:, 0].max())
         rows.append({
             "schedule": kind.value, "ranks": p, "microbatches": m, "chunks": v,
             "bubble_formula": formula, "bubble_simulated": sim.bubble_fraction,
-            "bubble_measured": float(table[:, 1].mean()),
-            "step_ms_simulated": sim.makespan * 1e3, "step_ms_measured": step * 1e3,
+            "bubble_measured": spread(every_idle.mean(axis=0).tolist()),
+            "step_ms_simulated": sim.makespan * 1e3,
+            "step_ms_measured": spread(slowest.tolist(), 1e3),
             "step_ms_calibrated": calibrated.makespan * 1e3,
-            "ratio_nominal": step / sim.makespan,
-            "ratio_calibrated": step / calibrated.makespan,
+            "ratio_nominal": spread((slowest / sim.makespan).tolist()),
+            "ratio_calibrated": spread((slowest / calibrated.makespan).tolist()),
             "peak_activations_measured": [int(v) for v in table[:, 2]],
             "peak_activations_simulated": list(sim.peak_activations),
         })
@@ -150,17 +155,18 @@ def run(world: ad.World, args: argparse.Namespace) -> list[dict[str, Any]]:
 def report(rows: list[dict[str, Any]], backend: str, args: argparse.Namespace) -> str:
     head = (f"pipeline on {backend}: {rows[0]['ranks']} ranks, {args.microbatches} microbatches, "
             f"F={args.forward_ms:g} ms, B={args.backward_ms:g} ms per stage "
-            f"(divided by chunks), median of {args.repeats} steps")
+            f"(divided by chunks); measured: median (min-max) over {args.repeats} steps, "
+            "each the slowest rank's")
     table = format_table(
         ["schedule", "v", "bubble formula", "simulated", "measured",
          "step ms simulated", "calibrated", "measured", "ratio nominal", "calibrated",
          "peak act/rank"],  # measured (equal to simulate()'s; the tests check it)
         [[row["schedule"], row["chunks"],
           "-" if row["bubble_formula"] is None else f"{row['bubble_formula']:.3f}",
-          f"{row['bubble_simulated']:.3f}", f"{row['bubble_measured']:.3f}",
+          f"{row['bubble_simulated']:.3f}", format_spread(row["bubble_measured"]),
           f"{row['step_ms_simulated']:.1f}", f"{row['step_ms_calibrated']:.1f}",
-          f"{row['step_ms_measured']:.1f}", f"{row['ratio_nominal']:.3f}",
-          f"{row['ratio_calibrated']:.3f}", str(row["peak_activations_measured"])]
+          format_spread(row["step_ms_measured"]), format_spread(row["ratio_nominal"]),
+          format_spread(row["ratio_calibrated"]), str(row["peak_activations_measured"])]
          for row in rows])
     return head + "\n" + table
 
@@ -175,11 +181,13 @@ def main(argv: list[str] | None = None) -> dict[str, list[dict[str, Any]]]:
     ap.add_argument("--forward-ms", type=float, default=10.0)
     ap.add_argument("--backward-ms", type=float, default=20.0)
     ap.add_argument("--rows", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=5, help="timed steps per schedule (>= 3)")
     ap.add_argument("--json", default=None, help="write the rows here (rank 0)")
     ap.add_argument("--with-mock", action="store_true",
                     help="under MPI, also run the mock world on rank 0 afterwards")
     args = ap.parse_args(argv)
+    if args.repeats < 3:
+        ap.error(f"--repeats must be at least 3 (a median and a spread), got {args.repeats}")
     results: dict[str, list[dict[str, Any]]] = {}
     rank = 0
     if launched_by_mpi():
