@@ -529,6 +529,21 @@ def targets_summary(outcome: Outcome) -> str:
     return text + ("; **missed**: " + ", ".join(missed) if missed else "")
 
 
+def targets_section(outcomes: list[Outcome]) -> list[str]:
+    """Every target of every benchmark that ran, one row each, marked met or MISSED
+    (Markdown lines; none when no benchmark reported a target)."""
+    rows = [(o.plan.name, what, met) for o in outcomes if o.status == "ok"
+            for what, met in target_results(o)]
+    if not rows:
+        return []
+    lines = ["", "## Targets", "",
+             f"{sum(met for _, _, met in rows)} of {len(rows)} met, judged on the median.", "",
+             "| benchmark | target | verdict |", "|---|---|---|"]
+    lines += [f"| {name} | {what} | {'met' if met else '**MISSED**'} |"
+              for name, what, met in rows]
+    return lines
+
+
 def not_compared(outcome: Outcome) -> dict[str, str]:
     """Peers the benchmark could not compare against here, and why."""
     named: dict[str, str] = {}
@@ -567,6 +582,7 @@ def write_report(outcomes: list[Outcome], out_dir: Path, quick: bool) -> Path:
         peers = "; ".join(f"{k} ({v})" for k, v in not_compared(o).items())
         md.append(f"| [{o.plan.name}](#{o.plan.name.replace('_', '-')}) | {o.plan.how} | "
                   f"{status} | {o.seconds:.1f} | {targets_summary(o)} | {peers} |")
+    md += targets_section(outcomes)
     for o in outcomes:
         md += ["", f"## {o.plan.name}", ""]
         if o.plan.summary:

@@ -285,6 +285,21 @@ def test_a_run_without_a_verdict_says_why():
     assert runner.targets_summary(runner.Outcome(plan, "ok", [])) == "none reported"
 
 
+def test_target_rows_are_collected_into_one_section_marked_met_or_missed():
+    plan = runner.Plan("bench_x", Path("x.py"), 2, [], True, 1.0)
+    rows = [common.target("a <= 1.05x b", common.spread([1.0, 1.02, 1.1]), 1.05),
+            common.target("c >= 3x d", common.spread([2.5, 2.9, 3.1]), 3.0, at_most=False)]
+    assert [common.verdict(r) for r in rows] == ["met", "MISSED"]
+    outcome = runner.Outcome(plan, "ok", [], data={"targets": rows})
+    assert runner.target_results(outcome) == [("targets: a <= 1.05x b", True),
+                                              ("targets: c >= 3x d", False)]
+    section = "\n".join(runner.targets_section([outcome]))
+    assert "1 of 2 met" in section
+    assert "| bench_x | targets: a <= 1.05x b | met |" in section
+    assert "| bench_x | targets: c >= 3x d | **MISSED** |" in section
+    assert runner.targets_section([runner.Outcome(plan, "failed", [])]) == []
+
+
 def test_peers_not_installed_are_named_even_when_the_benchmark_is_silent():
     plan = runner.Plan("x", Path("x.py"), None, [], True, 1.0,
                        peers=["surely_not_installed_peer", "numpy"])
