@@ -53,7 +53,7 @@ class MPIOptions:
     this many bytes; 0 never splits. Env: ``AXONDIST_MPI_CHUNK_BYTES``."""
 
     piece_bytes: int | None = None
-    """Piece size of a blocking AVERAGE or weighted sum (``scaled_sum_blocking``): each
+    """Piece size of a blocking weighted sum (``scaled_sum_blocking``, DDP's buckets): each
     piece is scaled while it is in cache, and each is one blocking round trip. None picks
     by the group's layout (:func:`piece_size`): 512 KiB where every rank shares one node
     (a round trip costs microseconds), ``chunk_bytes`` across nodes (a round trip may cost
@@ -138,7 +138,7 @@ def piece_bytes_from_env(text: str) -> int:
 
 
 def piece_size(option: int | None, node_ids: Sequence[int], chunk_bytes: int) -> int:
-    """Bytes per piece of a fused (scaled) all-reduce, at most ``chunk_bytes`` (0: no
+    """Bytes per piece of a weighted (fused) all-reduce, at most ``chunk_bytes`` (0: no
     limit): ``option`` when set; else :data:`FUSED_PIECE_BYTES` when every rank is on one
     node, and ``chunk_bytes`` when the group spans nodes, where each piece costs a network
     round trip (a 95 MiB model in 512 KiB pieces is ~190 of them per step)."""
@@ -146,6 +146,19 @@ def piece_size(option: int | None, node_ids: Sequence[int], chunk_bytes: int) ->
     if option is not None:
         return min(option, limit)
     return min(FUSED_PIECE_BYTES, limit) if len(set(node_ids)) <= 1 else limit
+
+
+#: Blocking AVERAGEs above this size run as a reduce-scatter, a scaled move of this rank's
+#: block and an all-gather (:meth:`MPIBackend._mean_in_blocks`); smaller ones as one
+#: all-reduce and a pass over the (cached) result, one collective instead of two.
+MEAN_IN_BLOCKS_BYTES = 512 << 10
+
+
+def block_counts(numel: int, n: int) -> list[int]:
+    """Elements of each of ``n`` near-equal blocks of ``numel`` (the first ones one longer),
+    so that every block after the first starts at or after the end of the first."""
+    base, extra = divmod(numel, n)
+    return [base + 1 if k < extra else base for k in range(n)]
 
 
 def mean_scaling(n: int) -> tuple[str, float]:

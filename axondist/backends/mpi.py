@@ -23,9 +23,11 @@ from ..errors import CollectiveMismatchError, InvalidBufferError
 from ..ops import ReduceOp
 from ._mpi_common import (
     BYTES,
+    MEAN_IN_BLOCKS_BYTES,
     MPIOptions,
     MPIWork,
     StagedWork,
+    block_counts,
     copy_back,
     cuda_aware_from_alloc_kinds,
     displacements,
@@ -356,8 +358,8 @@ class MPIBackend(Backend):
             raise unsupported("all_reduce", buf.dtype, op)
         view, mtype, mop, average = plan
         data = buf if view is None else buf.view(view)
-        if average and data.nbytes > self._piece():
-            self._fused_pieces(buf, data, mtype, mop, 1.0, True)
+        if average and data.nbytes > MEAN_IN_BLOCKS_BYTES and self.world_size > 1:
+            self._mean_in_blocks(buf, data, mtype, mop)
             return
         if data.nbytes > self._chunk:
             self._all_reduce_pieces(buf, data, mtype, mop, average, False)
@@ -388,26 +390,50 @@ class MPIBackend(Backend):
             return
         view, mtype, mop, _ = plan
         self._blocking("scaled_sum", (buf.dtype, buf.shape), self._fused_pieces, buf,
-                       buf if view is None else buf.view(view), mtype, mop, factor, False)
+                       buf if view is None else buf.view(view), mtype, mop, factor)
 
-    def _fused_pieces(self, buf: Any, data: Any, mtype: Any, mop: Any, factor: float,
-                      average: bool) -> None:
-        """Blocking all-reduce piece by piece (:meth:`_piece` bytes each): each piece
-        multiplied by ``factor`` (unless 1; NumPy buffers only) before its Allreduce and, for
-        AVERAGE, turned into the mean after it, while in cache (in ``buf``'s namespace: a
-        device buffer MPI reads directly too)."""
+    def _fused_pieces(self, buf: Any, data: Any, mtype: Any, mop: Any, factor: float) -> None:
+        """Blocking SUM all-reduce piece by piece (:meth:`_piece` bytes each), each piece
+        multiplied by ``factor`` (unless 1) just before its Allreduce, while in cache."""
         flat, wire = buf.reshape(-1), data.reshape(-1)
         comm, scale = self._comm, factor != 1.0
-        how, by = mean_scaling(self.world_size)
-        mean = getattr(_array.namespace(buf), how) if average else None
         try:
             for lo, hi in piece_bounds(flat.size, flat.itemsize, self._piece()):
-                piece = flat[lo:hi]
                 if scale:
+                    piece = flat[lo:hi]
                     np.multiply(piece, factor, out=piece, casting="unsafe")
                 comm.Allreduce(_IN_PLACE, [wire[lo:hi], mtype], mop)
-                if mean is not None:
-                    mean(piece, by, out=piece, casting="unsafe")
+        except MPI.Exception as exc:
+            raise_mpi_error(exc, "all_reduce")
+
+    def _mean_in_blocks(self, buf: Any, data: Any, mtype: Any, mop: Any) -> None:
+        """Blocking AVERAGE, per ``chunk_bytes``: an in-place reduce-scatter leaves this
+        rank's block of the sum at the front of the chunk; the scaling by 1/n (see
+        :func:`mean_scaling`) writes it to its own place, and an in-place all-gather
+        fills in the others' blocks. The arithmetic touches 1/n of the data, fused with a
+        move, and each chunk costs two collectives whatever the network's latency
+        (``docs/backends.md`` has the measurements)."""
+        flat, wire = buf.reshape(-1), data.reshape(-1)
+        n, rank, comm = self.world_size, self.rank, self._comm
+        how, by = mean_scaling(n)
+        scale = getattr(_array.namespace(buf), how)
+        try:
+            for lo, hi in piece_bounds(flat.size, flat.itemsize, self._chunk):
+                counts = block_counts(hi - lo, n)
+                mine, start = counts[rank], sum(counts[:rank])
+                part, wpart = flat[lo:hi], [wire[lo:hi], mtype]
+                even = counts[0] == counts[-1]
+                if even:
+                    comm.Reduce_scatter_block(_IN_PLACE, wpart, mop)
+                else:
+                    comm.Reduce_scatter(_IN_PLACE, wpart, counts, mop)
+                # start >= counts[0] >= mine on ranks > 0: source and target never overlap.
+                scale(part[:mine], by, out=part[start:start + mine], casting="unsafe")
+                if even:
+                    comm.Allgather(_IN_PLACE, wpart)
+                else:
+                    comm.Allgatherv(_IN_PLACE, [wire[lo:hi], counts, displacements(counts),
+                                                mtype])
         except MPI.Exception as exc:
             raise_mpi_error(exc, "all_reduce")
 

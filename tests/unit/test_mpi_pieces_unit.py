@@ -22,6 +22,7 @@ from axondist import ReduceOp, _array
 from axondist.backends._mpi_common import (
     FUSED_PIECE_BYTES,
     MPIOptions,
+    block_counts,
     mean_scaling,
     piece_bounds,
     piece_bytes_from_env,
@@ -51,6 +52,14 @@ def test_a_95_mib_model_across_nodes_takes_few_round_trips():
     two_nodes = piece_size(None, [0, 1], 16 << 20)
     assert len(piece_bounds(nbytes // 4, 4, one_node)) == 190
     assert len(piece_bounds(nbytes // 4, 4, two_nodes)) == 6
+
+
+@given(numel=st.integers(0, 10_000), n=st.integers(1, 64))
+def test_block_counts_split_like_array_split_and_never_overlap_the_first(numel, n):
+    counts = block_counts(numel, n)
+    assert counts == [len(b) for b in np.array_split(np.arange(numel), n)]
+    starts = np.cumsum([0] + counts[:-1])
+    assert all(start >= counts[0] for start in starts[1:])  # the scaled move never overlaps
 
 
 @given(n=st.integers(1, 64))
@@ -146,15 +155,25 @@ class _Calls:
 
 
 @pytest.mark.parametrize("piece, chunk", [(64, 0), (64, 1 << 20), (1 << 20, 64), (None, 0)])
-def test_average_runs_in_pieces_of_the_piece_size_at_most_the_chunk(MPI, piece, chunk):
+def test_weighted_sums_run_in_pieces_of_the_piece_size_at_most_the_chunk(MPI, piece, chunk):
     b = _backend(MPI, piece_bytes=piece, chunk_bytes=chunk)
     spy = b._comm = _Calls(b._comm)
     x = np.arange(101, dtype=np.float64)  # 808 bytes
-    b.all_reduce(x, ReduceOp.AVERAGE)
+    b.scaled_sum_blocking(x, 0.5)
     size = piece_size(piece, [0], chunk)
     assert [c[0] for c in spy.calls] == ["Allreduce"] * len(piece_bounds(101, 8, size))
     assert all(c[1] <= size for c in spy.calls)
-    np.testing.assert_array_equal(x, np.arange(101.0))
+    np.testing.assert_array_equal(x, np.arange(101.0) / 2)
+    spy.comm.Free()
+
+
+def test_one_rank_averages_with_one_all_reduce_whatever_the_size(MPI):
+    b = _backend(MPI)
+    spy = b._comm = _Calls(b._comm)
+    x = np.arange(300_001, dtype=np.float32)  # above the size where n > 1 ranks use blocks
+    b.all_reduce(x, ReduceOp.AVERAGE)
+    assert [c[0] for c in spy.calls] == ["Allreduce"]
+    np.testing.assert_array_equal(x, np.arange(300_001, dtype=np.float32))
     spy.comm.Free()
 
 

@@ -10,6 +10,7 @@ same size, bit for bit (the sum's order is MPI's, the same in both).
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import numpy as np
@@ -20,7 +21,13 @@ from hypothesis import strategies as st
 
 import axondist as ad
 from axondist import ReduceOp, _array
-from axondist.backends._mpi_common import MPIOptions, piece_size
+from axondist.backends._mpi_common import (
+    MEAN_IN_BLOCKS_BYTES,
+    MPIOptions,
+    block_counts,
+    piece_bounds,
+    piece_size,
+)
 from axondist.backends.mpi import MPIBackend
 
 FLOATS = ["float16", "bfloat16", "float32", "float64", "complex64", "complex128"]
@@ -109,6 +116,57 @@ def test_average_is_the_pieced_sum_divided_by_n_bit_for_bit(seed, dtype, numel, 
         b.all_reduce_blocking(total, ReduceOp.SUM)
         b.all_reduce_blocking(mean, ReduceOp.AVERAGE)
         np.testing.assert_array_equal(mean, np.divide(total, b.world_size))
+    finally:
+        b.close()
+
+
+class _Calls:
+    """A communicator proxy that records the names of the MPI calls made through it."""
+
+    def __init__(self, comm: Any) -> None:
+        self.comm, self.names = comm, []
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self.comm, name)
+        if name[:1].isupper() and callable(attr):
+            self.names.append(name)
+        return attr
+
+
+@mpi_only
+@settings(max_examples=12)
+@given(seed=seeds, dtype=st.sampled_from(FLOATS), extra=st.integers(0, 5),
+       chunk=st.sampled_from([0, 96 << 10, 200_003]))
+def test_big_averages_are_a_reduce_scatter_a_scaled_move_and_an_all_gather(seed, dtype, extra,
+                                                                         chunk):
+    """Above MEAN_IN_BLOCKS_BYTES, per chunk: every rank gets the same values, each the
+    sum of its block (the reduce-scatter's order) divided by n, bit for bit."""
+    b = _backend(chunk_bytes=chunk)
+    try:
+        n = b.world_size
+        dt = _array.dtype_named(dtype)
+        numel = MEAN_IN_BLOCKS_BYTES // dt.itemsize + 1 + extra * 7
+        x = values(seed, b.rank, numel, dtype)
+        spy = b._comm = _Calls(b._comm)
+        got = x.copy()
+        b.all_reduce(got, ReduceOp.AVERAGE)
+        b._comm = spy.comm
+        pieces = piece_bounds(numel, dt.itemsize, chunk or sys.maxsize)
+        if n > 1:
+            assert len(spy.names) == 2 * len(pieces)
+            assert set(spy.names) <= {"Reduce_scatter_block", "Reduce_scatter", "Allgather",
+                                      "Allgatherv"}
+        want = np.empty_like(x)
+        for lo, hi in pieces:
+            counts = block_counts(hi - lo, n)
+            block = np.empty(counts[b.rank], x.dtype)
+            b.reduce_scatter(x[lo:hi], block, counts, ReduceOp.SUM)
+            b.all_gather(np.divide(block, n).astype(x.dtype), want[lo:hi], counts)
+        np.testing.assert_array_equal(got, want)
+        wide = np.complex128 if "complex" in dtype else np.float64
+        exact = np.mean([values(seed, r, numel, dtype).astype(wide) for r in range(n)], axis=0)
+        np.testing.assert_allclose(got.astype(wide), exact, rtol=TOL[dtype] * n,
+                                   atol=TOL[dtype] * n)
     finally:
         b.close()
 
