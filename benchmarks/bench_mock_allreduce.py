@@ -1,103 +1,135 @@
 """Mock-world all-reduce against the floor of NumPy summing the same arrays in one thread.
 
-Run: ``python benchmarks/bench_mock_allreduce.py [--ranks 4] [--repeats 15]``
+Run: ``PYTHONPATH=. python benchmarks/bench_mock_allreduce.py [--repeats 5] [--json FILE]``
 
-For each size, the timed batches alternate (mock all-reduce, NumPy floor,
-mock, floor, ...); a mock batch's time is its slowest rank's. Every figure is
-the median (min-max) over the batches; the ratio is mock time / NumPy time,
-paired batch by batch (target, on the median: <= 2 at >= 1 MiB).
+For each world size and array size one mock world stays up: ranks 1..N-1 call
+all-reduce in a loop on threads of their own, and rank 0 calls it from the
+timing loop of ``_common.alternate``, which times batches of it in turn with
+batches of the floor (``np.add`` of the same N float32 arrays, in rank order,
+into one output: the adds the mock world does, on one thread), a warm-up call
+before each batch. The ranks go in lockstep, so rank 0's batch time is every
+rank's. Figures are the median (min-max) over the timed batches; the ratio is
+mock / NumPy, paired batch by batch. Target: a median ratio <= 2 from 1 MiB up.
+Every rank thread needs a core for the ranks to share the work: the header
+prints the cores and the load average, which bound what the ratio can show.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import threading
-import time
+from collections.abc import Callable
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(_HERE), _HERE]  # the checkout's axondist, and _common
 
 import numpy as np  # noqa: E402
-from _common import format_spread, ratio_spread, spread  # noqa: E402
+from _common import (  # noqa: E402
+    alternate,
+    batch_for,
+    format_size,
+    format_spread,
+    format_table,
+    ratio_spread,
+    spread,
+    write_json,
+)
 
 import axondist as ad  # noqa: E402
+from axondist.backends import MockBackend  # noqa: E402
 
 TARGET = 2.0
-"""Largest mock/NumPy time ratio (median) allowed from 1 MiB up."""
-
-SIZES = [4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
-
-
-def _fmt_bytes(n: int) -> str:
-    return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
+"""Largest median mock/NumPy ratio allowed from ``TARGET_FROM`` bytes up."""
+TARGET_FROM = 1 << 20
+SIZES = [4 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20]
+RANKS = [2, 4]
+WARMUP = 1
 
 
-def bench(ranks: int, repeats: int, sizes: list[int]) -> list[dict]:
-    rows = []
-    for nbytes in sizes:
-        count = nbytes // 4
-        inputs = [np.random.default_rng(r).standard_normal(count).astype(np.float32)
-                  for r in range(ranks)]
-        iters = max(1, min(200, (8 << 20) // nbytes))
-        mock_times: list[float] = []
-        floor_times: list[float] = []
-        start_evt = threading.Barrier(ranks)
+def _numpy_floor(inputs: list[np.ndarray]) -> Callable[[], None]:
+    out = np.empty_like(inputs[0])
 
-        def body(world, iters=iters, inputs=inputs, start_evt=start_evt):
-            buf = inputs[world.rank].copy()
-            ad.all_reduce(buf)  # warm-up
-            start_evt.wait()
-            t0 = time.perf_counter()
-            with np.errstate(over="ignore"):  # repeated in-place sums grow; speed is the same
-                for _ in range(iters):
-                    ad.all_reduce(buf)
-            return (time.perf_counter() - t0) / iters
+    def floor() -> None:
+        np.add(inputs[0], inputs[1], out=out)
+        for x in inputs[2:]:
+            np.add(out, x, out=out)
 
-        out = np.empty(count, np.float32)
-        for _ in range(repeats):
-            mock_times.append(max(ad.spawn(body, ranks)))
-            t0 = time.perf_counter()
-            for _ in range(iters):  # the same adds, same order, one thread
-                np.add(inputs[0], inputs[1], out=out)
-                for x in inputs[2:]:
-                    np.add(out, x, out=out)
-            floor_times.append((time.perf_counter() - t0) / iters)
-        rows.append({"bytes": nbytes, "mock_us": spread(mock_times, 1e6),
-                     "numpy_sum_us": spread(floor_times, 1e6),
-                     "ratio": ratio_spread(mock_times, floor_times)})
-        if nbytes >= 1 << 20:
-            rows[-1]["meets_target"] = rows[-1]["ratio"]["median"] <= TARGET
-    return rows
+    return floor
 
 
-def _target_text(row: dict) -> str:
+def measure(ranks: int, nbytes: int, repeats: int) -> dict:
+    """One row: the mock world's all-reduce and the NumPy floor, paired."""
+    count = nbytes // 4
+    inputs = [np.random.default_rng(r).standard_normal(count).astype(np.float32)
+              for r in range(ranks)]
+    batch = batch_for(nbytes, budget_bytes=48 << 20, lo=3, hi=100)
+    calls = (WARMUP + repeats) * (batch + 1)  # alternate's calls of each variant, primes too
+    worlds = [ad.World(b) for b in MockBackend.create_world(ranks, timeout=120)]
+    bufs = [x.copy() for x in inputs]
+    errors: list[BaseException] = []
+
+    def peer(rank: int) -> None:
+        try:
+            with np.errstate(over="ignore", invalid="ignore"):  # the sums grow: same speed
+                for _ in range(calls):
+                    ad.all_reduce(bufs[rank], group=worlds[rank])
+        except BaseException as exc:  # reported by the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=peer, args=(r,), daemon=True) for r in range(1, ranks)]
+    for t in threads:
+        t.start()
+    made = [0]
+
+    def mock_call() -> None:
+        made[0] += 1
+        ad.all_reduce(bufs[0], group=worlds[0])
+
+    with np.errstate(over="ignore", invalid="ignore"):
+        times = alternate({"mock": mock_call, "numpy": _numpy_floor(inputs)}, batch=batch,
+                          repeats=repeats, warmup=WARMUP)
+    for t in threads:
+        t.join()
+    if errors or made[0] != calls:
+        raise RuntimeError(f"bench_mock_allreduce: rank 0 made {made[0]} of {calls} calls; "
+                           f"peer errors: {errors}")
+    row = {"ranks": ranks, "bytes": nbytes, "size": format_size(nbytes), "batch": batch,
+           "mock_us": spread(times["mock"], 1e6), "numpy_us": spread(times["numpy"], 1e6),
+           "mock/numpy": ratio_spread(times["mock"], times["numpy"])}
+    if nbytes >= TARGET_FROM:
+        row["meets_target"] = row["mock/numpy"]["median"] <= TARGET
+    return row
+
+
+def _verdict(row: dict) -> str:
     if "meets_target" not in row:
-        return "(none below 1 MiB)"
+        return "-"
     return "met" if row["meets_target"] else "MISSED"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--ranks", type=int, default=4)
-    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--ranks", type=int, nargs="+", default=RANKS)
+    parser.add_argument("--repeats", type=int, default=5, help="timed batches (>= 3)")
     parser.add_argument("--json", help="also write the rows to this file")
     args = parser.parse_args()
-    rows = bench(args.ranks, args.repeats, SIZES)
-    print(f"mock all_reduce (float32, {args.ranks} ranks) vs NumPy summing the same "
-          f"{args.ranks} arrays in one thread; median (min-max) of {args.repeats} "
-          "alternating batches")
-    print(f"{'size':>8} {'mock us':>22} {'numpy us':>22} {'ratio':>18} target")
-    for r in rows:
-        print(f"{_fmt_bytes(r['bytes']):>8} {format_spread(r['mock_us']):>22} "
-              f"{format_spread(r['numpy_sum_us']):>22} {format_spread(r['ratio']):>18} "
-              f"{_target_text(r)}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"repeats": args.repeats, "ranks": args.ranks, "rows": rows}, f,
-                      indent=2)
+    if args.repeats < 3:
+        parser.error(f"--repeats must be >= 3 for a spread, got {args.repeats}")
+    load_before = os.getloadavg()
+    rows = [measure(n, nbytes, args.repeats) for n in args.ranks for nbytes in SIZES]
+    load_after = os.getloadavg()
+    print(f"mock all_reduce (float32) vs NumPy adding the same arrays in one thread; "
+          f"median (min-max) of {args.repeats} paired batches; {os.cpu_count()} cores, load "
+          f"average {load_before[0]:.1f} before, {load_after[0]:.1f} after; target: ratio "
+          f"<= {TARGET:g} from {format_size(TARGET_FROM)}")
+    print(format_table(
+        ["ranks", "size", "mock us", "numpy us", "mock/numpy", "target"],
+        [[r["ranks"], r["size"], format_spread(r["mock_us"]), format_spread(r["numpy_us"]),
+          format_spread(r["mock/numpy"]), _verdict(r)] for r in rows]))
+    write_json(args.json, {"repeats": args.repeats, "cores": os.cpu_count(),
+                           "load_average": [load_before[0], load_after[0]], "rows": rows})
 
 
 if __name__ == "__main__":
