@@ -7,7 +7,10 @@ shards into the model's ``Parameter.data`` (in the compute dtype),
 and an optimizer built on :meth:`FullyShardedDataParallel.sharded_parameters`
 updates the shards. What each strategy shards, and over which ranks, is read
 from its :class:`~axondist.fsdp.policies.ShardingSpec`; how the numbers move
-is described in docs/guide.md (FSDP).
+is described in docs/guide.md (FSDP). The class is built from parts:
+``_gather.py`` (unit state, gather and reshard), ``_gradients.py`` (reduction,
+no_sync, clipping), ``_layers.py`` (the layer-by-layer step of
+:meth:`FullyShardedDataParallel.from_layers`) and ``state_dict.py``.
 """
 
 from __future__ import annotations
