@@ -47,9 +47,12 @@ class GradSyncStrategy(enum.Enum):
 
     #: every bucket is all-reduced, one blocking call after another, at finish().
     SYNCHRONOUS = "synchronous"
-    #: a bucket's all-reduce is issued (async_op=True) as soon as all its
-    #: gradients were added, overlapping communication with the computation of
-    #: the remaining gradients; finish() waits for every bucket.
+    #: a bucket's all-reduce is issued as soon as all its gradients were added,
+    #: overlapping communication with the computation of the remaining gradients;
+    #: finish() waits for every bucket. With the default hook each bucket's
+    #: all-reduce is persistent (set up on the first step, under MPI as MPI-4
+    #: persistent requests) and its pieces start as later gradients arrive, each
+    #: weighted just before it leaves.
     OVERLAPPED = "overlapped"
     #: no communication: gradients stay local (e.g. to accumulate over several
     #: micro-batches before one synchronized step).
