@@ -312,13 +312,15 @@ class MockBackend(Backend):
                 f"(rank {self.global_ranks[self.rank]})")
 
     def _join(self, op_name: str, seq: int, payload: Any, signature: Signature,
-              part: Part | None, whole: Whole | None, parts: int, work_bytes: int,
-              timeout: float | None) -> _Round:
+              async_op: bool, part: Part | None, whole: Whole | None, parts: int,
+              work_bytes: int, timeout: float | None) -> _Round:
         """Deposit this rank's payload and take part in the round until it is done.
 
-        The last rank to arrive checks the signatures; then it does the whole
-        round itself (small) or opens its parts to every rank (large), and each
-        rank claims parts until none is left and waits for the last to finish.
+        The last rank to arrive checks the signatures (``async_op`` among
+        them: MPI never matches a blocking call with a non-blocking one); then
+        it does the whole round itself (small) or opens its parts to every
+        rank (large), and each rank claims parts until none is left and waits
+        for the last to finish.
         """
         w, n, me = self.world, self.world_size, self.rank
         key = (self.group_key, seq)
@@ -333,7 +335,8 @@ class MockBackend(Backend):
                 rnd = w.rounds[key] = _Round(op_name, n)
         with rnd.signal:
             rnd.payloads[me] = payload
-            rnd.signatures[me] = (("op", op_name),) + tuple(signature)
+            rnd.signatures[me] = ((("op", op_name),) + tuple(signature)
+                                  + (("async_op", async_op),))
             rnd.arrived += 1
             last = rnd.arrived == n
             if not last:
@@ -430,8 +433,8 @@ class MockBackend(Backend):
         def execute() -> Any:
             slot = recorder.begin(self.group_name, seq + 1, op_name, signature)
             try:
-                return result(self._join(op_name, seq, payload, signature, part, whole, parts,
-                                         work_bytes, timeout))
+                return result(self._join(op_name, seq, payload, signature, async_op, part,
+                                         whole, parts, work_bytes, timeout))
             finally:
                 recorder.end(slot)
 

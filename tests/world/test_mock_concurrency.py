@@ -172,6 +172,23 @@ def test_many_async_calls_from_every_rank_complete_in_order():
         assert ad.spawn(body, 4) == [True] * 4
 
 
+def test_a_blocking_call_never_meets_a_non_blocking_one():
+    """As under MPI, which never matches them: every rank raises, naming ``async_op``."""
+    def body(world):
+        x = np.ones(4, np.float32)
+        with pytest.raises(ad.CollectiveMismatchError,
+                           match=r"all_reduce: ranks disagree on async_op \(rank 0: False, "
+                                 r"rank 1: True\)"):
+            if world.rank == 0:
+                ad.all_reduce(x)
+            else:
+                ad.all_reduce(x, async_op=True).wait()
+        ad.barrier()  # the world goes on
+        return True
+
+    assert ad.spawn(body, 2, timeout=30) == [True, True]
+
+
 # --- failures, each in its own process under a timeout -----------------------------------
 
 def _run_script(body: str, timeout: float = 60) -> subprocess.CompletedProcess:
