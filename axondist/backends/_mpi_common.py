@@ -54,10 +54,11 @@ class MPIOptions:
 
     piece_bytes: int | None = None
     """Piece size of a blocking weighted sum (``scaled_sum_blocking``, DDP's buckets): each
-    piece is scaled while it is in cache, and each is one blocking round trip. None picks
-    by the group's layout (:func:`piece_size`): 512 KiB where every rank shares one node
-    (a round trip costs microseconds), ``chunk_bytes`` across nodes (a round trip may cost
-    milliseconds). Env: ``AXONDIST_PIECE_MB`` (MiB, fractions allowed: ``0.5``)."""
+    piece is scaled just before its all-reduce, and each is one blocking round trip. None:
+    ``chunk_bytes``. Small pieces (``0.5`` MiB: still in cache when MPI copies them) save
+    most of the scaling pass only on a node whose cores nothing else uses and where a
+    round trip costs microseconds; elsewhere every piece waits for the slowest rank (see
+    docs/backends.md). Env: ``AXONDIST_PIECE_MB`` (MiB, fractions allowed)."""
 
     host_staging: str = "auto"
     """How CuPy arrays reach MPI: ``"auto"`` (directly when MPI is CUDA-aware,
@@ -117,11 +118,6 @@ def piece_bounds(numel: int, itemsize: int, chunk_bytes: int) -> list[tuple[int,
     return [(k * numel // pieces, (k + 1) * numel // pieces) for k in range(pieces)]
 
 
-#: The piece size of fused arithmetic on one node: small enough that a piece is still in
-#: the core's cache between the arithmetic and MPI's copy of it (see docs/backends.md).
-FUSED_PIECE_BYTES = 512 << 10
-
-
 def piece_bytes_from_env(text: str) -> int:
     """Bytes per piece from ``AXONDIST_PIECE_MB`` (MiB, fractions allowed), at least 1.
 
@@ -137,15 +133,12 @@ def piece_bytes_from_env(text: str) -> int:
     return max(1, round(positive_number(mib, "mpi backend", "AXONDIST_PIECE_MB") * 2**20))
 
 
-def piece_size(option: int | None, node_ids: Sequence[int], chunk_bytes: int) -> int:
-    """Bytes per piece of a weighted (fused) all-reduce, at most ``chunk_bytes`` (0: no
-    limit): ``option`` when set; else :data:`FUSED_PIECE_BYTES` when every rank is on one
-    node, and ``chunk_bytes`` when the group spans nodes, where each piece costs a network
-    round trip (a 95 MiB model in 512 KiB pieces is ~190 of them per step)."""
+def piece_size(option: int | None, chunk_bytes: int) -> int:
+    """Bytes per piece of a weighted all-reduce: ``option``, at most ``chunk_bytes`` (0: no
+    limit); ``chunk_bytes`` when ``option`` is None. Every piece is a blocking round trip
+    (a 95 MiB model in 512 KiB pieces makes ~190 of them per step, in 16 MiB ones 6)."""
     limit = chunk_bytes or sys.maxsize
-    if option is not None:
-        return min(option, limit)
-    return min(FUSED_PIECE_BYTES, limit) if len(set(node_ids)) <= 1 else limit
+    return limit if option is None else min(option, limit)
 
 
 #: Blocking AVERAGEs above this size run as a reduce-scatter, a scaled move of this rank's

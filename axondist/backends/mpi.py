@@ -233,10 +233,9 @@ class MPIBackend(Backend):
     _piece_memo = 0
 
     def _piece(self) -> int:
-        """Bytes per piece of a fused all-reduce (``options.piece_bytes``, else by layout)."""
+        """Bytes per piece of a weighted all-reduce (:func:`piece_size`)."""
         if not self._piece_memo:
-            self._piece_memo = piece_size(self.options.piece_bytes, self._nodes,
-                                          self.options.chunk_bytes)
+            self._piece_memo = piece_size(self.options.piece_bytes, self.options.chunk_bytes)
         return self._piece_memo
 
     def _transfer(self, buf: Any, what: str) -> tuple[Any, Any]:
@@ -264,7 +263,8 @@ class MPIBackend(Backend):
         """``Allreduce`` in place (``Iallreduce`` pieces with ``async_op``).
 
         Messages above ``chunk_bytes`` run in pieces; a blocking AVERAGE above
-        ``FUSED_PIECE_BYTES`` is divided piece by piece. Device arrays go through
+        ``MEAN_IN_BLOCKS_BYTES`` is a reduce-scatter, a scaled move and an all-gather
+        (:meth:`_mean_in_blocks`). Device arrays go through
         host copies unless MPI is CUDA-aware.
         """
         if (type(buf) is not np.ndarray or self._stage_always) and self._needs_host(buf):

@@ -20,7 +20,6 @@ from hypothesis import strategies as st
 import axondist as ad
 from axondist import ReduceOp, _array
 from axondist.backends._mpi_common import (
-    FUSED_PIECE_BYTES,
     MPIOptions,
     block_counts,
     mean_scaling,
@@ -32,26 +31,18 @@ from axondist.backends._mpi_common import (
 # --- pure helpers -------------------------------------------------------------------------
 
 
-@given(option=st.none() | st.integers(1, 1 << 30), chunk=st.integers(0, 1 << 30),
-       nodes=st.lists(st.integers(0, 3), min_size=1, max_size=8))
-def test_piece_size_is_the_option_else_small_on_one_node_else_the_chunk(option, chunk, nodes):
+@given(option=st.none() | st.integers(1, 1 << 30), chunk=st.integers(0, 1 << 30))
+def test_piece_size_is_the_option_at_most_the_chunk(option, chunk):
     limit = chunk or sys.maxsize
-    got = piece_size(option, nodes, chunk)
+    got = piece_size(option, chunk)
     assert 1 <= got <= limit
-    if option is not None:
-        assert got == min(option, limit)
-    elif len(set(nodes)) == 1:
-        assert got == min(FUSED_PIECE_BYTES, limit)  # a round trip costs microseconds
-    else:
-        assert got == limit  # across nodes: one round trip per chunk, not per 512 KiB
+    assert got == (limit if option is None else min(option, limit))
 
 
-def test_a_95_mib_model_across_nodes_takes_few_round_trips():
+def test_a_95_mib_model_takes_few_round_trips_unless_asked_for_small_pieces():
     nbytes = 95 << 20
-    one_node = piece_size(None, [0, 0], 16 << 20)
-    two_nodes = piece_size(None, [0, 1], 16 << 20)
-    assert len(piece_bounds(nbytes // 4, 4, one_node)) == 190
-    assert len(piece_bounds(nbytes // 4, 4, two_nodes)) == 6
+    assert len(piece_bounds(nbytes // 4, 4, piece_size(None, 16 << 20))) == 6
+    assert len(piece_bounds(nbytes // 4, 4, piece_size(512 << 10, 16 << 20))) == 190
 
 
 @given(numel=st.integers(0, 10_000), n=st.integers(1, 64))
@@ -160,7 +151,7 @@ def test_weighted_sums_run_in_pieces_of_the_piece_size_at_most_the_chunk(MPI, pi
     spy = b._comm = _Calls(b._comm)
     x = np.arange(101, dtype=np.float64)  # 808 bytes
     b.scaled_sum_blocking(x, 0.5)
-    size = piece_size(piece, [0], chunk)
+    size = piece_size(piece, chunk)
     assert [c[0] for c in spy.calls] == ["Allreduce"] * len(piece_bounds(101, 8, size))
     assert all(c[1] <= size for c in spy.calls)
     np.testing.assert_array_equal(x, np.arange(101.0) / 2)

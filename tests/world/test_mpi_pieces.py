@@ -219,9 +219,15 @@ def test_reduce_scatter_blocking_equals_the_general_call(seed, dtype, counts_see
 
 
 @mpi_only
-def test_the_automatic_piece_size_follows_the_layout():
-    b = _backend()
+@pytest.mark.parametrize("piece", [None, 3, 1 << 40])
+def test_weighted_sums_make_one_call_per_piece(piece):
+    b = _backend(piece_bytes=piece, chunk_bytes=1000)
     try:
-        assert b._piece() == piece_size(None, b._nodes, b.options.chunk_bytes)
+        x = values(7, b.rank, 1001, "float32")  # 4004 bytes
+        spy = b._comm = _Calls(b._comm)
+        b.scaled_sum_blocking(x, 0.5)
+        b._comm = spy.comm
+        pieces = piece_bounds(1001, 4, piece_size(piece, 1000))
+        assert spy.names == ["Allreduce"] * len(pieces)
     finally:
         b.close()
