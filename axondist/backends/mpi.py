@@ -375,12 +375,12 @@ class MPIBackend(Backend):
         """Multiply ``buf`` (a NumPy array) by ``factor`` and sum it over the ranks, in place.
 
         Equal to ``buf *= factor`` (casting unsafely to ``buf``'s dtype; skipped
-        when ``factor`` is 1) then a SUM :meth:`all_reduce_blocking`, but in
-        pieces (:attr:`MPIOptions.piece_bytes`), each weighted just before its
-        Allreduce so MPI reads it from cache: one pass over memory instead of
-        two. The pieces depend only on ``buf``'s size and dtype and the group,
-        so ranks with different factors (sample weights) make the same MPI
-        calls. What gradient buckets use for their weighted sum.
+        when ``factor`` is 1) then a SUM :meth:`all_reduce_blocking`, piece by
+        piece (:attr:`MPIOptions.piece_bytes`, by default ``chunk_bytes``), each
+        piece weighted just before its Allreduce (small pieces: while in cache).
+        The pieces depend only on ``buf``'s size and dtype and the options, so
+        ranks with different factors (sample weights) make the same MPI calls.
+        What gradient buckets use for their weighted sum.
         """
         plan = self._plans_by_name["SUM"].get(buf.dtype)
         if plan is None:
