@@ -10,13 +10,16 @@ into one output: the adds the mock world does, on one thread), a warm-up call
 before each batch. The ranks go in lockstep, so rank 0's batch time is every
 rank's. Figures are the median (min-max) over the timed batches; the ratio is
 mock / NumPy, paired batch by batch. Target: a median ratio <= 2 from 1 MiB up.
-Every rank thread needs a core for the ranks to share the work: the header
-prints the cores and the load average, which bound what the ratio can show.
+Each call wakes every rank's thread at least once, so its cost has a floor of
+one scheduler wake-up per rank: the table counts the context switches per call
+(all threads, Linux only), and the header prints the cores and the load
+average, which set what one wake-up costs.
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
 import os
 import sys
 import threading
@@ -46,6 +49,24 @@ TARGET_FROM = 1 << 20
 SIZES = [4 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20]
 RANKS = [2, 4]
 WARMUP = 1
+SWITCH_CALLS = 50
+"""Untimed calls after the timed batches, over which context switches are counted."""
+
+
+def context_switches() -> int | None:
+    """Voluntary and involuntary context switches of this process's threads so far (None
+    where ``/proc`` does not say)."""
+    total, seen = 0, False
+    for path in glob.glob("/proc/self/task/*/status"):
+        try:
+            with open(path) as f:
+                for line in f:
+                    if "ctxt_switches" in line:
+                        total += int(line.split()[1])
+                        seen = True
+        except (OSError, ValueError, IndexError):
+            continue
+    return total if seen else None
 
 
 def _numpy_floor(inputs: list[np.ndarray]) -> Callable[[], None]:
@@ -65,10 +86,12 @@ def measure(ranks: int, nbytes: int, repeats: int) -> dict:
     inputs = [np.random.default_rng(r).standard_normal(count).astype(np.float32)
               for r in range(ranks)]
     batch = batch_for(nbytes, budget_bytes=48 << 20, lo=3, hi=100)
-    calls = (WARMUP + repeats) * (batch + 1)  # alternate's calls of each variant, primes too
+    # alternate's calls of each variant (one untimed before each batch), then the count
+    calls = (WARMUP + repeats) * (batch + 1) + SWITCH_CALLS
     worlds = [ad.World(b) for b in MockBackend.create_world(ranks, timeout=120)]
     bufs = [x.copy() for x in inputs]
     errors: list[BaseException] = []
+    counted = threading.Event()  # peers stay alive until their switches are counted
 
     def peer(rank: int) -> None:
         try:
@@ -77,6 +100,7 @@ def measure(ranks: int, nbytes: int, repeats: int) -> dict:
                     ad.all_reduce(bufs[rank], group=worlds[rank])
         except BaseException as exc:  # reported by the main thread
             errors.append(exc)
+        counted.wait()
 
     threads = [threading.Thread(target=peer, args=(r,), daemon=True) for r in range(1, ranks)]
     for t in threads:
@@ -90,6 +114,11 @@ def measure(ranks: int, nbytes: int, repeats: int) -> dict:
     with np.errstate(over="ignore", invalid="ignore"):
         times = alternate({"mock": mock_call, "numpy": _numpy_floor(inputs)}, batch=batch,
                           repeats=repeats, warmup=WARMUP)
+        before = context_switches()
+        for _ in range(SWITCH_CALLS):
+            mock_call()
+        after = context_switches()
+    counted.set()
     for t in threads:
         t.join()
     if errors or made[0] != calls:
@@ -97,7 +126,9 @@ def measure(ranks: int, nbytes: int, repeats: int) -> dict:
                            f"peer errors: {errors}")
     row = {"ranks": ranks, "bytes": nbytes, "size": format_size(nbytes), "batch": batch,
            "mock_us": spread(times["mock"], 1e6), "numpy_us": spread(times["numpy"], 1e6),
-           "mock/numpy": ratio_spread(times["mock"], times["numpy"])}
+           "mock/numpy": ratio_spread(times["mock"], times["numpy"]),
+           "switches_per_call": (None if before is None or after is None
+                                 else (after - before) / SWITCH_CALLS)}
     if nbytes >= TARGET_FROM:
         row["meets_target"] = row["mock/numpy"]["median"] <= TARGET
     return row
@@ -125,9 +156,11 @@ def main() -> None:
           f"average {load_before[0]:.1f} before, {load_after[0]:.1f} after; target: ratio "
           f"<= {TARGET:g} from {format_size(TARGET_FROM)}")
     print(format_table(
-        ["ranks", "size", "mock us", "numpy us", "mock/numpy", "target"],
+        ["ranks", "size", "mock us", "numpy us", "mock/numpy", "target", "switches/call"],
         [[r["ranks"], r["size"], format_spread(r["mock_us"]), format_spread(r["numpy_us"]),
-          format_spread(r["mock/numpy"]), _verdict(r)] for r in rows]))
+          format_spread(r["mock/numpy"]), _verdict(r),
+          "?" if r["switches_per_call"] is None else f"{r['switches_per_call']:.1f}"]
+         for r in rows]))
     write_json(args.json, {"repeats": args.repeats, "cores": os.cpu_count(),
                            "load_average": [load_before[0], load_after[0]], "rows": rows})
 
