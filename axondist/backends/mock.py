@@ -1,15 +1,15 @@
 """An in-process world: N ranks on N threads of one process, deterministic.
 
-Each collective is a round of its own, with its own lock: every rank deposits
-its buffers, and the last to arrive checks that all ranks agree on the
-arguments. A small round is then done whole by that rank, for every rank; a
-large one is split, each rank reducing or copying its own slice of every
-output in parallel (NumPy releases the GIL for the loops), and the round ends
-when every slice is done. Reductions combine in rank order, so every run gives
-the same bits. Messages wait in per-pair mailboxes. A call whose peers do not
-come warns after the stall time, naming them and their last calls, and fails at
-the world's timeout; a peer that left or failed, or a cycle of receives, fails
-it at once.
+Each collective is a round with its own lock: every rank deposits its buffers,
+and the last to arrive checks that all ranks agree on the arguments. That rank
+then does a small round whole, for every rank (the others wake once, to
+return); a large one is cut into parts (slices of the output) that the ranks
+claim one by one and do in parallel, NumPy releasing the GIL in its loops, and
+the round ends when every part is done. Reductions combine in rank order, so
+every run gives the same bits. Messages wait in one mailbox per pair of ranks
+and tag. A call whose peers do not come warns after the stall time, naming
+them and their last calls, and fails at the world's timeout; a peer that left
+or failed, or a cycle of receives, fails it at once.
 """
 
 from __future__ import annotations
