@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from harness import mock_only
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import axondist as ad
@@ -135,6 +135,7 @@ def _concurrent_subgroups(world: ad.World, seed: int, rounds: int, counts: list[
         np.testing.assert_array_equal(y, want)
 
 
+@settings(max_examples=20)
 @given(n=st.integers(2, 6), seed=st.integers(0, 2**16),
        counts=st.lists(st.integers(1, 5000), min_size=1, max_size=4))
 def test_disjoint_subgroups_reduce_concurrently(n, seed, counts):
