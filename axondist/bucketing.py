@@ -437,8 +437,10 @@ class GradientSynchronizer:
         self._in_flight: deque[Work] = deque()
         self._persistent_owner: Backend | None = None
 
-    #: Pieces of persistent all-reduces in flight at once. Each piece is weighted just
-    #: before it starts; with few in flight MPI copies it while it is still in cache.
+    #: Pieces of persistent all-reduces in flight at once (more starts wait for the
+    #: oldest). Each piece is weighted just before it starts; with small pieces
+    #: (``AXONDIST_PIECE_MB=0.5`` under MPI) and few in flight, MPI copies it while it is
+    #: still in cache.
     PIPELINE_WINDOW = 2
     #: Largest piece of a persistent all-reduce in bytes (None: the backend's choice).
     piece_bytes: int | None = None

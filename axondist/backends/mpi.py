@@ -929,15 +929,16 @@ class MPIBackend(Backend):
         here, that they set up the same call; each start is numbered and
         recorded as an ``all_reduce`` (the watchdog names a rank that never
         starts a piece) and its Work honours ``wait(timeout)``. Pieces are of
-        ``piece_bytes`` (default 512 KiB), so a caller weighting a piece just
-        before its start leaves MPI to read it from cache. Device buffers, debug
-        mode and host staging take the default (a non-blocking all-reduce per start).
+        ``piece_bytes`` (default: the weighted sums' piece, ``chunk_bytes``
+        unless ``AXONDIST_PIECE_MB`` asks for small ones that stay in cache
+        between a caller's weighting and MPI's copy). Device buffers, debug mode
+        and host staging take the default (a non-blocking all-reduce per start).
         """
         if type(buf) is not np.ndarray or self._slow:
             return super().persistent_all_reduce(buf, op, piece_bytes=piece_bytes)
         data, mtype, mop, average = self._reduction(buf, op, "all_reduce")
         flat, wire = buf.reshape(-1), data.reshape(-1)
-        bounds = piece_bounds(flat.size, flat.itemsize, piece_bytes or 512 << 10)
+        bounds = piece_bounds(flat.size, flat.itemsize, piece_bytes or self._piece())
         guard, comm = self._guard, self._comm
         self._blocking("all_reduce", (buf.dtype, buf.shape, op._name_, "persistent"),
                        lambda: None)
