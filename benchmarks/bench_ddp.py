@@ -12,11 +12,16 @@ Gradient synchronization alone (gradients already in place):
 
 * ``axondist sync``: ``DDP.sync_gradients()`` in the steady state, where every
   ``.grad`` already is its view into a persistent 25 MiB bucket (no packing):
-  per bucket a multiply by 1/world (the mean) and a SUM all-reduce, fused
-  (under MPI) into 512 KiB pieces, each multiplied just before its
-  all-reduce while in cache (``MPIBackend.scaled_sum_blocking``).
-* ``axondist overlapped``: the same with ``strategy=OVERLAPPED`` (non-blocking
-  all-reduces, waited for at the end).
+  per bucket a multiply by 1/world (the mean) and a SUM all-reduce, piece by
+  piece (``MPIBackend.scaled_sum_blocking``; pieces of ``chunk_bytes`` unless
+  ``AXONDIST_PIECE_MB`` asks for small ones).
+* ``axondist overlapped``: the same with ``strategy=OVERLAPPED``: each bucket's
+  persistent all-reduce (MPI-4 ``Allreduce_init`` pieces, set up on the first
+  step) started piece by piece, each piece weighted just before it starts.
+* ``axondist overlapped (Iallreduce per call)``: OVERLAPPED through a custom
+  hook that sums like the default one, so each bucket is one ``Iallreduce``
+  per step (MPI allocates its temporary buffers per call): the path before
+  persistent requests.
 * ``raw (a)``: the best raw mpi4py case: in-place ``Allreduce`` SUM over the
   same bytes already living in 25 MiB buffers (no packing, no mean).
 * ``raw (a)+mean``: (a) followed by the in-place division a mean needs.
@@ -73,7 +78,7 @@ from _common import (  # noqa: E402
 )
 
 import axondist as ad  # noqa: E402
-from axondist.bucketing import GradSyncStrategy  # noqa: E402
+from axondist.bucketing import GradSyncStrategy, sum_hook  # noqa: E402
 from axondist.ddp import DDP  # noqa: E402
 
 RUNNER = {"ranks": 2, "quick_args": ["--repeats", "3"], "timeout": 900}
@@ -97,10 +102,17 @@ def _check_mean(grads: list[Any], expected: float, what: str) -> None:
                                f"(got {np.asarray(g).ravel()[:3]}, expected {expected})")
 
 
-def _ddp(shapes: list[tuple[int, ...]], strategy: GradSyncStrategy, grad_fn: Any = None) -> DDP:
+def _per_call_sum(flat: Any, group: Any, async_op: bool) -> Any:
+    """The default reduction as a custom hook: OVERLAPPED then issues one ``Iallreduce``
+    per bucket each step instead of starting persistent requests."""
+    return sum_hook(flat, group, async_op)
+
+
+def _ddp(shapes: list[tuple[int, ...]], strategy: GradSyncStrategy, grad_fn: Any = None,
+         compression: Any = None) -> DDP:
     params = [ad.Parameter(np.full(s, 0.01, np.float32)) for s in shapes]
     ddp = DDP(params, strategy=strategy, bucket_cap_mb=BUCKET_MB, grad_fn=grad_fn,
-              init_sync=False)
+              init_sync=False, compression=compression)
     rank, n = ddp.process_group.rank, ddp.process_group.world_size
     for p in params:
         p.grad = np.full(p.shape, rank + 1.0, np.float32)
@@ -125,6 +137,9 @@ def sync_variants(shapes: list[tuple[int, ...]], comm: Any, mpi: Any,
                       "axondist sync")
     over = _rss_added(lambda: _ddp(shapes, GradSyncStrategy.OVERLAPPED), memory,
                       "axondist overlapped")
+    per_call = _rss_added(lambda: _ddp(shapes, GradSyncStrategy.OVERLAPPED,
+                                       compression=_per_call_sum), memory,
+                          "axondist overlapped (Iallreduce per call)")
     numel = sum(int(np.prod(s)) for s in shapes)
     per_bucket = int(BUCKET_MB * (1 << 20)) // 4
     buckets_a = [np.ones(min(per_bucket, numel - lo), np.float32)
@@ -148,6 +163,7 @@ def sync_variants(shapes: list[tuple[int, ...]], comm: Any, mpi: Any,
     return {
         "axondist sync": sync.sync_gradients,
         "axondist overlapped": over.sync_gradients,
+        "axondist overlapped (Iallreduce per call)": per_call.sync_gradients,
         "raw (a)": raw_a,
         "raw (a)+mean": raw_a_mean,
         "raw (b)": raw_b,
@@ -263,6 +279,8 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
         "sync / raw (b)": ratio_spread(ours, sync["raw (b)"]),
         "sync / raw (c)": ratio_spread(ours, sync["raw (c)"]),
         "overlapped / sync (sync_gradients)": ratio_spread(over, ours),
+        "overlapped with Iallreduce per call / sync": ratio_spread(
+            sync["axondist overlapped (Iallreduce per call)"], ours),
         "overlapped / sync (step extra)": spread([o / s if s > 0 else float("nan") for o, s in
                                                   zip(extra["axondist step overlapped"],
                                                       extra["axondist step sync"])]),
