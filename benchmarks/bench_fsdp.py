@@ -209,14 +209,18 @@ def initial_values() -> list[np.ndarray]:
 
 def layer_forward(pa: list[Any], x: Any) -> tuple[Any, Any]:
     w, b = pa
-    h = np.tanh(x @ w + b)
+    h = x @ w
+    h += b
+    np.tanh(h, out=h)
     return h, (x, h)
 
 
 def layer_backward(pa: list[Any], saved: Any, gy: Any) -> tuple[Any, list[Any]]:
     w, _ = pa
     x, h = saved
-    d = gy * (1.0 - h * h)
+    d = h * h  # tanh' = 1 - h^2, computed in place
+    np.subtract(1.0, d, out=d)
+    d *= gy
     return d @ w.T, [x.T @ d, d.sum(axis=0)]
 
 
