@@ -147,7 +147,10 @@ class FullyShardedDataParallel(GradientSync):
         gives ``(loss, grad_y)``; backward gathers each unit again, sets its
         gradients and reduce-scatters them before the next layer. With
         ``prefetch`` the next unit's all-gather is started before the current
-        layer computes and waited for when that unit is needed. So at most two
+        layer computes and waited for when that unit is needed (it overlaps where
+        the backend moves data in the background, as NCCL does; MPICH on the CPU
+        moves it only inside the wait, so there it holds one more unit and saves
+        no time). So at most two
         units' full parameters are held (the current one and the prefetched
         one; one without prefetch), against the whole model in the
         ``grad_fn`` step; the price is moving the parameters three times per
