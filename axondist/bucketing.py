@@ -695,6 +695,8 @@ class GradientSynchronizer:
             lo, hi = state.persistent.bounds[k]  # type: ignore[union-attr]
             self._pump(max(1, added // max(1, hi - lo)))
             return
+        while self._in_flight and self._in_flight[0].is_completed():  # a local test only
+            self._in_flight.popleft()
         while self._oldest_in_flight < self._next_launch:
             work = self.buckets[self._oldest_in_flight].work
             if work is not None and not work.is_completed():
