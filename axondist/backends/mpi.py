@@ -394,7 +394,8 @@ class MPIBackend(Backend):
 
     def _fused_pieces(self, buf: Any, data: Any, mtype: Any, mop: Any, factor: float) -> None:
         """Blocking SUM all-reduce piece by piece (:meth:`_piece` bytes each), each piece
-        multiplied by ``factor`` (unless 1) just before its Allreduce, while in cache."""
+        multiplied by ``factor`` (unless 1) just before its Allreduce (while in cache, when
+        the pieces are small)."""
         flat, wire = buf.reshape(-1), data.reshape(-1)
         comm, scale = self._comm, factor != 1.0
         try:
