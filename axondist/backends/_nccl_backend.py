@@ -963,11 +963,13 @@ class NcclBackend(Backend):
         if self._closed:
             return
         state = self._state
-        abort = self._link.reason is not None or state.verdict is not None
+        abort = (self._link.reason is not None or state.verdict is not None
+                 or self._broken is not None)
         if not abort:
             try:
                 self.synchronize()
-            except (CollectiveTimeoutError, WorldAbortedError, NcclError, GroupedCallError):
+            except (CollectiveTimeoutError, CollectiveMismatchError, WorldAbortedError, NcclError,
+                    GroupedCallError):
                 abort = True
         self._closed = True
         self._inflight.clear()

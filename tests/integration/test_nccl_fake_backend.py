@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 import axondist as ad
@@ -726,9 +726,10 @@ def test_async_errors_name_the_operation(fake, monkeypatch):
     with pytest.raises(nt.NcclError, match="broadcast: NCCL failed with ncclRemoteError") as e:
         work.wait(timeout=5.0)
     assert e.value.op == "broadcast" and e.value.status == 6
-    fake.async_error = None
-    b0.close()  # the outstanding calls never finish: close aborts instead of hanging
+    b0.close()  # the outstanding call failed: close aborts instead of hanging
     b1.close()
+    assert fake.aborted == [0]  # rank 1 had nothing outstanding: destroyed normally
+    fake.async_error = None
 
 
 def test_mismatched_calls_surface_as_nccl_errors_without_checks(fake, monkeypatch):
@@ -923,3 +924,245 @@ def test_the_gpu_test_file_passes_on_the_cpu_stand_in():
                          timeout=300, env=child_env())
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert " passed" in out.stdout and "skipped" not in out.stdout, out.stdout[-2000:]
+
+
+# --- the default cross-rank check, the flight recorder, the watchdog ----------------------
+
+def _allreduce_count(fake) -> int:
+    return [k for k, _ in fake.calls].count("allReduce")
+
+
+def test_every_collective_starts_with_one_small_check(fake, monkeypatch):
+    def body(world):
+        ad.barrier()
+        ad.all_reduce(dev(np.ones(5, np.float32)))
+
+    spawn(body, 2)
+    # per rank: a barrier and an all_reduce, each preceded by its check
+    assert _allreduce_count(fake) == 2 * (2 + 2)
+    fake.calls.clear()
+    monkeypatch.setenv("AXONDIST_CHECKS", "0")
+    spawn(body, 2)
+    assert _allreduce_count(fake) == 2 * 2
+
+
+_CALLS = st.fixed_dictionaries({
+    "op": st.sampled_from(["all_reduce", "broadcast", "barrier"]),
+    "dtype": st.sampled_from(["float32", "float64", "int32"]),
+    "shape": st.sampled_from([(2,), (1,), (2, 1)]),
+    "reduce_op": st.sampled_from(["sum", "max"]),
+    "root": st.integers(0, 2),
+    "async_op": st.sampled_from([False, False, True]),
+})
+_KEY_FIELDS = {"all_reduce": ("dtype", "shape", "reduce_op", "async_op"),
+               "broadcast": ("dtype", "shape", "root", "async_op"), "barrier": ()}
+
+
+def _key(call, n):
+    call = dict(call, root=call["root"] % n)
+    return (call["op"],) + tuple(call[f] for f in _KEY_FIELDS[call["op"]])
+
+
+def _issue(world, call):
+    """Run one drawn call; its result on the host (None for a barrier)."""
+    if call["op"] == "barrier":
+        ad.barrier()
+        return None
+    x = dev(np.full(call["shape"], world.rank + 1, call["dtype"]))
+    if call["op"] == "all_reduce":
+        work = ad.all_reduce(x, call["reduce_op"], async_op=call["async_op"])
+    else:
+        work = ad.broadcast(x, src=call["root"] % world.world_size, async_op=call["async_op"])
+    if call["async_op"]:
+        work.wait()
+    return x.get()
+
+
+def _mismatch_body(world, calls):
+    try:
+        return "ok", _issue(world, calls[world.rank])
+    except CollectiveMismatchError as exc:
+        return "mismatch", str(exc)
+
+
+# The fake stays installed across examples: each spawn makes a fresh world (its own id).
+@given(n=st.integers(2, 3), data=st.data())
+@settings(max_examples=25, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_ranks_that_disagree_all_raise_the_mismatch_before_data_moves(fake, n, data):
+    first = data.draw(_CALLS)
+    calls = [data.draw(st.one_of(st.just(first), _CALLS)) for _ in range(n)]
+    results = spawn(_mismatch_body, n, calls)
+    keys = [_key(c, n) for c in calls]
+    agree = all(k == keys[0] for k in keys)
+    event("agree" if agree else "async mismatch" if any(c["async_op"] for c in calls)
+          else "blocking mismatch")
+    if agree:
+        call = calls[0]
+        assert all(kind == "ok" for kind, _ in results), results
+        if call["op"] == "all_reduce":
+            inputs = [np.full(call["shape"], r + 1, call["dtype"]) for r in range(n)]
+            want = combine_into(inputs[0].copy(), inputs, ReduceOp(call["reduce_op"]))
+            for _, got in results:
+                assert_close(got, want)
+        elif call["op"] == "broadcast":
+            want = np.full(call["shape"], call["root"] % n + 1, call["dtype"])
+            for _, got in results:
+                assert_close(got, want)
+        return
+    assert all(kind == "mismatch" for kind, _ in results), results
+    ops = [k[0] for k in keys]
+    if len(set(ops)) > 1:
+        want = "ranks called different collectives at the same point (" + ", ".join(
+            f"rank {r} called {o}" for r, o in enumerate(ops))
+    else:
+        names = _KEY_FIELDS[ops[0]]
+        field = next(f for i, f in enumerate(names) if len({k[i + 1] for k in keys}) > 1)
+        want = f"ranks disagree on {field} (rank 0: "
+    for _, text in results:
+        assert want in text, (want, text)
+    async_ops = any(c["async_op"] and c["op"] != "barrier" for c in calls)
+    aborted = any("communicator was aborted" in text for _, text in results)
+    assert aborted == async_ops  # blocking-only mismatches leave the communicators usable
+
+
+def test_mismatched_dtype_op_and_collective_name_the_ranks_and_keep_the_group_usable(fake):
+    def body(world):
+        r = world.rank
+        errors = []
+        same_bytes = dev(np.ones(2, np.float32) if r == 0 else np.ones(1, np.float64))
+        for call in (lambda: ad.all_reduce(same_bytes),
+                     lambda: ad.all_reduce(dev(np.ones(4)), "sum" if r == 0 else "max"),
+                     lambda: ad.all_reduce(dev(np.ones(4))) if r == 0 else ad.barrier()):
+            with pytest.raises(CollectiveMismatchError) as e:
+                call()
+            errors.append(str(e.value))
+        x = dev(np.full(3, r + 1.0))
+        ad.all_reduce(x)  # the communicator is still in step
+        return errors, x.get().tolist()
+
+    results = spawn(body, 2)
+    for errors, value in results:
+        assert errors == [
+            "all_reduce: ranks disagree on dtype (rank 0: float32, rank 1: float64)",
+            "all_reduce: ranks disagree on reduce_op (rank 0: SUM, rank 1: MAX)",
+            "all_reduce: ranks called different collectives at the same point (rank 0 called "
+            "all_reduce, rank 1 called barrier); every rank must make the same collective calls "
+            "in the same order"] or errors[2].startswith("barrier: ranks called different"), errors
+        assert value == [3.0, 3.0, 3.0]
+
+
+def test_the_flight_recorder_lists_every_call(fake):
+    joined = threading.Event()
+
+    def body(world):
+        r, n = world.rank, world.world_size
+        ad.barrier()
+        ad.all_reduce(dev(np.ones((2, 3), np.float32)), "max")
+        if r == 1:
+            assert joined.wait(20)
+        work = ad.all_reduce(dev(np.ones(4)), async_op=True)
+        if r == 0:
+            running = ad.flight_recorder(last=1)[0]
+            assert (running["op"], running["state"], running["blocking"]) == \
+                ("all_reduce", "running", False)
+            joined.set()
+        work.wait()
+        peer = 1 - r
+        if r == 0:
+            world.backend.send(dev(np.arange(3.0)), peer, tag=5)
+        else:
+            world.backend.recv(dev(np.zeros(3)), peer, tag=5)
+        world.backend.allgather_object(r)
+        sub = world.new_group([0, 1])
+        ad.all_reduce(dev(np.ones(1)), group=sub)
+        return ad.flight_recorder()
+
+    for r, dump in enumerate(spawn(body, 2)):
+        calls = [(e["group"], e["seq"], e["op"]) for e in dump]
+        peer = 1 - r
+        assert calls[:4] == [("world", 1, "barrier"), ("world", 2, "all_reduce"),
+                             ("world", 3, "all_reduce"), ("world", 3, "wait all_reduce")] or \
+            calls[:3] == [("world", 1, "barrier"), ("world", 2, "all_reduce"),
+                          ("world", 3, "all_reduce")], calls
+        assert ("world:p2p", 1, "send" if r == 0 else "recv") in calls
+        assert ("world", 4, "allgather_object") in calls
+        assert calls[-1][0] == "world.0" and calls[-1][2] == "all_reduce"
+        assert all(e["state"] == "done" for e in dump), dump
+        by_op = {(e["group"], e["seq"], e["op"]): e for e in dump}
+        assert by_op[("world", 2, "all_reduce")]["detail"] == \
+            "dtype=float32, shape=[2, 3], reduce_op=MAX"
+        assert by_op[("world", 3, "all_reduce")]["blocking"] is False
+        p2p = by_op[("world:p2p", 1, "send" if r == 0 else "recv")]
+        assert p2p["peer"] == peer and p2p["detail"] == f"peer={peer}, tag=5"
+
+
+_FAULT_SCRIPT = """
+import sys, time
+sys.path[:0] = [{root!r}, {here!r}]
+import numpy as np
+import nccl_fake
+
+class Patch:
+    def setitem(self, d, k, v):
+        d[k] = v
+
+nccl_fake.install(Patch(), device_count=2)
+import axondist as ad
+from axondist.launch import spawn_on_devices
+
+def body(world):
+    ad.barrier()
+    if world.rank == 1:
+        if {case!r} == "stuck":
+            time.sleep(6)  # busy in its own code: it skips the all_reduce
+        return "skipped"  # 'left': returns while rank 0 waits
+    work = ad.all_reduce(ad.to_device(np.ones(4)), async_op={async_op!r})
+    return work.wait() if {async_op!r} else work
+
+start = time.monotonic()
+try:
+    spawn_on_devices(body, [0, 1], timeout={timeout!r})
+except Exception as exc:
+    print("ERROR", type(exc).__name__, round(time.monotonic() - start, 1))
+    print(exc)
+    sys.exit(1)
+print("no error")
+"""
+
+
+def _run_fault(case, async_op, timeout, stall):
+    script = _FAULT_SCRIPT.format(root=str(ROOT), here=str(Path(__file__).parent), case=case,
+                                  async_op=async_op, timeout=timeout)
+    env = dict(child_env(), AXONDIST_STALL_WARNING=str(stall))
+    out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True,
+                         text=True, timeout=90, env=env)
+    assert out.returncode == 1, out.stdout + out.stderr
+    return out.stdout, out.stderr
+
+
+@pytest.mark.parametrize("async_op", [False, True])
+def test_a_rank_that_skips_a_collective_times_out_with_the_watchdogs_report(async_op):
+    stdout, stderr = _run_fault("stuck", async_op, 3.0, 0.5)
+    assert "ERROR CollectiveTimeoutError" in stdout, stdout + stderr
+    assert "all_reduce: not completed within 3 s on rank 0 of 2 (GPU 0); the watchdog aborted " \
+        "this rank's NCCL communicators (ncclCommAbort)" in stdout
+    wait = "wait all_reduce" if async_op else "all_reduce"
+    assert f"{wait} #2 on world" in stdout and "timed out on rank 0 of 2 after" in stdout
+    assert "missing ranks: [1]" in stdout
+    assert "rank 1 (host " in stdout and "is not in any axondist call (busy in its own code); " \
+        "its last completed call was barrier #1 on world" in stdout
+    assert "last calls of rank 0 (flight recorder, oldest first):" in stdout
+    assert "barrier #1 on world: started" in stdout and "RUNNING for" in stdout
+    # the stall warnings came first, on stderr, naming the missing rank
+    assert "[axondist rank 0/2] stall: rank 0 has waited" in stderr, stderr
+    assert "[axondist rank 0/2]   missing ranks: [1]" in stderr
+
+
+@pytest.mark.parametrize("async_op", [False, True])
+def test_a_rank_that_left_is_named_within_seconds_not_at_the_timeout(async_op):
+    stdout, stderr = _run_fault("left", async_op, 60.0, 30.0)
+    assert "ERROR RankExitedError" in stdout, stdout + stderr
+    assert "all_reduce: cannot complete on rank 0 of 2 (GPU 0); the watchdog aborted" in stdout
+    assert "rank 1 (host " in stdout and "left after barrier #1 on world" in stdout
+    assert float(stdout.split()[2]) < 60.0  # long before AXONDIST_TIMEOUT
