@@ -1056,7 +1056,7 @@ def test_the_flight_recorder_lists_every_call(fake):
     joined = threading.Event()
 
     def body(world):
-        r, n = world.rank, world.world_size
+        r = world.rank
         ad.barrier()
         ad.all_reduce(dev(np.ones((2, 3), np.float32)), "max")
         if r == 1:
