@@ -338,7 +338,7 @@ def report(results: dict[str, Any], summary: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json", help="write the results as JSON to this path (rank 0)")
-    parser.add_argument("--repeats", type=int, default=12, help="timed batches per variant")
+    parser.add_argument("--repeats", type=int, default=7, help="timed batches per variant")
     parser.add_argument("--no-torch", action="store_true", help="skip torch DDP over gloo")
     args = parser.parse_args(argv)
     results = run(args.repeats, not args.no_torch)
