@@ -10,6 +10,9 @@ each computes the reference itself.
 from __future__ import annotations
 
 import importlib.util
+import os
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 
@@ -268,6 +271,119 @@ def test_float16_and_bfloat16(world):
 def test_numpy_arrays_are_refused(world):
     with pytest.raises(TypeError, match="all_reduce: .*axondist.to_device"):
         ad.all_reduce(np.ones(3, np.float32), group=world)
+
+
+# --- no hang, no silent wrong number: the check, the flight recorder, the watchdog -----------
+
+def test_the_flight_recorder_lists_each_call_once_the_gpu_finished_it(world):
+    import cupy
+
+    ad.barrier(world)
+    x = cupy.ones((64, 2), dtype=cupy.float32)
+    work = ad.all_reduce(x, ReduceOp.MAX, group=world, async_op=True)
+    work.wait()
+    dump = ad.flight_recorder(world, last=2)
+    assert [(e["op"], e["blocking"], e["state"]) for e in dump] == \
+        [("barrier", True, "done"), ("all_reduce", False, "done")], dump
+    assert dump[1]["detail"] == "dtype=float32, shape=[64, 2], reduce_op=MAX"
+    assert dump[1]["seq"] == dump[0]["seq"] + 1 and dump[1]["group"] == "world"
+
+
+def _two_gpus() -> list[int]:
+    if _device_count() < 2:
+        pytest.skip("needs two GPUs (NCCL refuses two ranks on one GPU)")
+    return [0, 1]
+
+
+def _mismatch_body(world):
+    import cupy
+
+    r = world.rank
+    errors = []
+    same_bytes = cupy.ones(2, cupy.float32) if r == 0 else cupy.ones(1, cupy.float64)
+    for call in (lambda: ad.all_reduce(same_bytes),
+                 lambda: ad.all_reduce(cupy.ones(4), "sum" if r == 0 else "max")):
+        with pytest.raises(ad.CollectiveMismatchError) as e:
+            call()
+        errors.append(str(e.value))
+    x = cupy.full(3, r + 1.0)
+    ad.all_reduce(x)  # blocking calls that disagree leave the communicator in step
+    return errors, x.get().tolist()
+
+
+def test_mismatched_dtype_and_op_raise_on_every_gpu_before_data_moves():
+    from axondist.launch import spawn_on_devices
+
+    results = spawn_on_devices(_mismatch_body, _two_gpus(), timeout=120.0)
+    for errors, value in results:
+        assert errors == ["all_reduce: ranks disagree on dtype (rank 0: float32, rank 1: float64)",
+                          "all_reduce: ranks disagree on reduce_op (rank 0: SUM, rank 1: MAX)"]
+        assert value == [3.0, 3.0, 3.0]
+
+
+_FAULT = """
+import sys, time
+import numpy as np
+import axondist as ad
+from axondist.launch import spawn_on_devices
+
+def body(world):
+    import cupy
+    ad.barrier()
+    if world.rank == 1:
+        if {case!r} == "stuck":
+            time.sleep(8)  # in its own code: it skips the all_reduce
+        return None  # "left": it returns while rank 0 waits
+    return ad.all_reduce(cupy.ones(1 << 20, cupy.float32)).get()
+
+start = time.monotonic()
+try:
+    spawn_on_devices(body, [0, 1], timeout={timeout!r})
+except Exception as exc:
+    print("ERROR", type(exc).__name__, round(time.monotonic() - start, 1))
+    print(exc)
+    sys.exit(1)
+print("no error")
+"""
+
+
+def _prelude() -> str:
+    """What a child process runs first: the CPU stand-in, when this file runs on it."""
+    fake = sys.modules.get("nccl_fake")
+    if fake is None:
+        return ""
+    return (f"import sys\nsys.path.insert(0, {str(Path(fake.__file__).parent)!r})\n"
+            "import nccl_fake\n"
+            "class _Patch:\n    def setitem(self, d, k, v):\n        d[k] = v\n"
+            f"nccl_fake.install(_Patch(), device_count={fake.SETTINGS.device_count})\n")
+
+
+def _run_fault(case: str, timeout: float) -> str:
+    _two_gpus()
+    script = _prelude() + _FAULT.format(case=case, timeout=timeout)
+    env = dict(os.environ, AXONDIST_STALL_WARNING="1")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=180, env=env, cwd=Path(__file__).resolve().parents[2])
+    assert out.returncode == 1, out.stdout + out.stderr
+    return out.stdout + out.stderr
+
+
+def test_a_gpu_that_skips_a_collective_times_out_with_the_watchdogs_report():
+    text = _run_fault("stuck", 4.0)
+    assert "ERROR CollectiveTimeoutError" in text, text
+    assert "all_reduce: not completed within 4 s on rank 0 of 2 (GPU 0); the watchdog aborted " \
+        "this rank's NCCL communicators (ncclCommAbort)" in text
+    assert "missing ranks: [1]" in text
+    assert "its last completed call was barrier #1 on world" in text
+    assert "last calls of rank 0 (flight recorder, oldest first):" in text
+    assert "[axondist rank 0/2] stall: rank 0 has waited" in text
+
+
+def test_a_gpu_that_left_is_named_long_before_the_timeout():
+    text = _run_fault("left", 120.0)
+    assert "ERROR RankExitedError" in text, text
+    assert "left after barrier #1 on world" in text
+    assert float(text.split("ERROR RankExitedError ")[1].split()[0]) < 120.0
 
 
 # --- several GPUs from one thread ----------------------------------------------------------------
