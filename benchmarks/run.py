@@ -319,13 +319,19 @@ def ratio_columns(table: Table) -> list[str]:
 _TIMING = re.compile(r"(^|[\s_.])(us|ms|s|seconds|time)($|[\s_.])", re.IGNORECASE)
 
 
+#: Words marking a column as a model's prediction rather than a measurement.
+_PREDICTED = ("simulated", "calibrated", "formula", "predicted")
+
+
 def unspread_columns(table: Table) -> list[str]:
     """Timing columns and timing ratios (``a/b``, "ratio") holding bare numbers: figures
-    reported without a spread. Ratios of deterministic quantities (memory ``vs X``) are not
-    timings and are not flagged."""
+    reported without a spread. Ratios of deterministic quantities (memory ``vs X``) and a
+    model's predictions (``simulated``, ``calibrated``...) are not timings and are not
+    flagged."""
     sizes = size_column(table)
     return [c for c in table.columns
             if c != sizes and ("/" in c or "ratio" in c.lower() or _TIMING.search(c))
+            and not any(word in c.lower() for word in _PREDICTED)
             and any(isinstance(r.get(c), float) for r in table.rows)]
 
 

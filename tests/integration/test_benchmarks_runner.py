@@ -285,6 +285,13 @@ def test_a_run_without_a_verdict_says_why():
     assert runner.targets_summary(runner.Outcome(plan, "ok", [])) == "none reported"
 
 
+def test_predicted_figures_are_not_flagged_as_timings_without_a_spread():
+    table = runner.Table("rows", ["step_ms_simulated", "step_ms_measured", "step_ms"],
+                         [{"step_ms_simulated": 3.0, "step_ms_measured": common.spread([1.0, 2]),
+                           "step_ms": 2.0}])
+    assert runner.unspread_columns(table) == ["step_ms"]
+
+
 def test_target_rows_are_collected_into_one_section_marked_met_or_missed():
     plan = runner.Plan("bench_x", Path("x.py"), 2, [], True, 1.0)
     rows = [common.target("a <= 1.05x b", common.spread([1.0, 1.02, 1.1]), 1.05),
