@@ -170,24 +170,22 @@ class NcclBackend(Backend):
         return self
 
     def _join_job(self, host: str) -> None:
-        """Exchange host names, settings and watchdog addresses; start the watchdog."""
+        """Exchange host names and settings (which must agree), then start the watchdog."""
         state, n = self._state, self.world_size
-        token = self._broadcast_object_raw(secrets.token_hex(16) if self.rank == 0 else "",
-                                           0) if n > 1 else ""
-        watchdog = state.make_watchdog(token) if n > 1 else None
         settings = (state.checks, state.debug, self.timeout)
-        table = self._allgather_object_raw((host, watchdog.address if watchdog else None,
-                                            settings))
-        if any(t[2] != settings for t in table):
+        table = self._allgather_object_raw((host, settings))
+        if any(t[1] != settings for t in table):
             state.abort_all()
-            detail = "; ".join(f"rank {k}: checks={t[2][0]}, debug={t[2][1]}, timeout={t[2][2]:g}"
+            detail = "; ".join(f"rank {k}: checks={t[1][0]}, debug={t[1][1]}, timeout={t[1][2]:g}"
                                for k, t in enumerate(table))
             raise ValueError(f"NcclBackend: the ranks were started with different axondist "
                              f"settings ({detail}); set AXONDIST_CHECKS, AXONDIST_DEBUG and "
                              "AXONDIST_TIMEOUT (or timeout=) alike on every rank")
         self._hosts = tuple(t[0] for t in table)
-        if watchdog is not None:
-            watchdog.start([t[1] for t in table])
+        if n > 1:
+            token = self._broadcast_object_raw(secrets.token_hex(16) if self.rank == 0 else "", 0)
+            watchdog = state.make_watchdog(token)
+            watchdog.start(self._allgather_object_raw(watchdog.address))
 
     # --- construction helpers -------------------------------------------------------------
     @staticmethod

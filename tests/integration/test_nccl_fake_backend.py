@@ -1166,3 +1166,33 @@ def test_a_rank_that_left_is_named_within_seconds_not_at_the_timeout(async_op):
     assert "all_reduce: cannot complete on rank 0 of 2 (GPU 0); the watchdog aborted" in stdout
     assert "rank 1 (host " in stdout and "left after barrier #1 on world" in stdout
     assert float(stdout.split()[2]) < 60.0  # long before AXONDIST_TIMEOUT
+
+
+def test_ranks_started_with_different_checks_settings_refuse_to_start(fake, monkeypatch):
+    from axondist.backends import _nccl_backend
+    from axondist.backends.nccl import bootstrap_from_env
+
+    # AXONDIST_CHECKS=0 on rank 1 only (the environment is per process; these are threads)
+    monkeypatch.setattr(_nccl_backend, "checks_enabled",
+                        lambda: threading.current_thread().name != "rank1")
+    port, n = free_port(), 2
+    errors: list[BaseException | None] = [None] * n
+
+    def rank_main(r):
+        try:
+            bootstrap_from_env(LaunchEnv("127.0.0.1", port, n, r, r), timeout=20.0)
+        except BaseException as exc:  # noqa: BLE001 - checked below
+            errors[r] = exc
+
+    threads = [threading.Thread(target=rank_main, args=(r,), name=f"rank{r}") for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    for exc in errors:
+        assert isinstance(exc, ValueError), errors
+        assert str(exc) == (
+            "NcclBackend: the ranks were started with different axondist settings (rank 0: "
+            "checks=True, debug=False, timeout=20; rank 1: checks=False, debug=False, "
+            "timeout=20); set AXONDIST_CHECKS, AXONDIST_DEBUG and AXONDIST_TIMEOUT (or "
+            "timeout=) alike on every rank")
