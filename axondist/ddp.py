@@ -58,11 +58,12 @@ class DistributedDataParallel:
     * the user sets every ``p.grad`` and calls ``ddp.sync_gradients()``;
 
     then ``opt.step()`` on every rank; or ``ddp.step(*batch, optimizer=opt)``
-    in one call. These, :meth:`clip_grad_norm`, :meth:`no_sync`,
-    :meth:`summon_full_params` and :meth:`state_dict` are the calls FSDP
-    offers too, so switching wrapper changes no other line. The constructor
-    broadcasts group rank 0's parameters to every rank (``init_sync=True``),
-    as torch DDP does.
+    in one call. :meth:`close` (or the end of ``with DDP(...) as ddp:``) frees
+    what the OVERLAPPED strategy sets up on the group. These,
+    :meth:`clip_grad_norm`, :meth:`no_sync`, :meth:`summon_full_params` and
+    :meth:`state_dict` are the calls FSDP offers too, so switching wrapper
+    changes no other line. The constructor broadcasts group rank 0's
+    parameters to every rank (``init_sync=True``), as torch DDP does.
 
     Gradient functions. ``grad_fn(params, *batch)`` receives the parameters'
     arrays (``[p.data for p in ddp.parameters()]``) and either
@@ -646,6 +647,12 @@ class DistributedDataParallel:
         """
         self._in_step = False
         self.synchronizer.close()
+
+    def __enter__(self) -> DistributedDataParallel:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
     def _abandon(self) -> None:
         """Leave a failed step: wait for what is in flight, close the step."""

@@ -162,6 +162,22 @@ def test_close_frees_and_the_next_step_sets_up_again():
             first[0].start(0)
 
 
+def _with_block(world):
+    p = Parameter(np.zeros(4), name="w")
+    with DDP([p], strategy=OVER) as ddp:
+        p.grad = np.full(4, float(world.rank))
+        ddp.sync_gradients()
+        handles = ddp.synchronizer.persistent
+    return [h.freed for h in handles], p.grad.copy()
+
+
+def test_leaving_a_with_block_closes():
+    n = current_size(2)
+    for freed, grad in run_world(_with_block, n):
+        assert freed and all(freed)
+        np.testing.assert_allclose(grad, np.full(4, (n - 1) / 2))
+
+
 def _handle_rules(world):
     """A handle refuses to restart a piece in flight; wait(timeout) times out while a peer
     has not started the piece, then completes once it has."""
