@@ -356,11 +356,11 @@ class NcclBackend(Backend):
             limit = float(timeout)
         else:
             limit = self.timeout + (_VERDICT_GRACE if state.watchdog is not None else 0.0)
-        state.polling.add(event)
+        state.polling[id(event)] = event
         try:
             self._poll_until(event, op, timeout, limit)
         finally:
-            state.polling.discard(event)
+            state.polling.pop(id(event), None)
 
     def _poll_until(self, event: Any, op: str, timeout: float | None, limit: float) -> None:
         state = self._state
@@ -452,15 +452,16 @@ class NcclBackend(Backend):
         if got[0] != -got[1]:
             raise self._mismatch(op, key, entry.group, entry.seq, True)
 
-    def _check_later(self, op: str, key: tuple[Any, ...], entry: Entry) -> Callable[[], None]:
-        """Enqueue an async call's check; what verifies it (called by ``wait()``)."""
+    def _check_later(self, op: str, key: tuple[Any, ...],
+                     entry: Entry) -> Callable[[float | None], None]:
+        """Enqueue an async call's check; what verifies it (``wait(timeout)`` calls it)."""
         with self._cupy.cuda.Device(self.device):
             out = self._cupy.empty(2, dtype=np.int64)  # its own: later checks may run first
         work = self._issue_check(op, key, out, True)
         group, seq = entry.group, entry.seq
 
-        def settle() -> None:
-            work.wait()
+        def settle(timeout: float | None) -> None:
+            work.wait(timeout)
             with self._cupy.cuda.Device(self.device):
                 got = out.get(stream=self._read_stream)  # the main stream may be stuck
             if got[0] != -got[1]:

@@ -172,7 +172,7 @@ class NcclWork(Work):
         self._error: BaseException | None = None
         self._entry = entry
         #: Settles the cross-rank check of an async call (raises on a mismatch).
-        self._check: Callable[[], None] | None = None
+        self._check: Callable[[float | None], None] | None = None
 
     def _fail(self, error: BaseException) -> None:
         self._error = error
@@ -216,7 +216,7 @@ class NcclWork(Work):
             waiting = state.begin(entry.group, entry.seq, f"wait {self._op}", None, True)
         try:
             if self._check is not None:
-                self._check()
+                self._check(timeout)
                 self._check = None
             self._backend._wait_event(self._event, self._op, timeout)
         except CollectiveMismatchError as exc:
@@ -269,6 +269,15 @@ class Entry:
         self.blocking, self.open = blocking, True
 
 
+def _pending(event: Any) -> bool:
+    """Whether ``event`` has not completed (queried from the watchdog's thread; a query that
+    fails counts as pending, so the abort goes ahead)."""
+    try:
+        return not event.done
+    except Exception:  # noqa: BLE001 - e.g. a CUDA error on a wedged device
+        return True
+
+
 class RankState:
     """What the backends of one rank (its world and its sub-groups) share.
 
@@ -299,8 +308,8 @@ class RankState:
         self.debug = debug
         self.watchdog: Watchdog | None = None
         self.comms: list[Any] = []
-        #: Events the rank's threads are polling now (what the watchdog's verdict is about).
-        self.polling: set[Any] = set()
+        #: Events the rank's threads are polling now, by id (what a watchdog verdict is about).
+        self.polling: dict[int, Any] = {}
         self.verdict: str | None = None
         self._verdict_kind: type[Exception] = CollectiveTimeoutError
         self._timed_out = False
@@ -340,7 +349,7 @@ class RankState:
         noticed yet: a peer that sent, then left) is dropped; that rank's later waits
         still end at their own timeout.
         """
-        if not any(not event.done for event in list(self.polling)):
+        if not any(_pending(event) for event in list(self.polling.values())):
             return
         waited = max((e["started_s_ago"] for e in self.recorder.running()), default=0.0)
         self._timed_out = waited >= self.timeout

@@ -1196,3 +1196,24 @@ def test_ranks_started_with_different_checks_settings_refuse_to_start(fake, monk
             "checks=True, debug=False, timeout=20; rank 1: checks=False, debug=False, "
             "timeout=20); set AXONDIST_CHECKS, AXONDIST_DEBUG and AXONDIST_TIMEOUT (or "
             "timeout=) alike on every rank")
+
+
+def test_an_async_call_returns_at_once_and_its_check_honours_wait_timeout(fake):
+    from axondist.backends.nccl import NcclBackend
+
+    b0, b1 = NcclBackend.create_world([0, 1], timeout=30)
+    x0 = ad.to_device(np.ones(2))
+    with fake.module.Device(1):
+        x1 = ad.to_device(np.full(2, 2.0))
+    work = b0.all_reduce(x0, ReduceOp.SUM, async_op=True)  # rank 1 is not there yet
+    with pytest.raises(CollectiveTimeoutError, match=r"all_reduce: not completed within 0.2 s on "
+                                                     r"rank 0 of 2 \(GPU 0\); it keeps running"):
+        work.wait(timeout=0.2)  # still in its check: nothing was aborted
+    peer = threading.Thread(target=lambda: b1.all_reduce(x1, ReduceOp.SUM, async_op=True).wait())
+    peer.start()
+    assert work.wait() is x0
+    peer.join(30)
+    assert_close(x0.get(), np.full(2, 3.0))
+    assert_close(x1.get(), np.full(2, 3.0))
+    b0.close()
+    b1.close()
