@@ -4,8 +4,9 @@ Importing this module imports neither CuPy nor mpi4py; creating a backend does, 
 raises :class:`~axondist.errors.BackendUnavailableError` saying what to install when
 CuPy or NCCL is missing. ``axondist.init("nccl")`` calls :func:`create_world_backend`
 (rank 0's unique id shared over MPI under ``mpiexec``, else over a TCP rendezvous from
-torchrun-style variables); ``docs/backends.md`` explains streams, grouped calls and how
-each operation maps onto NCCL.
+torchrun-style variables); ``docs/backends.md`` explains streams, grouped calls, how
+each operation maps onto NCCL, and the cross-rank check, flight recorder and watchdog
+every collective runs under (``AXONDIST_CHECKS=0`` turns the check off).
 """
 
 from __future__ import annotations

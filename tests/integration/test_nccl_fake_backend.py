@@ -4,7 +4,10 @@ backend's own logic on a CPU stand-in for CuPy (``nccl_fake``).
 The fake runs NCCL's calls synchronously on host memory, so these tests check
 what the backend asks NCCL to do (pointers, byte counts, dtype/op codes,
 roots, grouping, ids) and the results, not CUDA stream ordering; the tests
-in tests/gpu/test_nccl_gpu.py do that on a real GPU.
+in tests/gpu/test_nccl_gpu.py do that on a real GPU. The last section checks
+the no-hang contract: the cross-rank check before each collective, the
+flight recorder, and the watchdog's stall warnings, timeout abort and
+departure detection (the cases that could hang run in subprocesses).
 """
 
 from __future__ import annotations
