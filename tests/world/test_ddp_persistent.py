@@ -113,7 +113,7 @@ def train(world, shapes, seed, steps, micro, weighted, cap_elems, piece_elems, v
     return [p.data.copy() for p in params], made, buckets, freed, ddp.synchronizer.persistent
 
 
-@settings(max_examples=12)
+@settings(max_examples=25)
 @given(size=world_sizes(1, 4), shapes=SHAPES, seed=st.integers(0, 2**20),
        steps=st.integers(1, 3), micro=st.integers(1, 3), weighted=st.booleans(),
        cap_elems=st.integers(1, 40), piece_elems=st.sampled_from([None, 1, 2, 3, 7]),
