@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import CollectiveTimeoutError
-from ._mpi_common import raise_mpi_error
+from ._mpi_common import mean_scaling, raise_mpi_error
 from .base import compare_signatures
 from .recorder import CALL_FIELDS as FIELDS
 from .recorder import FlightRecorder, describe_status
@@ -186,7 +186,9 @@ class CallGuard:
         if self._exchange(rider.h, rider.nbytes, mine, rider.theirs, rider.ufunc):
             self._disagree("all_reduce", key)
         if rider.divisor:
-            np.divide(mine, rider.divisor, out=flat, casting="unsafe")
+            how, by = mean_scaling(rider.divisor)
+            (np.multiply if how == "multiply" else np.divide)(mine, by, out=flat,
+                                                              casting="unsafe")
         else:
             np.copyto(flat, mine)
 

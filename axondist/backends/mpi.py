@@ -1,6 +1,7 @@
 """The MPI backend: one process per rank, over mpi4py, on axondist's own duplicate of
 ``COMM_WORLD``. Every collective is recorded in the rank's flight recorder and starts with
-a check that all ranks make the same call (carried in the data of a small all-reduce); a watchdog ends a job that stalls.
+a check that all ranks make the same call (carried in the data of a small all-reduce); a
+watchdog ends a job that stalls.
 ``docs/backends.md`` explains the design (pieces, fused arithmetic, half-precision and
 NaN handling, CuPy staging, the checks and the watchdog) and the measurements behind it.
 """
@@ -1112,15 +1113,17 @@ def create_world_backend(*, comm: Any = None, abort_on_exception: bool = True,
     if size > 1:
         watchdog = Watchdog(recorder, timeout=wait, stall=stall_warning_after(wait),
                             abort=_abort_job, token=dup.bcast(secrets.token_hex(16), root=0))
-    settings = (policy.checks, policy.debug, policy.chunk_bytes, wait)
+    settings = (policy.checks, policy.debug, policy.chunk_bytes, policy.piece_bytes, wait)
     table = dup.allgather((settings, watchdog.address if watchdog else None))
     if any(t[0] != settings for t in table):
         detail = ", ".join(f"rank {k}: checks={t[0][0]}, debug={t[0][1]}, chunk_bytes={t[0][2]}, "
-                           f"timeout={t[0][3]:g}" for k, t in enumerate(table))
+                           f"piece_bytes={t[0][3]}, timeout={t[0][4]:g}"
+                           for k, t in enumerate(table))
         dup.Free()
         raise ValueError("init: the ranks were started with different axondist settings "
                          f"({detail}); set AXONDIST_CHECKS, AXONDIST_DEBUG, "
-                         "AXONDIST_MPI_CHUNK_BYTES and AXONDIST_TIMEOUT alike on every rank")
+                         "AXONDIST_MPI_CHUNK_BYTES, AXONDIST_PIECE_MB and AXONDIST_TIMEOUT alike "
+                         "on every rank")
     if watchdog is not None:
         watchdog.start([t[1] for t in table])
     backend = MPIBackend(dup, policy, recorder=recorder)
