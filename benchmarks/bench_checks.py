@@ -5,7 +5,8 @@
 Every axondist collective first checks that all ranks call the same
 collective with the same arguments (and records the call in the flight
 recorder): an exchange of 24-byte headers, which a blocking all-reduce of up
-to 64 KiB carries in front of its own data instead of sending apart. Here ``all_reduce`` (SUM, float32) runs on the
+to 64 KiB carries in front of its own data instead of sending apart. Here
+``all_reduce`` (SUM, float32) runs on the
 same buffer as raw ``Allreduce(MPI.IN_PLACE, buf, MPI.SUM)`` on ``COMM_WORLD``,
 through two worlds of the same launch: one with the checks (the default), one
 without (``checks=False``, what ``AXONDIST_CHECKS=0`` gives). Timed batches

@@ -90,7 +90,8 @@ CASES: dict[str, Expect] = {
                                r"rank 1: .1048576,?."] * 2),
     "async_mismatch": Expect(r"ranks called different collectives as call #1 on world: rank 0: "
                              r"all_reduce \(.*blocking\); rank 1: all_reduce \(.*async_op=True\)",
-                             r"all_reduce: ranks disagree on async_op \(rank 0: False, rank 1: True"),
+                             r"all_reduce: ranks disagree on async_op \(rank 0: False, "
+                             r"rank 1: True"),
     "mismatch_caught_then_good": Expect(None, None),
     "ddp_num_samples": Expect(r"ranks called different collectives at the same point \(rank 0 "
                               r"called all_reduce, rank 1 called scaled_sum",
