@@ -14,6 +14,7 @@ Splits along axis 0 follow :func:`numpy.array_split`: with ``L`` rows over
 
 from __future__ import annotations
 
+import functools
 import zlib
 from collections.abc import Sequence
 from math import prod
@@ -373,9 +374,9 @@ def _gather_counts(g: ProcessGroup, b: Backend, x: Any, what: str,
         # the object exchange below, which names the disagreement. (Not for NCCL:
         # its collectives take device memory only.)
         n = g.world_size
-        header = _array.np.array((x.shape[0],) + _fingerprint(x.dtype, trailing), _INT64)
-        table = _HOST_ARRAY((4 * n,), _INT64)
-        b.all_gather_blocking(header, table, [4] * n)
+        header, table, counts = _row_exchange(b, x.dtype, trailing, n)
+        header[0] = x.shape[0]
+        b.all_gather_blocking(header, table, counts)
         values = table.tolist()  # small: Python lists beat NumPy calls here
         prints = values[1:4]
         if all(values[k:k + 3] == prints for k in range(5, 4 * n, 4)):
@@ -390,6 +391,17 @@ def _gather_counts(g: ProcessGroup, b: Backend, x: Any, what: str,
 
 
 _INT64 = _array.dtype_named("int64")
+
+
+@functools.lru_cache(maxsize=64)
+def _row_exchange(backend: Backend, dtype: Any, trailing: tuple[int, ...],
+                  n: int) -> tuple[Any, Any, list[int]]:
+    """The buffers of :func:`_gather_counts`' exchange on one rank's ``backend`` for one
+    dtype, trailing shape and group size: the header (rows, then the fingerprint), the
+    table every rank's header lands in, the counts. Reused call after call: building
+    them cost more than the exchange itself."""
+    header = _array.np.array((0,) + _fingerprint(dtype, trailing), _INT64)
+    return header, _HOST_ARRAY((4 * n,), _INT64), [4] * n
 
 
 def _fingerprint(dtype: Any, trailing: tuple[int, ...]) -> tuple[int, int, int]:
