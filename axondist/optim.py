@@ -371,15 +371,33 @@ class Adam(Optimizer):
             m = state["exp_avg"] = xp.zeros_like(p)
             state["exp_avg_sq"] = xp.zeros_like(p)
         v = state["exp_avg_sq"]
+        # The same arithmetic as the formulas above, in place: every temporary lands in
+        # one scratch buffer (fresh temporaries cost page faults on every step).
+        s = self._scratch_like(xp, p)
         xp.multiply(m, b1, out=m)
-        m += (1.0 - b1) * g
+        xp.multiply(g, 1.0 - b1, out=s)
+        m += s
         xp.multiply(v, b2, out=v)
-        v += (1.0 - b2) * (g * g)
+        xp.multiply(g, g, out=s)
+        s *= 1.0 - b2
+        v += s
         step_size = self.lr / (1.0 - b1**t)
-        denom = xp.sqrt(v)
-        denom /= math.sqrt(1.0 - b2**t)
-        denom += self.eps
-        p -= step_size * (m / denom)
+        xp.sqrt(v, out=s)
+        s /= math.sqrt(1.0 - b2**t)
+        s += self.eps
+        xp.divide(m, s, out=s)
+        s *= step_size
+        p -= s
+
+    def _scratch_like(self, xp: Any, p: Any) -> Any:
+        """A scratch array of ``p``'s shape and dtype: a view of one buffer per dtype and
+        array library, as large as the largest parameter (grown when needed)."""
+        key = (xp.__name__, p.dtype)
+        scratches: dict[Any, Any] = self.__dict__.setdefault("_scratch", {})
+        flat = scratches.get(key)
+        if flat is None or flat.size < p.size:
+            flat = scratches[key] = xp.empty(p.size, dtype=p.dtype)
+        return flat[:p.size].reshape(p.shape)
 
 
 class AdamW(Adam):
