@@ -135,6 +135,16 @@ class Watchdog:
         self._stopped = True
         self._wake.set()
 
+    def close(self) -> None:
+        """Stop watching and serving, and forget this watchdog: for a world that ends while
+        its process goes on (in-process worlds), so no thread or socket outlives it. Its
+        peers then see it as gone."""
+        self.stop()
+        atexit.unregister(self.announce_left)
+        if self in _RUNNING:
+            _RUNNING.remove(self)
+        self._server.close()  # the server thread's accept() fails, and it returns
+
     # --- the server -----------------------------------------------------------------------
     def _serve(self) -> None:
         while True:

@@ -3,10 +3,12 @@ talking over loopback."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
 
+from axondist.backends import _watchdog
 from axondist.backends._watchdog import GONE, Watchdog
 from axondist.backends.recorder import FlightRecorder
 
@@ -114,3 +116,19 @@ def test_a_stalled_call_warns_then_times_out_naming_the_missing_rank(stall, caps
     finally:
         for d in dogs:
             d.stop()
+
+
+def test_a_closed_watchdog_leaves_no_thread_or_port_and_peers_see_it_gone():
+    dogs, ended = _pair()
+    try:
+        before = {t.ident for t in threading.enumerate() if t.name.startswith("axondist-watchdog")}
+        dogs[1].close()
+        assert dogs[1] not in _watchdog._RUNNING
+        _wait_for(lambda: dogs[0].query([1])[1] == GONE)
+        _wait_for(lambda: len({t.ident for t in threading.enumerate()
+                               if t.name.startswith("axondist-watchdog")}) == len(before) - 2)
+        dogs[1].close()  # idempotent
+    finally:
+        for d in dogs:
+            d.close()
+    assert ended == []
