@@ -988,6 +988,7 @@ class NcclBackend(Backend):
                 state.watchdog.stop()
             else:
                 state.watchdog.announce_left()
+                state.watchdog.close()  # no server thread outlives an in-process world
 
 
 def _check_rank_args(rank: int, world_size: int, what: str) -> None:
