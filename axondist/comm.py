@@ -217,6 +217,13 @@ def reduce_scatter(x: Any, op: ReduceOp | str = ReduceOp.SUM, group: ProcessGrou
     :func:`numpy.array_split` would; rank r gets the reduced block r.
     """
     g, b = _member(group, "reduce_scatter")
+    if (not async_op and x.__class__ is _HOST_ARRAY and x.flags.c_contiguous and x.ndim == 1
+            and op in _REDUCE_OK.get(x.dtype, ()) and x.size % b.world_size == 0):
+        # The hot path: 1-D NumPy, equal blocks, an op the dtype passed before.
+        block = x.size // b.world_size
+        out = _HOST_ARRAY((block,), x.dtype)
+        b.reduce_scatter_blocking(x, out, [block] * b.world_size, op)
+        return out
     x = _array.contiguous(_array.as_array(x))
     op = ReduceOp.parse(op)
     check_op_dtype(op, x.dtype, "reduce_scatter")
@@ -227,6 +234,10 @@ def reduce_scatter(x: Any, op: ReduceOp | str = ReduceOp.SUM, group: ProcessGrou
     out = _array.namespace(x).empty((rows[g.rank],) + tuple(x.shape[1:]), dtype=x.dtype)
     if op is ReduceOp.AVERAGE and x.dtype in _HALF:
         return _half_average(x, out, b, async_op, [r * row_size for r in rows])
+    if x.__class__ is _HOST_ARRAY and not (op is ReduceOp.AVERAGE and x.dtype in _HALF):
+        known = _REDUCE_OK.get(x.dtype, ())
+        if op not in known:
+            _REDUCE_OK[x.dtype] = known + (op,)
     sig = (("dtype", x.dtype), ("shape", x.shape))
     work = b.reduce_scatter(x, out, [r * row_size for r in rows], op, signature=sig,
                             async_op=async_op)

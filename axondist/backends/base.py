@@ -450,6 +450,13 @@ class Backend(abc.ABC):
         """:meth:`all_gather` with ``counts`` already checked against the group, blocking."""
         self.all_gather(send, recv, counts, signature=(("dtype", send.dtype),)).wait()
 
+    def reduce_scatter_blocking(self, send: Any, recv: Any, counts: list[int],
+                                op: ReduceOp) -> None:
+        """:meth:`reduce_scatter` with ``counts`` already checked against the group and
+        the buffers, blocking (``send`` and ``recv`` arrays of one dtype)."""
+        self.reduce_scatter(send, recv, counts, op,
+                            signature=(("dtype", send.dtype), ("shape", send.shape))).wait()
+
     def scaled_sum_blocking(self, buf: Any, factor: float = 1.0) -> None:
         """``buf *= factor`` (unless 1), then a SUM all-reduce of ``buf`` in place.
 
