@@ -129,6 +129,8 @@ class CallGuard:
         self._byte = mpi.BYTE
         self._status = mpi.Status()
         self._steps = _schedule(comm.Get_rank(), comm.Get_size())
+        #: The other rank of a two-rank group (whose exchange is one swap), else None.
+        self._pair = self._steps[0][1] if comm.Get_size() == 2 and checks else None
         # The checks' own messages, apart from the data's and the users' sends.
         self._check_comm = comm.Dup() if checks and self._steps else None
         self._send: np.ndarray | None = None
@@ -183,6 +185,16 @@ class CallGuard:
         """
         mine = rider.mine
         np.copyto(mine, flat)
+        if self._pair is not None:
+            # Two ranks: one swap, whose combination lands in the caller's buffer once
+            # the headers matched (no copy back).
+            if self._swap(rider.h, rider.nbytes, mine, rider.theirs, rider.ufunc, flat):
+                self._disagree("all_reduce", key)
+            if rider.divisor:
+                how, by = mean_scaling(rider.divisor)
+                (np.multiply if how == "multiply" else np.divide)(flat, by, out=flat,
+                                                                  casting="unsafe")
+            return
         if self._exchange(rider.h, rider.nbytes, mine, rider.theirs, rider.ufunc):
             self._disagree("all_reduce", key)
         if rider.divisor:
@@ -191,6 +203,24 @@ class CallGuard:
                                                               casting="unsafe")
         else:
             np.copyto(flat, mine)
+
+    def _swap(self, h: int, nbytes: int, mine: np.ndarray, theirs: np.ndarray, ufunc: Any,
+              out: np.ndarray) -> int:
+        """:meth:`_exchange` of a two-rank group, ``ufunc(mine, theirs)`` written to ``out``
+        (only when the ranks agree)."""
+        send, recv = self._send, self._recv
+        header, seen, status, byte = self._send_words, self._recv_words, self._status, self._byte
+        header[0], header[1], header[2] = h, 0, nbytes
+        total = _HEADER + nbytes
+        try:
+            self._check_comm.Sendrecv(  # type: ignore[union-attr]
+                [send, total, byte], self._pair, _TAG, [recv, byte], self._pair, _TAG, status)
+        except self._mpi.Exception as exc:
+            raise_mpi_error(exc, "the cross-rank check")
+        if seen[1] or seen[0] != h or status.Get_count(byte) != total:
+            return 1
+        ufunc(mine, theirs, out=out)
+        return 0
 
     def _exchange(self, h: int, nbytes: int, mine: np.ndarray | None,
                   theirs: np.ndarray | None, ufunc: Any) -> int:
