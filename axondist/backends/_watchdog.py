@@ -391,8 +391,18 @@ class Watchdog:
                 host = self.peers[r][2] if r in self.peers else "?"
                 why = (_GONE_TEXT if status == GONE else _NO_ANSWER_TEXT)
                 lines.append(f"  rank {r} (host {host}): {status} ({why})")
-        head = f"  missing ranks: {missing}" if missing else "  every rank has joined this call"
-        return [head] + lines
+        if missing:
+            return [f"  missing ranks: {missing}"] + lines
+        # Every rank started the call, yet it does not finish: a non-blocking call's data
+        # moves only while its ranks are inside MPI, so name those busy in their own code.
+        busy = [r for r in sorted(statuses) if isinstance(statuses[r], dict)
+                and not statuses[r].get("running")]
+        if not busy:
+            return ["  every rank has joined this call"]
+        return ([f"  every rank has joined this call, but ranks {busy} are not in any axondist "
+                 "call now (busy in their own code: a non-blocking call completes only once "
+                 "every rank waits for it or makes other calls)"]
+                + ["  " + describe_status(statuses[r]) for r in busy])
 
     def _end(self, call: dict[str, Any], waited: float, reason: str | None,
              statuses: dict[int, Any] | None) -> None:

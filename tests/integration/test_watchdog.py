@@ -132,3 +132,22 @@ def test_a_closed_watchdog_leaves_no_thread_or_port_and_peers_see_it_gone():
         for d in dogs:
             d.close()
     assert ended == []
+
+
+def test_a_joined_call_that_does_not_finish_names_the_ranks_busy_in_their_own_code():
+    dogs, _ = _pair()
+    try:
+        rec0, rec1 = dogs[0].recorder, dogs[1].recorder
+        for rec in (rec0, rec1):  # both issued non-blocking call #1
+            rec.end(rec.begin("world", 1, "all_reduce", None, False))
+        rec0.begin("world", 1, "wait all_reduce", None)  # rank 0 waits; rank 1 computes
+        call = rec0.running()[0]
+        lines = dogs[0]._peer_lines(call, dogs[0].query([1]))
+        assert "every rank has joined this call, but ranks [1] are not in any axondist" in lines[0]
+        assert "rank 1 (host host1" in lines[1] and "busy in its own code" in lines[1]
+        rec1.begin("world", 2, "barrier", None)  # now rank 1 waits in a call too
+        lines = dogs[0]._peer_lines(call, dogs[0].query([1]))
+        assert lines == ["  every rank has joined this call"]
+    finally:
+        for d in dogs:
+            d.close()
