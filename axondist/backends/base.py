@@ -261,7 +261,7 @@ class PersistentAllReduce:
         free: releases what the backend set up (None: nothing to release).
     """
 
-    __slots__ = ("buf", "bounds", "_start", "_free", "_works")
+    __slots__ = ("buf", "bounds", "_start", "_free", "_works", "__weakref__")
 
     def __init__(self, buf: Any, bounds: Sequence[tuple[int, int]],
                  start: Callable[[int], Work], free: Callable[[], None] | None = None) -> None:

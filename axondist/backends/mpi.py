@@ -13,6 +13,7 @@ import secrets
 import sys
 import time
 import traceback
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -118,6 +119,8 @@ class MPIBackend(Backend):
         self._nodes = self._compute_nodes() if node_ids is None else list(node_ids)
         self._node = _node_info(self._nodes, self.rank)
         self._host_twin: MPIBackend | None = None
+        #: Live persistent all-reduces: close() frees what their owners did not.
+        self._persistent: weakref.WeakSet[Any] = weakref.WeakSet()
         #: The rank's watchdog (the world backend of a job of several ranks only).
         self.watchdog: Watchdog | None = None
 
@@ -984,7 +987,9 @@ class MPIBackend(Backend):
                     if request != MPI.REQUEST_NULL:
                         request.Free()
 
-        return Backend.Persistent(buf, bounds, start, free)
+        handle = Backend.Persistent(buf, bounds, start, free)
+        self._persistent.add(handle)
+        return handle
 
     # --- groups and life cycle -------------------------------------------------------------
     def new_group(self, ranks: Sequence[int]) -> MPIBackend | None:
@@ -1025,6 +1030,8 @@ class MPIBackend(Backend):
         if comm is not None and not MPI.Is_finalized() and comm != MPI.COMM_NULL:
             self._guard.rec.groups.pop(self._guard.group, None)
             self._guard.rec.groups.pop(self._guard.p2p_group, None)
+            for handle in list(self._persistent):
+                handle.free()  # collective, as close() is: every rank holds the same ones
             self._guard.close()
             comm.Free()
 
