@@ -44,13 +44,29 @@ BYTES = np.dtype(np.uint8)
 _STAGING_MODES = ("auto", "always", "never")
 
 
+#: The pieces of big all-reduces and broadcasts in a group on one node (measured: a
+#: 64 MiB all-reduce in one call ran at 0.42-0.50x the speed of 16 MiB pieces).
+NODE_CHUNK_BYTES = 16 << 20
+
+
+def chunk_for(option: int | None, nodes: int) -> int:
+    """Bytes per piece of big messages in a group spanning ``nodes`` nodes (0: no pieces)
+    for :attr:`MPIOptions.chunk_bytes` ``option``."""
+    if option is not None:
+        return option
+    return NODE_CHUNK_BYTES if nodes <= 1 else 0
+
+
 @dataclass(frozen=True)
 class MPIOptions:
     """How the MPI backend moves data (``create_world_backend(**fields)``)."""
 
-    chunk_bytes: int = 16 << 20
+    chunk_bytes: int | None = None
     """All-reduces and broadcasts bigger than this run in pieces of at most
-    this many bytes; 0 never splits. Env: ``AXONDIST_MPI_CHUNK_BYTES``."""
+    this many bytes; 0 never splits. None: :data:`NODE_CHUNK_BYTES` in a group
+    on one node (pieces avoid MPICH's page faults on big shared-memory
+    messages), no pieces in a group that spans nodes (each blocking piece costs
+    the network's round trips). Env: ``AXONDIST_MPI_CHUNK_BYTES``."""
 
     piece_bytes: int | None = None
     """Piece size of a blocking weighted sum (``scaled_sum_blocking``, DDP's buckets): each
@@ -77,7 +93,8 @@ class MPIOptions:
     returns wrong numbers. Env: ``AXONDIST_CHECKS``."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.chunk_bytes, int) or self.chunk_bytes < 0:
+        if self.chunk_bytes is not None and (not isinstance(self.chunk_bytes, int)
+                                             or self.chunk_bytes < 0):
             raise ValueError(
                 f"MPIOptions: chunk_bytes must be an int >= 0, got {self.chunk_bytes!r}")
         if self.piece_bytes is not None and (

@@ -30,6 +30,7 @@ from ._mpi_common import (
     MPIWork,
     StagedWork,
     block_counts,
+    chunk_for,
     copy_back,
     cuda_aware_from_alloc_kinds,
     displacements,
@@ -102,7 +103,6 @@ class MPIBackend(Backend):
         #: axondist.comm builds the signature tuples only when this is true (the
         #: backend computes its own checks from the buffers otherwise).
         self.needs_signature = self._debug
-        self._chunk = self.options.chunk_bytes or sys.maxsize
         self._stage_always = self.options.host_staging == "always"
         #: The *_blocking entry points take the general path (debug checks, staging).
         self._slow = self._debug or self._stage_always
@@ -118,6 +118,9 @@ class MPIBackend(Backend):
         #: their layout from it without communicating.
         self._nodes = self._compute_nodes() if node_ids is None else list(node_ids)
         self._node = _node_info(self._nodes, self.rank)
+        #: Bytes per piece of big messages (``chunk_bytes``, by default from the layout).
+        self._chunk_bytes = chunk_for(self.options.chunk_bytes, len(set(self._nodes)))
+        self._chunk = self._chunk_bytes or sys.maxsize
         self._host_twin: MPIBackend | None = None
         #: Live persistent all-reduces: close() frees what their owners did not.
         self._persistent: weakref.WeakSet[Any] = weakref.WeakSet()
@@ -239,7 +242,7 @@ class MPIBackend(Backend):
     def _piece(self) -> int:
         """Bytes per piece of a weighted all-reduce (:func:`piece_size`)."""
         if not self._piece_memo:
-            self._piece_memo = piece_size(self.options.piece_bytes, self.options.chunk_bytes)
+            self._piece_memo = piece_size(self.options.piece_bytes, self._chunk_bytes)
         return self._piece_memo
 
     def _transfer(self, buf: Any, what: str) -> tuple[Any, Any]:

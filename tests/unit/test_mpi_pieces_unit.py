@@ -20,8 +20,10 @@ from hypothesis import strategies as st
 import axondist as ad
 from axondist import ReduceOp, _array
 from axondist.backends._mpi_common import (
+    NODE_CHUNK_BYTES,
     MPIOptions,
     block_counts,
+    chunk_for,
     mean_scaling,
     piece_bounds,
     piece_bytes_from_env,
@@ -200,3 +202,12 @@ def test_reduce_scatter_refuses_a_result_of_another_dtype(MPI):
     with pytest.raises(ad.UnsupportedDTypeError, match="AVERAGE is not defined for dtype int32"):
         b.reduce_scatter(np.zeros(4, np.int32), np.zeros(4, np.int32), [4], ReduceOp.AVERAGE)
     b.close()
+
+
+@given(option=st.one_of(st.none(), st.integers(0, 1 << 30)), nodes=st.integers(1, 64))
+def test_big_messages_go_in_pieces_on_one_node_and_whole_across_nodes(option, nodes):
+    chunk = chunk_for(option, nodes)
+    if option is not None:
+        assert chunk == option  # a set size holds for every group
+    else:
+        assert chunk == (NODE_CHUNK_BYTES if nodes == 1 else 0)
