@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import CollectiveTimeoutError
+from ..errors import CollectiveMismatchError, CollectiveTimeoutError
 from ._mpi_common import mean_scaling, raise_mpi_error
 from .base import compare_signatures
 from .recorder import CALL_FIELDS as FIELDS
@@ -147,8 +147,11 @@ class CallGuard:
         which every rank must count alike); the recorder slot."""
         return self.rec.begin(self.p2p_group, next(self._p2p_seqs), op, detail)
 
-    def agree(self, op: str, key: tuple[Any, ...]) -> None:
+    def agree(self, op: str, key: tuple[Any, ...], riding: bool | None = None) -> None:
         """Return when every rank of the group calls ``op`` with this ``key``.
+
+        ``riding=False``: this call's key lets its data ride with the check, but this
+        rank's buffer cannot (device memory); named if the others' did.
 
         Raises:
             CollectiveMismatchError: on every rank, naming what differs.
@@ -157,7 +160,7 @@ class CallGuard:
         if h is None:
             h = self._hash(op, key)
         if self._exchange(h, 0, None, None, None):
-            self._disagree(op, key)
+            self._disagree(op, key, riding)
 
     def rider(self, key: tuple[Any, ...], dtype: np.dtype, count: int, op_name: str,
               n: int) -> Rider | bool:
@@ -189,14 +192,14 @@ class CallGuard:
             # Two ranks: one swap, whose combination lands in the caller's buffer once
             # the headers matched (no copy back).
             if self._swap(rider.h, rider.nbytes, mine, rider.theirs, rider.ufunc, flat):
-                self._disagree("all_reduce", key)
+                self._disagree("all_reduce", key, True)
             if rider.divisor:
                 how, by = mean_scaling(rider.divisor)
                 (np.multiply if how == "multiply" else np.divide)(flat, by, out=flat,
                                                                   casting="unsafe")
             return
         if self._exchange(rider.h, rider.nbytes, mine, rider.theirs, rider.ufunc):
-            self._disagree("all_reduce", key)
+            self._disagree("all_reduce", key, True)
         if rider.divisor:
             how, by = mean_scaling(rider.divisor)
             (np.multiply if how == "multiply" else np.divide)(mine, by, out=flat,
@@ -330,15 +333,28 @@ class CallGuard:
             f"monitored_barrier: ranks {absent} of group {self.group} did not arrive at {op} "
             f"#{seq}: " + "; ".join(lines))
 
-    def _disagree(self, op: str, key: tuple[Any, ...]) -> None:
-        calls = self.comm.allgather((op, key))
+    def _disagree(self, op: str, key: tuple[Any, ...], riding: bool | None = None) -> None:
+        """Raise, on every rank of the group (each calls this), the error naming what the
+        ranks' calls differ in. ``riding``: whether this rank's data rode with the check
+        (None: a call whose data never rides)."""
+        calls = self.comm.allgather((op, key, riding))
         signatures = [(("op", name),) + tuple(zip(FIELDS.get(name, ()), _printable(k)))
-                      for name, k in calls]
+                      for name, k, _ in calls]
         error = compare_signatures(op, signatures)
-        if error is None:  # equal arguments that hash differently cannot happen; be explicit
-            error = compare_signatures(op, [(("op", name), ("key", repr(k))) for name, k in calls])
-        if error is not None:
-            raise error
+        if error is None:
+            kinds = [r for _, _, r in calls]
+            if len(set(kinds)) > 1:
+                host = [k for k, r in enumerate(kinds) if r]
+                other = [k for k, r in enumerate(kinds) if not r]
+                error = CollectiveMismatchError(
+                    f"{op}: ranks {host} passed host NumPy arrays and ranks {other} other "
+                    "arrays (device memory) to the same call; pass the same kind of array "
+                    "on every rank")
+            else:  # equal calls cannot disagree: say so rather than return a wrong value
+                error = CollectiveMismatchError(
+                    f"{op}: the ranks' checks disagree although their calls match "
+                    f"({[repr(k) for _, k, _ in calls]}); report this as a bug")
+        raise error
 
 
 def wait_until(done: Any, deadline: float, error: Any) -> None:

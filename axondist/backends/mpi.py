@@ -282,7 +282,7 @@ class MPIBackend(Backend):
             self._agree("all_reduce", signature + (("reduce_op", op.name),), async_op)
         key = (buf.dtype, buf.shape, op._name_, async_op)
         if not async_op:
-            self._blocking("all_reduce", key, self._all_reduce_now, buf, op)
+            self._checked_all_reduce(buf, op)  # the same check as the hot path's
             return CompletedWork(buf)
         plan = self._plans_by_name[op._name_].get(buf.dtype)
         if plan is None:
@@ -300,6 +300,12 @@ class MPIBackend(Backend):
         if self._slow:
             self.all_reduce(buf, op, signature=(("dtype", buf.dtype), ("shape", buf.shape)))
             return
+        self._checked_all_reduce(buf, op)
+
+    def _checked_all_reduce(self, buf: Any, op: ReduceOp) -> None:
+        """A blocking all-reduce, numbered, recorded and checked: the check rides in the
+        message where the call's key allows it (the same choice on every rank), else it
+        goes first."""
         guard = self._guard
         key = (buf.dtype, buf.shape, op._name_, False)
         rec = guard.rec
@@ -310,18 +316,24 @@ class MPIBackend(Backend):
                 if rider is None:
                     rider = guard.riders[key] = self._new_rider(key, buf, op)
                 if rider:
-                    guard.ride(rider, buf.reshape(-1), key)  # type: ignore[arg-type]
-                    return
-                guard.agree("all_reduce", key)
+                    if type(buf) is np.ndarray or isinstance(buf, np.ndarray):
+                        guard.ride(rider, buf.reshape(-1), key)  # type: ignore[arg-type]
+                        return
+                    # Device memory MPI reads itself: this rank cannot ride. Ranks that
+                    # do meet this separate check and all raise, naming the buffers.
+                    guard.agree("all_reduce", key, riding=False)
+                else:
+                    guard.agree("all_reduce", key)
             self._all_reduce_now(buf, op)
         finally:
             rec.end(slot)
 
     def _new_rider(self, key: tuple[Any, ...], buf: Any, op: ReduceOp) -> Rider | bool:
         """The :class:`Rider` of blocking all-reduce ``key``, or False where its check
-        cannot ride in its message (host NumPy buffers sent as themselves only)."""
+        cannot ride in its message. Decided from the key alone (dtype, size, op), so every
+        rank that makes the same call decides alike."""
         plan = self._plans_by_name[op._name_].get(buf.dtype)
-        if plan is None or plan[0] is not None or type(buf) is not np.ndarray:
+        if plan is None or plan[0] is not None:
             return False
         return self._guard.rider(key, buf.dtype, buf.size, op._name_, self.world_size)
 

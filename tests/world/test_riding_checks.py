@@ -64,3 +64,24 @@ def test_small_all_reduces_match_numpy_on_every_rank(n, seed, size, dtype, op):
     if op == "average" and dtype.startswith("int"):
         op = "sum"
     run_world(_body, n, seed, size, dtype, op)
+
+
+class _Tagged(np.ndarray):
+    """A NumPy subclass, as arrays from memory maps or other libraries often are."""
+
+
+def _body_subclass_on_some_ranks(world: ad.World, seed: int, size: int) -> None:
+    x = _input(seed, world.rank, size, "float64", "sum")
+    if world.rank % 2:
+        x = x.view(_Tagged)  # takes the general path, not the exact-ndarray one
+    ad.all_reduce(x)
+    want = _reference([_input(seed, r, size, "float64", "sum")
+                       for r in range(world.world_size)], "sum")
+    np.testing.assert_allclose(np.asarray(x), want, rtol=1e-12 * world.world_size)
+
+
+@given(n=world_sizes(1, 4), seed=st.integers(0, 2**31 - 1), size=st.integers(1, 64))
+def test_ranks_passing_array_subclasses_still_agree(n, seed, size):
+    # Once, a rank whose first call passed a subclass decided not to let the data ride
+    # while the others did: they returned their own values and that rank hung.
+    run_world(_body_subclass_on_some_ranks, n, seed, size)
