@@ -487,7 +487,15 @@ class NcclBackend(Backend):
         """
         me = self._members[self.rank]
         query = self._state.recorder.query_peers
-        statuses = query([m for m in self._members if m != me]) if query is not None else {}
+        statuses: dict[int, Any] = {}
+        unknown = [m for m in self._members if m != me]
+        for attempt in range(3):  # a peer under load may answer late, or not yet recorded
+            if query is None or not unknown:
+                break
+            if attempt:
+                time.sleep(0.2 * attempt)
+            statuses.update(query(unknown))
+            unknown = [m for m in unknown if recorded_call(statuses.get(m), group, seq) is None]
         calls = [(op, describe_detail(key, op), blocking) if m == me
                  else recorded_call(statuses.get(m), group, seq) for m in self._members]
         error, unsafe = mismatch_error(op, calls)
