@@ -135,6 +135,24 @@ def check_real_gradient(grad: Any, where: str, index: int, name: str | None = No
 MIB = 1 << 20
 
 
+def check_state_names(state: Any, names: Sequence[str], where: str) -> None:
+    """Raise unless ``state`` is a mapping holding exactly the parameter ``names``.
+
+    Raises:
+        TypeError: ``state`` is not a mapping.
+        ValueError: a name missing or unknown (the first five of each are named).
+    """
+    if not isinstance(state, Mapping):
+        raise TypeError(f"{where}: state must be a dict {{name: array}} such as "
+                        f"state_dict() returns, got {type(state).__name__}")
+    missing = [n for n in names if n not in state]
+    unknown = [k for k in state if k not in names]
+    if missing or unknown:
+        raise ValueError(f"{where}: the state's names differ from the model's: missing "
+                         f"{missing[:5]}, unexpected {unknown[:5]}; load a state_dict() of "
+                         "the same model")
+
+
 def mib(nbytes: float) -> str:
     """``nbytes`` in MiB, as text ("12.5 MiB")."""
     return f"{nbytes / MIB:.3g} MiB"

@@ -21,7 +21,7 @@ import numpy as np
 
 from . import _array
 from ._step import GradFn, check_grad_fn, check_optimizer, split_grad_fn
-from ._validate import mib, positive_number
+from ._validate import check_state_names, mib, positive_number
 from .bucketing import (
     GradientSynchronizer,
     GradSyncStrategy,
@@ -584,16 +584,8 @@ class DistributedDataParallel:
                 parameter's, or an array of another shape.
         """
         where = "DistributedDataParallel.load_state_dict"
-        if not isinstance(state, Mapping):
-            raise TypeError(f"{where}: state must be a dict {{name: array}} such as "
-                            f"state_dict() returns, got {type(state).__name__}")
         names = self._param_names()
-        missing = [n for n in names if n not in state]
-        unknown = [k for k in state if k not in names]
-        if missing or unknown:
-            raise ValueError(f"{where}: the state's names differ from the model's: missing "
-                             f"{missing[:5]}, unexpected {unknown[:5]}; load a state_dict() of "
-                             "the same model")
+        check_state_names(state, names, where)
         for name, p in zip(names, self._params):
             value = state[name]
             if tuple(np.shape(value)) != p.shape:

@@ -15,6 +15,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from .. import _array, comm
+from .._validate import check_state_names
 from ..checkpoint import (
     CheckpointError,
     CheckpointReader,
@@ -110,16 +111,8 @@ def load_state_dict(f: ShardedModule, state: Mapping[str, Any], where: str) -> N
         TypeError: ``state`` is not a mapping.
         ValueError: a name missing or unknown, or an array of another shape.
     """
-    if not isinstance(state, Mapping):
-        raise TypeError(f"{where}: state must be a dict {{name: array}} such as "
-                        f"state_dict() returns, got {type(state).__name__}")
     names = f.parameter_names()
-    missing = [n for n in names if n not in state]
-    unknown = [k for k in state if k not in names]
-    if missing or unknown:
-        raise ValueError(f"{where}: the state's names differ from the model's: missing "
-                         f"{missing[:5]}, unexpected {unknown[:5]}; load a state_dict() of "
-                         "the same model")
+    check_state_names(state, names, where)
     for name, shape in zip(names, f.param_shapes):
         got = tuple(np.shape(state[name]))
         if got != shape:  # checked here: a rank only reads the parameters in its shards
