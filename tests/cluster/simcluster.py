@@ -281,12 +281,14 @@ class SimCluster:
 
     def refuse_logins(self, host: int) -> None:
         """From now on, starting anything on host ``host`` fails as ssh does when a
-        machine is down (exit status 255, "No route to host")."""
+        machine is down (exit status 255, "No route to host"). The message goes out a
+        moment before the exit: hydra ends at the first of its pipes to close, and
+        dropped the message when both closed at once."""
         name = self.names[host]
         script = self.launcher_script.read_text().replace(
             "case \"$host\" in\n",
             f"case \"$host\" in\n  {name}) echo \"ssh: connect to host {name} port 22: No route "
-            f"to host\" >&2; exit 255 ;;\n", 1)
+            f"to host\" >&2; sleep 0.5; exit 255 ;;\n", 1)
         self.launcher_script.write_text(script)
 
     def on_host(self, host: int, argv: list[str], **kwargs: object
