@@ -84,12 +84,15 @@ class Rider:
     and then the data: at 4 KiB the separate check costs as much as the data.
     """
 
-    __slots__ = ("h", "nbytes", "mine", "theirs", "ufunc", "divisor")
+    __slots__ = ("h", "nbytes", "mine", "theirs", "ufunc", "scale", "by")
 
     def __init__(self, h: int, nbytes: int, mine: np.ndarray, theirs: np.ndarray, ufunc: Any,
                  divisor: int) -> None:
         self.h, self.nbytes, self.mine, self.theirs = h, nbytes, mine, theirs
-        self.ufunc, self.divisor = ufunc, divisor  # divisor: 0 unless AVERAGE
+        self.ufunc = ufunc
+        # AVERAGE's turn from sum to mean (divisor 0: none), chosen once
+        how, self.by = mean_scaling(divisor) if divisor else ("", 1.0)
+        self.scale = {"multiply": np.multiply, "divide": np.divide}.get(how)
 
 
 class CallGuard:
@@ -193,17 +196,13 @@ class CallGuard:
             # the headers matched (no copy back).
             if self._swap(rider.h, rider.nbytes, mine, rider.theirs, rider.ufunc, flat):
                 self._disagree("all_reduce", key, True)
-            if rider.divisor:
-                how, by = mean_scaling(rider.divisor)
-                (np.multiply if how == "multiply" else np.divide)(flat, by, out=flat,
-                                                                  casting="unsafe")
+            if rider.scale is not None:
+                rider.scale(flat, rider.by, out=flat, casting="unsafe")
             return
         if self._exchange(rider.h, rider.nbytes, mine, rider.theirs, rider.ufunc):
             self._disagree("all_reduce", key, True)
-        if rider.divisor:
-            how, by = mean_scaling(rider.divisor)
-            (np.multiply if how == "multiply" else np.divide)(mine, by, out=flat,
-                                                              casting="unsafe")
+        if rider.scale is not None:
+            rider.scale(mine, rider.by, out=flat, casting="unsafe")
         else:
             np.copyto(flat, mine)
 
