@@ -25,7 +25,7 @@ from ._validate import as_rank, positive_seconds, sequence_of
 from .backends.base import Backend, CompletedWork, ThenWork, Work, default_timeout
 from .errors import CollectiveMismatchError, InvalidBufferError, RankError, UnsupportedDTypeError
 from .ops import ReduceOp, check_op_dtype
-from .process_group import ProcessGroup, current_world, resolve_group
+from .process_group import ProcessGroup, World, current_world, resolve_group
 
 
 def _member(group: ProcessGroup | None, what: str) -> tuple[ProcessGroup, Backend]:
@@ -42,11 +42,22 @@ def _member(group: ProcessGroup | None, what: str) -> tuple[ProcessGroup, Backen
 # thread. Anything else takes the full checks (which raise the same errors).
 
 _HOST_ARRAY: type[_array.np.ndarray] = _array.np.ndarray
+#: Exact group classes whose member backend the hot path reads directly.
+_GROUP_TYPES = (ProcessGroup, World)
 #: dtype -> the ReduceOps check_op_dtype accepted for it (a tuple: ``in`` tests
 #: identity first, where a set would call Enum's Python-level __hash__).
 _REDUCE_OK: dict[Any, tuple[ReduceOp, ...]] = {}
 #: dtypes check_dtype accepted (broadcast, all_gather).
 _MOVE_OK: set[Any] = set()
+
+
+def _backend_of(group: ProcessGroup | None, what: str) -> Backend:
+    """The backend of ``group`` (the current world when None) for call ``what``."""
+    if group.__class__ in _GROUP_TYPES:
+        b = group._backend  # type: ignore[union-attr]
+        if b is not None:
+            return b  # type: ignore[no-any-return]
+    return (current_world() if group is None else resolve_group(group)).backend_for(what)
 
 
 def _wants_signature(b: Backend) -> bool:
@@ -168,7 +179,7 @@ def all_reduce(x: Any, op: ReduceOp | str = ReduceOp.SUM, group: ProcessGroup | 
         InvalidBufferError: ``x`` is read-only or not contiguous.
         UnsupportedDTypeError: MIN/MAX on complex, AVERAGE on integers, unknown dtype.
     """
-    b = (current_world() if group is None else resolve_group(group)).backend_for("all_reduce")
+    b = _backend_of(group, "all_reduce")
     if (x.__class__ is _HOST_ARRAY and x.flags.carray and op in _REDUCE_OK.get(x.dtype, ())):
         if not async_op:
             b.all_reduce_blocking(x, op)

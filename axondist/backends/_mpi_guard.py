@@ -3,7 +3,8 @@ the cross-rank check that the ranks called the same thing with the same argument
 
 A blocking call's check is an exchange of 24-byte headers (a hash of the
 call's name and arguments, a "disagree" flag, a size) by recursive doubling
-over point-to-point messages on a communicator of its own; a small blocking
+over point-to-point messages on a communicator of its own (in a group of two,
+one persistent send and receive, started per call); a small blocking
 all-reduce (up to ``RIDE_MAX_BYTES``) sends its data behind the header in the
 same messages (:class:`Rider`). Every blocking collective starts with it, so
 a rank in ``barrier`` meets a rank in ``all_reduce`` inside the check, ranks
@@ -32,6 +33,8 @@ from .recorder import CALL_FIELDS as FIELDS
 from .recorder import FlightRecorder, describe_status
 
 _CACHE_LIMIT = 4096
+#: All-reduce plans kept at once (a rider holds a send buffer of up to ``RIDE_MAX_BYTES``).
+_RIDERS_LIMIT = 256
 
 #: Largest blocking all-reduce whose check rides in its message (:class:`Rider`). Below
 #: this a separate check costs about as much as the data's own all-reduce (both are
@@ -82,17 +85,28 @@ class Rider:
     the same messages and no rank ever receives more than it expects (MPICH
     aborts a collective whose sizes differ). One exchange instead of a check
     and then the data: at 4 KiB the separate check costs as much as the data.
+
+    Each rider owns its send buffer, header written once, with ``mine`` (its
+    data part) shaped as the call's buffer; in a two-rank group the swap is a
+    persistent send and receive pair, started and waited on per call.
     """
 
-    __slots__ = ("h", "nbytes", "mine", "theirs", "ufunc", "scale", "by")
+    __slots__ = ("h", "nbytes", "send", "words", "mine", "theirs", "ufunc", "scale", "by",
+                 "requests")
 
-    def __init__(self, h: int, nbytes: int, mine: np.ndarray, theirs: np.ndarray, ufunc: Any,
-                 divisor: int) -> None:
-        self.h, self.nbytes, self.mine, self.theirs = h, nbytes, mine, theirs
-        self.ufunc = ufunc
+    def __init__(self, h: int, nbytes: int, dtype: np.dtype, shape: tuple[int, ...],
+                 recv: np.ndarray, ufunc: Any, divisor: int) -> None:
+        self.h, self.nbytes, self.ufunc = h, nbytes, ufunc
+        self.send = np.zeros(_HEADER + nbytes, np.uint8)
+        self.words = self.send[:_HEADER].view(np.int64).data  # memoryview: Python ints
+        self.words[0], self.words[2] = h, nbytes
+        self.mine = self.send[_HEADER:].view(dtype).reshape(shape)
+        self.theirs = recv[_HEADER:_HEADER + nbytes].view(dtype).reshape(shape)
         # AVERAGE's turn from sum to mean (divisor 0: none), chosen once
         how, self.by = mean_scaling(divisor) if divisor else ("", 1.0)
         self.scale = {"multiply": np.multiply, "divide": np.divide}.get(how)
+        #: The persistent [send, receive] of a two-rank swap (None: recursive doubling).
+        self.requests: list[Any] | None = None
 
 
 class CallGuard:
@@ -125,19 +139,29 @@ class CallGuard:
         self._view = self._out.data  # a memoryview: indexing gives Python ints
         self._out_spec = (self._out, self._int64)
         self._specs: dict[tuple[str, tuple[Any, ...]], tuple[np.ndarray, Any]] = {}
-        #: all_reduce key -> its Rider, or False where the check cannot ride.
-        self.riders: dict[tuple[Any, ...], Rider | bool] = {}
+        #: Blocking all_reduce key -> (its Rider or None, the backend's direct MPI call or
+        #: None): see ``MPIBackend._plan_all_reduce``.
+        self.all_reduces: dict[tuple[Any, ...], tuple[Rider | None, Any]] = {}
         self._hashes: dict[tuple[str, tuple[Any, ...]], int] = {}
         self._mpi = mpi
-        self._byte = mpi.BYTE
-        self._status = mpi.Status()
+        self._start_all, self._wait_all = mpi.Prequest.Startall, mpi.Request.Waitall
         self._steps = _schedule(comm.Get_rank(), comm.Get_size())
         #: The other rank of a two-rank group (whose exchange is one swap), else None.
         self._pair = self._steps[0][1] if comm.Get_size() == 2 and checks else None
         # The checks' own messages, apart from the data's and the users' sends.
         self._check_comm = comm.Dup() if checks and self._steps else None
-        self._send: np.ndarray | None = None
-        self._recv: np.ndarray | None = None
+        # Every check message lands here: room for any rank's largest riding message.
+        self._recv = np.zeros(_HEADER + RIDE_MAX_BYTES, np.uint8)
+        self._seen = self._recv[:_HEADER].view(np.int64).data  # memoryview: Python ints
+        # A check without data: its header alone.
+        self._header = np.zeros(_HEADER, np.uint8)
+        self._words = self._header.view(np.int64).data
+        self._receive: Any = None  # the pair's persistent receive into _recv
+        self._header_requests: list[Any] | None = None
+        if self._pair is not None and self._check_comm is not None:
+            self._receive = self._check_comm.Recv_init(self._recv, self._pair, _TAG)
+            self._header_requests = [self._check_comm.Send_init(self._header, self._pair, _TAG),
+                                     self._receive]
         self.groups_made = 0
 
     def begin(self, op: str, detail: Any, blocking: bool = True) -> tuple[int, int]:
@@ -159,119 +183,118 @@ class CallGuard:
         Raises:
             CollectiveMismatchError: on every rank, naming what differs.
         """
+        if self._check_comm is None:
+            return
         h = self._hashes.get((op, key))
         if h is None:
             h = self._hash(op, key)
-        if self._exchange(h, 0, None, None, None):
+        words = self._words
+        words[0], words[1], words[2] = h, 0, 0
+        if self._header_requests is not None:
+            flag = self._swap(self._header_requests, h, 0)
+        else:
+            flag = self._exchange(self._header, words, h, 0, None, None, None)
+        if flag:
             self._disagree(op, key, riding)
 
     def rider(self, key: tuple[Any, ...], dtype: np.dtype, count: int, op_name: str,
-              n: int) -> Rider | bool:
+              n: int) -> Rider | None:
         """The :class:`Rider` of blocking all-reduce ``key`` (``count`` elements of
-        ``dtype`` sent as themselves, op ``op_name``), or False where it cannot ride."""
+        ``dtype`` sent as themselves, op ``op_name``, buffer shape ``key[1]``), or None
+        where it cannot ride."""
         nbytes = count * dtype.itemsize
         ufunc = _UFUNCS.get(op_name)
         if (ufunc is None or dtype not in _RIDING_DTYPES or nbytes > RIDE_MAX_BYTES
                 or self._check_comm is None):
-            return False
-        send, recv = self._buffers()
-        if len(self.riders) >= _CACHE_LIMIT:
-            self.riders.clear()
-        end = _HEADER + nbytes
-        return Rider(self._hash("all_reduce", key), nbytes, send[_HEADER:end].view(dtype),
-                     recv[_HEADER:end].view(dtype), ufunc, n if op_name == "AVERAGE" else 0)
+            return None
+        rider = Rider(self._hash("all_reduce", key), nbytes, dtype, key[1], self._recv, ufunc,
+                      n if op_name == "AVERAGE" else 0)
+        if self._receive is not None:
+            rider.requests = [self._check_comm.Send_init(rider.send, self._pair, _TAG),
+                              self._receive]
+        return rider
 
-    def ride(self, rider: Rider, flat: np.ndarray, key: tuple[Any, ...]) -> None:
-        """All-reduce ``flat`` (a flat view of the caller's contiguous buffer) with its
-        check riding along (see :class:`Rider`); the caller's buffer is written only
-        once every rank agreed.
+    def ride(self, rider: Rider, buf: np.ndarray, key: tuple[Any, ...]) -> None:
+        """All-reduce ``buf`` (the caller's contiguous NumPy array, of the rider's shape)
+        with its check riding along (see :class:`Rider`); ``buf`` is written only once
+        every rank agreed.
 
         Raises:
             CollectiveMismatchError: on every rank, naming what differs.
         """
         mine = rider.mine
-        np.copyto(mine, flat)
-        if self._pair is not None:
-            # Two ranks: one swap, whose combination lands in the caller's buffer once
-            # the headers matched (no copy back).
-            if self._swap(rider.h, rider.nbytes, mine, rider.theirs, rider.ufunc, flat):
+        mine[...] = buf  # (np.copyto costs twice as much at 4 KiB)
+        requests = rider.requests
+        if requests is not None:
+            # Two ranks: one swap, combined straight into the caller's buffer.
+            if self._swap(requests, rider.h, rider.nbytes):
                 self._disagree("all_reduce", key, True)
-            if rider.scale is not None:
-                rider.scale(flat, rider.by, out=flat, casting="unsafe")
-            return
-        if self._exchange(rider.h, rider.nbytes, mine, rider.theirs, rider.ufunc):
-            self._disagree("all_reduce", key, True)
-        if rider.scale is not None:
-            rider.scale(mine, rider.by, out=flat, casting="unsafe")
+            rider.ufunc(mine, rider.theirs, out=buf)
         else:
-            np.copyto(flat, mine)
+            rider.words[1] = 0
+            if self._exchange(rider.send, rider.words, rider.h, rider.nbytes, mine,
+                              rider.theirs, rider.ufunc):
+                self._disagree("all_reduce", key, True)
+            buf[...] = mine
+        if rider.scale is not None:
+            rider.scale(buf, rider.by, out=buf, casting="unsafe")
 
-    def _swap(self, h: int, nbytes: int, mine: np.ndarray, theirs: np.ndarray, ufunc: Any,
-              out: np.ndarray) -> int:
-        """:meth:`_exchange` of a two-rank group, ``ufunc(mine, theirs)`` written to ``out``
-        (only when the ranks agree)."""
-        send, recv = self._send, self._recv
-        header, seen, status, byte = self._send_words, self._recv_words, self._status, self._byte
-        header[0], header[1], header[2] = h, 0, nbytes
-        total = _HEADER + nbytes
+    def _swap(self, requests: list[Any], h: int, nbytes: int) -> int:
+        """Run a two-rank group's persistent swap of check messages; true when the
+        other rank's call differs from this one's (hash ``h``, ``nbytes`` of data)."""
         try:
-            self._check_comm.Sendrecv(  # type: ignore[union-attr]
-                [send, total, byte], self._pair, _TAG, [recv, byte], self._pair, _TAG, status)
+            self._start_all(requests)
+            self._wait_all(requests)
         except self._mpi.Exception as exc:
             raise_mpi_error(exc, "the cross-rank check")
-        if seen[1] or seen[0] != h or status.Get_count(byte) != total:
-            return 1
-        ufunc(mine, theirs, out=out)
-        return 0
+        seen = self._seen
+        return seen[1] or seen[0] != h or seen[2] != nbytes
 
-    def _exchange(self, h: int, nbytes: int, mine: np.ndarray | None,
-                  theirs: np.ndarray | None, ufunc: Any) -> int:
-        """Recursive doubling of ``mine`` (combined in place with ``ufunc``) behind a
-        header with hash ``h``; true when any rank's call differs from this one's."""
-        if self._check_comm is None:
-            return 0
-        send, recv = self._send, self._recv
-        if send is None or recv is None:
-            send, recv = self._buffers()
-        header, seen = self._send_words, self._recv_words
-        header[0], header[1], header[2] = h, 0, nbytes
-        comm, status, byte, total, flag = self._check_comm, self._status, self._byte, \
-            _HEADER + nbytes, 0
-        mpi_error = self._mpi.Exception
+    def _exchange(self, send: np.ndarray, words: Any, h: int, nbytes: int,
+                  mine: np.ndarray | None, theirs: np.ndarray | None, ufunc: Any) -> int:
+        """Recursive doubling of ``send`` (header ``words``, hash ``h``; its data part
+        ``mine`` combined in place with ``ufunc``); true when any rank's call differs
+        from this one's. A rank that finds a difference sets the flag in its header, so
+        the ranks it sends to afterwards learn it too."""
+        comm, recv, seen, flag = self._check_comm, self._recv, self._seen, 0
         try:
             for step, peer in self._steps:
                 if step == "swap":
-                    comm.Sendrecv([send, total, byte], peer, _TAG, [recv, byte], peer, _TAG,
-                                  status)
+                    comm.Sendrecv(send, peer, _TAG, recv, peer, _TAG)  # type: ignore[union-attr]
                 elif step == "fold_in":
-                    comm.Recv([recv, byte], peer, _TAG, status)
+                    comm.Recv(recv, peer, _TAG)  # type: ignore[union-attr]
                 elif step == "return":
-                    comm.Send([send, total, byte], peer, _TAG)
+                    comm.Send(send, peer, _TAG)  # type: ignore[union-attr]
                     continue
                 else:  # fold_out: hand this rank's part over, get the result back
-                    comm.Send([send, total, byte], peer, _TAG)
-                    comm.Recv([recv, byte], peer, _TAG, status)
-                    flag = seen[1] or seen[0] != h or status.Get_count(byte) != total
+                    comm.Send(send, peer, _TAG)  # type: ignore[union-attr]
+                    comm.Recv(recv, peer, _TAG)  # type: ignore[union-attr]
+                    flag = seen[1] or seen[0] != h or seen[2] != nbytes
                     if not flag and mine is not None:
                         np.copyto(mine, theirs)  # type: ignore[arg-type]
                     continue
-                if flag or seen[1] or seen[0] != h or status.Get_count(byte) != total:
-                    flag = header[1] = 1
+                if flag or seen[1] or seen[0] != h or seen[2] != nbytes:
+                    flag = words[1] = 1
                 elif mine is not None:
                     ufunc(mine, theirs, out=mine)
-        except mpi_error as exc:
+        except self._mpi.Exception as exc:
             raise_mpi_error(exc, "the cross-rank check")
         return flag
 
-    def _buffers(self) -> tuple[np.ndarray, np.ndarray]:
-        """The check messages' buffers: room for any rank's largest riding message."""
-        if self._send is None or self._recv is None:
-            self._send = np.zeros(_HEADER + RIDE_MAX_BYTES, np.uint8)
-            self._recv = np.zeros(_HEADER + RIDE_MAX_BYTES, np.uint8)
-            # memoryviews: indexing gives Python ints without NumPy scalars
-            self._send_words = self._send[:_HEADER].view(np.int64).data
-            self._recv_words = self._recv[:_HEADER].view(np.int64).data
-        return self._send, self._recv
+    def remember(self, key: tuple[Any, ...], rider: Rider | None,
+                 direct: Any) -> tuple[Rider | None, Any]:
+        """Keep blocking all-reduce ``key``'s plan (see :attr:`all_reduces`)."""
+        if len(self.all_reduces) >= _RIDERS_LIMIT:
+            self._forget_all_reduces()
+        plan = self.all_reduces[key] = (rider, direct)
+        return plan
+
+    def _forget_all_reduces(self) -> None:
+        """Drop every all-reduce plan, freeing their riders' persistent sends."""
+        for rider, _ in self.all_reduces.values():
+            if rider is not None and rider.requests is not None:
+                rider.requests[0].Free()
+        self.all_reduces.clear()
 
     def _hash(self, op: str, key: tuple[Any, ...]) -> int:
         """``op`` and ``key``'s hash, remembered (a bounded cache)."""
@@ -281,10 +304,16 @@ class CallGuard:
         return h
 
     def close(self) -> None:
-        """Free the checks' communicator (collective, with the group's own)."""
+        """Free the checks' requests and communicator (collective, with the group's own)."""
         comm, self._check_comm = self._check_comm, None
-        if comm is not None:
-            comm.Free()
+        if comm is None:
+            return
+        self._forget_all_reduces()
+        if self._header_requests is not None:
+            for request in self._header_requests:
+                request.Free()
+            self._header_requests = self._receive = None
+        comm.Free()
 
     def _new_spec(self, op: str, key: tuple[Any, ...]) -> tuple[np.ndarray, Any]:
         """The send buffer of ``(op, key)``'s check, remembered (a bounded cache)."""

@@ -126,6 +126,14 @@ class MPIBackend(Backend):
         self._persistent: weakref.WeakSet[Any] = weakref.WeakSet()
         #: The rank's watchdog (the world backend of a job of several ranks only).
         self.watchdog: Watchdog | None = None
+        self._bind_hot_path()
+
+    def _bind_hot_path(self) -> None:
+        """Point :meth:`all_reduce_blocking` straight at the checked call where no
+        general path is needed (one Python frame less per small all-reduce)."""
+        self.__dict__.pop("all_reduce_blocking", None)
+        if not self._slow:
+            self.all_reduce_blocking = self._checked_all_reduce  # type: ignore[method-assign]
 
     @property
     def recorder(self) -> FlightRecorder:  # type: ignore[override]
@@ -208,6 +216,7 @@ class MPIBackend(Backend):
             twin = copy.copy(self)
             twin._stage_always = False
             twin._slow = twin._debug
+            twin._bind_hot_path()
             twin._host_twin = twin
             self._host_twin = twin
         return self._host_twin
@@ -306,36 +315,52 @@ class MPIBackend(Backend):
         """A blocking all-reduce, numbered, recorded and checked: the check rides in the
         message where the call's key allows it (the same choice on every rank), else it
         goes first."""
-        guard = self._guard
         key = (buf.dtype, buf.shape, op._name_, False)
+        guard = self._guard
+        group, seq = guard.group, next(guard.seqs)
         rec = guard.rec
-        slot = rec.begin(guard.group, next(guard.seqs), "all_reduce", key)
+        slot = rec.begin(group, seq, "all_reduce", key)
         try:
-            if guard.checks:
-                rider = guard.riders.get(key)
-                if rider is None:
-                    rider = guard.riders[key] = self._new_rider(key, buf, op)
-                if rider:
-                    if type(buf) is np.ndarray or isinstance(buf, np.ndarray):
-                        guard.ride(rider, buf.reshape(-1), key)  # type: ignore[arg-type]
-                        return
-                    # Device memory MPI reads itself: this rank cannot ride. Ranks that
-                    # do meet this separate check and all raise, naming the buffers.
-                    guard.agree("all_reduce", key, riding=False)
-                else:
-                    guard.agree("all_reduce", key)
-            self._all_reduce_now(buf, op)
+            plan = guard.all_reduces.get(key)
+            if plan is None:
+                plan = self._plan_all_reduce(key, buf, op)
+            rider, direct = plan
+            if rider is not None:
+                if buf.__class__ is np.ndarray or isinstance(buf, np.ndarray):
+                    guard.ride(rider, buf, key)
+                    return
+                # Device memory MPI reads itself: this rank cannot ride. Ranks that
+                # do meet this separate check and all raise, naming the buffers.
+                guard.agree("all_reduce", key, riding=False)
+            elif guard.checks:
+                guard.agree("all_reduce", key)
+            if direct is None:
+                self._all_reduce_now(buf, op)
+                return
+            try:
+                self._comm.Allreduce(_IN_PLACE, [buf, direct[0]], direct[1])
+            except MPI.Exception as exc:
+                raise_mpi_error(exc, "all_reduce")
         finally:
-            rec.end(slot)
+            rec.end_blocking(slot, group, seq)
 
-    def _new_rider(self, key: tuple[Any, ...], buf: Any, op: ReduceOp) -> Rider | bool:
-        """The :class:`Rider` of blocking all-reduce ``key``, or False where its check
-        cannot ride in its message. Decided from the key alone (dtype, size, op), so every
-        rank that makes the same call decides alike."""
+    def _plan_all_reduce(self, key: tuple[Any, ...], buf: Any,
+                         op: ReduceOp) -> tuple[Rider | None, tuple[Any, Any] | None]:
+        """How blocking all-reduce ``key`` runs, remembered by the guard: its
+        :class:`Rider` (None where the check cannot ride in its message), and its MPI
+        ``(datatype, op)`` where it is one ``Allreduce`` of the buffer as it is (None: the
+        general :meth:`_all_reduce_now`). Decided from the key alone (dtype, shape, op),
+        so every rank that makes the same call decides alike."""
         plan = self._plans_by_name[op._name_].get(buf.dtype)
-        if plan is None or plan[0] is not None:
-            return False
-        return self._guard.rider(key, buf.dtype, buf.size, op._name_, self.world_size)
+        if plan is None:
+            raise unsupported("all_reduce", buf.dtype, op)
+        view, mtype, mop, average = plan
+        direct = (mtype, mop) if (view is None and not average
+                                  and buf.size * buf.dtype.itemsize <= self._chunk) else None
+        rider = None
+        if view is None and self._guard.checks:
+            rider = self._guard.rider(key, buf.dtype, buf.size, op._name_, self.world_size)
+        return self._guard.remember(key, rider, direct)
 
     def _blocking(self, op: str, key: tuple[Any, ...], run: Callable[..., Any],
                   *args: Any) -> Any:

@@ -144,6 +144,13 @@ class FlightRecorder:
                          describe_detail(entry[_DETAIL], entry[_OP]),  # type: ignore[index]
                          (end - entry[_START]) * 1e3)  # type: ignore[index]
 
+    def end_blocking(self, slot: int, group: str, seq: int) -> None:
+        """:meth:`end` of a blocking call ``seq`` of ``group`` (the hot path's)."""
+        self._ends[slot] = _monotonic()
+        self.completed[group] = seq
+        if self.trace:
+            self.end(slot)
+
     def complete(self, group: str, seq: int) -> None:
         """Count call ``seq`` of ``group`` as completed (a non-blocking call's wait ended)."""
         if self.completed.get(group, 0) < seq:

@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import axondist as ad
-from axondist.backends._mpi_guard import RIDE_MAX_BYTES
+from axondist.backends._mpi_guard import _RIDERS_LIMIT, RIDE_MAX_BYTES
 
 OPS = ["sum", "average", "max", "min", "product"]
 DTYPES = ["float32", "float64", "int32", "int64"]
@@ -85,3 +85,20 @@ def test_ranks_passing_array_subclasses_still_agree(n, seed, size):
     # Once, a rank whose first call passed a subclass decided not to let the data ride
     # while the others did: they returned their own values and that rank hung.
     run_world(_body_subclass_on_some_ranks, n, seed, size)
+
+
+def _body_many_shapes(world: ad.World, seed: int, count: int) -> None:
+    rng = np.random.default_rng(seed)  # the same shapes on every rank
+    for k in range(count):
+        shape = tuple(int(d) for d in rng.integers(1, 13, size=int(rng.integers(1, 4))))
+        x = np.full(shape, world.rank + k, np.float64)
+        ad.all_reduce(x)
+        n = world.world_size
+        np.testing.assert_array_equal(x, np.full(shape, n * k + n * (n - 1) / 2))
+
+
+@given(n=world_sizes(1, 4), seed=st.integers(0, 2**31 - 1))
+def test_more_shapes_than_the_plan_cache_holds(n, seed):
+    # Multi-dimensional buffers ride in their own shape; past the cache's limit the
+    # plans (and their persistent sends) are dropped and made again.
+    run_world(_body_many_shapes, n, seed, _RIDERS_LIMIT + 40)
