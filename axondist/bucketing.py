@@ -24,6 +24,9 @@ scaling be one operation when a gradient must be copied into its bucket.
 from __future__ import annotations
 
 import enum
+import threading
+import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from math import prod
@@ -436,12 +439,24 @@ class GradientSynchronizer:
         #: started pieces, oldest first (at most PIPELINE_WINDOW)
         self._in_flight: deque[Work] = deque()
         self._persistent_owner: Backend | None = None
+        #: held by whoever touches the pieces in flight (this thread or the helper)
+        self._lock = threading.Lock()
+        self._helper: _ProgressHelper | None = None
 
     #: Pieces of persistent all-reduces in flight at once (more starts wait for the
     #: oldest). Each piece is weighted just before it starts; with small pieces
     #: (``AXONDIST_PIECE_MB=0.5`` under MPI) and few in flight, MPI copies it while it is
     #: still in cache.
     PIPELINE_WINDOW = 2
+    #: Seconds between the tests a helper thread makes of the persistent pieces in flight
+    #: while the caller computes the next gradients (OVERLAPPED, default hook). MPI moves a
+    #: non-blocking collective only inside MPI calls; between two gradients nothing would
+    #: move, and over a network the kernel's socket buffers fill and then idle. None: 1 ms
+    #: in a group that spans several hosts, off on one host (shared memory moves the data
+    #: in the test itself, and the helper would compete for the cores); 0: off. Needs MPI
+    #: initialized with ``MPI_THREAD_MULTIPLE`` (mpi4py's default) when the caller's own
+    #: code makes MPI calls meanwhile.
+    progress_interval: float | None = None
     #: Largest piece of a persistent all-reduce in bytes (None: the backend's choice).
     piece_bytes: int | None = None
 
@@ -661,24 +676,37 @@ class GradientSynchronizer:
             state.persistent = backend.persistent_all_reduce(state.flat, ReduceOp.SUM,
                                                              piece_bytes=self.piece_bytes)
         self._persistent_owner = backend
+        interval = self._helper_interval()
+        if interval > 0:
+            self._helper = _ProgressHelper(self, interval)
+
+    def _helper_interval(self) -> float:
+        """Seconds between the helper's tests (0: no helper); see :attr:`progress_interval`."""
+        if self.progress_interval is not None:
+            return max(0.0, float(self.progress_interval))
+        _, _, local_size = self._group.node_info()  # type: ignore[union-attr]
+        return 1e-3 if local_size < self._group.world_size else 0.0  # type: ignore[union-attr]
 
     def _pump(self, pieces: int) -> None:
         """Start the next ``pieces`` queued pieces, each weighted just before it starts;
         with the window full, first wait for the oldest piece in flight. The count does
         not depend on timing, so every rank starts the same pieces at the same calls."""
         queue, in_flight = self._queue, self._in_flight
-        for _ in range(pieces):
-            if not queue:
-                return
-            if len(in_flight) >= self.PIPELINE_WINDOW:
-                in_flight.popleft().wait()
-            state, k = queue.popleft()
-            handle = state.persistent
-            if state.factor != 1.0:
-                piece = handle.piece(k)  # type: ignore[union-attr]
-                _array.namespace(piece).multiply(piece, state.factor, out=piece,
-                                                 casting="unsafe")
-            in_flight.append(handle.start(k))  # type: ignore[union-attr]
+        with self._lock:
+            for _ in range(pieces):
+                if not queue:
+                    break
+                if len(in_flight) >= self.PIPELINE_WINDOW:
+                    in_flight.popleft().wait()
+                state, k = queue.popleft()
+                handle = state.persistent
+                if state.factor != 1.0:
+                    piece = handle.piece(k)  # type: ignore[union-attr]
+                    _array.namespace(piece).multiply(piece, state.factor, out=piece,
+                                                     casting="unsafe")
+                in_flight.append(handle.start(k))  # type: ignore[union-attr]
+            if self._helper is not None and in_flight:
+                self._helper.wake()
 
     def _progress(self, added: int = 0) -> None:
         """Move the all-reduces in flight on, after a gradient of ``added`` elements.
@@ -695,8 +723,9 @@ class GradientSynchronizer:
             lo, hi = state.persistent.bounds[k]  # type: ignore[union-attr]
             self._pump(max(1, added // max(1, hi - lo)))
             return
-        while self._in_flight and self._in_flight[0].is_completed():  # a local test only
-            self._in_flight.popleft()
+        with self._lock:
+            while self._in_flight and self._in_flight[0].is_completed():  # a local test only
+                self._in_flight.popleft()
         while self._oldest_in_flight < self._next_launch:
             work = self.buckets[self._oldest_in_flight].work
             if work is not None and not work.is_completed():
@@ -757,11 +786,12 @@ class GradientSynchronizer:
         """Wait for every all-reduce in flight; pieces not started yet are dropped."""
         first_error: BaseException | None = None
         self._queue.clear()
-        while self._in_flight:
-            try:
-                self._in_flight.popleft().wait()
-            except BaseException as exc:  # noqa: BLE001 - wait for the rest, then raise
-                first_error = first_error or exc
+        with self._lock:
+            while self._in_flight:
+                try:
+                    self._in_flight.popleft().wait()
+                except BaseException as exc:  # noqa: BLE001 - wait for the rest, then raise
+                    first_error = first_error or exc
         for state in self.buckets:
             work, state.work = state.work, None
             if work is not None:
@@ -803,6 +833,9 @@ class GradientSynchronizer:
 
     def _free_persistent(self) -> None:
         """Free the buckets' persistent all-reduces (each waits for its pieces in flight)."""
+        helper, self._helper = self._helper, None
+        if helper is not None:
+            helper.stop()
         self._queue.clear()
         self._in_flight.clear()
         for state in self.buckets:
@@ -815,6 +848,54 @@ class GradientSynchronizer:
         sizes = ", ".join(str(s.bucket.capacity) for s in self.buckets)
         return (f"GradientSynchronizer({self.strategy.name}, {len(self.slots)} gradients, "
                 f"buckets of [{sizes}] elements)")
+
+
+class _ProgressHelper:
+    """A daemon thread that, once woken, tests a synchronizer's oldest unfinished piece
+    every ``interval`` seconds (one MPI test moves every request on) until none is left,
+    then sleeps until woken again. It holds the synchronizer only weakly and ends with
+    it or at :meth:`stop`; the synchronizer's lock keeps its tests apart from the
+    caller's starts and waits (MPI forbids two threads completing one request). A test
+    that fails stops the testing until the next wake; the caller's own wait on that
+    piece raises the error."""
+
+    def __init__(self, sync: GradientSynchronizer, interval: float) -> None:
+        self._sync = weakref.ref(sync)
+        self._interval = interval
+        self._woken = threading.Event()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name="axondist-grad-progress",
+                                        daemon=True)
+        self._thread.start()
+
+    def wake(self) -> None:
+        """Start testing (called with the synchronizer's lock held, after a start)."""
+        self._woken.set()
+
+    def stop(self) -> None:
+        """End the thread and wait for it (not from the thread itself)."""
+        self._stopped = True
+        self._woken.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stopped:
+            if not self._woken.wait(1.0):
+                if self._sync() is None:
+                    return
+                continue
+            sync = self._sync()
+            if sync is None or self._stopped:
+                return
+            with sync._lock:
+                try:
+                    busy = any(not work.is_completed() for work in sync._in_flight)
+                except Exception:  # noqa: BLE001 - the caller's wait raises it, with context
+                    busy = False
+                if not busy:
+                    self._woken.clear()  # under the lock: a start after this wakes us again
+            del sync
+            time.sleep(self._interval)
 
 
 __all__ = [
