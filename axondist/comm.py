@@ -54,9 +54,9 @@ _MOVE_OK: set[Any] = set()
 def _backend_of(group: ProcessGroup | None, what: str) -> Backend:
     """The backend of ``group`` (the current world when None) for call ``what``."""
     if group.__class__ in _GROUP_TYPES:
-        b = group._backend  # type: ignore[union-attr]
+        b = group._backend
         if b is not None:
-            return b  # type: ignore[no-any-return]
+            return b
     return (current_world() if group is None else resolve_group(group)).backend_for(what)
 
 

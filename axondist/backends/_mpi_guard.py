@@ -22,6 +22,7 @@ import hashlib
 import itertools
 import time
 from collections.abc import Callable, Iterable
+from math import prod
 from typing import Any
 
 import numpy as np
@@ -75,38 +76,55 @@ def _schedule(rank: int, size: int) -> list[tuple[str, int]]:
     return steps + ([("return", rank + p)] if rank + p < size else [])
 
 
-class Rider:
-    """A small blocking all-reduce whose check travels in its own message.
+class Carrier:
+    """A check message that carries a small call's data in a two-rank group.
 
-    Ranks send each other their data behind a header holding a hash of the call
-    (point to point, by recursive doubling, on the guard's own communicator) and
-    combine it with :data:`_UFUNCS`; a receiver compares the sender's hash and
-    size with its own, so ranks that disagree, even on the size, find out from
-    the same messages and no rank ever receives more than it expects (MPICH
-    aborts a collective whose sizes differ). One exchange instead of a check
-    and then the data: at 4 KiB the separate check costs as much as the data.
-
-    Each rider owns its send buffer, header written once, with ``mine`` (its
-    data part) shaped as the call's buffer; in a two-rank group the swap is a
-    persistent send and receive pair, started and waited on per call.
+    The header (the call's hash, a "disagree" flag, the call's data size)
+    leads the data this rank sends; the other rank's message lands in the
+    guard's receive buffer, whose ``theirs`` view the caller reads once
+    :meth:`CallGuard.carry` found the headers equal. ``mine`` (shaped as the
+    caller's data) is filled by the caller first. One exchange instead of a
+    check and then the data: at 4 KiB a separate check costs as much as the
+    data's own exchange. The send and receive are persistent requests, started
+    and waited on per call.
     """
 
-    __slots__ = ("h", "nbytes", "send", "words", "mine", "theirs", "ufunc", "scale", "by",
-                 "requests")
+    __slots__ = ("h", "nbytes", "send", "words", "mine", "theirs", "requests")
 
-    def __init__(self, h: int, nbytes: int, dtype: np.dtype, shape: tuple[int, ...],
-                 recv: np.ndarray, ufunc: Any, divisor: int) -> None:
-        self.h, self.nbytes, self.ufunc = h, nbytes, ufunc
-        self.send = np.zeros(_HEADER + nbytes, np.uint8)
+    def __init__(self, h: int, nbytes: int, dtype: np.dtype, mine: tuple[int, ...],
+                 theirs: tuple[int, ...], recv: np.ndarray) -> None:
+        self.h, self.nbytes = h, nbytes
+        self.send = np.zeros(_HEADER + prod(mine) * dtype.itemsize, np.uint8)
         self.words = self.send[:_HEADER].view(np.int64).data  # memoryview: Python ints
         self.words[0], self.words[2] = h, nbytes
-        self.mine = self.send[_HEADER:].view(dtype).reshape(shape)
-        self.theirs = recv[_HEADER:_HEADER + nbytes].view(dtype).reshape(shape)
+        self.mine = self.send[_HEADER:].view(dtype).reshape(mine)
+        end = _HEADER + prod(theirs) * dtype.itemsize
+        self.theirs = recv[_HEADER:end].view(dtype).reshape(theirs)
+        #: The persistent [send, receive] of the swap (None: recursive doubling).
+        self.requests: list[Any] | None = None
+
+
+class Rider(Carrier):
+    """A small blocking all-reduce (or a two-rank reduce-scatter) whose check travels in
+    its own message.
+
+    Ranks send each other their data behind the header (point to point, by
+    recursive doubling, on the guard's own communicator) and combine it with
+    :data:`_UFUNCS`; a receiver compares the sender's hash and size with its
+    own, so ranks that disagree, even on the size, find out from the same
+    messages and no rank ever receives more than it expects (MPICH aborts a
+    collective whose sizes differ).
+    """
+
+    __slots__ = ("ufunc", "scale", "by")
+
+    def __init__(self, h: int, nbytes: int, dtype: np.dtype, mine: tuple[int, ...],
+                 theirs: tuple[int, ...], recv: np.ndarray, ufunc: Any, divisor: int) -> None:
+        super().__init__(h, nbytes, dtype, mine, theirs, recv)
+        self.ufunc = ufunc
         # AVERAGE's turn from sum to mean (divisor 0: none), chosen once
         how, self.by = mean_scaling(divisor) if divisor else ("", 1.0)
         self.scale = {"multiply": np.multiply, "divide": np.divide}.get(how)
-        #: The persistent [send, receive] of a two-rank swap (None: recursive doubling).
-        self.requests: list[Any] | None = None
 
 
 class CallGuard:
@@ -142,6 +160,9 @@ class CallGuard:
         #: Blocking all_reduce key -> (its Rider or None, the backend's direct MPI call or
         #: None): see ``MPIBackend._plan_all_reduce``.
         self.all_reduces: dict[tuple[Any, ...], tuple[Rider | None, Any]] = {}
+        #: (op, key) of another blocking collective -> its Carrier, or None where its
+        #: data cannot ride (see :meth:`carrier`).
+        self.carriers: dict[tuple[str, tuple[Any, ...]], Carrier | None] = {}
         self._hashes: dict[tuple[str, tuple[Any, ...]], int] = {}
         self._mpi = mpi
         self._start_all, self._wait_all = mpi.Prequest.Startall, mpi.Request.Waitall
@@ -207,12 +228,47 @@ class CallGuard:
         if (ufunc is None or dtype not in _RIDING_DTYPES or nbytes > RIDE_MAX_BYTES
                 or self._check_comm is None):
             return None
-        rider = Rider(self._hash("all_reduce", key), nbytes, dtype, key[1], self._recv, ufunc,
-                      n if op_name == "AVERAGE" else 0)
+        rider = Rider(self._hash("all_reduce", key), nbytes, dtype, key[1], key[1], self._recv,
+                      ufunc, n if op_name == "AVERAGE" else 0)
         if self._receive is not None:
-            rider.requests = [self._check_comm.Send_init(rider.send, self._pair, _TAG),
-                              self._receive]
+            self._pair_requests(rider)
         return rider
+
+    def carrier(self, op: str, key: tuple[Any, ...], nbytes: int, dtype: np.dtype,
+                mine: tuple[int, ...], theirs: tuple[int, ...],
+                reduce_op: str | None = None) -> Carrier | None:
+        """The :class:`Carrier` of blocking call ``op`` with ``key`` in a two-rank group:
+        ``nbytes`` of data in the call (the same on both ranks), ``mine`` and ``theirs``
+        the shapes of what this rank sends and receives; a :class:`Rider` combining with
+        ``reduce_op``'s ufunc when given. None where the data cannot ride (checks off,
+        not two ranks, a message over ``RIDE_MAX_BYTES``, an op or dtype riders lack):
+        decided from the arguments alone, which both ranks share."""
+        if (self._receive is None
+                or max(prod(mine), prod(theirs)) * dtype.itemsize > RIDE_MAX_BYTES):
+            return None
+        h = self._hash(op, key)
+        if reduce_op is None:
+            return self._pair_requests(Carrier(h, nbytes, dtype, mine, theirs, self._recv))
+        ufunc = _UFUNCS.get(reduce_op)
+        if ufunc is None or dtype not in _RIDING_DTYPES:
+            return None
+        return self._pair_requests(Rider(h, nbytes, dtype, mine, theirs, self._recv, ufunc,
+                                         2 if reduce_op == "AVERAGE" else 0))
+
+    def _pair_requests(self, carrier: Carrier) -> Carrier:
+        carrier.requests = [self._check_comm.Send_init(  # type: ignore[union-attr]
+            carrier.send, self._pair, _TAG), self._receive]
+        return carrier
+
+    def carry(self, carrier: Carrier, op: str, key: tuple[Any, ...]) -> None:
+        """Swap ``carrier``'s message (its ``mine`` filled by the caller); its ``theirs``
+        then holds the other rank's data.
+
+        Raises:
+            CollectiveMismatchError: on both ranks, naming what differs.
+        """
+        if self._swap(carrier.requests, carrier.h, carrier.nbytes):  # type: ignore[arg-type]
+            self._disagree(op, key, True)
 
     def ride(self, rider: Rider, buf: np.ndarray, key: tuple[Any, ...]) -> None:
         """All-reduce ``buf`` (the caller's contiguous NumPy array, of the rider's shape)
@@ -289,12 +345,23 @@ class CallGuard:
         plan = self.all_reduces[key] = (rider, direct)
         return plan
 
+    def remember_carrier(self, op: str, key: tuple[Any, ...],
+                         carrier: Carrier | None) -> Carrier | None:
+        """Keep call ``(op, key)``'s carrier (see :attr:`carriers`)."""
+        if len(self.carriers) >= _RIDERS_LIMIT:
+            self._forget_all_reduces()
+        self.carriers[(op, key)] = carrier
+        return carrier
+
     def _forget_all_reduces(self) -> None:
-        """Drop every all-reduce plan, freeing their riders' persistent sends."""
-        for rider, _ in self.all_reduces.values():
-            if rider is not None and rider.requests is not None:
-                rider.requests[0].Free()
+        """Drop every all-reduce plan and carrier, freeing their persistent sends."""
+        carriers: list[Carrier | None] = [rider for rider, _ in self.all_reduces.values()]
+        carriers += self.carriers.values()
+        for carrier in carriers:
+            if carrier is not None and carrier.requests is not None:
+                carrier.requests[0].Free()
         self.all_reduces.clear()
+        self.carriers.clear()
 
     def _hash(self, op: str, key: tuple[Any, ...]) -> int:
         """``op`` and ``key``'s hash, remembered (a bounded cache)."""
@@ -402,4 +469,4 @@ def _printable(key: tuple[Any, ...]) -> tuple[Any, ...]:
                  for v in key)
 
 
-__all__ = ["FIELDS", "RIDE_MAX_BYTES", "CallGuard", "Rider"]
+__all__ = ["FIELDS", "RIDE_MAX_BYTES", "CallGuard", "Carrier", "Rider"]

@@ -58,6 +58,9 @@ from .base import (
 )
 from .recorder import FlightRecorder
 
+#: A plan not made yet (None is a plan: "no carrier").
+_UNSET: Any = object()
+
 # Bound by _load_mpi(): module globals keep the hot path to plain lookups.
 MPI: Any = None
 _IN_PLACE: Any = None
@@ -512,11 +515,11 @@ class MPIBackend(Backend):
                 [buf], (0,) if self.rank == root else (), (0,), 0, async_op)
         if self._debug:
             self._agree("broadcast", signature + (("root", root),), async_op)
-        key = (buf.dtype, buf.shape, root, async_op)
         if not async_op:
-            self._blocking("broadcast", key, self._broadcast_now, buf, root)
+            self._checked_broadcast(buf, root)
             return CompletedWork(buf)
-        return self._issue("broadcast", key, self._broadcast_pieces, buf, root)
+        return self._issue("broadcast", (buf.dtype, buf.shape, root, async_op),
+                           self._broadcast_pieces, buf, root)
 
     def _broadcast_pieces(self, buf: Any, root: int) -> Work:
         plan = self._transfer_plans.get(buf.dtype)
@@ -538,8 +541,37 @@ class MPIBackend(Backend):
         if self._slow:
             self.broadcast(buf, root, signature=(("dtype", buf.dtype), ("shape", buf.shape)))
             return
-        self._blocking("broadcast", (buf.dtype, buf.shape, root, False), self._broadcast_now,
-                       buf, root)
+        self._checked_broadcast(buf, root)
+
+    def _checked_broadcast(self, buf: Any, root: int) -> None:
+        """A blocking broadcast, numbered, recorded and checked; in a two-rank group a
+        small one's data rides with the check (:meth:`CallGuard.carrier`)."""
+        key = (buf.dtype, buf.shape, root, False)
+        guard = self._guard
+        group, seq = guard.group, next(guard.seqs)
+        rec = guard.rec
+        slot = rec.begin(group, seq, "broadcast", key)
+        try:
+            if guard.checks:
+                carrier = guard.carriers.get(("broadcast", key), _UNSET)
+                if carrier is _UNSET:
+                    shapes = (buf.shape, (0,)) if self.rank == root else ((0,), buf.shape)
+                    carrier = guard.remember_carrier("broadcast", key, guard.carrier(
+                        "broadcast", key, buf.nbytes, buf.dtype, *shapes))
+                if carrier is None:
+                    guard.agree("broadcast", key)
+                elif buf.__class__ is np.ndarray or isinstance(buf, np.ndarray):
+                    if self.rank == root:
+                        carrier.mine[...] = buf
+                    guard.carry(carrier, "broadcast", key)
+                    if self.rank != root:
+                        buf[...] = carrier.theirs
+                    return
+                else:
+                    guard.agree("broadcast", key, riding=False)
+            self._broadcast_now(buf, root)
+        finally:
+            rec.end_blocking(slot, group, seq)
 
     def _broadcast_now(self, buf: Any, root: int) -> None:
         plan = self._transfer_plans.get(buf.dtype)
@@ -580,11 +612,11 @@ class MPIBackend(Backend):
                 [send, recv], (0,), (1,), 1, async_op)
         if self._debug:
             self._agree("all_gather", signature + (("counts", tuple(counts)),), async_op)
-        key = (send.dtype, tuple(counts), async_op)
         if not async_op:
-            self._blocking("all_gather", key, self._all_gather_now, send, recv, counts)
+            self._checked_all_gather(send, recv, counts)
             return CompletedWork(recv)
-        return self._issue("all_gather", key, self._all_gather_start, send, recv, counts)
+        return self._issue("all_gather", (send.dtype, tuple(counts), async_op),
+                           self._all_gather_start, send, recv, counts)
 
     def _all_gather_start(self, send: Any, recv: Any, counts: list[int]) -> Work:
         s, r, mtype = self._gather_buffers(send, recv)
@@ -615,8 +647,41 @@ class MPIBackend(Backend):
         if self._slow:
             self.all_gather(send, recv, counts, signature=(("dtype", send.dtype),))
             return
-        self._blocking("all_gather", (send.dtype, tuple(counts), False), self._all_gather_now,
-                       send, recv, counts)
+        self._checked_all_gather(send, recv, counts)
+
+    def _checked_all_gather(self, send: Any, recv: Any, counts: list[int]) -> None:
+        """A blocking all-gather, numbered, recorded and checked; in a two-rank group a
+        small one's data rides with the check (:meth:`CallGuard.carrier`)."""
+        key = (send.dtype, tuple(counts), False)
+        guard = self._guard
+        group, seq = guard.group, next(guard.seqs)
+        rec = guard.rec
+        slot = rec.begin(group, seq, "all_gather", key)
+        try:
+            if guard.checks:
+                carrier = guard.carriers.get(("all_gather", key), _UNSET)
+                if carrier is _UNSET:
+                    carrier = guard.remember_carrier("all_gather", key, guard.carrier(
+                        "all_gather", key, sum(counts) * send.dtype.itemsize, send.dtype,
+                        (counts[self.rank],), (counts[1 - self.rank],))
+                        if self.world_size == 2 else None)
+                if carrier is None:
+                    guard.agree("all_gather", key)
+                elif send.__class__ is recv.__class__ is np.ndarray or (
+                        isinstance(send, np.ndarray) and isinstance(recv, np.ndarray)):
+                    flat = send.reshape(-1) if send.ndim != 1 else send
+                    carrier.mine[...] = flat
+                    guard.carry(carrier, "all_gather", key)
+                    rows = recv.reshape(-1) if recv.ndim != 1 else recv
+                    first = counts[0]
+                    rows[:first] = flat if self.rank == 0 else carrier.theirs
+                    rows[first:] = carrier.theirs if self.rank == 0 else flat
+                    return
+                else:
+                    guard.agree("all_gather", key, riding=False)
+            self._all_gather_now(send, recv, counts)
+        finally:
+            rec.end_blocking(slot, group, seq)
 
     def _all_gather_now(self, send: Any, recv: Any, counts: list[int]) -> None:
         plan = self._transfer_plans.get(send.dtype)
@@ -654,13 +719,11 @@ class MPIBackend(Backend):
         if self._debug:
             self._agree("reduce_scatter",
                         signature + (("counts", tuple(counts)), ("reduce_op", op.name)), async_op)
-        key = (send.dtype, tuple(counts), op._name_, async_op)
         if not async_op:
-            self._blocking("reduce_scatter", key, self._reduce_scatter_now, send, recv, counts,
-                           op)
+            self._checked_reduce_scatter(send, recv, counts, op)
             return CompletedWork(recv)
-        return self._issue("reduce_scatter", key, self._reduce_scatter_start, send, recv, counts,
-                           op)
+        return self._issue("reduce_scatter", (send.dtype, tuple(counts), op._name_, async_op),
+                           self._reduce_scatter_start, send, recv, counts, op)
 
     def reduce_scatter_blocking(self, send: Any, recv: Any, counts: list[int],
                                 op: ReduceOp) -> None:
@@ -670,8 +733,47 @@ class MPIBackend(Backend):
         if self._slow:
             self.reduce_scatter(send, recv, counts, op, signature=(("dtype", send.dtype),))
             return
-        self._blocking("reduce_scatter", (send.dtype, tuple(counts), op._name_, False),
-                       self._reduce_scatter_now, send, recv, counts, op)
+        self._checked_reduce_scatter(send, recv, counts, op)
+
+    def _checked_reduce_scatter(self, send: Any, recv: Any, counts: list[int],
+                                op: ReduceOp) -> None:
+        """A blocking reduce-scatter, numbered, recorded and checked; in a two-rank group a
+        small one's data rides with the check (:meth:`CallGuard.carrier`): each rank
+        sends the other's block and combines the block it gets with its own."""
+        key = (send.dtype, tuple(counts), op._name_, False)
+        guard = self._guard
+        group, seq = guard.group, next(guard.seqs)
+        rec = guard.rec
+        slot = rec.begin(group, seq, "reduce_scatter", key)
+        try:
+            if guard.checks:
+                carrier = guard.carriers.get(("reduce_scatter", key), _UNSET)
+                if carrier is _UNSET:
+                    carrier = guard.remember_carrier("reduce_scatter", key, guard.carrier(
+                        "reduce_scatter", key, sum(counts) * send.dtype.itemsize, send.dtype,
+                        (counts[1 - self.rank],), (counts[self.rank],), op._name_)
+                        if self.world_size == 2 else None)
+                if carrier is None:
+                    guard.agree("reduce_scatter", key)
+                elif send.__class__ is recv.__class__ is np.ndarray or (
+                        isinstance(send, np.ndarray) and isinstance(recv, np.ndarray)):
+                    flat = send.reshape(-1) if send.ndim != 1 else send
+                    first = counts[0]
+                    mine, other = (flat[:first], flat[first:]) if self.rank == 0 else \
+                        (flat[first:], flat[:first])
+                    carrier.mine[...] = other
+                    guard.carry(carrier, "reduce_scatter", key)
+                    out = recv.reshape(-1) if recv.ndim != 1 else recv
+                    rider: Rider = carrier  # made with an op
+                    rider.ufunc(mine, rider.theirs, out=out)
+                    if rider.scale is not None:
+                        rider.scale(out, rider.by, out=out, casting="unsafe")
+                    return
+                else:
+                    guard.agree("reduce_scatter", key, riding=False)
+            self._reduce_scatter_now(send, recv, counts, op)
+        finally:
+            rec.end_blocking(slot, group, seq)
 
     def _reduce_scatter_plan(self, send: Any, recv: Any, op: ReduceOp) -> tuple[Any, Any, Any,
                                                                                  Any, bool]:

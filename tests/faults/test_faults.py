@@ -84,6 +84,11 @@ CASES: dict[str, Expect] = {
     "op_mismatch": Expect(*[r"all_reduce: ranks disagree on reduce_op \(rank 0: SUM, .*MAX\)"] * 2),
     "sizes_mismatch": Expect(*[r"all_gather: ranks disagree on counts \(rank 0: .6, 6.*"
                                r"rank 1: .3, 6"] * 2),
+    "src_mismatch": Expect(*[r"broadcast: ranks disagree on root \(rank 0: 0, rank 1: 1"] * 2),
+    "gather_vs_broadcast": Expect(*[r"ranks called different collectives .*rank 0 called "
+                                    r"all_gather, rank 1 called broadcast"] * 2),
+    "scatter_op_mismatch": Expect(*[r"reduce_scatter: ranks disagree on reduce_op \(rank 0: "
+                                    r"SUM, .*MAX\)"] * 2),
     "shape_mismatch_small": Expect(*[r"all_reduce: ranks disagree on shape \(rank 0: .1024,?., "
                                      r"rank 1: .2048,?."] * 2),
     "small_vs_large": Expect(*[r"all_reduce: ranks disagree on shape \(rank 0: .1024,?., "

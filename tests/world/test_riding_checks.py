@@ -12,6 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import axondist as ad
+from axondist._array import dtype_named
 from axondist.backends._mpi_guard import _RIDERS_LIMIT, RIDE_MAX_BYTES
 
 OPS = ["sum", "average", "max", "min", "product"]
@@ -102,3 +103,80 @@ def test_more_shapes_than_the_plan_cache_holds(n, seed):
     # Multi-dimensional buffers ride in their own shape; past the cache's limit the
     # plans (and their persistent sends) are dropped and made again.
     run_world(_body_many_shapes, n, seed, _RIDERS_LIMIT + 40)
+
+
+# --- the carried collectives: in a group of two, small all_gather, reduce_scatter and
+# broadcast send their data with the check (every size here runs on any group size)
+
+MOVE_DTYPES = ["float32", "float64", "int32", "int64", "bool", "float16", "bfloat16", "uint8"]
+
+
+def _moved(seed: int, rank: int, shape: tuple[int, ...], dtype: str) -> np.ndarray:
+    values = np.random.default_rng([seed, rank]).integers(-40, 40, size=shape)
+    return values.astype(dtype_named(dtype))
+
+
+def _body_gather(world: ad.World, seed: int, rows: list[int], trailing: tuple[int, ...],
+                 dtype: str, give_sizes: bool) -> None:
+    n = world.world_size
+    counts = [rows[r % len(rows)] for r in range(n)]
+    x = _moved(seed, world.rank, (counts[world.rank],) + trailing, dtype)
+    got = ad.all_gather(x, sizes=counts if give_sizes else None)
+    want = np.concatenate([_moved(seed, r, (counts[r],) + trailing, dtype) for r in range(n)])
+    assert got.dtype == want.dtype and got.shape == want.shape
+    np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))
+
+
+@given(n=world_sizes(1, 4), seed=st.integers(0, 2**31 - 1),
+       rows=st.lists(st.integers(0, 9), min_size=1, max_size=4),
+       trailing=st.sampled_from([(), (3,), (2, 2)]), dtype=st.sampled_from(MOVE_DTYPES),
+       give_sizes=st.booleans())
+def test_small_all_gathers_match_numpy(n, seed, rows, trailing, dtype, give_sizes):
+    run_world(_body_gather, n, seed, rows, trailing, dtype, give_sizes)
+
+
+@given(n=world_sizes(1, 4), seed=st.integers(0, 2**31 - 1), offset=st.sampled_from([-1, 0, 1]),
+       dtype=st.sampled_from(["float32", "float64"]))
+def test_all_gather_on_both_sides_of_the_riding_limit(n, seed, offset, dtype):
+    rows = RIDE_MAX_BYTES // np.dtype(dtype).itemsize + offset
+    run_world(_body_gather, n, seed, [rows], (), dtype, True)
+
+
+def _body_scatter(world: ad.World, seed: int, rows: int, dtype: str, op: str) -> None:
+    n = world.world_size
+    x = _input(seed, world.rank, rows * 3, dtype, op).reshape(rows, 3)
+    got = ad.reduce_scatter(x, op)
+    whole = _reference([_input(seed, r, rows * 3, dtype, op).reshape(rows, 3)
+                        for r in range(n)], op)
+    want = np.array_split(whole, n)[world.rank]
+    if got.dtype.kind == "f":
+        tol = (1e-5 if dtype == "float32" else 1e-12) * n
+        np.testing.assert_allclose(got.astype(np.float64), want, rtol=tol, atol=tol)
+    else:
+        np.testing.assert_array_equal(got, want)
+
+
+@given(n=world_sizes(1, 4), seed=st.integers(0, 2**31 - 1), dtype=st.sampled_from(DTYPES),
+       op=st.sampled_from(OPS), rows=st.one_of(st.integers(0, 9),
+                                              st.sampled_from([2 * 1365, 2 * 1366 + 1])))
+def test_small_reduce_scatters_match_numpy(n, seed, dtype, op, rows):
+    # 1365 rows of 3 float64 are just under RIDE_MAX_BYTES, 1366 just over
+    if op == "average" and dtype.startswith("int"):
+        op = "sum"
+    run_world(_body_scatter, n, seed, rows, dtype, op)
+
+
+def _body_broadcast(world: ad.World, seed: int, shape: tuple[int, ...], dtype: str,
+                    src: int) -> None:
+    src %= world.world_size
+    x = _moved(seed, world.rank, shape, dtype)
+    ad.broadcast(x, src=src)
+    want = _moved(seed, src, shape, dtype)
+    np.testing.assert_array_equal(x.view(np.uint8), want.view(np.uint8))
+
+
+@given(n=world_sizes(1, 4), seed=st.integers(0, 2**31 - 1),
+       shape=st.sampled_from([(0,), (1,), (7,), (3, 5), (8192,), (8193,), (2, 4096)]),
+       dtype=st.sampled_from(MOVE_DTYPES), src=st.integers(0, 3))
+def test_small_broadcasts_match_the_source(n, seed, shape, dtype, src):
+    run_world(_body_broadcast, n, seed, shape, dtype, src)

@@ -112,6 +112,24 @@ def sizes_mismatch(world: ad.World) -> None:
     ad.all_gather(x, sizes=rows)
 
 
+def src_mismatch(world: ad.World) -> None:
+    # each rank believes it is the source: two small broadcasts that must not both "win"
+    ad.broadcast(np.full(16, float(world.rank)), src=min(world.rank, 1))
+
+
+def gather_vs_broadcast(world: ad.World) -> None:
+    x = np.ones(16, np.float32)
+    if world.rank == 0:
+        ad.all_gather(x, sizes=[16] * world.world_size)
+    else:
+        ad.broadcast(x, src=0)
+
+
+def scatter_op_mismatch(world: ad.World) -> None:
+    x = np.ones(4 * world.world_size, np.float32)
+    ad.reduce_scatter(x, op="max" if world.rank == world.world_size - 1 else "sum")
+
+
 def shape_mismatch_small(world: ad.World) -> None:
     ad.all_reduce(np.ones(1024 if world.rank == 0 else 2048, np.float32))
 
@@ -185,7 +203,7 @@ def many_groups(world: ad.World) -> None:
 CASES = {f.__name__: f for f in (
     skip_collective, exit0, exit1, finally_barrier, stuck, monitored, killed, wrong_group,
     send_no_recv, recv_no_send, recv_recv, dtype_same_bytes, int_vs_float, op_mismatch,
-    sizes_mismatch, shape_mismatch_small, small_vs_large, async_mismatch, mismatch_caught_then_good,
+    sizes_mismatch, src_mismatch, gather_vs_broadcast, scatter_op_mismatch, shape_mismatch_small, small_vs_large, async_mismatch, mismatch_caught_then_good,
     ddp_num_samples, recv_wrong_out_then_good, many_groups)}
 
 
