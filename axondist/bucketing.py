@@ -603,6 +603,10 @@ class GradientSynchronizer:
                                                      casting="unsafe")
                 slot.weighted = True
             self.copies += 1
+        self._hand_over(slot)
+
+    def _hand_over(self, slot: _Slot) -> None:
+        """Mark ``slot`` ready; under OVERLAPPED issue what is now complete and move on."""
         slot.ready = True
         state = self.buckets[slot.bucket]
         state.pending -= 1
@@ -610,6 +614,49 @@ class GradientSynchronizer:
             if state.pending == 0:
                 self._launch_ready()
             self._progress(slot.view.size)
+
+    #: Elements per block of :meth:`accumulate` (256 KiB of float32): a block's sum is
+    #: still in cache when it is weighted, so the two steps cost one pass over memory.
+    ACCUMULATE_BLOCK = 1 << 16
+
+    def accumulate(self, index: int, grad: Any) -> None:
+        """Add ``grad`` into gradient ``index``'s slot and hand the sum over, as
+        ``slot += grad`` then :meth:`add_gradient` of the slot would, but weighting the
+        sum block by block while it is in cache instead of in a later pass over the bucket
+        (NumPy; other arrays in two whole-array steps). The same arithmetic: the sum is
+        rounded to the slot's dtype, then multiplied by the weight.
+
+        Raises:
+            ValueError: wrong shape, or the gradient was already added this step.
+        """
+        self._check_index(index, "accumulate")
+        if not self._active:
+            self.start()
+        slot = self.slots[index]
+        if slot.ready:
+            raise ValueError(f"GradientSynchronizer.accumulate: gradient {index} was already "
+                             "added in this step")
+        grad = _array.as_array(grad)
+        check_real_gradient(grad, "GradientSynchronizer.accumulate", index)
+        view = slot.view
+        if tuple(grad.shape) != view.shape:
+            raise ValueError(f"GradientSynchronizer.accumulate: gradient {index} has shape "
+                             f"{tuple(grad.shape)}, its parameter has {view.shape}")
+        weight = 1.0 if self.strategy is GradSyncStrategy.NO_SYNC else self._weight()
+        xp = _array.namespace(view)
+        if weight == 1.0:
+            xp.add(view, grad, out=view)
+        elif type(view) is np.ndarray and view.size > self.ACCUMULATE_BLOCK:
+            flat, source = view.reshape(-1), grad.reshape(-1)
+            for lo in range(0, flat.size, self.ACCUMULATE_BLOCK):
+                block = flat[lo:lo + self.ACCUMULATE_BLOCK]
+                np.add(block, source[lo:lo + self.ACCUMULATE_BLOCK], out=block)
+                np.multiply(block, weight, out=block, casting="unsafe")
+        else:
+            xp.add(view, grad, out=view)
+            xp.multiply(view, weight, out=view, casting="unsafe")
+        slot.weighted = weight != 1.0 or slot.weighted
+        self._hand_over(slot)
 
     def _weight(self) -> float:
         """This rank's weight; waits for the sample total the first time it is needed."""

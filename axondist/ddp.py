@@ -349,6 +349,10 @@ class DistributedDataParallel:
                 slot[...] = grad
             p.grad = slot
             return
+        if self.syncing and p.grad is self.synchronizer.slot(index):
+            # .grad is its bucket view: add and weight in one pass over memory.
+            self.synchronizer.accumulate(index, grad)
+            return
         if p.grad is None:
             p.grad = grad.copy()
         else:
