@@ -69,19 +69,20 @@ def test_overlapped_with_the_helper_matches_one_process(size, shapes, seed, step
         assert helper_seen and stopped  # made with the persistent all-reduces, ended by close
 
 
-def _one_host_default(world):
+def _default_helper(world):
     p = Parameter(np.zeros(5), name="w")
     with DDP([p], strategy=GradSyncStrategy.OVERLAPPED) as ddp:
         p.grad = np.full(5, float(world.rank))
         ddp.sync_gradients()
         made = ddp.synchronizer._helper is not None
-    return made, p.grad.copy()
+    _, _, local_size = world.node_info()
+    return made, local_size < world.world_size, p.grad.copy()
 
 
-def test_on_one_host_no_helper_is_made_by_default():
+def test_by_default_a_helper_only_where_the_group_spans_hosts():
     n = current_size(2)
     before = {t.ident for t in threading.enumerate() if t.name == THREAD}
-    for made, grad in run_world(_one_host_default, n):
-        assert not made
+    for made, spans_hosts, grad in run_world(_default_helper, n):
+        assert made == spans_hosts
         np.testing.assert_allclose(grad, np.full(5, (n - 1) / 2))
     assert {t.ident for t in threading.enumerate() if t.name == THREAD} <= before
