@@ -221,20 +221,30 @@ def all_reduce_product(x: Any, group: ProcessGroup | None = None, async_op: bool
 
 
 def reduce_scatter(x: Any, op: ReduceOp | str = ReduceOp.SUM, group: ProcessGroup | None = None,
-                   async_op: bool = False) -> Any:
+                   async_op: bool = False, *, out: Any = None) -> Any:
     """Reduce ``x`` over the group and return this rank's block of rows.
 
     ``x`` (same shape on every rank, at least 1-D) is split along axis 0 as
-    :func:`numpy.array_split` would; rank r gets the reduced block r.
+    :func:`numpy.array_split` would; rank r gets the reduced block r. Passing
+    ``out`` (writable, C-contiguous, of the block's shape and ``x``'s dtype and
+    array library) writes the block there instead of into a new array.
+
+    Raises:
+        InvalidBufferError: ``out`` is not such an array, or ``x`` is 0-d.
     """
-    g, b = _member(group, "reduce_scatter")
+    b = _backend_of(group, "reduce_scatter")
     if (not async_op and x.__class__ is _HOST_ARRAY and x.flags.c_contiguous and x.ndim == 1
             and op in _REDUCE_OK.get(x.dtype, ()) and x.size % b.world_size == 0):
         # The hot path: 1-D NumPy, equal blocks, an op the dtype passed before.
         block = x.size // b.world_size
-        out = _HOST_ARRAY((block,), x.dtype)
+        if out is None:
+            out = _HOST_ARRAY((block,), x.dtype)
+        elif not (out.__class__ is _HOST_ARRAY and out.flags.carray and out.shape == (block,)
+                  and out.dtype == x.dtype):
+            out = _checked_block_out(out, x, (block,))
         b.reduce_scatter_blocking(x, out, [block] * b.world_size, op)
         return out
+    g = resolve_group(group)
     x = _array.contiguous(_array.as_array(x))
     op = ReduceOp.parse(op)
     check_op_dtype(op, x.dtype, "reduce_scatter")
@@ -242,7 +252,11 @@ def reduce_scatter(x: Any, op: ReduceOp | str = ReduceOp.SUM, group: ProcessGrou
         raise InvalidBufferError("reduce_scatter: a 0-d array has no axis to split; pass x[None]")
     rows = split_sizes(x.shape[0], g.world_size)
     row_size = prod(x.shape[1:])
-    out = _array.namespace(x).empty((rows[g.rank],) + tuple(x.shape[1:]), dtype=x.dtype)
+    shape = (rows[g.rank],) + tuple(x.shape[1:])
+    if out is None:
+        out = _array.namespace(x).empty(shape, dtype=x.dtype)
+    else:
+        out = _checked_block_out(out, x, shape)
     if op is ReduceOp.AVERAGE and x.dtype in _HALF:
         return _half_average(x, out, b, async_op, [r * row_size for r in rows])
     if x.__class__ is _HOST_ARRAY and not (op is ReduceOp.AVERAGE and x.dtype in _HALF):
@@ -253,6 +267,23 @@ def reduce_scatter(x: Any, op: ReduceOp | str = ReduceOp.SUM, group: ProcessGrou
     work = b.reduce_scatter(x, out, [r * row_size for r in rows], op, signature=sig,
                             async_op=async_op)
     return _finish(_with_result(work, out), async_op)
+
+
+def _checked_block_out(out: Any, x: Any, shape: tuple[int, ...]) -> Any:
+    """``out`` for :func:`reduce_scatter`'s block of ``shape``, or the error naming why not."""
+    is_array = isinstance(out, _HOST_ARRAY) or _array.is_cupy(out)
+    ok = (is_array and _array.namespace(out) is _array.namespace(x)
+          and tuple(out.shape) == shape and out.dtype == x.dtype)
+    if ok:
+        _array.check_writable(out, "reduce_scatter")
+        ok = bool(out.flags.c_contiguous)
+    if not ok:
+        what = _array.describe(out) if is_array else f"a {type(out).__name__}"
+        raise InvalidBufferError(
+            f"reduce_scatter: out is {what} but this rank's block is "
+            f"{x.dtype}{list(shape)} of the same array library as x; pass a writable, "
+            "C-contiguous array of that shape and dtype, or no out")
+    return out
 
 
 def reduce(x: Any, dst: int = 0, op: ReduceOp | str = ReduceOp.SUM,

@@ -18,10 +18,10 @@ Rows (raw mpi4py on ``COMM_WORLD``, with the buffers axondist gets):
   SUM followed by ``np.divide(buf, n, out=buf)`` (column ``sum+divide``).
 * ``scaled_sum``: the world backend's ``scaled_sum_blocking(buf, 1/n)``
   (DDP's weighted gradient sum) vs the raw SUM and vs ``sum+divide``.
-* ``reduce_scatter``: ``reduce_scatter_sum(buf)`` vs ``Reduce_scatter_block``
-  into a preallocated result; column ``backend`` is the backend's
+* ``reduce_scatter``: ``reduce_scatter(buf, out=mine)`` vs ``Reduce_scatter_block``
+  into the same preallocated result; column ``backend`` is the backend's
   ``reduce_scatter_blocking`` with that result (what the public call costs
-  without its argument checks and result allocation).
+  without its argument checks).
 * ``all_gather``: ``all_gather(buf, sizes=..., out=out)`` vs ``Allgather``;
   column ``no sizes`` is ``all_gather(buf, out=out)``, which first exchanges
   every rank's row count.
@@ -108,7 +108,7 @@ def _variants(op: str, nbytes: int, comm: Any, mpi: Any,
         buf = np.zeros(max(n, nbytes // 4 // n * n), np.float32)  # splits evenly
         mine = np.zeros(buf.size // n, np.float32)
         counts = [mine.size] * n
-        fns["axondist"] = lambda: ad.reduce_scatter_sum(buf)
+        fns["axondist"] = lambda: ad.reduce_scatter(buf, out=mine)
         fns["mpi4py"] = lambda: comm.Reduce_scatter_block(buf, mine, mpi.SUM)
         fns["backend"] = lambda: backend.reduce_scatter_blocking(buf, mine, counts,
                                                                  ad.ReduceOp.SUM)
