@@ -20,6 +20,7 @@ from typing import Any
 
 from . import _array
 from ._validate import parse_choice, sequence_of
+from .backends.base import CompletedWork, Work
 from .comm import all_gather, all_gather_object, all_reduce, reduce_scatter, split_sizes
 from .errors import NotAMemberError
 from .ops import ReduceOp, check_op_dtype
@@ -182,6 +183,25 @@ class HierarchicalAllReduce:
         all_gather(part, self._node, sizes=split_sizes(flat.shape[0], self._node.world_size),
                    out=flat)
         return x
+
+    def hook(self, flat: Any, group: ProcessGroup, async_op: bool) -> Work | None:
+        """Sum a gradient bucket in place through the three steps: a
+        :class:`~axondist.bucketing.ReductionHook`, as in
+        ``DDP(model, group, compression=hier.hook)`` (``hier`` built on the same group).
+
+        Blocking: meant for :attr:`~axondist.GradSyncStrategy.SYNCHRONOUS`. Under
+        OVERLAPPED each bucket would be reduced, blocking, as soon as it is complete;
+        a Work that is already complete is returned.
+
+        Raises:
+            ValueError: ``group`` is not the group this all-reduce was built on.
+        """
+        if resolve_group(group) is not self.group:
+            raise ValueError(f"HierarchicalAllReduce.hook: DDP's group {group!r} is not the "
+                             f"group this all-reduce was built on ({self.group!r}); build "
+                             "HierarchicalAllReduce(group) with DDP's group")
+        self(flat, ReduceOp.SUM)
+        return CompletedWork(flat) if async_op else None
 
     def close(self) -> None:
         """Free the sub-groups (collective over the group; idempotent)."""

@@ -18,7 +18,8 @@ ratios paired batch by batch (``_common``). Rank 0 switches the relay's delay of
   bandwidth the links'), and :class:`axondist.HierarchicalAllReduce` vs the flat one.
 * ``python -m axondist tune``'s sweep on the same links, and the bucket it picks.
 * DDP on a 95 MiB model (160 arrays): gradient sync alone with 25 MiB buckets vs the
-  tuned size (target: tuned <= 1.0x default); with the delay vs without it (target:
+  tuned size (target: tuned <= 1.0x default) and vs buckets summed by
+  ``HierarchicalAllReduce.hook`` (no target); with the delay vs without it (target:
   <= 1.5x); and a backward step whose compute (a sleep per array, as a GPU kernel leaves
   the CPU free) lasts as long as the sync: SYNCHRONOUS vs OVERLAPPED (target: OVERLAPPED
   step <= 1.25x max(compute, sync), where SYNCHRONOUS pays their sum), and OVERLAPPED
@@ -122,10 +123,10 @@ def all_reduce_part(world: ad.World, mpi: Any, repeats: int) -> list[dict[str, A
 
 
 def _ddp(shapes: list[tuple[int, ...]], strategy: GradSyncStrategy, bucket_mb: float,
-         grad_fn: Any) -> DDP:
+         grad_fn: Any, compression: Any = None) -> DDP:
     params = [ad.Parameter(np.full(s, 0.01, np.float32)) for s in shapes]
     ddp = DDP(params, strategy=strategy, bucket_cap_mb=bucket_mb, grad_fn=grad_fn,
-              init_sync=False)
+              init_sync=False, compression=compression)
     for p in params:
         p.grad = np.full(p.shape, ddp.process_group.rank + 1.0, np.float32)
     ddp.sync_gradients()  # packs once; every .grad becomes its bucket view
@@ -149,6 +150,11 @@ def ddp_part(mpi: Any, repeats: int, tuned_mb: float, delay: DelaySwitch) -> dic
 
     alone = {f"sync {name}": _ddp(shapes, GradSyncStrategy.SYNCHRONOUS, mb, None).sync_gradients
              for name, mb in (("default", DEFAULT_BUCKET_MB), ("tuned", tuned_mb))}
+    hierarchical = ad.HierarchicalAllReduce(ad.current_world())
+    if hierarchical.is_hierarchical:
+        alone["sync hierarchical"] = _ddp(shapes, GradSyncStrategy.SYNCHRONOUS,
+                                          DEFAULT_BUCKET_MB, None,
+                                          hierarchical.hook).sync_gradients
     sync_times = alternate(alone, batch=1, repeats=repeats, comm=comm, prime=False)
     default_sync = alone["sync default"]
 
@@ -184,8 +190,12 @@ def ddp_part(mpi: Any, repeats: int, tuned_mb: float, delay: DelaySwitch) -> dic
     steps["compute only"] = compute_only
     step_times = alternate(steps, batch=1, repeats=repeats, comm=comm, prime=False)
     bound = [max(c, compute) for c in sync_times["sync default"]]
+    hierarchical_ratio = (ratio_spread(sync_times["sync hierarchical"],
+                                       sync_times["sync default"])
+                          if "sync hierarchical" in sync_times else None)
     return {
         "compute_s": compute, "tuned_mb": tuned_mb,
+        "hierarchical/default sync": hierarchical_ratio,
         "sync_s": {k: spread(v) for k, v in sync_times.items()},
         "delay_sync_s": {k: spread(v) for k, v in delay_times.items()},
         "delay/no delay sync": ratio_spread(delay_times["delay"], delay_times["no delay"]),
@@ -254,7 +264,8 @@ def report(results: dict[str, Any]) -> str:
     seconds = {**ddp["sync_s"], **{f"sync default, {k}": v
                                    for k, v in ddp["delay_sync_s"].items()},
                **{f"step {k}": v for k, v in ddp["step_s"].items()}}
-    ratios = ("tuned/default sync", "delay/no delay sync", "sync step/max(compute, sync)",
+    ratios = ("tuned/default sync", "hierarchical/default sync", "delay/no delay sync",
+              "sync step/max(compute, sync)",
               "overlapped step/max(compute, sync)", "overlapped tuned/default step")
     relay = results.get("relay", {})
     lines = [f"2 hosts x {results['per_host']} ranks on {os.cpu_count()} cores; links: "
@@ -270,7 +281,7 @@ def report(results: dict[str, Any]) -> str:
              format_table(["DDP 95 MiB", "seconds"],
                           [[k, format_spread(v)] for k, v in seconds.items()]),
              "", format_table(["ratio", "median (min-max)"],
-                              [[k, format_spread(ddp[k])] for k in ratios]), ""]
+                              [[k, format_spread(ddp[k])] for k in ratios if ddp.get(k)]), ""]
     lines += [f"target {'met' if ok else 'MISSED'}: {name}"
               for name, ok in results["targets"].items()]
     return "\n".join(lines)

@@ -241,3 +241,61 @@ def test_equals_the_flat_all_reduce_on_two_hosts(cluster: SimCluster, slots: lis
         assert "hierarchical_equals_flat OK" in text, run.tail()
         line = next(ln for ln in text.splitlines() if ln.startswith("PLAN "))
         assert json.loads(line[len("PLAN "):]) == plan, run.tail()
+
+
+@settings(max_examples=15)
+@given(nodes=even_layouts, strategy=st.sampled_from(["synchronous", "overlapped"]),
+       shapes=st.lists(st.sampled_from([(3,), (4, 5), (2, 2, 2), (40,)]), min_size=1,
+                       max_size=5),
+       weighted=st.booleans(), cap_bytes=st.sampled_from([8, 200, 1 << 20]))
+def test_as_ddp_hook_training_equals_one_process(nodes: list[int], strategy: str,
+                                                 shapes: list[tuple[int, ...]], weighted: bool,
+                                                 cap_bytes: int) -> None:
+    """DDP(compression=hier.hook): two SGD steps equal the full-batch steps of one process
+    (the sample-weighted average too), every rank alike."""
+    n = len(nodes)
+    rng = np.random.default_rng(len(shapes) * 7 + n)
+    start = [rng.standard_normal(s) for s in shapes]
+    local = [[[rng.standard_normal(s) for s in shapes] for _ in range(n)] for _ in range(2)]
+    counts = [1 + r % 3 if weighted else 1 for r in range(n)]
+
+    def body(world: ad.World) -> list[np.ndarray]:
+        params = [ad.Parameter(a.copy()) for a in start]
+        with HierarchicalAllReduce(world, nodes=nodes, min_bytes=0) as hier, \
+                ad.DDP(params, strategy=strategy, compression=hier.hook,
+                       bucket_cap_mb=cap_bytes / 2**20) as ddp:
+            for step in range(2):
+                for p, g in zip(params, local[step][world.rank]):
+                    p.grad = g.copy()
+                ddp.sync_gradients(num_samples=counts[world.rank] if weighted else None)
+                for p in params:
+                    p.data -= 0.1 * p.grad
+        return [p.data for p in params]
+
+    want = [a.copy() for a in start]
+    for step in range(2):
+        for i in range(len(shapes)):
+            avg = sum(c * local[step][r][i] for r, c in enumerate(counts)) / sum(counts)
+            want[i] -= 0.1 * avg
+    results = ad.spawn(body, n)
+    for got in results:
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(g, w, rtol=1e-12, atol=1e-12)
+        for g, first in zip(got, results[0]):
+            np.testing.assert_array_equal(g, first)  # every rank holds the same values
+
+
+def test_as_ddp_hook_refuses_another_group() -> None:
+    def body(world: ad.World) -> str:
+        with HierarchicalAllReduce(world, nodes=[0, 0, 1, 1]) as hier, \
+                world.new_group([0, 1, 2, 3]) as other:
+            try:
+                hier.hook(np.zeros(4), other, False)
+            except ValueError as exc:
+                return str(exc)
+        return "no error"
+
+    for message in ad.spawn(body, 4):
+        assert message.startswith("HierarchicalAllReduce.hook: DDP's group ProcessGroup(")
+        assert "is not the group this all-reduce was built on" in message
+        assert "build HierarchicalAllReduce(group) with DDP's group" in message
