@@ -30,6 +30,10 @@ from .parameter import Parameter, parameters_of
 #: state_dict format version, bumped when the layout below changes.
 STATE_DICT_VERSION = 1
 
+#: Elements per block of Adam's update of a large NumPy parameter: the few arrays one block
+#: touches stay in a core's cache between its passes.
+BLOCK = 65536
+
 
 def _compute_dtype(dtype: Any) -> np.dtype:
     """The dtype updates of a parameter of ``dtype`` are computed (and state kept) in."""
@@ -359,21 +363,41 @@ class Adam(Optimizer):
         self.weight_decay = _check_nonneg("weight_decay", self.weight_decay, name)
 
     def _update(self, xp: Any, p: Any, g: Any, state: dict[str, Any]) -> None:
-        b1, b2 = self.betas
-        t = state["step"]
-        if self.weight_decay:
-            if self._decoupled:
-                p *= 1.0 - self.lr * self.weight_decay
-            else:
-                g = g + self.weight_decay * p
         m = state.get("exp_avg")
         if m is None:
             m = state["exp_avg"] = xp.zeros_like(p)
             state["exp_avg_sq"] = xp.zeros_like(p)
         v = state["exp_avg_sq"]
-        # The same arithmetic as the formulas above, in place: every temporary lands in
-        # one scratch buffer (fresh temporaries cost page faults on every step).
-        s = self._scratch_like(xp, p)
+        t = state["step"]
+        scalars = (self.lr / (1.0 - self.betas[0] ** t), math.sqrt(1.0 - self.betas[1] ** t))
+        parts = 2 if self.weight_decay and not self._decoupled else 1  # + the decayed gradient
+        if xp is np and p.size > BLOCK and all(a.flags.c_contiguous for a in (p, g, m, v)):
+            # Block by block, so the passes below read and write cache, not memory: the
+            # arithmetic of each element is the same, only the order of elements changes.
+            flat = [a.reshape(-1) for a in (p, g, m, v)]
+            scratch = self._scratch(xp, p.dtype, parts * BLOCK)
+            for lo in range(0, p.size, BLOCK):
+                n = min(BLOCK, p.size - lo)
+                self._adam_block(xp, *(a[lo:lo + n] for a in flat), scratch[:n],
+                                 scratch[(parts - 1) * BLOCK:][:n], scalars)
+        else:
+            scratch = self._scratch(xp, p.dtype, parts * p.size)
+            self._adam_block(xp, p, g, m, v, scratch[:p.size].reshape(p.shape),
+                             scratch[(parts - 1) * p.size:][:p.size].reshape(p.shape), scalars)
+
+    def _adam_block(self, xp: Any, p: Any, g: Any, m: Any, v: Any, s: Any, decayed: Any,
+                    scalars: tuple[float, float]) -> None:
+        """The update of one block in place: every temporary lands in ``s`` (and the L2-decayed
+        gradient in ``decayed``), as fresh temporaries would cost page faults on every step."""
+        b1, b2 = self.betas
+        step_size, bias2_root = scalars
+        if self.weight_decay:
+            if self._decoupled:
+                p *= 1.0 - self.lr * self.weight_decay
+            else:
+                xp.multiply(p, self.weight_decay, out=decayed)
+                decayed += g  # g + weight_decay * p, never written into the user's grad
+                g = decayed
         xp.multiply(m, b1, out=m)
         xp.multiply(g, 1.0 - b1, out=s)
         m += s
@@ -381,23 +405,22 @@ class Adam(Optimizer):
         xp.multiply(g, g, out=s)
         s *= 1.0 - b2
         v += s
-        step_size = self.lr / (1.0 - b1**t)
         xp.sqrt(v, out=s)
-        s /= math.sqrt(1.0 - b2**t)
+        s /= bias2_root
         s += self.eps
         xp.divide(m, s, out=s)
         s *= step_size
         p -= s
 
-    def _scratch_like(self, xp: Any, p: Any) -> Any:
-        """A scratch array of ``p``'s shape and dtype: a view of one buffer per dtype and
-        array library, as large as the largest parameter (grown when needed)."""
-        key = (xp.__name__, p.dtype)
-        scratches: dict[Any, Any] = self.__dict__.setdefault("_scratch", {})
+    def _scratch(self, xp: Any, dtype: Any, size: int) -> Any:
+        """A 1-D scratch array of at least ``size`` elements: one buffer per dtype and array
+        library, grown when needed and reused by every later step."""
+        key = (xp.__name__, dtype)
+        scratches: dict[Any, Any] = self.__dict__.setdefault("_scratch_buffers", {})
         flat = scratches.get(key)
-        if flat is None or flat.size < p.size:
-            flat = scratches[key] = xp.empty(p.size, dtype=p.dtype)
-        return flat[:p.size].reshape(p.shape)
+        if flat is None or flat.size < size:
+            flat = scratches[key] = xp.empty(size, dtype=dtype)
+        return flat
 
 
 class AdamW(Adam):
