@@ -374,12 +374,13 @@ class Adam(Optimizer):
         if xp is np and p.size > BLOCK and all(a.flags.c_contiguous for a in (p, g, m, v)):
             # Block by block, so the passes below read and write cache, not memory: the
             # arithmetic of each element is the same, only the order of elements changes.
-            flat = [a.reshape(-1) for a in (p, g, m, v)]
+            pf, gf, mf, vf = (a.reshape(-1) for a in (p, g, m, v))
             scratch = self._scratch(xp, p.dtype, parts * BLOCK)
             for lo in range(0, p.size, BLOCK):
-                n = min(BLOCK, p.size - lo)
-                self._adam_block(xp, *(a[lo:lo + n] for a in flat), scratch[:n],
-                                 scratch[(parts - 1) * BLOCK:][:n], scalars)
+                hi = min(lo + BLOCK, p.size)
+                self._adam_block(xp, pf[lo:hi], gf[lo:hi], mf[lo:hi], vf[lo:hi],
+                                 scratch[:hi - lo], scratch[(parts - 1) * BLOCK:][:hi - lo],
+                                 scalars)
         else:
             scratch = self._scratch(xp, p.dtype, parts * p.size)
             self._adam_block(xp, p, g, m, v, scratch[:p.size].reshape(p.shape),
