@@ -96,19 +96,29 @@ class GradientSync(UnitState):
         rdt = self.mixed_precision.communication_dtype(flat.dtype)
         buf = self._xp.empty(flat.padded_numel, dtype=rdt)
         buf[flat.numel:] = 0  # padding
+        scale = self._packed_scale(rdt)
         for k, view in enumerate(flat.layout.views(buf[:flat.numel])):
             g = grads[k] if grads is not None else None
-            view[...] = 0 if g is None else g
+            if g is None:
+                view[...] = 0
+            elif scale is None:
+                view[...] = g
+            else:
+                np.multiply(g, scale, out=view, casting="unsafe")
         if st.accum is not None:
-            buf[:flat.numel] += self._to_compute(st.accum).astype(rdt)
+            low = self._to_compute(st.accum).astype(rdt)
+            if scale is not None:
+                low *= scale
+            buf[:flat.numel] += low
             st.accum = None
+        op = ReduceOp.AVERAGE if scale is None else ReduceOp.SUM
         keep_full = self.shard_group is not None and not self.spec.gradients
         if self.shard_group is None:
             part = buf
         elif keep_full:
-            part = comm.all_reduce(buf, ReduceOp.AVERAGE, self.shard_group)
+            part = comm.all_reduce(buf, op, self.shard_group)
         else:
-            part = comm.reduce_scatter(buf, ReduceOp.AVERAGE, self.shard_group)
+            part = comm.reduce_scatter(buf, op, self.shard_group)
         del buf
         if self.replica_group is not None:
             comm.all_reduce(part, ReduceOp.AVERAGE, self.replica_group)
@@ -120,6 +130,22 @@ class GradientSync(UnitState):
             st.shard.grad = part
         else:
             st.shard.grad += part
+
+    def _packed_scale(self, reduce_dtype: Any) -> float | None:
+        """``1 / shards`` when the shard group's average is taken by scaling each rank's
+        gradients as they are packed, then summing (None: the collective averages).
+
+        Only for NumPy buffers of float32/float64 over a power-of-two group: scaling by
+        ``1 / 2**k`` is exact, so the result equals the collective's average bit for bit
+        (unless a scaled value falls into the subnormal range, or the unscaled sum would
+        have overflowed), and the packing pass that already happens replaces the
+        collective's own scaling pass.
+        """
+        n = self._shards
+        if (n == 1 or n & (n - 1) or self._xp is not np
+                or reduce_dtype not in (np.float32, np.float64)):
+            return None
+        return 1.0 / n
 
     def _keep_full_gradient(self, st: _Unit, full: Any) -> None:
         """Unsharded gradients (SHARD_OPTIMIZER): keep the full average, hand the shard a view.
