@@ -25,7 +25,8 @@ ratios paired batch by batch (``_common``). Rank 0 switches the relay's delay of
   step <= 1.25x max(compute, sync), where SYNCHRONOUS pays their sum), and OVERLAPPED
   with the tuned buckets vs the default ones (target: <= 1.0x; what the pick is for: a
   smaller bucket leaves less to reduce after the last gradient, while a sync alone only
-  gains from fewer, bigger buckets).
+  gains from fewer, bigger buckets), and OVERLAPPED with its progress helper (on by
+  itself across hosts) vs without (``progress_interval = 0``; no target).
 """
 
 from __future__ import annotations
@@ -173,8 +174,13 @@ def ddp_part(mpi: Any, repeats: int, tuned_mb: float, delay: DelaySwitch) -> dic
     for name, strategy, mb in (("sync default", GradSyncStrategy.SYNCHRONOUS, DEFAULT_BUCKET_MB),
                                ("overlapped default", GradSyncStrategy.OVERLAPPED,
                                 DEFAULT_BUCKET_MB),
-                               ("overlapped tuned", GradSyncStrategy.OVERLAPPED, tuned_mb)):
+                               ("overlapped tuned", GradSyncStrategy.OVERLAPPED, tuned_mb),
+                               ("overlapped no helper", GradSyncStrategy.OVERLAPPED,
+                                DEFAULT_BUCKET_MB)):
         ddp = _ddp(shapes, strategy, mb, grad_fn)
+        if name == "overlapped no helper":
+            ddp.synchronizer.close()
+            ddp.synchronizer.progress_interval = 0  # the next step sets up without a helper
 
         def step(ddp: DDP = ddp) -> None:
             for p in ddp.parameters():
@@ -206,6 +212,8 @@ def ddp_part(mpi: Any, repeats: int, tuned_mb: float, delay: DelaySwitch) -> dic
                                                            bound),
         "overlapped tuned/default step": ratio_spread(step_times["overlapped tuned"],
                                                       step_times["overlapped default"]),
+        "overlapped default/no helper step": ratio_spread(step_times["overlapped default"],
+                                                          step_times["overlapped no helper"]),
     }
 
 
@@ -266,7 +274,8 @@ def report(results: dict[str, Any]) -> str:
                **{f"step {k}": v for k, v in ddp["step_s"].items()}}
     ratios = ("tuned/default sync", "hierarchical/default sync", "delay/no delay sync",
               "sync step/max(compute, sync)",
-              "overlapped step/max(compute, sync)", "overlapped tuned/default step")
+              "overlapped step/max(compute, sync)", "overlapped tuned/default step",
+              "overlapped default/no helper step")
     relay = results.get("relay", {})
     lines = [f"2 hosts x {results['per_host']} ranks on {os.cpu_count()} cores; links: "
              f"{results['delay_ms']:g} ms one way, {rate} each way (userspace relay: "
