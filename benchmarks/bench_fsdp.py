@@ -6,7 +6,8 @@
 Under mpiexec (the comparison): an MLP of 8 layers of width 2048 (a 2048x2048
 matrix and a bias each, tanh; 33.6M float32 parameters, 128 MiB), Adam,
 32 samples per rank, one FSDP unit per layer, FULL_SHARD, the same initial
-values everywhere. Variants:
+values everywhere; the first layer computes no gradient for its input, as
+torch's autograd does not. Variants:
 
 * ``axondist one-call``: ``FSDP.from_layers(...)`` and ``fsdp.step(x, y,
   optimizer=opt)``: one layer's unit gathered at a time, the next one's
@@ -215,13 +216,23 @@ def layer_forward(pa: list[Any], x: Any) -> tuple[Any, Any]:
     return h, (x, h)
 
 
-def layer_backward(pa: list[Any], saved: Any, gy: Any) -> tuple[Any, list[Any]]:
+def layer_backward(pa: list[Any], saved: Any, gy: Any,
+                   need_input: bool = True) -> tuple[Any, list[Any]]:
     w, _ = pa
     x, h = saved
     d = h * h  # tanh' = 1 - h^2, computed in place
     np.subtract(1.0, d, out=d)
     d *= gy
-    return d @ w.T, [x.T @ d, d.sum(axis=0)]
+    return d @ w.T if need_input else None, [x.T @ d, d.sum(axis=0)]
+
+
+def first_layer_backward(pa: list[Any], saved: Any, gy: Any) -> tuple[Any, list[Any]]:
+    """The first layer's backward: the input needs no gradient (torch's autograd skips it too)."""
+    return layer_backward(pa, saved, gy, need_input=False)
+
+
+def backward_of(layer: int) -> Any:
+    return first_layer_backward if layer == 0 else layer_backward
 
 
 def mse(y: Any, target: Any) -> tuple[float, Any]:
@@ -239,7 +250,7 @@ def layer_units() -> list[list[int]]:
 
 def build_one_call(world: ad.World, x: Any, y: Any, prefetch: bool) -> Any:
     params = np_params()
-    layers = [PipelineStage(layer_forward, layer_backward, params[2 * k:2 * k + 2])
+    layers = [PipelineStage(layer_forward, backward_of(k), params[2 * k:2 * k + 2])
               for k in range(C_LAYERS)]
     f = FSDP.from_layers(layers, world, loss_fn=mse, prefetch=prefetch)
     opt = Adam(f.sharded_parameters(), lr=1e-4)
@@ -261,7 +272,7 @@ def build_unit_loop(world: ad.World, x: Any, y: Any) -> Any:
         loss, g = mse(h, y)
         for u in reversed(range(C_LAYERS)):
             f.gather_parameters(u)
-            g, (full[2 * u].grad, full[2 * u + 1].grad) = layer_backward(
+            g, (full[2 * u].grad, full[2 * u + 1].grad) = backward_of(u)(
                 [full[2 * u].data, full[2 * u + 1].data], saved[u], g)
             saved[u] = None
             f.reshard_parameters(u)
@@ -281,7 +292,7 @@ def whole_model_grad_fn(arrays: list[Any], x: Any, y: Any) -> tuple[float, list[
     loss, g = mse(h, y)
     grads: list[Any] = [None] * len(arrays)
     for u in reversed(range(C_LAYERS)):
-        g, grads[2 * u:2 * u + 2] = layer_backward(arrays[2 * u:2 * u + 2], saved[u], g)
+        g, grads[2 * u:2 * u + 2] = backward_of(u)(arrays[2 * u:2 * u + 2], saved[u], g)
     return loss, grads
 
 
