@@ -203,7 +203,8 @@ def many_groups(world: ad.World) -> None:
 CASES = {f.__name__: f for f in (
     skip_collective, exit0, exit1, finally_barrier, stuck, monitored, killed, wrong_group,
     send_no_recv, recv_no_send, recv_recv, dtype_same_bytes, int_vs_float, op_mismatch,
-    sizes_mismatch, src_mismatch, gather_vs_broadcast, scatter_op_mismatch, shape_mismatch_small, small_vs_large, async_mismatch, mismatch_caught_then_good,
+    sizes_mismatch, src_mismatch, gather_vs_broadcast, scatter_op_mismatch,
+    shape_mismatch_small, small_vs_large, async_mismatch, mismatch_caught_then_good,
     ddp_num_samples, recv_wrong_out_then_good, many_groups)}
 
 

@@ -1,0 +1,315 @@
+"""The MPI backend's all-reduces: the blocking call (its check riding in the data of a
+small one), pieces of big ones, means as reduce-scatter, scaled block and all-gather,
+weighted sums (DDP's gradient buckets), and persistent all-reduces (MPI 4).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .. import _array
+from ..ops import ReduceOp
+from ._mpi_common import (
+    MEAN_IN_BLOCKS_BYTES,
+    MPIWork,
+    block_counts,
+    displacements,
+    mean_scaling,
+    piece_bounds,
+    raise_mpi_error,
+    unsupported,
+)
+from ._mpi_core import MPIBackendBase, on_load
+from ._mpi_guard import Rider
+from .base import (
+    Backend,
+    CompletedWork,
+    Signature,
+    Work,
+)
+
+# Bound when mpi4py loads (_mpi_core.on_load): module globals keep the hot path to plain
+# lookups.
+MPI: Any = None
+_IN_PLACE: Any = None
+
+
+def _bind(mpi: Any) -> None:
+    global MPI, _IN_PLACE
+    MPI, _IN_PLACE = mpi, mpi.IN_PLACE
+
+
+on_load(_bind)
+
+
+class AllReduceMixin(MPIBackendBase):
+    """The all-reduce collectives of :class:`~axondist.backends.mpi.MPIBackend`."""
+
+    # --- collectives -----------------------------------------------------------------------
+    # Each method is one layer: checks, then (rarely) the host-staging detour, which
+    # re-enters the same method on the host twin with NumPy copies, then the MPI call.
+    # The small blocking case is kept to attribute reads, dict lookups and the call:
+    # at 4 KiB its Python cost is comparable to the whole MPI all-reduce.
+
+    def all_reduce(self, buf: Any, op: ReduceOp, *, signature: Signature = (),
+                   async_op: bool = False) -> Work:
+        """``Allreduce`` in place (``Iallreduce`` pieces with ``async_op``).
+
+        Messages above ``chunk_bytes`` run in pieces; a blocking AVERAGE above
+        ``MEAN_IN_BLOCKS_BYTES`` is a reduce-scatter, a scaled move and an all-gather
+        (:meth:`_mean_in_blocks`). Device arrays go through
+        host copies unless MPI is CUDA-aware.
+        """
+        if (type(buf) is not np.ndarray or self._stage_always) and self._needs_host(buf):
+            return self._via_host(
+                lambda h: self._host.all_reduce(h, op, signature=signature, async_op=async_op),
+                [buf], (0,), (0,), 0, async_op)
+        if self._debug:
+            self._agree("all_reduce", signature + (("reduce_op", op.name),), async_op)
+        key = (buf.dtype, buf.shape, op._name_, async_op)
+        if not async_op:
+            self._checked_all_reduce(buf, op)  # the same check as the hot path's
+            return CompletedWork(buf)
+        plan = self._plans_by_name[op._name_].get(buf.dtype)
+        if plan is None:
+            raise unsupported("all_reduce", buf.dtype, op)
+        view, mtype, mop, average = plan
+        return self._issue("all_reduce", key, self._all_reduce_pieces, buf,
+                           buf if view is None else buf.view(view), mtype, mop, average, True)
+
+    def all_reduce_blocking(self, buf: Any, op: ReduceOp) -> None:
+        """The blocking :meth:`all_reduce` without a Work object: axondist.comm's hot path.
+
+        ``buf`` is a NumPy array (or a device array MPI reads directly). Under
+        debug or host staging it takes the general path.
+        """
+        if self._slow:
+            self.all_reduce(buf, op, signature=(("dtype", buf.dtype), ("shape", buf.shape)))
+            return
+        self._checked_all_reduce(buf, op)
+
+    def _checked_all_reduce(self, buf: Any, op: ReduceOp) -> None:
+        """A blocking all-reduce, numbered, recorded and checked: the check rides in the
+        message where the call's key allows it (the same choice on every rank), else it
+        goes first."""
+        key = (buf.dtype, buf.shape, op._name_, False)
+        guard = self._guard
+        group, seq = guard.group, next(guard.seqs)
+        rec = guard.rec
+        slot = rec.begin(group, seq, "all_reduce", key)
+        try:
+            plan = guard.all_reduces.get(key)
+            if plan is None:
+                plan = self._plan_all_reduce(key, buf, op)
+            rider, direct = plan
+            if rider is not None:
+                if buf.__class__ is np.ndarray or isinstance(buf, np.ndarray):
+                    guard.ride(rider, buf, key)
+                    return
+                # Device memory MPI reads itself: this rank cannot ride. Ranks that
+                # do meet this separate check and all raise, naming the buffers.
+                guard.agree("all_reduce", key, riding=False)
+            elif guard.checks:
+                guard.agree("all_reduce", key)
+            if direct is None:
+                self._all_reduce_now(buf, op)
+                return
+            try:
+                self._comm.Allreduce(_IN_PLACE, [buf, direct[0]], direct[1])
+            except MPI.Exception as exc:
+                raise_mpi_error(exc, "all_reduce")
+        finally:
+            rec.end_blocking(slot, group, seq)
+
+    def _plan_all_reduce(self, key: tuple[Any, ...], buf: Any,
+                         op: ReduceOp) -> tuple[Rider | None, tuple[Any, Any] | None]:
+        """How blocking all-reduce ``key`` runs, remembered by the guard: its
+        :class:`Rider` (None where the check cannot ride in its message), and its MPI
+        ``(datatype, op)`` where it is one ``Allreduce`` of the buffer as it is (None: the
+        general :meth:`_all_reduce_now`). Decided from the key alone (dtype, shape, op),
+        so every rank that makes the same call decides alike."""
+        plan = self._plans_by_name[op._name_].get(buf.dtype)
+        if plan is None:
+            raise unsupported("all_reduce", buf.dtype, op)
+        view, mtype, mop, average = plan
+        direct = (mtype, mop) if (view is None and not average
+                                  and buf.size * buf.dtype.itemsize <= self._chunk) else None
+        rider = None
+        if view is None and self._guard.checks:
+            rider = self._guard.rider(key, buf.dtype, buf.size, op._name_, self.world_size)
+        return self._guard.remember(key, rider, direct)
+
+    def _all_reduce_now(self, buf: Any, op: ReduceOp) -> None:
+        """The MPI calls of a blocking all-reduce (no check, no record)."""
+        plan = self._plans_by_name[op._name_].get(buf.dtype)
+        if plan is None:
+            raise unsupported("all_reduce", buf.dtype, op)
+        view, mtype, mop, average = plan
+        data = buf if view is None else buf.view(view)
+        if average and data.nbytes > MEAN_IN_BLOCKS_BYTES and self.world_size > 1:
+            self._mean_in_blocks(buf, data, mtype, mop)
+            return
+        if data.nbytes > self._chunk:
+            self._all_reduce_pieces(buf, data, mtype, mop, average, False)
+            return
+        try:
+            self._comm.Allreduce(_IN_PLACE, [data, mtype], mop)
+        except MPI.Exception as exc:
+            raise_mpi_error(exc, "all_reduce")
+        if average:
+            self._divide(buf)
+
+    def scaled_sum_blocking(self, buf: Any, factor: float = 1.0) -> None:
+        """Multiply ``buf`` (a NumPy array) by ``factor`` and sum it over the ranks, in place.
+
+        Equal to ``buf *= factor`` (casting unsafely to ``buf``'s dtype; skipped
+        when ``factor`` is 1) then a SUM :meth:`all_reduce_blocking`, piece by
+        piece (:attr:`MPIOptions.piece_bytes`, by default ``chunk_bytes``), each
+        piece weighted just before its Allreduce (small pieces: while in cache).
+        The pieces depend only on ``buf``'s size and dtype and the options, so
+        ranks with different factors (sample weights) make the same MPI calls.
+        What gradient buckets use for their weighted sum.
+        """
+        plan = self._plans_by_name["SUM"].get(buf.dtype)
+        if plan is None:
+            raise unsupported("all_reduce", buf.dtype, ReduceOp.SUM)
+        if self._slow:
+            super().scaled_sum_blocking(buf, factor)
+            return
+        view, mtype, mop, _ = plan
+        self._blocking("scaled_sum", (buf.dtype, buf.shape), self._fused_pieces, buf,
+                       buf if view is None else buf.view(view), mtype, mop, factor)
+
+    def _fused_pieces(self, buf: Any, data: Any, mtype: Any, mop: Any, factor: float) -> None:
+        """Blocking SUM all-reduce piece by piece (:meth:`_piece` bytes each), each piece
+        multiplied by ``factor`` (unless 1) just before its Allreduce (while in cache, when
+        the pieces are small)."""
+        flat, wire = buf.reshape(-1), data.reshape(-1)
+        comm, scale = self._comm, factor != 1.0
+        try:
+            for lo, hi in piece_bounds(flat.size, flat.itemsize, self._piece()):
+                if scale:
+                    piece = flat[lo:hi]
+                    np.multiply(piece, factor, out=piece, casting="unsafe")
+                comm.Allreduce(_IN_PLACE, [wire[lo:hi], mtype], mop)
+        except MPI.Exception as exc:
+            raise_mpi_error(exc, "all_reduce")
+
+    def _mean_in_blocks(self, buf: Any, data: Any, mtype: Any, mop: Any) -> None:
+        """Blocking AVERAGE, per ``chunk_bytes``: an in-place reduce-scatter leaves this
+        rank's block of the sum at the front of the chunk; the scaling by 1/n (see
+        :func:`mean_scaling`) writes it to its own place, and an in-place all-gather
+        fills in the others' blocks. The arithmetic touches 1/n of the data, fused with a
+        move, and each chunk costs two collectives whatever the network's latency
+        (``docs/backends.md`` has the measurements)."""
+        flat, wire = buf.reshape(-1), data.reshape(-1)
+        n, rank, comm = self.world_size, self.rank, self._comm
+        how, by = mean_scaling(n)
+        scale = getattr(_array.namespace(buf), how)
+        try:
+            for lo, hi in piece_bounds(flat.size, flat.itemsize, self._chunk):
+                counts = block_counts(hi - lo, n)
+                mine, start = counts[rank], sum(counts[:rank])
+                part, wpart = flat[lo:hi], [wire[lo:hi], mtype]
+                even = counts[0] == counts[-1]
+                if even:
+                    comm.Reduce_scatter_block(_IN_PLACE, wpart, mop)
+                else:
+                    comm.Reduce_scatter(_IN_PLACE, wpart, counts, mop)
+                # start >= counts[0] >= mine on ranks > 0: source and target never overlap.
+                scale(part[:mine], by, out=part[start:start + mine], casting="unsafe")
+                if even:
+                    comm.Allgather(_IN_PLACE, wpart)
+                else:
+                    comm.Allgatherv(_IN_PLACE, [wire[lo:hi], counts, displacements(counts),
+                                                mtype])
+        except MPI.Exception as exc:
+            raise_mpi_error(exc, "all_reduce")
+
+    def _all_reduce_pieces(self, buf: Any, data: Any, mtype: Any, mop: Any, average: bool,
+                           async_op: bool) -> Work:
+        """Big or non-blocking all-reduce: one call per piece of at most ``chunk_bytes``."""
+        flat = data.reshape(-1)
+        pieces = [flat[lo:hi] for lo, hi in piece_bounds(flat.size, flat.itemsize, self._chunk)]
+        comm = self._comm
+        try:
+            if not async_op:
+                for piece in pieces:
+                    comm.Allreduce(_IN_PLACE, [piece, mtype], mop)
+                if average:
+                    self._divide(buf)
+                return CompletedWork(buf)
+            requests = [comm.Iallreduce(_IN_PLACE, [p, mtype], mop) for p in pieces]
+        except MPI.Exception as exc:
+            raise_mpi_error(exc, "all_reduce")
+        return MPIWork(requests, (lambda: self._divide(buf)) if average else None, buf,
+                       "all_reduce")
+
+    def persistent_all_reduce(self, buf: Any, op: ReduceOp = ReduceOp.SUM, *,
+                              piece_bytes: int | None = None) -> Backend.Persistent:
+        """MPI-4 persistent ``Allreduce_init`` requests over pieces of ``buf`` (a
+        :class:`~axondist.backends.base.PersistentAllReduce`), made once and started each step.
+
+        No per-call allocation, so no page faults per start (an ``Iallreduce``
+        allocates MPI's temporary buffers every call). The ranks check once,
+        here, that they set up the same call; each start is numbered and
+        recorded as an ``all_reduce`` (the watchdog names a rank that never
+        starts a piece) and its Work honours ``wait(timeout)``. Pieces are of
+        ``piece_bytes`` (default: the weighted sums' piece, ``chunk_bytes``
+        unless ``AXONDIST_PIECE_MB`` asks for small ones that stay in cache
+        between a caller's weighting and MPI's copy). Device buffers, debug mode
+        and host staging take the default (a non-blocking all-reduce per start).
+        """
+        if type(buf) is not np.ndarray or self._slow:
+            return super().persistent_all_reduce(buf, op, piece_bytes=piece_bytes)
+        data, mtype, mop, average = self._reduction(buf, op, "all_reduce")
+        flat, wire = buf.reshape(-1), data.reshape(-1)
+        bounds = piece_bounds(flat.size, flat.itemsize, piece_bytes or self._piece())
+        guard, comm = self._guard, self._comm
+        self._blocking("all_reduce", (buf.dtype, buf.shape, op._name_, "persistent"),
+                       lambda: None)
+        try:
+            requests = [comm.Allreduce_init(_IN_PLACE, [wire[lo:hi], mtype], mop)
+                        for lo, hi in bounds]
+        except MPI.Exception as exc:
+            raise_mpi_error(exc, "all_reduce")
+        keys = [(buf.dtype, (hi - lo,), op._name_, True) for lo, hi in bounds]
+
+        def start(k: int) -> Work:
+            request = requests[k]
+            seq, slot = guard.begin("all_reduce", keys[k], blocking=False)
+            try:
+                request.Start()
+            except MPI.Exception as exc:
+                raise_mpi_error(exc, "all_reduce")
+            finally:
+                guard.rec.end(slot)
+
+            def test() -> bool:  # not Testall: MPICH fails it on persistent collectives
+                try:
+                    return bool(request.Test())
+                except MPI.Exception as exc:
+                    raise_mpi_error(exc, "all_reduce")
+
+            def block() -> None:
+                try:
+                    request.Wait()
+                except MPI.Exception as exc:
+                    raise_mpi_error(exc, "all_reduce")
+
+            piece = flat[bounds[k][0]:bounds[k][1]]
+            return Backend.Polled(test, block, piece, "all_reduce",
+                                  (lambda: self._divide(piece)) if average else None,
+                                  (guard.rec, guard.group, seq))
+
+        def free() -> None:
+            if not MPI.Is_finalized():
+                for request in requests:
+                    if request != MPI.REQUEST_NULL:
+                        request.Free()
+
+        handle = Backend.Persistent(buf, bounds, start, free)
+        self._persistent.add(handle)
+        return handle

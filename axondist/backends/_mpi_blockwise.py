@@ -1,0 +1,358 @@
+"""The MPI backend's broadcast, all-gather and reduce-scatter: blocking calls checked
+(their data carried with the check in a two-rank group, up to ``RIDE_MAX_BYTES``),
+non-blocking ones in pieces or checked in ``wait()``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from ..errors import InvalidBufferError
+from ..ops import ReduceOp
+from ._mpi_common import (
+    MPIWork,
+    displacements,
+    piece_bounds,
+    raise_mpi_error,
+    unsupported,
+)
+from ._mpi_core import _UNSET, MPIBackendBase, on_load
+from ._mpi_guard import Rider
+from .base import (
+    CompletedWork,
+    Signature,
+    Work,
+)
+
+# Bound when mpi4py loads (_mpi_core.on_load): module globals keep the hot path to plain
+# lookups.
+MPI: Any = None
+_IN_PLACE: Any = None
+
+
+def _bind(mpi: Any) -> None:
+    global MPI, _IN_PLACE
+    MPI, _IN_PLACE = mpi, mpi.IN_PLACE
+
+
+on_load(_bind)
+
+
+class BlockwiseMixin(MPIBackendBase):
+    """Broadcast, all-gather and reduce-scatter of :class:`~axondist.backends.mpi.MPIBackend`."""
+
+    def broadcast(self, buf: Any, root: int, *, signature: Signature = (),
+                  async_op: bool = False) -> Work:
+        """``Bcast`` of ``root``'s ``buf`` (``Ibcast`` if ``async_op``), in chunk_bytes pieces."""
+        if not 0 <= root < self.world_size:
+            self._check_rank(root, "broadcast", "root")
+        if (type(buf) is not np.ndarray or self._stage_always) and self._needs_host(buf):
+            return self._via_host(
+                lambda h: self._host.broadcast(h, root, signature=signature, async_op=async_op),
+                [buf], (0,) if self.rank == root else (), (0,), 0, async_op)
+        if self._debug:
+            self._agree("broadcast", signature + (("root", root),), async_op)
+        if not async_op:
+            self._checked_broadcast(buf, root)
+            return CompletedWork(buf)
+        return self._issue("broadcast", (buf.dtype, buf.shape, root, async_op),
+                           self._broadcast_pieces, buf, root)
+
+    def _broadcast_pieces(self, buf: Any, root: int) -> Work:
+        plan = self._transfer_plans.get(buf.dtype)
+        if plan is None:
+            raise unsupported("broadcast", buf.dtype)
+        view, mtype = plan
+        flat = (buf if view is None else buf.view(view)).reshape(-1)
+        try:
+            requests = [self._comm.Ibcast([flat[lo:hi], mtype], root)
+                        for lo, hi in piece_bounds(flat.size, flat.itemsize, self._chunk)]
+        except MPI.Exception as exc:
+            raise_mpi_error(exc, "broadcast")
+        return MPIWork(requests, None, buf, "broadcast")
+
+    def broadcast_blocking(self, buf: Any, root: int) -> None:
+        """The blocking :meth:`broadcast` without a Work object (as :meth:`all_reduce_blocking`)."""
+        if not 0 <= root < self.world_size:
+            self._check_rank(root, "broadcast", "root")
+        if self._slow:
+            self.broadcast(buf, root, signature=(("dtype", buf.dtype), ("shape", buf.shape)))
+            return
+        self._checked_broadcast(buf, root)
+
+    def _checked_broadcast(self, buf: Any, root: int) -> None:
+        """A blocking broadcast, numbered, recorded and checked; in a two-rank group a
+        small one's data rides with the check (:meth:`CallGuard.carrier`)."""
+        key = (buf.dtype, buf.shape, root, False)
+        guard = self._guard
+        group, seq = guard.group, next(guard.seqs)
+        rec = guard.rec
+        slot = rec.begin(group, seq, "broadcast", key)
+        try:
+            if guard.checks:
+                carrier = guard.carriers.get(("broadcast", key), _UNSET)
+                if carrier is _UNSET:
+                    shapes = (buf.shape, (0,)) if self.rank == root else ((0,), buf.shape)
+                    carrier = guard.remember_carrier("broadcast", key, guard.carrier(
+                        "broadcast", key, buf.nbytes, buf.dtype, *shapes))
+                if carrier is None:
+                    guard.agree("broadcast", key)
+                elif buf.__class__ is np.ndarray or isinstance(buf, np.ndarray):
+                    if self.rank == root:
+                        carrier.mine[...] = buf
+                    guard.carry(carrier, "broadcast", key)
+                    if self.rank != root:
+                        buf[...] = carrier.theirs
+                    return
+                else:
+                    guard.agree("broadcast", key, riding=False)
+            self._broadcast_now(buf, root)
+        finally:
+            rec.end_blocking(slot, group, seq)
+
+    def _broadcast_now(self, buf: Any, root: int) -> None:
+        plan = self._transfer_plans.get(buf.dtype)
+        if plan is None:
+            raise unsupported("broadcast", buf.dtype)
+        view, mtype = plan
+        data = buf if view is None else buf.view(view)
+        comm = self._comm
+        try:
+            if data.nbytes <= self._chunk:
+                comm.Bcast([data, mtype], root)
+                return
+            flat = data.reshape(-1)
+            for lo, hi in piece_bounds(flat.size, flat.itemsize, self._chunk):
+                comm.Bcast([flat[lo:hi], mtype], root)
+        except MPI.Exception as exc:
+            raise_mpi_error(exc, "broadcast")
+
+    def all_gather(self, send: Any, recv: Any, counts: Sequence[int], *,
+                   signature: Signature = (), async_op: bool = False) -> Work:
+        """``Allgather`` of ``send`` into ``recv`` (``Allgatherv`` for uneven ``counts``).
+
+        Raises:
+            CollectiveMismatchError: ``counts`` does not list one size per rank.
+            InvalidBufferError: ``send`` or ``recv`` does not hold what ``counts`` says.
+        """
+        counts = counts if type(counts) is list else [int(c) for c in counts]
+        total = sum(counts)
+        if (len(counts) != self.world_size or send.size != counts[self.rank]
+                or recv.size != total):
+            raise self._bad_counts("all_gather", counts, (("send", send, counts[self.rank]),
+                                                          ("recv", recv, total)))
+        if ((type(send) is not np.ndarray or type(recv) is not np.ndarray or self._stage_always)
+                and self._needs_host(send, recv)):
+            return self._via_host(
+                lambda s, r: self._host.all_gather(s, r, counts, signature=signature,
+                                                   async_op=async_op),
+                [send, recv], (0,), (1,), 1, async_op)
+        if self._debug:
+            self._agree("all_gather", signature + (("counts", tuple(counts)),), async_op)
+        if not async_op:
+            self._checked_all_gather(send, recv, counts)
+            return CompletedWork(recv)
+        return self._issue("all_gather", (send.dtype, tuple(counts), async_op),
+                           self._all_gather_start, send, recv, counts)
+
+    def _all_gather_start(self, send: Any, recv: Any, counts: list[int]) -> Work:
+        s, r, mtype = self._gather_buffers(send, recv)
+        try:
+            if counts.count(counts[0]) == len(counts):
+                request = self._comm.Iallgather([s, mtype], [r, mtype])
+            else:
+                request = self._comm.Iallgatherv([s, mtype],
+                                                 [r, counts, displacements(counts), mtype])
+        except MPI.Exception as exc:
+            raise_mpi_error(exc, "all_gather")
+        return MPIWork([request], None, recv, "all_gather")
+
+    def _gather_buffers(self, send: Any, recv: Any) -> tuple[Any, Any, Any]:
+        """(send view, recv view, MPI datatype) for an all-gather."""
+        plan = self._transfer_plans.get(send.dtype)
+        rplan = plan if recv.dtype is send.dtype else self._transfer_plans.get(recv.dtype)
+        if plan is None or rplan is None:
+            raise unsupported("all_gather", send.dtype if plan is None else recv.dtype)
+        view, mtype = plan
+        return (send if view is None else send.view(view),
+                recv if rplan[0] is None else recv.view(rplan[0]), mtype)
+
+    def all_gather_blocking(self, send: Any, recv: Any, counts: list[int]) -> None:
+        """The blocking :meth:`all_gather` without a Work object (see
+        :meth:`all_reduce_blocking`); ``counts`` is a list of ints the caller checked
+        against the group and the buffers."""
+        if self._slow:
+            self.all_gather(send, recv, counts, signature=(("dtype", send.dtype),))
+            return
+        self._checked_all_gather(send, recv, counts)
+
+    def _checked_all_gather(self, send: Any, recv: Any, counts: list[int]) -> None:
+        """A blocking all-gather, numbered, recorded and checked; in a two-rank group a
+        small one's data rides with the check (:meth:`CallGuard.carrier`)."""
+        key = (send.dtype, tuple(counts), False)
+        guard = self._guard
+        group, seq = guard.group, next(guard.seqs)
+        rec = guard.rec
+        slot = rec.begin(group, seq, "all_gather", key)
+        try:
+            if guard.checks:
+                carrier = guard.carriers.get(("all_gather", key), _UNSET)
+                if carrier is _UNSET:
+                    carrier = guard.remember_carrier("all_gather", key, guard.carrier(
+                        "all_gather", key, sum(counts) * send.dtype.itemsize, send.dtype,
+                        (counts[self.rank],), (counts[1 - self.rank],))
+                        if self.world_size == 2 else None)
+                if carrier is None:
+                    guard.agree("all_gather", key)
+                elif send.__class__ is recv.__class__ is np.ndarray or (
+                        isinstance(send, np.ndarray) and isinstance(recv, np.ndarray)):
+                    flat = send.reshape(-1) if send.ndim != 1 else send
+                    carrier.mine[...] = flat
+                    guard.carry(carrier, "all_gather", key)
+                    rows = recv.reshape(-1) if recv.ndim != 1 else recv
+                    first = counts[0]
+                    rows[:first] = flat if self.rank == 0 else carrier.theirs
+                    rows[first:] = carrier.theirs if self.rank == 0 else flat
+                    return
+                else:
+                    guard.agree("all_gather", key, riding=False)
+            self._all_gather_now(send, recv, counts)
+        finally:
+            rec.end_blocking(slot, group, seq)
+
+    def _all_gather_now(self, send: Any, recv: Any, counts: list[int]) -> None:
+        plan = self._transfer_plans.get(send.dtype)
+        if plan is not None and plan[0] is None and recv.dtype is send.dtype:
+            s, r, mtype = send, recv, plan[1]  # a native MPI type: no views
+        else:
+            s, r, mtype = self._gather_buffers(send, recv)
+        try:
+            if counts.count(counts[0]) == len(counts):  # the common case needs no displs
+                self._comm.Allgather([s, mtype], [r, mtype])
+            else:
+                self._comm.Allgatherv([s, mtype], [r, counts, displacements(counts), mtype])
+        except MPI.Exception as exc:
+            raise_mpi_error(exc, "all_gather")
+
+    def reduce_scatter(self, send: Any, recv: Any, counts: Sequence[int], op: ReduceOp, *,
+                       signature: Signature = (), async_op: bool = False) -> Work:
+        """``Reduce_scatter`` of ``send`` by ``counts`` into ``recv``; AVERAGE divides afterwards.
+
+        Raises:
+            CollectiveMismatchError: ``counts`` does not list one size per rank.
+            InvalidBufferError: ``send`` or ``recv`` does not hold what ``counts`` says.
+        """
+        counts = counts if type(counts) is list else [int(c) for c in counts]
+        if (len(counts) != self.world_size or send.size != sum(counts)
+                or recv.size != counts[self.rank]):
+            raise self._bad_counts("reduce_scatter", counts, (("send", send, sum(counts)),
+                                                              ("recv", recv, counts[self.rank])))
+        if ((type(send) is not np.ndarray or type(recv) is not np.ndarray or self._stage_always)
+                and self._needs_host(send, recv)):
+            return self._via_host(
+                lambda s, r: self._host.reduce_scatter(s, r, counts, op, signature=signature,
+                                                       async_op=async_op),
+                [send, recv], (0,), (1,), 1, async_op)
+        if self._debug:
+            self._agree("reduce_scatter",
+                        signature + (("counts", tuple(counts)), ("reduce_op", op.name)), async_op)
+        if not async_op:
+            self._checked_reduce_scatter(send, recv, counts, op)
+            return CompletedWork(recv)
+        return self._issue("reduce_scatter", (send.dtype, tuple(counts), op._name_, async_op),
+                           self._reduce_scatter_start, send, recv, counts, op)
+
+    def reduce_scatter_blocking(self, send: Any, recv: Any, counts: list[int],
+                                op: ReduceOp) -> None:
+        """The blocking :meth:`reduce_scatter` without a Work object (see
+        :meth:`all_reduce_blocking`): ``counts`` is a list of ints the caller checked against
+        the group and the buffers, ``send`` and ``recv`` NumPy arrays of one dtype."""
+        if self._slow:
+            self.reduce_scatter(send, recv, counts, op, signature=(("dtype", send.dtype),))
+            return
+        self._checked_reduce_scatter(send, recv, counts, op)
+
+    def _checked_reduce_scatter(self, send: Any, recv: Any, counts: list[int],
+                                op: ReduceOp) -> None:
+        """A blocking reduce-scatter, numbered, recorded and checked; in a two-rank group a
+        small one's data rides with the check (:meth:`CallGuard.carrier`): each rank
+        sends the other's block and combines the block it gets with its own."""
+        key = (send.dtype, tuple(counts), op._name_, False)
+        guard = self._guard
+        group, seq = guard.group, next(guard.seqs)
+        rec = guard.rec
+        slot = rec.begin(group, seq, "reduce_scatter", key)
+        try:
+            if guard.checks:
+                carrier = guard.carriers.get(("reduce_scatter", key), _UNSET)
+                if carrier is _UNSET:
+                    carrier = guard.remember_carrier("reduce_scatter", key, guard.carrier(
+                        "reduce_scatter", key, sum(counts) * send.dtype.itemsize, send.dtype,
+                        (counts[1 - self.rank],), (counts[self.rank],), op._name_)
+                        if self.world_size == 2 else None)
+                if carrier is None:
+                    guard.agree("reduce_scatter", key)
+                elif send.__class__ is recv.__class__ is np.ndarray or (
+                        isinstance(send, np.ndarray) and isinstance(recv, np.ndarray)):
+                    flat = send.reshape(-1) if send.ndim != 1 else send
+                    first = counts[0]
+                    mine, other = (flat[:first], flat[first:]) if self.rank == 0 else \
+                        (flat[first:], flat[:first])
+                    carrier.mine[...] = other
+                    guard.carry(carrier, "reduce_scatter", key)
+                    out = recv.reshape(-1) if recv.ndim != 1 else recv
+                    rider: Rider = carrier  # made with an op
+                    rider.ufunc(mine, rider.theirs, out=out)
+                    if rider.scale is not None:
+                        rider.scale(out, rider.by, out=out, casting="unsafe")
+                    return
+                else:
+                    guard.agree("reduce_scatter", key, riding=False)
+            self._reduce_scatter_now(send, recv, counts, op)
+        finally:
+            rec.end_blocking(slot, group, seq)
+
+    def _reduce_scatter_plan(self, send: Any, recv: Any, op: ReduceOp) -> tuple[Any, Any, Any,
+                                                                                 Any, bool]:
+        """(send view, recv view, MPI datatype, MPI op, average) of a reduce-scatter."""
+        plan = self._plans_by_name[op._name_].get(send.dtype)
+        if plan is None:
+            raise unsupported("reduce_scatter", send.dtype, op)
+        if recv.dtype != send.dtype:
+            raise InvalidBufferError(f"reduce_scatter: recv has dtype {recv.dtype} but send has "
+                                     f"{send.dtype}; pass a recv of send's dtype")
+        view, mtype, mop, average = plan
+        if view is None:
+            return send, recv, mtype, mop, average
+        return send.view(view), recv.view(view), mtype, mop, average
+
+    def _reduce_scatter_now(self, send: Any, recv: Any, counts: list[int], op: ReduceOp) -> None:
+        """The MPI call of a blocking reduce-scatter (``Reduce_scatter_block`` for equal
+        counts: no counts array to build), then AVERAGE's scaling of this rank's block."""
+        plan = self._plans_by_name[op._name_].get(send.dtype)
+        if plan is not None and plan[0] is None and recv.dtype is send.dtype:
+            s, r, mtype, mop, average = send, recv, plan[1], plan[2], plan[3]  # no views
+        else:
+            s, r, mtype, mop, average = self._reduce_scatter_plan(send, recv, op)
+        try:
+            if counts.count(counts[0]) == len(counts):
+                self._comm.Reduce_scatter_block([s, mtype], [r, mtype], mop)
+            else:
+                self._comm.Reduce_scatter([s, mtype], [r, mtype], counts, mop)
+        except MPI.Exception as exc:
+            raise_mpi_error(exc, "reduce_scatter")
+        if average:
+            self._divide(recv)
+
+    def _reduce_scatter_start(self, send: Any, recv: Any, counts: list[int],
+                              op: ReduceOp) -> Work:
+        s, r, mtype, mop, average = self._reduce_scatter_plan(send, recv, op)
+        try:
+            request = self._comm.Ireduce_scatter([s, mtype], [r, mtype], counts, mop)
+        except MPI.Exception as exc:
+            raise_mpi_error(exc, "reduce_scatter")
+        return MPIWork([request], (lambda: self._divide(recv)) if average else None, recv,
+                       "reduce_scatter")
