@@ -68,6 +68,8 @@ from .recorder import FlightRecorder, describe_detail
 _VERDICT_GRACE = 10.0
 #: Distinct (call, arguments) pairs whose check buffers stay on the device.
 _CHECK_CACHE = 4096
+#: Seconds a mismatch report keeps asking peers that did not answer for their call.
+_MISMATCH_PATIENCE = 5.0
 
 # --- the backend --------------------------------------------------------------------------
 
@@ -447,16 +449,18 @@ class NcclBackend(Backend):
 
     def _agree(self, op: str, key: tuple[Any, ...], entry: Entry) -> None:
         """Return when every rank calls ``op`` with ``key``, else raise the mismatch on all."""
+        since = time.monotonic()
         self._issue_check(op, key, self._check_out, False)
         got = self._host(self._check_out)
         if got[0] != -got[1]:
-            raise self._mismatch(op, key, entry.group, entry.seq, True)
+            raise self._mismatch(op, key, entry.group, entry.seq, True, since)
 
     def _check_later(self, op: str, key: tuple[Any, ...],
                      entry: Entry) -> Callable[[float | None], None]:
         """Enqueue an async call's check; what verifies it (``wait(timeout)`` calls it)."""
         with self._cupy.cuda.Device(self.device):
             out = self._cupy.empty(2, dtype=np.int64)  # its own: later checks may run first
+        since = time.monotonic()
         work = self._issue_check(op, key, out, True)
         group, seq = entry.group, entry.seq
 
@@ -465,7 +469,7 @@ class NcclBackend(Backend):
             with self._cupy.cuda.Device(self.device):
                 got = out.get(stream=self._read_stream)  # the main stream may be stuck
             if got[0] != -got[1]:
-                raise self._mismatch(op, key, group, seq, False)
+                raise self._mismatch(op, key, group, seq, False, since)
 
         return settle
 
@@ -477,28 +481,40 @@ class NcclBackend(Backend):
         return pair
 
     def _mismatch(self, op: str, key: tuple[Any, ...], group: str, seq: int,
-                  blocking: bool) -> CollectiveMismatchError:
-        """The error of a failed check, naming the ranks and what differs.
+                  blocking: bool, since: float) -> CollectiveMismatchError:
+        """The error of a failed check (issued at ``since``), naming the ranks and what
+        differs.
 
         The peers' calls are read from their flight recorders over the
         watchdog's side channel, not over this communicator, which is out of
         step when a peer's call was async (its data call is enqueued already):
-        then, or when a peer did not answer, the communicator is aborted.
+        then, or when a peer did not answer, the communicator is aborted. Before
+        returning, the rank waits (up to ``_MISMATCH_PATIENCE``) until the peers it
+        read have read it too: a rank that raised and left at once would leave a
+        slower peer without an answer.
         """
         me = self._members[self.rank]
         query = self._state.recorder.query_peers
         statuses: dict[int, Any] = {}
         unknown = [m for m in self._members if m != me]
-        for attempt in range(3):  # a peer under load may answer late, or not yet recorded
-            if query is None or not unknown:
-                break
-            if attempt:
-                time.sleep(0.2 * attempt)
+        # A peer under load may answer late, or not have recorded the call yet: ask again
+        # for up to _MISMATCH_PATIENCE seconds (the error path only) before calling its
+        # call unknown, which costs the communicator.
+        give_up, pause = time.monotonic() + _MISMATCH_PATIENCE, 0.05
+        while query is not None and unknown:
             statuses.update(query(unknown))
             unknown = [m for m in unknown if recorded_call(statuses.get(m), group, seq) is None]
+            if not unknown or time.monotonic() + pause > give_up:
+                break
+            time.sleep(pause)
+            pause = min(2 * pause, 0.8)
         calls = [(op, describe_detail(key, op), blocking) if m == me
                  else recorded_call(statuses.get(m), group, seq) for m in self._members]
         error, unsafe = mismatch_error(op, calls)
+        watchdog = self._state.watchdog
+        if watchdog is not None:
+            known = [m for m in self._members if m != me and m not in unknown]
+            watchdog.wait_asked(known, since, _MISMATCH_PATIENCE)
         if unsafe:
             self._break(str(error))
             error = CollectiveMismatchError(

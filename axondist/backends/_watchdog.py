@@ -17,6 +17,7 @@ import atexit
 import concurrent.futures
 import json
 import logging
+import math
 import os
 import socket
 import sys
@@ -112,6 +113,8 @@ class Watchdog:
         self._stopped = False
         self._state: dict[tuple[Any, ...], float] = {}  # call -> when it is next looked at
         self._gone_since: dict[int, float] = {}
+        #: peer rank -> when (time.monotonic) it last asked for this rank's status.
+        self.asked: dict[int, float] = {}
         self._server = socket.create_server(("", 0), backlog=64)
         recorder.query_peers = self.query
         self.port = self._server.getsockname()[1]
@@ -168,6 +171,7 @@ class Watchdog:
     def _handle(self, request: dict[str, Any]) -> dict[str, Any] | None:
         kind = request.get("kind")
         if kind == "status":
+            self.asked[int(request.get("rank", -1))] = time.monotonic()
             return self.recorder.status()
         if kind == "left":
             self.left[int(request["rank"])] = request
@@ -190,7 +194,7 @@ class Watchdog:
     def query(self, ranks: Sequence[int]) -> dict[int, Any]:
         """Each rank's recorder status, or GONE (its port refuses: the process ended) or
         NO_ANSWER (it did not reply in time: stuck in code that holds the GIL, or stopped)."""
-        message = {"kind": "status", "token": self._token}
+        message = {"kind": "status", "token": self._token, "rank": self.recorder.rank}
         targets = [r for r in ranks if r in self.peers]
         if not targets:
             return {}
@@ -198,6 +202,16 @@ class Watchdog:
             replies = pool.map(lambda r: _request(self.peers[r], message, self.recorder.host,
                                                   _QUERY_TIMEOUT, True), targets)
             return dict(zip(targets, replies))
+
+    def wait_asked(self, ranks: Sequence[int], since: float, timeout: float) -> None:
+        """Return once each of ``ranks`` asked for this rank's status after ``since``
+        (``time.monotonic``), or after ``timeout`` seconds: a rank reporting a mismatch
+        stays to answer its peers' questions about the same call before it leaves."""
+        give_up = time.monotonic() + timeout
+        while not all(self.asked.get(r, -math.inf) >= since for r in ranks):
+            if time.monotonic() >= give_up:
+                return
+            time.sleep(0.01)
 
     # --- the monitor --------------------------------------------------------------------------
     def _monitor(self) -> None:
