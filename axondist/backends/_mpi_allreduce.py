@@ -43,6 +43,9 @@ def _bind(mpi: Any) -> None:
 
 on_load(_bind)
 
+#: Tags of the mean's ring on the group's private communicator (the checks use tag 1).
+_RING_TAG = 2
+
 
 class AllReduceMixin(MPIBackendBase):
     """The all-reduce collectives of :class:`~axondist.backends.mpi.MPIBackend`."""
@@ -198,35 +201,60 @@ class AllReduceMixin(MPIBackendBase):
             raise_mpi_error(exc, "all_reduce")
 
     def _mean_in_blocks(self, buf: Any, data: Any, mtype: Any, mop: Any) -> None:
-        """Blocking AVERAGE, per ``chunk_bytes``: an in-place reduce-scatter leaves this
-        rank's block of the sum at the front of the chunk; the scaling by 1/n (see
-        :func:`mean_scaling`) writes it to its own place, and an in-place all-gather
-        fills in the others' blocks. The arithmetic touches 1/n of the data, fused with a
-        move, and each chunk costs two collectives whatever the network's latency
-        (``docs/backends.md`` has the measurements)."""
+        """Blocking AVERAGE of a big buffer as a ring over point-to-point messages (on the
+        group's private communicator): n - 1 steps of a reduce-scatter, each rank adding
+        the block it receives from its left neighbour into its own copy, leave every
+        rank the whole sum of one block; it scales that block by 1/n (see
+        :func:`mean_scaling`: 1/n of the data, while it is still in cache) and n - 1
+        steps of an all-gather hand the blocks round. Every block is summed and scaled
+        on one rank only, so all ranks get the same bits, and the scaling costs no pass
+        of its own over the data: the mean costs what MPI's own sum does
+        (``docs/backends.md`` has the measurements). Without a private communicator
+        (one rank) the sum is the mean."""
+        comm = self._guard.private
+        if comm is None:
+            return
         flat, wire = buf.reshape(-1), data.reshape(-1)
-        n, rank, comm = self.world_size, self.rank, self._comm
-        how, by = mean_scaling(n)
-        scale = getattr(_array.namespace(buf), how)
         try:
             for lo, hi in piece_bounds(flat.size, flat.itemsize, self._chunk):
-                counts = block_counts(hi - lo, n)
-                mine, start = counts[rank], sum(counts[:rank])
-                part, wpart = flat[lo:hi], [wire[lo:hi], mtype]
-                even = counts[0] == counts[-1]
-                if even:
-                    comm.Reduce_scatter_block(_IN_PLACE, wpart, mop)
-                else:
-                    comm.Reduce_scatter(_IN_PLACE, wpart, counts, mop)
-                # start >= counts[0] >= mine on ranks > 0: source and target never overlap.
-                scale(part[:mine], by, out=part[start:start + mine], casting="unsafe")
-                if even:
-                    comm.Allgather(_IN_PLACE, wpart)
-                else:
-                    comm.Allgatherv(_IN_PLACE, [wire[lo:hi], counts, displacements(counts),
-                                                mtype])
+                self._ring_mean(comm, flat[lo:hi], wire[lo:hi], mtype)
         except MPI.Exception as exc:
             raise_mpi_error(exc, "all_reduce")
+
+    def _ring_mean(self, comm: Any, flat: Any, wire: Any, mtype: Any) -> None:
+        """One piece of :meth:`_mean_in_blocks`: ``flat`` in its dtype, ``wire`` the same
+        memory as MPI moves it."""
+        n, rank = self.world_size, self.rank
+        counts = block_counts(flat.size, n)
+        starts = displacements(counts)
+        blocks = [slice(lo, lo + c) for lo, c in zip(starts, counts)]
+        xp = _array.namespace(flat)
+        received = self._scratch(xp, max(counts), flat.dtype)
+        wire_received = received if received.dtype == wire.dtype else received.view(wire.dtype)
+        right, left = (rank + 1) % n, (rank - 1) % n
+        for step in range(n - 1):  # reduce-scatter: block (rank - step - 1) grows
+            out, into = blocks[(rank - step) % n], blocks[(rank - step - 1) % n]
+            size = into.stop - into.start
+            comm.Sendrecv([wire[out], mtype], right, _RING_TAG,
+                          [wire_received[:size], mtype], left, _RING_TAG)
+            xp.add(flat[into], received[:size], out=flat[into])
+        own = blocks[(rank + 1) % n]
+        how, by = mean_scaling(n)
+        getattr(xp, how)(flat[own], by, out=flat[own], casting="unsafe")
+        for step in range(n - 1):  # all-gather: pass the finished blocks on
+            out, into = blocks[(rank + 1 - step) % n], blocks[(rank - step) % n]
+            comm.Sendrecv([wire[out], mtype], right, _RING_TAG + 1,
+                          [wire[into], mtype], left, _RING_TAG + 1)
+
+    def _scratch(self, xp: Any, count: int, dtype: Any) -> Any:
+        """``count`` elements of ``dtype`` of this backend's scratch memory (one buffer
+        per array library, grown when needed and kept: a fresh one would cost its page
+        faults on every call)."""
+        nbytes = count * np.dtype(dtype).itemsize
+        scratch = self._scratch_buffers.get(xp.__name__)
+        if scratch is None or scratch.nbytes < nbytes:
+            scratch = self._scratch_buffers[xp.__name__] = xp.zeros(nbytes, np.uint8)
+        return scratch[:nbytes].view(dtype)
 
     def _all_reduce_pieces(self, buf: Any, data: Any, mtype: Any, mop: Any, average: bool,
                            async_op: bool) -> Work:

@@ -137,6 +137,8 @@ class MPIBackendBase(Backend):
         self._chunk_bytes = chunk_for(self.options.chunk_bytes, len(set(self._nodes)))
         self._chunk = self._chunk_bytes or sys.maxsize
         self._host_twin: MPIBackendBase | None = None
+        #: Scratch memory of the point-to-point algorithms, per array library.
+        self._scratch_buffers: dict[str, Any] = {}
         #: Live persistent all-reduces: close() frees what their owners did not.
         self._persistent: weakref.WeakSet[Any] = weakref.WeakSet()
         #: The rank's watchdog (the world backend of a job of several ranks only).

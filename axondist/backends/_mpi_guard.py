@@ -169,8 +169,11 @@ class CallGuard:
         self._steps = _schedule(comm.Get_rank(), comm.Get_size())
         #: The other rank of a two-rank group (whose exchange is one swap), else None.
         self._pair = self._steps[0][1] if comm.Get_size() == 2 and checks else None
-        # The checks' own messages, apart from the data's and the users' sends.
-        self._check_comm = comm.Dup() if checks and self._steps else None
+        #: A communicator of the group's own (None for one rank): the checks' messages and
+        #: the backend's point-to-point algorithms travel here, apart from the data's
+        #: collectives and the users' sends (whose tags span all of MPI's).
+        self.private = comm.Dup() if self._steps else None
+        self._check_comm = self.private if checks else None
         # Every check message lands here: room for any rank's largest riding message.
         self._recv = np.zeros(_HEADER + RIDE_MAX_BYTES, np.uint8)
         self._seen = self._recv[:_HEADER].view(np.int64).data  # memoryview: Python ints
@@ -371,8 +374,9 @@ class CallGuard:
         return h
 
     def close(self) -> None:
-        """Free the checks' requests and communicator (collective, with the group's own)."""
-        comm, self._check_comm = self._check_comm, None
+        """Free the checks' requests and the private communicator (collective, with the
+        group's own)."""
+        comm, self.private, self._check_comm = self.private, None, None
         if comm is None:
             return
         self._forget_all_reduces()
