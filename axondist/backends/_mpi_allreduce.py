@@ -22,7 +22,7 @@ from ._mpi_common import (
     unsupported,
 )
 from ._mpi_core import MPIBackendBase, on_load
-from ._mpi_guard import Rider
+from ._mpi_guard import RING_TAG, Rider
 from .base import (
     Backend,
     CompletedWork,
@@ -42,9 +42,6 @@ def _bind(mpi: Any) -> None:
 
 
 on_load(_bind)
-
-#: Tags of the mean's ring on the group's private communicator (the checks use tag 1).
-_RING_TAG = 2
 
 
 class AllReduceMixin(MPIBackendBase):
@@ -235,26 +232,16 @@ class AllReduceMixin(MPIBackendBase):
         for step in range(n - 1):  # reduce-scatter: block (rank - step - 1) grows
             out, into = blocks[(rank - step) % n], blocks[(rank - step - 1) % n]
             size = into.stop - into.start
-            comm.Sendrecv([wire[out], mtype], right, _RING_TAG,
-                          [wire_received[:size], mtype], left, _RING_TAG)
+            comm.Sendrecv([wire[out], mtype], right, RING_TAG,
+                          [wire_received[:size], mtype], left, RING_TAG)
             xp.add(flat[into], received[:size], out=flat[into])
         own = blocks[(rank + 1) % n]
         how, by = mean_scaling(n)
         getattr(xp, how)(flat[own], by, out=flat[own], casting="unsafe")
         for step in range(n - 1):  # all-gather: pass the finished blocks on
             out, into = blocks[(rank + 1 - step) % n], blocks[(rank - step) % n]
-            comm.Sendrecv([wire[out], mtype], right, _RING_TAG + 1,
-                          [wire[into], mtype], left, _RING_TAG + 1)
-
-    def _scratch(self, xp: Any, count: int, dtype: Any) -> Any:
-        """``count`` elements of ``dtype`` of this backend's scratch memory (one buffer
-        per array library, grown when needed and kept: a fresh one would cost its page
-        faults on every call)."""
-        nbytes = count * np.dtype(dtype).itemsize
-        scratch = self._scratch_buffers.get(xp.__name__)
-        if scratch is None or scratch.nbytes < nbytes:
-            scratch = self._scratch_buffers[xp.__name__] = xp.zeros(nbytes, np.uint8)
-        return scratch[:nbytes].view(dtype)
+            comm.Sendrecv([wire[out], mtype], right, RING_TAG + 1,
+                          [wire[into], mtype], left, RING_TAG + 1)
 
     def _all_reduce_pieces(self, buf: Any, data: Any, mtype: Any, mop: Any, average: bool,
                            async_op: bool) -> Work:

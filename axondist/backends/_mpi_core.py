@@ -257,6 +257,16 @@ class MPIBackendBase(Backend):
             return CompletedWork(args[out])
         return StagedWork(work, finish, args[out])
 
+    def _scratch(self, xp: Any, count: int, dtype: Any) -> Any:
+        """``count`` elements of ``dtype`` of this backend's scratch memory (one buffer
+        per array library, grown when needed and kept: a fresh one would cost its page
+        faults on every call)."""
+        nbytes = count * np.dtype(dtype).itemsize
+        scratch = self._scratch_buffers.get(xp.__name__)
+        if scratch is None or scratch.nbytes < nbytes:
+            scratch = self._scratch_buffers[xp.__name__] = xp.zeros(nbytes, np.uint8)
+        return scratch[:nbytes].view(dtype)
+
     def _divide(self, buf: Any) -> None:
         """Turn the sum in ``buf`` into the mean, in place (see :func:`mean_scaling`)."""
         how, by = mean_scaling(self.world_size)

@@ -51,6 +51,10 @@ _TAG = 1
 _UFUNCS = {"SUM": np.add, "AVERAGE": np.add, "MAX": np.maximum, "MIN": np.minimum,
            "PRODUCT": np.multiply}
 _RIDING_DTYPES = frozenset(np.dtype(t) for t in (np.float32, np.float64, np.int32, np.int64))
+#: The same, for the backend's point-to-point algorithms (rings).
+UFUNCS, RING_DTYPES = _UFUNCS, _RIDING_DTYPES
+#: The rings' tags on the private communicator (RING_TAG and RING_TAG + 1; checks use _TAG).
+RING_TAG = 2
 
 
 def _hash_pair(op: str, key: tuple[Any, ...]) -> np.ndarray:
@@ -473,4 +477,5 @@ def _printable(key: tuple[Any, ...]) -> tuple[Any, ...]:
                  for v in key)
 
 
-__all__ = ["FIELDS", "RIDE_MAX_BYTES", "CallGuard", "Carrier", "Rider"]
+__all__ = ["FIELDS", "RIDE_MAX_BYTES", "RING_DTYPES", "RING_TAG", "UFUNCS", "CallGuard", "Carrier",
+           "Rider"]

@@ -249,3 +249,49 @@ def test_weighted_sums_make_one_call_per_piece(piece):
         assert spy.names == ["Allreduce"] * len(pieces)
     finally:
         b.close()
+
+
+@mpi_only
+@settings(max_examples=16)
+@given(seed=seeds, dtype=st.sampled_from(["float32", "float64", "int32", "int64"]),
+       op=st.sampled_from(["SUM", "AVERAGE", "MAX", "MIN", "PRODUCT"]),
+       extra=st.integers(0, 40), trailing=st.sampled_from([1, 3]))
+def test_big_reduce_scatters_run_as_a_ring(seed, dtype, op, extra, trailing):
+    """Above MEAN_IN_BLOCKS_BYTES a blocking reduce-scatter is a ring of point-to-point
+    messages (no collective on the data's communicator): this rank's block of the
+    reduction, uneven blocks too, and the input left as it was."""
+    if op == "AVERAGE" and dtype.startswith("int"):
+        op = "SUM"
+    b = _backend()
+    try:
+        n = b.world_size
+        itemsize = np.dtype(dtype).itemsize
+        rows = MEAN_IN_BLOCKS_BYTES // (itemsize * trailing) + 1 + extra
+        rngs = [np.random.default_rng([seed, r]) for r in range(n)]
+        if op == "PRODUCT":
+            inputs = [g.choice([-1, 1], size=(rows, trailing)).astype(dtype) for g in rngs]
+        elif dtype.startswith("int"):
+            inputs = [g.integers(-1000, 1000, size=(rows, trailing)).astype(dtype) for g in rngs]
+        else:
+            inputs = [g.standard_normal((rows, trailing)).astype(dtype) for g in rngs]
+        x = inputs[b.rank].copy()
+        blocks = np.array_split(np.arange(rows), n)
+        counts = [len(k) * trailing for k in blocks]
+        out = np.empty((counts[b.rank] // trailing, trailing), dtype)
+        spy = b._comm = _Calls(b._comm)
+        b.reduce_scatter(x, out, counts, ReduceOp[op])
+        b._comm = spy.comm
+        if n > 1:
+            assert spy.names == []
+        np.testing.assert_array_equal(x, inputs[b.rank])
+        stack = np.stack(inputs).astype(np.float64 if dtype.startswith("float") else dtype)
+        whole = {"SUM": stack.sum(0), "AVERAGE": stack.mean(0), "MAX": stack.max(0),
+                 "MIN": stack.min(0), "PRODUCT": stack.prod(0)}[op]
+        want = whole[blocks[b.rank]]
+        if dtype.startswith("float"):
+            tol = (1e-5 if dtype == "float32" else 1e-12) * n
+            np.testing.assert_allclose(out, want, rtol=tol, atol=tol)
+        else:
+            np.testing.assert_array_equal(out, want)
+    finally:
+        b.close()
