@@ -22,7 +22,7 @@ from ._mpi_common import (
     unsupported,
 )
 from ._mpi_core import MPIBackendBase, on_load
-from ._mpi_guard import RING_TAG, Rider
+from ._mpi_guard import RING_DTYPES, RING_TAG, Rider
 from .base import (
     Backend,
     CompletedWork,
@@ -42,6 +42,9 @@ def _bind(mpi: Any) -> None:
 
 
 on_load(_bind)
+
+#: Elements a weighted ring scales and adds at a time (each part still in cache).
+_CACHED = 1 << 16
 
 
 class AllReduceMixin(MPIBackendBase):
@@ -185,10 +188,18 @@ class AllReduceMixin(MPIBackendBase):
     def _fused_pieces(self, buf: Any, data: Any, mtype: Any, mop: Any, factor: float) -> None:
         """Blocking SUM all-reduce piece by piece (:meth:`_piece` bytes each), each piece
         multiplied by ``factor`` (unless 1) just before its Allreduce (while in cache, when
-        the pieces are small)."""
+        the pieces are small). Above ``MEAN_IN_BLOCKS_BYTES`` (and ``chunk_bytes``
+        pieces) the weighted ring of :meth:`_ring_mean` instead, where the dtype allows:
+        the weighting then rides in the ring's own passes."""
         flat, wire = buf.reshape(-1), data.reshape(-1)
         comm, scale = self._comm, factor != 1.0
+        ring = self._guard.private
         try:
+            if (ring is not None and flat.dtype in RING_DTYPES and self._piece() >= self._chunk
+                    and flat.size * flat.itemsize > MEAN_IN_BLOCKS_BYTES):
+                for lo, hi in piece_bounds(flat.size, flat.itemsize, self._chunk):
+                    self._ring_mean(ring, flat[lo:hi], wire[lo:hi], mtype, factor)
+                return
             for lo, hi in piece_bounds(flat.size, flat.itemsize, self._piece()):
                 if scale:
                     piece = flat[lo:hi]
@@ -218,9 +229,13 @@ class AllReduceMixin(MPIBackendBase):
         except MPI.Exception as exc:
             raise_mpi_error(exc, "all_reduce")
 
-    def _ring_mean(self, comm: Any, flat: Any, wire: Any, mtype: Any) -> None:
-        """One piece of :meth:`_mean_in_blocks`: ``flat`` in its dtype, ``wire`` the same
-        memory as MPI moves it."""
+    def _ring_mean(self, comm: Any, flat: Any, wire: Any, mtype: Any,
+                   weight: float | None = None) -> None:
+        """One piece of :meth:`_mean_in_blocks` (``flat`` in its dtype, ``wire`` the same
+        memory as MPI moves it), or with ``weight`` one of a weighted sum's: each rank's
+        own blocks are multiplied by its weight as they join the ring (the first before
+        it is sent, the others in cache-sized parts just before the partial sum that
+        arrives is added), and nothing is scaled at the end."""
         n, rank = self.world_size, self.rank
         counts = block_counts(flat.size, n)
         starts = displacements(counts)
@@ -229,15 +244,27 @@ class AllReduceMixin(MPIBackendBase):
         received = self._scratch(xp, max(counts), flat.dtype)
         wire_received = received if received.dtype == wire.dtype else received.view(wire.dtype)
         right, left = (rank + 1) % n, (rank - 1) % n
+        weighted = weight is not None and weight != 1.0
+        if weighted:
+            first = flat[blocks[rank]]
+            xp.multiply(first, weight, out=first, casting="unsafe")
         for step in range(n - 1):  # reduce-scatter: block (rank - step - 1) grows
             out, into = blocks[(rank - step) % n], blocks[(rank - step - 1) % n]
             size = into.stop - into.start
             comm.Sendrecv([wire[out], mtype], right, RING_TAG,
                           [wire_received[:size], mtype], left, RING_TAG)
-            xp.add(flat[into], received[:size], out=flat[into])
-        own = blocks[(rank + 1) % n]
-        how, by = mean_scaling(n)
-        getattr(xp, how)(flat[own], by, out=flat[own], casting="unsafe")
+            mine, got = flat[into], received[:size]
+            if not weighted:
+                xp.add(mine, got, out=mine)
+                continue
+            for lo in range(0, size, _CACHED):
+                part = mine[lo:lo + _CACHED]
+                xp.multiply(part, weight, out=part, casting="unsafe")
+                xp.add(part, got[lo:lo + _CACHED], out=part)
+        if weight is None:
+            own = flat[blocks[(rank + 1) % n]]
+            how, by = mean_scaling(n)
+            getattr(xp, how)(own, by, out=own, casting="unsafe")
         for step in range(n - 1):  # all-gather: pass the finished blocks on
             out, into = blocks[(rank + 1 - step) % n], blocks[(rank - step) % n]
             comm.Sendrecv([wire[out], mtype], right, RING_TAG + 1,

@@ -295,3 +295,31 @@ def test_big_reduce_scatters_run_as_a_ring(seed, dtype, op, extra, trailing):
             np.testing.assert_array_equal(out, want)
     finally:
         b.close()
+
+
+@mpi_only
+@settings(max_examples=10)
+@given(seed=seeds, dtype=st.sampled_from(["float32", "float64"]), extra=st.integers(0, 40),
+       weights=st.lists(st.sampled_from([1.0, 0.5, 0.25, 1 / 3, 2.0]), min_size=3, max_size=3))
+def test_big_weighted_sums_run_as_a_weighted_ring(seed, dtype, extra, weights):
+    """Above MEAN_IN_BLOCKS_BYTES a weighted sum (ranks' factors differ) is the weighted
+    ring: no collective on the data's communicator, every rank the same bits, the sum
+    of each rank's values times its own weight."""
+    b = _backend()
+    try:
+        n = b.world_size
+        numel = MEAN_IN_BLOCKS_BYTES // np.dtype(dtype).itemsize + 1 + extra
+        inputs = [values(seed, r, numel, dtype) for r in range(n)]
+        x = inputs[b.rank].copy()
+        spy = b._comm = _Calls(b._comm)
+        b.scaled_sum_blocking(x, weights[b.rank])
+        b._comm = spy.comm
+        if n > 1:
+            assert spy.names == []
+        want = sum(v.astype(np.float64) * w for v, w in zip(inputs, weights))
+        tol = (1e-5 if dtype == "float32" else 1e-12) * n
+        np.testing.assert_allclose(x, want, rtol=tol, atol=tol)
+        everyone = mpi_world().backend_for("test").allgather_object(x.tobytes())
+        assert all(e == everyone[0] for e in everyone), "ranks hold different sums"
+    finally:
+        b.close()
