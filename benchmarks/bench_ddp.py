@@ -12,9 +12,9 @@ Gradient synchronization alone (gradients already in place):
 
 * ``axondist sync``: ``DDP.sync_gradients()`` in the steady state, where every
   ``.grad`` already is its view into a persistent 25 MiB bucket (no packing):
-  per bucket a multiply by 1/world (the mean) and a SUM all-reduce, piece by
-  piece (``MPIBackend.scaled_sum_blocking``; pieces of ``chunk_bytes`` unless
-  ``AXONDIST_PIECE_MB`` asks for small ones).
+  per bucket a sum weighted by 1/world (the mean): the backend's weighted ring
+  (``MPIBackend.scaled_sum_blocking``, ``docs/backends.md``), or a multiply and
+  SUM all-reduce pieces where ``AXONDIST_PIECE_MB`` asks for small ones.
 * ``axondist overlapped``: the same with ``strategy=OVERLAPPED``: each bucket's
   persistent all-reduce (MPI-4 ``Allreduce_init`` pieces, set up on the first
   step) started piece by piece, each piece weighted just before it starts.
