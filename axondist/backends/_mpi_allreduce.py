@@ -21,7 +21,7 @@ from ._mpi_common import (
     raise_mpi_error,
     unsupported,
 )
-from ._mpi_core import MPIBackendBase, on_load
+from ._mpi_core import MPIBackendBase, bind_mpi
 from ._mpi_guard import RING_DTYPES, RING_TAG, Rider
 from .base import (
     Backend,
@@ -30,18 +30,11 @@ from .base import (
     Work,
 )
 
-# Bound when mpi4py loads (_mpi_core.on_load): module globals keep the hot path to plain
+# Bound when mpi4py loads (_mpi_core.bind_mpi): module globals keep the hot path to plain
 # lookups.
 MPI: Any = None
 _IN_PLACE: Any = None
-
-
-def _bind(mpi: Any) -> None:
-    global MPI, _IN_PLACE
-    MPI, _IN_PLACE = mpi, mpi.IN_PLACE
-
-
-on_load(_bind)
+bind_mpi(globals())
 
 #: Elements a weighted ring scales and adds at a time (each part still in cache).
 _CACHED = 1 << 16

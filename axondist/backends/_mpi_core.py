@@ -50,7 +50,7 @@ _UNSET: Any = object()
 # Bound by _load_mpi(): module globals keep the hot path to plain lookups.
 MPI: Any = None
 _IN_PLACE: Any = None
-#: Other modules' binders of the same globals (see :func:`on_load`).
+#: Other modules' binders of the same globals (see :func:`bind_mpi`).
 _BINDERS: list[Callable[[Any], None]] = []
 
 
@@ -64,9 +64,13 @@ def _load_mpi() -> Any:
     return MPI
 
 
-def on_load(bind: Callable[[Any], None]) -> None:
-    """Call ``bind(MPI)`` once mpi4py's ``MPI`` is loaded (now, if it already is): how the
-    backend's other modules keep ``MPI`` in module globals too."""
+def bind_mpi(namespace: dict[str, Any]) -> None:
+    """Set ``MPI`` and ``_IN_PLACE`` in ``namespace`` (a module's ``globals()``) once
+    mpi4py's ``MPI`` is loaded (now, if it already is): how the backend's other modules
+    keep them in module globals too."""
+    def bind(mpi: Any) -> None:
+        namespace.update(MPI=mpi, _IN_PLACE=mpi.IN_PLACE)
+
     _BINDERS.append(bind)
     if MPI is not None:
         bind(MPI)

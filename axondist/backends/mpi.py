@@ -33,7 +33,7 @@ from ._mpi_common import (
     raise_mpi_error,
     split_tag,
 )
-from ._mpi_core import MPIBackendBase, _load_mpi, on_load
+from ._mpi_core import MPIBackendBase, _load_mpi, bind_mpi
 from ._mpi_guard import wait_until
 from ._watchdog import Watchdog, exit_soon, print_and_flush, silence_all
 from .base import (
@@ -45,17 +45,10 @@ from .base import (
 )
 from .recorder import FlightRecorder
 
-# Bound when mpi4py loads (_mpi_core.on_load).
+# Bound when mpi4py loads (_mpi_core.bind_mpi).
 MPI: Any = None
 _IN_PLACE: Any = None
-
-
-def _bind(mpi: Any) -> None:
-    global MPI, _IN_PLACE
-    MPI, _IN_PLACE = mpi, mpi.IN_PLACE
-
-
-on_load(_bind)
+bind_mpi(globals())
 
 
 class MPIBackend(AllReduceMixin, BlockwiseMixin, MPIBackendBase):
