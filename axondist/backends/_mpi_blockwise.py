@@ -366,17 +366,20 @@ class BlockwiseMixin(MPIBackendBase):
         flat, out = send.reshape(-1), recv.reshape(-1)
         starts = displacements(counts)
         blocks = [slice(lo, lo + c) for lo, c in zip(starts, counts)]
+        # Partial results travel through two scratch buffers in turn (three ranks or
+        # more); the last step receives straight into ``recv`` (two ranks: no scratch).
         widest = max(counts)
-        scratch = self._scratch(xp, 2 * widest, flat.dtype)
-        received, partial = scratch[:widest], scratch[widest:]
+        scratch = self._scratch(xp, 2 * widest, flat.dtype) if n > 2 else out[:0]
+        buffers = (scratch[:widest], scratch[widest:])
         right, left = (rank + 1) % n, (rank - 1) % n
+        outgoing = flat[blocks[(rank - 1) % n]]
         for step in range(n - 1):
-            away, here = blocks[(rank - step - 1) % n], blocks[(rank - step - 2) % n]
+            here = blocks[(rank - step - 2) % n]
             size = here.stop - here.start
-            outgoing = flat[away] if step == 0 else partial[:away.stop - away.start]
-            comm.Sendrecv([outgoing, mtype], right, RING_TAG, [received[:size], mtype], left,
-                          RING_TAG)
-            combine(flat[here], received[:size], out=out if step == n - 2 else partial[:size])
+            arriving = out if step == n - 2 else buffers[step % 2][:size]
+            comm.Sendrecv([outgoing, mtype], right, RING_TAG, [arriving, mtype], left, RING_TAG)
+            combine(flat[here], arriving, out=arriving)
+            outgoing = arriving
         if op_name == "AVERAGE":
             how, by = mean_scaling(n)
             getattr(xp, how)(out, by, out=out, casting="unsafe")
