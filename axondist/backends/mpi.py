@@ -1,9 +1,12 @@
 """The MPI backend: one process per rank, over mpi4py, on axondist's own duplicate of
 ``COMM_WORLD``. Every collective is recorded in the rank's flight recorder and starts with
-a check that all ranks make the same call (carried in the data of a small all-reduce); a
-watchdog ends a job that stalls.
-``docs/backends.md`` explains the design (pieces, fused arithmetic, half-precision and
-NaN handling, CuPy staging, the checks and the watchdog) and the measurements behind it.
+a check that all ranks make the same call (carried in the data of a small all-reduce, and
+of a small all-gather, reduce-scatter or broadcast in a group of two); a watchdog ends a
+job that stalls. The all-reduces live in ``_mpi_allreduce``, broadcast, all-gather and
+reduce-scatter in ``_mpi_blockwise``, what they share in ``_mpi_core``; this module adds
+the rooted calls, point to point, objects, groups and the world.
+``docs/backends.md`` explains the design (pieces, rings, fused arithmetic, half-precision
+and NaN handling, CuPy staging, the checks and the watchdog) and the measurements behind it.
 """
 
 from __future__ import annotations
