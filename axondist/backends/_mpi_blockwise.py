@@ -22,8 +22,8 @@ from ._mpi_common import (
     raise_mpi_error,
     unsupported,
 )
-from ._mpi_core import _UNSET, MPIBackendBase, bind_mpi
-from ._mpi_guard import RING_DTYPES, RING_TAG, UFUNCS, Rider
+from ._mpi_core import MPIBackendBase, bind_mpi
+from ._mpi_guard import RING_DTYPES, RING_TAG, UFUNCS, UNPLANNED, Rider
 from .base import (
     CompletedWork,
     Signature,
@@ -89,11 +89,10 @@ class BlockwiseMixin(MPIBackendBase):
         slot = rec.begin(group, seq, "broadcast", key)
         try:
             if guard.checks:
-                carrier = guard.carriers.get(("broadcast", key), _UNSET)
-                if carrier is _UNSET:
+                carrier = guard.carriers.get(("broadcast", key), UNPLANNED)
+                if carrier is UNPLANNED:
                     shapes = (buf.shape, (0,)) if self.rank == root else ((0,), buf.shape)
-                    carrier = guard.remember_carrier("broadcast", key, guard.carrier(
-                        "broadcast", key, buf.nbytes, buf.dtype, *shapes))
+                    carrier = guard.carrier("broadcast", key, buf.nbytes, buf.dtype, *shapes)
                 if carrier is None:
                     guard.agree("broadcast", key)
                 elif buf.__class__ is np.ndarray or isinstance(buf, np.ndarray):
@@ -195,12 +194,12 @@ class BlockwiseMixin(MPIBackendBase):
         slot = rec.begin(group, seq, "all_gather", key)
         try:
             if guard.checks:
-                carrier = guard.carriers.get(("all_gather", key), _UNSET)
-                if carrier is _UNSET:
-                    carrier = guard.remember_carrier("all_gather", key, guard.carrier(
+                carrier = guard.carriers.get(("all_gather", key), UNPLANNED)
+                if carrier is UNPLANNED:
+                    carrier = guard.carrier(
                         "all_gather", key, sum(counts) * send.dtype.itemsize, send.dtype,
-                        (counts[self.rank],), (counts[1 - self.rank],))
-                        if self.world_size == 2 else None)
+                        (counts[self.rank],), (counts[1 - self.rank],)
+                    ) if self.world_size == 2 else None
                 if carrier is None:
                     guard.agree("all_gather", key)
                 elif send.__class__ is recv.__class__ is np.ndarray or (
@@ -283,12 +282,12 @@ class BlockwiseMixin(MPIBackendBase):
         slot = rec.begin(group, seq, "reduce_scatter", key)
         try:
             if guard.checks:
-                carrier = guard.carriers.get(("reduce_scatter", key), _UNSET)
-                if carrier is _UNSET:
-                    carrier = guard.remember_carrier("reduce_scatter", key, guard.carrier(
+                carrier = guard.carriers.get(("reduce_scatter", key), UNPLANNED)
+                if carrier is UNPLANNED:
+                    carrier = guard.carrier(
                         "reduce_scatter", key, sum(counts) * send.dtype.itemsize, send.dtype,
-                        (counts[1 - self.rank],), (counts[self.rank],), op._name_)
-                        if self.world_size == 2 else None)
+                        (counts[1 - self.rank],), (counts[self.rank],), op._name_
+                    ) if self.world_size == 2 else None
                 if carrier is None:
                     guard.agree("reduce_scatter", key)
                 elif send.__class__ is recv.__class__ is np.ndarray or (

@@ -44,9 +44,6 @@ from .base import (
 )
 from .recorder import FlightRecorder
 
-#: A plan not made yet (None is a plan: "no carrier").
-_UNSET: Any = object()
-
 # Bound by _load_mpi(): module globals keep the hot path to plain lookups.
 MPI: Any = None
 _IN_PLACE: Any = None

@@ -51,7 +51,9 @@ _TAG = 1
 _UFUNCS = {"SUM": np.add, "AVERAGE": np.add, "MAX": np.maximum, "MIN": np.minimum,
            "PRODUCT": np.multiply}
 _RIDING_DTYPES = frozenset(np.dtype(t) for t in (np.float32, np.float64, np.int32, np.int64))
-#: The same, for the backend's point-to-point algorithms (rings).
+#: What :attr:`CallGuard.carriers` gives for a call not planned yet (None is a plan).
+UNPLANNED: Any = object()
+#: The same ufuncs and dtypes, for the backend's point-to-point algorithms (rings).
 UFUNCS, RING_DTYPES = _UFUNCS, _RIDING_DTYPES
 #: The rings' tags on the private communicator (RING_TAG and RING_TAG + 1; checks use _TAG).
 RING_TAG = 2
@@ -165,7 +167,7 @@ class CallGuard:
         #: None): see ``MPIBackend._plan_all_reduce``.
         self.all_reduces: dict[tuple[Any, ...], tuple[Rider | None, Any]] = {}
         #: (op, key) of another blocking collective -> its Carrier, or None where its
-        #: data cannot ride (see :meth:`carrier`).
+        #: data cannot ride (see :meth:`carrier`); absent: not planned yet (UNPLANNED).
         self.carriers: dict[tuple[str, tuple[Any, ...]], Carrier | None] = {}
         self._hashes: dict[tuple[str, tuple[Any, ...]], int] = {}
         self._mpi = mpi
@@ -244,6 +246,17 @@ class CallGuard:
     def carrier(self, op: str, key: tuple[Any, ...], nbytes: int, dtype: np.dtype,
                 mine: tuple[int, ...], theirs: tuple[int, ...],
                 reduce_op: str | None = None) -> Carrier | None:
+        """The :class:`Carrier` of blocking call ``op`` with ``key``, made now and kept in
+        :attr:`carriers` (where later calls find it); see :meth:`_make_carrier`."""
+        if len(self.carriers) >= _RIDERS_LIMIT:
+            self._forget_all_reduces()
+        made = self.carriers[(op, key)] = self._make_carrier(op, key, nbytes, dtype, mine,
+                                                              theirs, reduce_op)
+        return made
+
+    def _make_carrier(self, op: str, key: tuple[Any, ...], nbytes: int, dtype: np.dtype,
+                      mine: tuple[int, ...], theirs: tuple[int, ...],
+                      reduce_op: str | None) -> Carrier | None:
         """The :class:`Carrier` of blocking call ``op`` with ``key`` in a two-rank group:
         ``nbytes`` of data in the call (the same on both ranks), ``mine`` and ``theirs``
         the shapes of what this rank sends and receives; a :class:`Rider` combining with
@@ -351,14 +364,6 @@ class CallGuard:
             self._forget_all_reduces()
         plan = self.all_reduces[key] = (rider, direct)
         return plan
-
-    def remember_carrier(self, op: str, key: tuple[Any, ...],
-                         carrier: Carrier | None) -> Carrier | None:
-        """Keep call ``(op, key)``'s carrier (see :attr:`carriers`)."""
-        if len(self.carriers) >= _RIDERS_LIMIT:
-            self._forget_all_reduces()
-        self.carriers[(op, key)] = carrier
-        return carrier
 
     def _forget_all_reduces(self) -> None:
         """Drop every all-reduce plan and carrier, freeing their persistent sends."""
@@ -477,5 +482,5 @@ def _printable(key: tuple[Any, ...]) -> tuple[Any, ...]:
                  for v in key)
 
 
-__all__ = ["FIELDS", "RIDE_MAX_BYTES", "RING_DTYPES", "RING_TAG", "UFUNCS", "CallGuard", "Carrier",
-           "Rider"]
+__all__ = ["FIELDS", "RIDE_MAX_BYTES", "RING_DTYPES", "RING_TAG", "UFUNCS", "UNPLANNED",
+           "CallGuard", "Carrier", "Rider"]
