@@ -528,6 +528,22 @@ class GradientSynchronizer:
         self._check_index(index, "slot")
         return self.slots[index].view
 
+    def _open_slot(self, index: int, what: str, hint: str = "") -> _Slot:
+        """Gradient ``index``'s slot, once it is known to be still open in this step (which
+        starts here if it had not).
+
+        Raises:
+            ValueError: a bad index, or the gradient was already added this step.
+        """
+        self._check_index(index, what)
+        if not self._active:
+            self.start()
+        slot = self.slots[index]
+        if slot.ready:
+            raise ValueError(f"GradientSynchronizer.{what}: gradient {index} was already "
+                             f"added in this step{hint}")
+        return slot
+
     def _check_index(self, index: int, where: str) -> None:
         if not self.slots:
             raise RuntimeError(f"GradientSynchronizer.{where}: call prepare(...) first")
@@ -582,13 +598,8 @@ class GradientSynchronizer:
         Raises:
             ValueError: wrong shape, or the gradient was already added this step.
         """
-        self._check_index(index, "add_gradient")
-        if not self._active:
-            self.start()
-        slot = self.slots[index]
-        if slot.ready:
-            raise ValueError(f"GradientSynchronizer.add_gradient: gradient {index} was already "
-                             "added in this step (accumulate into .grad before adding it)")
+        slot = self._open_slot(index, "add_gradient",
+                               " (accumulate into .grad before adding it)")
         if grad is not slot.view:
             grad = _array.as_array(grad)
             check_real_gradient(grad, "GradientSynchronizer.add_gradient", index)
@@ -629,13 +640,7 @@ class GradientSynchronizer:
         Raises:
             ValueError: wrong shape, or the gradient was already added this step.
         """
-        self._check_index(index, "accumulate")
-        if not self._active:
-            self.start()
-        slot = self.slots[index]
-        if slot.ready:
-            raise ValueError(f"GradientSynchronizer.accumulate: gradient {index} was already "
-                             "added in this step")
+        slot = self._open_slot(index, "accumulate")
         grad = _array.as_array(grad)
         check_real_gradient(grad, "GradientSynchronizer.accumulate", index)
         view = slot.view
