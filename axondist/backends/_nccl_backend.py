@@ -36,6 +36,7 @@ from ._nccl_runtime import (
     load_cupy,
     mismatch_error,
     named_signatures,
+    new_communicator,
     recorded_call,
     require_no_group,
 )
@@ -122,7 +123,7 @@ class NcclBackend(Backend):
                              f"(valid: 0..{count - 1})")
         where = f"rank {rank} of {world_size} (GPU {device})"
         with cupy.cuda.Device(device), NcclCall(nccl, "NcclBackend (ncclCommInitRank)", where):
-            comm = nccl.NcclCommunicator(world_size, uid.to_cupy(), rank)
+            comm = new_communicator(nccl, world_size, uid, rank)
         wait = default_timeout() if timeout is None else float(timeout)
         host = socket.gethostname()
         state = RankState(rank, world_size, host, wait, checks=checks_enabled(),
@@ -967,7 +968,7 @@ class NcclBackend(Backend):
         where = f"sub-group rank {sub_rank} of {size} (GPU {self.device})"
         with self._cupy.cuda.Device(self.device), \
                 NcclCall(self._nccl, "new_group (ncclCommInitRank)", where):
-            comm = self._nccl.NcclCommunicator(size, uid.to_cupy(), sub_rank)
+            comm = new_communicator(self._nccl, size, uid, sub_rank)
         hosts = tuple(self._hosts[r] for r in ranks) if self._hosts else None
         return NcclBackend._wrap(self._cupy, self._nccl, comm, sub_rank, size, self.device,
                                  hosts, self._link, self._state, name,

@@ -25,7 +25,13 @@ from ..errors import (
     CollectiveTimeoutError,
     RankExitedError,
 )
-from ._nccl_types import GroupedCallError, NcclError, missing_cupy_message, nccl_error
+from ._nccl_types import (
+    GroupedCallError,
+    NcclError,
+    NcclUniqueId,
+    missing_cupy_message,
+    nccl_error,
+)
 from ._watchdog import Watchdog, print_and_flush
 from .base import Work, compare_signatures, stall_warning_after
 from .recorder import CALL_FIELDS, FlightRecorder, format_entries
@@ -53,6 +59,19 @@ def load_cupy() -> tuple[ModuleType, ModuleType]:
             "pip install nvidia-nccl-cu12 (or: python -m cupyx.tools.install_library "
             "--library nccl --cuda 12.x)")
     return cupy, nccl
+
+
+def new_communicator(nccl: ModuleType, size: int, uid: NcclUniqueId, rank: int) -> Any:
+    """``ncclCommInitRank`` through CuPy: ``NcclCommunicator(size, id, rank)``.
+
+    CuPy 14 takes the id as its 128 raw bytes; earlier CuPy took a tuple of
+    128 signed chars and refuses bytes with a TypeError raised before NCCL
+    is called, so that form is the fallback.
+    """
+    try:
+        return nccl.NcclCommunicator(size, uid.internal, rank)
+    except TypeError:
+        return nccl.NcclCommunicator(size, uid.to_cupy(), rank)
 
 
 def device_count(cupy: ModuleType) -> int:

@@ -211,12 +211,12 @@ class NcclUniqueId:
         object.__setattr__(self, "internal", bytes(self.internal))
 
     @classmethod
-    def from_cupy(cls, values: Sequence[int]) -> NcclUniqueId:
-        """From ``cupy.cuda.nccl.get_unique_id()``: 128 C chars, signed (-128..127)."""
+    def from_cupy(cls, values: bytes | Sequence[int]) -> NcclUniqueId:
+        """From ``cupy.cuda.nccl.get_unique_id()``: 128 bytes (CuPy 14), or 128 signed chars."""
         return cls(bytes(int(v) & 0xFF for v in values))
 
     def to_cupy(self) -> tuple[int, ...]:
-        """The tuple ``cupy.cuda.nccl.NcclCommunicator`` takes (signed chars)."""
+        """The signed-char tuple that CuPy before 14 takes (CuPy 14 takes :attr:`internal`)."""
         return tuple(b - 256 if b > 127 else b for b in self.internal)
 
     def hex(self) -> str:

@@ -53,6 +53,8 @@ class Settings:
         self.calls: list[tuple[str, int]] = []  # (NCCL call, rank) in posting order
         self.aborted: list[int] = []  # ranks whose communicators were aborted, in order
         self.match_timeout = 20.0
+        # CuPy 14 passes the unique id as 128 bytes; earlier CuPy as 128 signed chars.
+        self.tuple_unique_id = False
 
 
 SETTINGS = Settings(4, 21903)
@@ -367,7 +369,7 @@ class _World:
             _typed(o.args["recv"], count, dtype)[...] = full[k * count:(k + 1) * count]
 
 
-_WORLDS: dict[tuple[int, ...], _World] = {}
+_WORLDS: dict[bytes, _World] = {}
 _WORLDS_LOCK = threading.Condition()
 
 
@@ -402,15 +404,27 @@ def get_version() -> int:
     return SETTINGS.version_code
 
 
-def get_unique_id() -> tuple[int, ...]:
-    return tuple(b - 256 if b > 127 else b for b in os.urandom(128))
+def get_unique_id() -> bytes | tuple[int, ...]:
+    raw = os.urandom(128)
+    return tuple(b - 256 if b > 127 else b for b in raw) if SETTINGS.tuple_unique_id else raw
 
 
 class NcclCommunicator:
-    def __init__(self, ndev: int, commId: tuple, rank: int) -> None:
-        if not isinstance(commId, tuple) or len(commId) != 128 or \
-                any(not isinstance(v, int) or not -128 <= v <= 127 for v in commId):
-            raise FakeMisuse("NcclCommunicator: commId must be a tuple of 128 signed chars")
+    def __init__(self, ndev: int, commId: bytes | tuple, rank: int) -> None:
+        # Like CuPy's Cython signature: the wrong type is a TypeError before NCCL is called.
+        if SETTINGS.tuple_unique_id:
+            if not isinstance(commId, tuple):
+                raise TypeError(f"Argument 'commId' has incorrect type (expected tuple, got "
+                                f"{type(commId).__name__})")
+            if len(commId) != 128 or \
+                    any(not isinstance(v, int) or not -128 <= v <= 127 for v in commId):
+                raise FakeMisuse("NcclCommunicator: commId must be 128 signed chars")
+            commId = bytes(v & 0xFF for v in commId)
+        elif not isinstance(commId, bytes):
+            raise TypeError(f"Argument 'commId' has incorrect type (expected bytes, got "
+                            f"{type(commId).__name__})")
+        elif len(commId) != 128:
+            raise FakeMisuse("NcclCommunicator: commId must be 128 bytes")
         if not 0 <= rank < ndev:
             raise NcclError(4)
         with _WORLDS_LOCK:

@@ -828,6 +828,37 @@ def test_create_world_backend_without_a_launcher_and_with_options(fake, monkeypa
     world.backend.close()
 
 
+@pytest.mark.parametrize("tuple_form", [False, True], ids=["cupy14-bytes", "cupy13-tuple"])
+def test_unique_id_reaches_cupy_in_the_form_its_version_takes(fake, tuple_form):
+    """CuPy 14 takes the id as bytes and refuses a tuple (seen on a GPU); CuPy 13 the reverse."""
+    from axondist.backends.nccl import NcclBackend
+
+    fake.tuple_unique_id = tuple_form
+    uid, n = NcclBackend.generate_unique_id(), 2
+    sums, errors = [None] * n, []
+
+    def rank_main(r):
+        try:
+            b = NcclBackend(uid, r, n, r, timeout=20.0)
+            sub = b.new_group([0, 1])
+            with fake.module.Device(r):
+                x = ad.to_device(np.array([r + 1.0], np.float32))
+            sub.all_reduce(x, ReduceOp.SUM)
+            sums[r] = float(x.get()[0])
+            sub.close()
+            b.close()
+        except BaseException as exc:  # noqa: BLE001 - checked below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    assert sums == [3.0, 3.0]
+
+
 def test_wrong_construction_arguments(fake):
     from axondist.backends.nccl import NcclBackend
 
