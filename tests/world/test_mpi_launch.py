@@ -154,6 +154,35 @@ def test_world_tests_pass_under_mpiexec(mpi_ready: None, tmp_path: Path, n: int)
     assert len(counts) == 1, f"ranks ran different tests: {summaries}"
 
 
+def _why_no_gpu() -> str | None:
+    try:
+        import cupy
+
+        return None if cupy.cuda.runtime.getDeviceCount() > 0 else "no CUDA device"
+    except Exception as exc:  # ImportError, or CUDA libraries failing to load
+        return f"CuPy or a CUDA device is missing ({exc})"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n, staging", [(2, "auto"), (4, "auto"), (2, "always")])
+def test_gpu_world_tests_pass_under_mpiexec(mpi_ready: None, tmp_path: Path, n: int,
+                                            staging: str) -> None:
+    """tests/gpu's world tests on CuPy arrays, every rank on the one GPU (MPI allows it)."""
+    reason = _why_no_gpu()
+    if reason is not None:
+        pytest.skip(reason)
+    args = ["-m", "mpi4py", __file__, "pytest", "tests/gpu/test_cupy_collectives.py",
+            "tests/gpu/test_cupy_wrappers.py", "-q", "-p", "no:cacheprovider", "-x", "-rs"]
+    run = launch(tmp_path, n, args, {"AXONDIST_TEST_EXAMPLES": "5",
+                                     "AXONDIST_MPI_HOST_STAGING": staging})
+    for r, text in enumerate(run.ranks):
+        summary = _pytest_summary(text)
+        assert summary is not None and "passed" in summary and "failed" not in summary \
+            and "error" not in summary, f"rank {r}: {summary}\n{run.tail(8000)}"
+    assert run.returncode == 0, f"mpiexec exited with {run.returncode}\n{run.tail()}"
+    print(run.ranks[0][-3000:])
+
+
 def test_a_failing_world_test_prints_its_traceback_before_the_job_aborts(
         mpi_ready: None, tmp_path: Path) -> None:
     test_file = tmp_path / "test_fails_on_rank_1.py"
