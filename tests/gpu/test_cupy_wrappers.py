@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 import sys
 import tempfile
 import warnings
@@ -175,13 +176,18 @@ def grad_fn(arrays: list[Any], x: Any, y: Any) -> tuple[float, list[Any]]:
     return 0.5 * float(xp.mean(r * r)), grads
 
 
-def reference(seed: int, ranks: int, steps: int, dtype: Any, lr: float = 0.3,
-              momentum: float = 0.9) -> list[np.ndarray]:
+def rows_of(rank: int, weighted: bool) -> int:
+    """Rows of ``rank``'s batch: 3 everywhere, or unequal (weighted by ``num_samples``)."""
+    return 2 + rank % 3 if weighted else 3
+
+
+def reference(seed: int, ranks: int, steps: int, dtype: Any, weighted: bool = False,
+              lr: float = 0.3, momentum: float = 0.9) -> list[np.ndarray]:
     """One process, NumPy, every rank's batch concatenated, SGD with momentum."""
     params = make_params(np, seed, dtype)
     opt = SGD(params, lr=lr, momentum=momentum)
     for step in range(steps):
-        parts = [local_batch(seed, r, step) for r in range(ranks)]
+        parts = [local_batch(seed, r, step, rows_of(r, weighted)) for r in range(ranks)]
         x = np.concatenate([p[0] for p in parts])
         y = np.concatenate([p[1] for p in parts])
         _, grads = grad_fn([p.data for p in params], x, y)
@@ -194,7 +200,7 @@ def reference(seed: int, ranks: int, steps: int, dtype: Any, lr: float = 0.3,
 # --- DDP with gradients as views into the buckets -----------------------------------------
 
 def ddp_body(world: ad.World, xp: ModuleType, seed: int, dtype: str, strategy: GradSyncStrategy,
-             manual: bool) -> tuple[list[float], list[np.ndarray]]:
+             manual: bool, weighted: bool) -> tuple[list[float], list[np.ndarray]]:
     params = make_params(xp, seed, dtype, world.rank)  # rank 0's values are broadcast
     ddp = DistributedDataParallel(params, world, strategy=strategy, grad_fn=grad_fn,
                                   bucket_cap_mb=48 / 2**20, first_bucket_mb=24 / 2**20,
@@ -205,7 +211,9 @@ def ddp_body(world: ad.World, xp: ModuleType, seed: int, dtype: str, strategy: G
     opt = SGD(ddp.parameters(), lr=0.3, momentum=0.9)
     losses = []
     for step in range(3):
-        x, y = (xp.asarray(a) for a in local_batch(seed, world.rank, step))
+        rows = rows_of(world.rank, weighted)
+        x, y = (xp.asarray(a) for a in local_batch(seed, world.rank, step, rows))
+        n = rows if weighted else None
         opt.zero_grad(set_to_none=False)
         if manual:  # in place: lands in the bucket without a packing copy
             loss, grads = grad_fn([p.data for p in params], x, y)
@@ -214,11 +222,11 @@ def ddp_body(world: ad.World, xp: ModuleType, seed: int, dtype: str, strategy: G
                     p.grad = g
                 else:
                     p.grad[...] = g
-            ddp.sync_gradients()
+            ddp.sync_gradients(num_samples=n)
             if step > 0:
                 assert sync.copies == 0
         else:
-            loss = ddp.backward(x, y)
+            loss = ddp.backward(x, y, num_samples=n)
         losses.append(loss)
         for i, p in enumerate(params):
             assert p.grad is sync.slot(i)  # .grad is the bucket's view
@@ -226,19 +234,20 @@ def ddp_body(world: ad.World, xp: ModuleType, seed: int, dtype: str, strategy: G
         opt.step()
         for i in opt.state:
             where_computed(xp, opt.state[i]["momentum_buffer"])
+    ddp.close()
     return losses, [host(p.data) for p in params]
 
 
 @given(size=world_sizes(1, 3), seed=st.integers(0, 2**20),
        dtype=st.sampled_from(["float64", "float32"]),
        strategy=st.sampled_from([GradSyncStrategy.SYNCHRONOUS, GradSyncStrategy.OVERLAPPED]),
-       manual=st.booleans())
+       manual=st.booleans(), weighted=st.booleans())
 @settings(max_examples=8)
 def test_ddp_bucket_views_on_device_equal_numpy(size: int, seed: int, dtype: str,
-                                                strategy: GradSyncStrategy, manual: bool) -> None:
-    dev, ref = both_runs(ddp_body, size, seed, dtype, strategy, manual)
-    ranks = current_size(size)
-    want = reference(seed, ranks, 3, dtype)
+                                                strategy: GradSyncStrategy, manual: bool,
+                                                weighted: bool) -> None:
+    dev, ref = both_runs(ddp_body, size, seed, dtype, strategy, manual, weighted)
+    want = reference(seed, current_size(size), 3, dtype, weighted)
     for d, r in zip(dev, ref):
         assert_runs_agree(d, r, dtype)
         assert_runs_agree(r[1], want, dtype)
@@ -627,6 +636,8 @@ def checkpoint_body(world: ad.World, xp: ModuleType, base: str, seed: int,
     assert_runs_agree(full_values(h), saved, np.float32)
     assert_runs_agree([loaded[f"p{i}"] for i in range(len(SHAPES))], saved, np.float32)
     comm.barrier(world)
+    if world.rank == 0:
+        shutil.rmtree(d, ignore_errors=True)
     return [saved, after]
 
 
