@@ -255,6 +255,16 @@ def test_ddp_bucket_views_on_device_equal_numpy(size: int, seed: int, dtype: str
 
 # --- FSDP FULL_SHARD with CPU offload: where each array lives, step by step ---------------
 
+def located_grad_fn(xp: ModuleType) -> Any:
+    """:func:`grad_fn`, checking first that the parameters and batch it gets live where the
+    run computes."""
+    def checked(arrays: list[Any], x: Any, y: Any) -> tuple[float, list[Any]]:
+        where_computed(xp, *arrays, x, y)
+        assert all(a.size > 0 for a in arrays)  # gathered
+        return grad_fn(arrays, x, y)
+    return checked
+
+
 def check_offloaded_resting(f: FSDP, xp: ModuleType) -> None:
     """Between steps: shards (and their gradients) on the host, the model's Parameters 0-size
     placeholders where the run computes."""
@@ -280,8 +290,8 @@ def fsdp_offload_body(world: ad.World, xp: ModuleType, seed: int, dtype: str,
         for u in range(len(f.units)):  # what the all-gather is given: on the device
             where_computed(xp, f.communication_shard(u))
         x, y = (xp.asarray(a) for a in local_batch(seed, world.rank, step))
-        if step == 2:  # the one-call step too
-            losses.append(f.step(grad_fn, x, y, optimizer=opt))
+        if step == 2:  # the one-call step too, its gradient function seeing device arrays
+            losses.append(f.step(located_grad_fn(xp), x, y, optimizer=opt))
         else:
             f.gather_parameters()
             full = f.full_parameters()
@@ -440,7 +450,16 @@ def pipeline_body(world: ad.World, xp: ModuleType, seed: int, kind: PipelineSche
     chunks = 2 if SCHEDULES[kind].multi_chunk else 1
     dims = [3 + (s % 3) for s in range(p * chunks + 1)]
     mine = [c * p + r for c in range(chunks)]  # virtual stages r, r + p, ...
-    stages = [PipelineStage(stage_fwd, stage_bwd, stage_params(xp, seed, s, dims[s], dims[s + 1]))
+
+    def fwd(params: list[Any], x: Any) -> tuple[Any, Any]:
+        where_computed(xp, x, *params)  # activations arrive where the run computes
+        return stage_fwd(params, x)
+
+    def bwd(params: list[Any], saved: Any, gy: Any) -> tuple[Any, list[Any]]:
+        where_computed(xp, gy)  # and so do the gradients sent back
+        return stage_bwd(params, saved, gy)
+
+    stages = [PipelineStage(fwd, bwd, stage_params(xp, seed, s, dims[s], dims[s + 1]))
               for s in mine]
     last = (p * chunks - 1) % p
     pipe = Pipeline(stages, world, num_microbatches=micro, schedule=kind, chunks=chunks)
@@ -603,7 +622,7 @@ def checkpoint_body(world: ad.World, xp: ModuleType, base: str, seed: int,
 
     def train(f: FSDP, opt: Adam, step: int) -> None:
         x, y = (xp.asarray(a) for a in local_batch(seed, world.rank, step))
-        f.step(grad_fn, x, y, optimizer=opt)
+        f.step(located_grad_fn(xp), x, y, optimizer=opt)
 
     f, opt = wrap(xp, seed)
     for step in range(2):
