@@ -172,7 +172,7 @@ def profile_calls(cp: ModuleType, world: ad.World, backend: NcclBackend, calls: 
               f"synchronize ({elapsed / calls * 1e6:.1f} us per call under the profiler), "
               "top 25 by tottime:\n")
     pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(25)
-    return out.getvalue()
+    return out.getvalue().rstrip()
 
 
 def latency_without_checks(args: argparse.Namespace) -> dict[str, Any]:
@@ -242,7 +242,7 @@ def staging(cp: ModuleType | None, world: ad.World, device: int, repeats: int) -
         rows.append(staging_row(cp, world, comm, nbytes, repeats))
     return {"world_size": world.world_size, "host_staging": mode, "mpi_cuda_aware": aware,
             "cupy_staged": staged, "gpu": cp is not None, "repeats": repeats,
-            "mpi_library": MPI.Get_library_version().splitlines()[0].strip(),
+            "mpi_library": " ".join(MPI.Get_library_version().split("\n")[0].split()),
             "staging": rows}
 
 
@@ -350,7 +350,8 @@ def initial_values(layers: int, width: int) -> list[np.ndarray]:
 
 def parameters_on(xp: ModuleType, values: list[np.ndarray]) -> list[ad.Parameter]:
     """Parameters holding copies of ``values`` (the optimizers update them in place)."""
-    return [ad.Parameter(xp.array(v, copy=True), f"l{k // 2}.{'wb'[k % 2]}") for k, v in enumerate(values)]
+    return [ad.Parameter(xp.array(v, copy=True), f"l{k // 2}.{'wb'[k % 2]}")
+            for k, v in enumerate(values)]
 
 
 def plain_step(xp: ModuleType, values: list[np.ndarray], x: Any, y: Any,
@@ -460,6 +461,7 @@ def fsdp_compare(cp: ModuleType | None, args: argparse.Namespace, batch: int,
             close()
     return {"layers": args.layers, "width": args.width, "batch_size": args.batch_size,
             "lr": lr, "batch": batch, "repeats": repeats, "cpu_count": os.cpu_count(),
+            "gpu": cp is not None,
             "times": {name: spread(t, 1e3) for name, t in times.items()},
             "raw_times": times, "first_loss": first, "last_loss": last,
             "loss_check": loss_check(first, last), "errors": errors}
@@ -505,8 +507,9 @@ def fsdp_report(part: dict[str, Any]) -> str:
     text = [f"Part 3: training step of an MLP of {part['layers']} layers of {w}x{w} (tanh), "
             f"{part['batch_size']} samples, float32, SGD; plain loop vs FSDP FULL_SHARD "
             "(one-rank mock world, one unit per layer, from_layers); ms per step, median "
-            f"(min-max) over {part['repeats']} batches of {part['batch']} steps, GPU "
-            f"synchronized before each clock read; {part['cpu_count']} CPU cores for NumPy."]
+            f"(min-max) over {part['repeats']} batches of {part['batch']} steps"
+            f"{', GPU synchronized before each clock read' if part['gpu'] else ''}; "
+            f"{part['cpu_count']} CPU cores for NumPy."]
     header = ["variant", "numpy ms", "cupy ms", "numpy/cupy"]
     rows = [[r["variant"], format_spread(r["numpy_ms"]) if "numpy_ms" in r else "-",
              format_spread(r["cupy_ms"]) if "cupy_ms" in r else "-",

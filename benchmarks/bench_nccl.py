@@ -1,6 +1,7 @@
 """all_reduce bus bandwidth of the NCCL backend, 1 MiB .. 1 GiB (nccl-tests convention).
 
     python benchmarks/bench_nccl.py [--quick] [--json results.json]    # every local GPU
+    python benchmarks/bench_nccl.py --min-bytes 4 --max-bytes 262144    # small messages
     torchrun --nproc-per-node N benchmarks/bench_nccl.py                 # one process per GPU
     mpiexec -n N python benchmarks/bench_nccl.py                         # the same under MPI
 
@@ -191,14 +192,19 @@ def report(results: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--min-bytes", type=int, default=MIN_BYTES)
-    parser.add_argument("--max-bytes", type=int, default=MAX_BYTES)
+    parser.add_argument("--min-bytes", type=int, default=MIN_BYTES,
+                        help="smallest message in bytes, at least 4 (default 1 MiB)")
+    parser.add_argument("--max-bytes", type=int, default=MAX_BYTES,
+                        help="largest message in bytes (default 1 GiB)")
     parser.add_argument("--iters", type=int, default=20, help="timed steps per size")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps per size")
     parser.add_argument("--devices", type=int, nargs="+", help="GPU ids (one process only)")
     parser.add_argument("--quick", action="store_true", help="sizes x4 apart, fewer steps")
     parser.add_argument("--json", help="write the results as JSON to this path (rank 0)")
     args = parser.parse_args(argv)
+    if not 4 <= args.min_bytes <= args.max_bytes:
+        parser.error(f"need 4 <= --min-bytes <= --max-bytes, got --min-bytes {args.min_bytes} "
+                     f"and --max-bytes {args.max_bytes}")
     reason = gpu_unavailable_reason()
     if reason is not None:
         sys.exit(f"bench_nccl: cannot run without a CUDA GPU: {reason}")
