@@ -155,6 +155,7 @@ class NcclBackend(Backend):
         #: axondist.comm builds signature tuples only for the debug comparison.
         self.needs_signature = state.debug
         self._pairs: dict[tuple[str, tuple[Any, ...]], Any] = {}
+        self._plans: dict[tuple[Any, ReduceOp], ReducePlan] = {}
         with cupy.cuda.Device(device):
             self._stream = cupy.cuda.Stream(non_blocking=True)
             self._ready = cupy.cuda.Event(disable_timing=True)
@@ -554,7 +555,11 @@ class NcclBackend(Backend):
         return lambda: xp.divide(buf, n, out=buf)  # floating and complex only (AVERAGE)
 
     def _plan(self, x: Any, op: ReduceOp, what: str) -> ReducePlan:
-        return reduce_plan(x.dtype, op, self._version, what)
+        """The (dtype, op) pair's plan, made once (a refused pair raises every time)."""
+        plan = self._plans.get((x.dtype, op))
+        if plan is None:
+            plan = self._plans[x.dtype, op] = reduce_plan(x.dtype, op, self._version, what)
+        return plan
 
     # --- collectives ----------------------------------------------------------------------
     def all_reduce(self, buf: Any, op: ReduceOp, *, signature: Signature = (),

@@ -20,11 +20,14 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
+
 from .. import _array
 from .._validate import as_rank
 from ..errors import (
     CollectiveMismatchError,
     CollectiveTimeoutError,
+    InvalidBufferError,
 )
 from ..ops import ReduceOp, combine_into
 from ._mock_world import (
@@ -154,6 +157,8 @@ class MockBackend(Backend):
             del w.rounds[key]
             w.progress += 1
         error: BaseException | None = compare_signatures(rnd.op_name, rnd.signatures)
+        if error is None:
+            error = _mixed_libraries(rnd.op_name, rnd.payloads)
         stage = _DONE
         if error is None and part is not None:
             if self.world_size > 1 and parts > 1 and work_bytes >= _SHARED_MIN_BYTES:
@@ -478,6 +483,31 @@ class MockBackend(Backend):
 
 def _nothing(rnd: _Round) -> None:
     return None
+
+
+def _mixed_libraries(op_name: str, payloads: Sequence[Any]) -> InvalidBufferError | None:
+    """The error for a round whose ranks passed NumPy and CuPy arrays, else None.
+
+    MPI moves bytes and does not mind; the mock world computes each round
+    with one array library, so it refuses the mix on every rank alike.
+    """
+    first = payloads[0].__class__
+    if first is not tuple and first is not list and all(p.__class__ is first for p in payloads):
+        return None  # the common case, decided without walking the payloads
+    libraries = [sorted({_array.library_name(a) for a in _arrays_in(p)}) for p in payloads]
+    if len({lib for libs in libraries for lib in libs}) < 2:
+        return None
+    found = ", ".join(f"rank {r}: {'+'.join(libs) or 'none'}" for r, libs in enumerate(libraries))
+    return InvalidBufferError(
+        f"{op_name}: the ranks passed arrays of different libraries ({found}); the mock world "
+        "runs a call on one library: pass CuPy arrays on every rank or NumPy arrays on every "
+        "rank (axondist.to_device / axondist.to_host)")
+
+
+def _arrays_in(payload: Any) -> list[Any]:
+    if isinstance(payload, (tuple, list)):
+        return [a for item in payload for a in _arrays_in(item)]
+    return [payload] if isinstance(payload, np.ndarray) or _array.is_cupy(payload) else []
 
 
 def _reduce_and_copy(parts: Sequence[Any], op: ReduceOp) -> None:

@@ -1251,3 +1251,15 @@ def test_an_async_call_returns_at_once_and_its_check_honours_wait_timeout(fake):
     assert_close(x1.get(), np.full(2, 3.0))
     b0.close()
     b1.close()
+
+
+def test_the_mock_world_refuses_ranks_that_mix_numpy_and_cupy_arrays(fake):
+    def body(world):
+        x = ad.to_device(np.ones(3)) if world.rank == 1 else np.ones(3)
+        with pytest.raises(ad.InvalidBufferError, match=r"all_gather: the ranks passed arrays of "
+                           r"different libraries \(rank 0: numpy, rank 1: cupy, rank 2: numpy\)"):
+            ad.all_gather(x)
+        ad.all_reduce(np.ones(2))  # the world goes on
+        return True
+
+    assert ad.spawn(body, 3) == [True] * 3
