@@ -182,17 +182,22 @@ def rows_of(rank: int, weighted: bool) -> int:
 
 
 def reference(seed: int, ranks: int, steps: int, dtype: Any, weighted: bool = False,
-              lr: float = 0.3, momentum: float = 0.9) -> list[np.ndarray]:
-    """One process, NumPy, every rank's batch concatenated, SGD with momentum."""
+              micro: int = 1, lr: float = 0.3, momentum: float = 0.9) -> list[np.ndarray]:
+    """One process, NumPy, every rank's batch concatenated, SGD with momentum; with
+    ``micro`` > 1 each step sums the gradients of ``micro`` such batches."""
     params = make_params(np, seed, dtype)
     opt = SGD(params, lr=lr, momentum=momentum)
     for step in range(steps):
-        parts = [local_batch(seed, r, step, rows_of(r, weighted)) for r in range(ranks)]
-        x = np.concatenate([p[0] for p in parts])
-        y = np.concatenate([p[1] for p in parts])
-        _, grads = grad_fn([p.data for p in params], x, y)
-        for p, g in zip(params, grads):
-            p.grad = g
+        total: list[Any] = [0.0] * len(params)
+        for m in range(micro):
+            parts = [local_batch(seed, r, step + 100 * m, rows_of(r, weighted))
+                     for r in range(ranks)]
+            x = np.concatenate([p[0] for p in parts])
+            y = np.concatenate([p[1] for p in parts])
+            _, grads = grad_fn([p.data for p in params], x, y)
+            total = [t + g for t, g in zip(total, grads)]
+        for p, g in zip(params, total):
+            p.grad = np.asarray(g, dtype=p.dtype)
         opt.step()
     return [np.asarray(p.data) for p in params]
 
@@ -277,11 +282,43 @@ def check_offloaded_resting(f: FSDP, xp: ModuleType) -> None:
         where_computed(xp, p.data)
 
 
+def micro_batch(xp: ModuleType, seed: int, rank: int, step: int, m: int) -> tuple[Any, Any]:
+    """Micro-batch ``m`` of ``rank``'s batch at ``step``, in ``xp`` (``m=0``: the whole batch
+    of an unaccumulated step)."""
+    return tuple(xp.asarray(a) for a in local_batch(seed, rank, step + 100 * m))
+
+
+def manual_backward(f: FSDP, xp: ModuleType, x: Any, y: Any) -> float:
+    """gather, gradients, reshard, sync, checking where each array lives on the way."""
+    f.gather_parameters()
+    full = f.full_parameters()
+    where_computed(xp, *(p.data for p in full))
+    assert [p.shape for p in full] == SHAPES
+    loss, grads = grad_fn([p.data for p in full], x, y)
+    where_computed(xp, *grads)
+    for p, g in zip(full, grads):
+        p.grad = g
+    f.reshard_parameters()
+    f.sync_gradients()
+    assert all(p.grad is None for p in full)
+    return loss
+
+
+def check_accumulation(f: FSDP, xp: ModuleType) -> None:
+    """no_sync buffers rest on the host under CPUOffload.FULL, else where the run computes."""
+    buffers = [st.accum for st in f._units]  # private: FSDP has no public view of them
+    assert all(b is not None for b in buffers)
+    if f.cpu_offload.offloads_accumulation:
+        on_host(*buffers)
+    else:
+        where_computed(xp, *buffers)
+
+
 def fsdp_offload_body(world: ad.World, xp: ModuleType, seed: int, dtype: str,
-                      units: list[list[int]] | None) -> tuple[list[float], list[np.ndarray]]:
+                      units: list[list[int]] | None, offload: CPUOffload,
+                      micro: int) -> tuple[list[float], list[np.ndarray]]:
     f = FSDP(make_params(xp, seed, dtype, world.rank), world,
-             sharding_strategy=ShardingStrategy.FULL_SHARD, cpu_offload=CPUOffload.PARAMS,
-             units=units)
+             sharding_strategy=ShardingStrategy.FULL_SHARD, cpu_offload=offload, units=units)
     opt = SGD(f.sharded_parameters(), lr=0.3, momentum=0.9)
     f.register_optimizer(opt)
     losses = []
@@ -289,25 +326,22 @@ def fsdp_offload_body(world: ad.World, xp: ModuleType, seed: int, dtype: str,
         check_offloaded_resting(f, xp)
         for u in range(len(f.units)):  # what the all-gather is given: on the device
             where_computed(xp, f.communication_shard(u))
-        x, y = (xp.asarray(a) for a in local_batch(seed, world.rank, step))
+        for m in range(micro - 1):  # accumulated locally, reduced with the last one
+            with f.no_sync():
+                if step == 2:
+                    f.backward(located_grad_fn(xp), *micro_batch(xp, seed, world.rank, step, m))
+                else:
+                    manual_backward(f, xp, *micro_batch(xp, seed, world.rank, step, m))
+            check_accumulation(f, xp)
+            check_offloaded_resting(f, xp)
+        x, y = micro_batch(xp, seed, world.rank, step, micro - 1)
         if step == 2:  # the one-call step too, its gradient function seeing device arrays
             losses.append(f.step(located_grad_fn(xp), x, y, optimizer=opt))
         else:
-            f.gather_parameters()
-            full = f.full_parameters()
-            where_computed(xp, *(p.data for p in full))
-            assert [p.shape for p in full] == SHAPES
-            loss, grads = grad_fn([p.data for p in full], x, y)
-            where_computed(xp, *grads)
-            for p, g in zip(full, grads):
-                p.grad = g
-            f.reshard_parameters()
-            f.sync_gradients()
-            assert all(p.grad is None for p in full)
+            losses.append(manual_backward(f, xp, x, y))
             on_host(*(s.grad for s in f.sharded_parameters()))
             opt.step()
             opt.zero_grad()
-            losses.append(loss)
         on_host(*(opt.state[i]["momentum_buffer"] for i in opt.state))
         assert f.memory_stats().host_bytes_per_rank >= sum(
             s.data.nbytes for s in f.sharded_parameters())
@@ -319,13 +353,14 @@ def fsdp_offload_body(world: ad.World, xp: ModuleType, seed: int, dtype: str,
 
 @given(size=world_sizes(1, 3), seed=st.integers(0, 2**20),
        dtype=st.sampled_from(["float64", "float32"]),
-       units=st.sampled_from([None, [[0, 1], [2, 3, 4]], [[i] for i in range(len(SHAPES))]]))
+       units=st.sampled_from([None, [[0, 1], [2, 3, 4]], [[i] for i in range(len(SHAPES))]]),
+       offload=st.sampled_from([CPUOffload.PARAMS, CPUOffload.FULL]), micro=st.integers(1, 2))
 @settings(max_examples=8)
 def test_fsdp_full_shard_cpu_offload_on_device_equals_numpy(size: int, seed: int, dtype: str,
-                                                            units: Any) -> None:
-    dev, ref = both_runs(fsdp_offload_body, size, seed, dtype, units)
-    ranks = current_size(size)
-    want = reference(seed, ranks, 3, dtype)
+                                                            units: Any, offload: CPUOffload,
+                                                            micro: int) -> None:
+    dev, ref = both_runs(fsdp_offload_body, size, seed, dtype, units, offload, micro)
+    want = reference(seed, current_size(size), 3, dtype, micro=micro)
     for d, r in zip(dev, ref):
         assert_runs_agree(d, r, dtype)
         assert_runs_agree(r[1], want, dtype)
