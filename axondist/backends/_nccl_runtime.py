@@ -56,8 +56,9 @@ def load_cupy() -> tuple[ModuleType, ModuleType]:
     if not getattr(nccl, "available", False) or not hasattr(nccl, "NcclCommunicator"):
         raise BackendUnavailableError(
             "the nccl backend: CuPy is installed but cannot load the NCCL library; "
-            "pip install nvidia-nccl-cu12 (or: python -m cupyx.tools.install_library "
-            "--library nccl --cuda 12.x)")
+            "pip install nvidia-nccl-cu13 for CUDA 13, nvidia-nccl-cu12 for CUDA 12 (or: "
+            "python -m cupyx.tools.install_library "
+            "--library nccl --cuda 13.x)")
     return cupy, nccl
 
 

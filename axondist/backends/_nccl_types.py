@@ -82,8 +82,8 @@ UNIQUE_ID_BYTES = 128
 #: The dtype every data-movement call uses: bytes move whatever they encode.
 NCCL_BYTE = NCCL_DTYPES["uint8"]
 
-_INSTALL_HINT = ("pip install 'axondist[gpu]' (cupy-cuda12x; an installed cupy-cuda13x works "
-                 "as well)")
+_INSTALL_HINT = ("pip install 'axondist[gpu-cuda13]' (cupy-cuda13x) for CUDA 13, or "
+                 "'axondist[gpu]' (cupy-cuda12x) for CUDA 12: nvidia-smi shows the CUDA version")
 
 
 # --- errors -------------------------------------------------------------------------
@@ -160,8 +160,8 @@ def reduce_plan(dtype: Any, op: ReduceOp, version: tuple[int, int, int], where: 
     if name == "bfloat16" and not modern:
         raise UnsupportedDTypeError(
             f"{where}: reducing bfloat16 needs NCCL >= 2.10, this is "
-            f"{'.'.join(map(str, version))}; upgrade NCCL (pip install -U nvidia-nccl-cu12) "
-            "or reduce a float32 copy")
+            f"{'.'.join(map(str, version))}; upgrade NCCL (pip install -U nvidia-nccl-cu13, or "
+            "-cu12 for CUDA 12) or reduce a float32 copy")
     if name not in NCCL_DTYPES:
         raise UnsupportedDTypeError(f"{where}: NCCL cannot reduce dtype {name}")
     if op is ReduceOp.AVERAGE:
