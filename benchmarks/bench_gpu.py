@@ -462,23 +462,25 @@ def fsdp_compare(cp: ModuleType | None, args: argparse.Namespace, batch: int,
     return {"layers": args.layers, "width": args.width, "batch_size": args.batch_size,
             "lr": lr, "batch": batch, "repeats": repeats, "cpu_count": os.cpu_count(),
             "gpu": cp is not None,
-            "times": {name: spread(t, 1e3) for name, t in times.items()},
-            "raw_times": times, "first_loss": first, "last_loss": last,
-            "loss_check": loss_check(first, last), "errors": errors}
+            "steps": step_rows(times), "fsdp_over_plain": overhead_rows(times),
+            "losses": loss_rows(first, last), "errors": errors}
 
 
-def loss_check(first: dict[str, float], last: dict[str, float]) -> dict[str, Any]:
-    """The largest relative difference of each variant's losses from ``plain numpy``'s."""
+def loss_rows(first: dict[str, float], last: dict[str, float]) -> list[dict[str, Any]]:
+    """Each variant's first and last loss, and its largest relative difference from
+    ``plain numpy``'s (``agree``: within :data:`LOSS_TOLERANCE`)."""
     ref_first, ref_last = first["plain numpy"], last["plain numpy"]
-    worst = {name: max(abs(first[name] - ref_first) / max(abs(ref_first), 1e-30),
-                       abs(last[name] - ref_last) / max(abs(ref_last), 1e-30))
-             for name in first}
-    return {"max_rel_diff": worst, "agree": all(v <= LOSS_TOLERANCE for v in worst.values())}
+    rows = []
+    for name in first:
+        diff = max(abs(first[name] - ref_first) / max(abs(ref_first), 1e-30),
+                   abs(last[name] - ref_last) / max(abs(ref_last), 1e-30))
+        rows.append({"variant": name, "first_loss": first[name], "last_loss": last[name],
+                     "rel_diff": diff, "agree": diff <= LOSS_TOLERANCE})
+    return rows
 
 
-def fsdp_rows(part: dict[str, Any]) -> list[dict[str, Any]]:
-    """Table rows: each model on both libraries, and FSDP over plain on each."""
-    t = part["raw_times"]
+def step_rows(t: dict[str, list[float]]) -> list[dict[str, Any]]:
+    """Table rows: each model on both libraries (step times ``t`` in seconds per batch)."""
     rows = []
     for model in ("plain", "FSDP"):
         row: dict[str, Any] = {"variant": model, "numpy_ms": spread(t[f"{model} numpy"], 1e3)}
@@ -493,8 +495,8 @@ def fsdp_rows(part: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
-def overhead_rows(part: dict[str, Any]) -> list[dict[str, Any]]:
-    t = part["raw_times"]
+def overhead_rows(t: dict[str, list[float]]) -> list[dict[str, Any]]:
+    """Table rows: FSDP's step over the plain loop's on each library."""
     pairs = [("numpy", "FSDP numpy", "plain numpy"), ("cupy", "FSDP cupy", "plain cupy"),
              ("cupy, NCCL world", "FSDP cupy, NCCL world", "plain cupy")]
     return [{"library": lib, "FSDP/plain": ratio_spread(t[a], t[b]),
@@ -514,22 +516,20 @@ def fsdp_report(part: dict[str, Any]) -> str:
     rows = [[r["variant"], format_spread(r["numpy_ms"]) if "numpy_ms" in r else "-",
              format_spread(r["cupy_ms"]) if "cupy_ms" in r else "-",
              format_spread(r["numpy/cupy"]) if "numpy/cupy" in r else "-"]
-            for r in fsdp_rows(part)]
+            for r in part["steps"]]
     text.append(format_table(header, rows))
     text.append("FSDP's cost over the plain loop on the same library:")
     text.append(format_table(["library", "FSDP/plain", "FSDP-plain ms"],
                              [[r["library"], format_spread(r["FSDP/plain"]),
                                format_spread(r["FSDP-plain_ms"])]
-                              for r in overhead_rows(part)]))
-    check = part["loss_check"]
-    losses = ", ".join(f"{name}: {part['first_loss'][name]:.6g} -> {part['last_loss'][name]:.6g}"
-                       for name in part["first_loss"])
-    verdict = "agree" if check["agree"] else "DIFFER"
+                              for r in part["fsdp_over_plain"]]))
+    rows = part["losses"]
+    losses = ", ".join(f"{r['variant']}: {r['first_loss']:.6g} -> {r['last_loss']:.6g}"
+                       for r in rows)
+    verdict = "agree" if all(r["agree"] for r in rows) else "DIFFER"
     text.append(f"Losses (first step -> after the timed steps): {losses}; they {verdict} "
                 f"(largest relative difference from plain numpy "
-                f"{max(check['max_rel_diff'].values()):.2g}, tolerance {LOSS_TOLERANCE:g}).")
-    for name, error in part["errors"].items():
-        text.append(f"{name}: not measured, it failed:\n{error}")
+                f"{max(r['rel_diff'] for r in rows):.2g}, tolerance {LOSS_TOLERANCE:g}).")
     return "\n".join(text)
 
 
@@ -545,7 +545,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="no GPU: the NumPy sides of parts 2 and 3 only")
     parser.add_argument("--device", type=int, default=0, help="the GPU id every rank uses")
     parser.add_argument("--staging", choices=["auto", "always", "never"], default="auto",
-                        help="the MPI backend's host_staging option in part 2")
+                        help="part 2: the MPI backend's host_staging option (never hands "
+                        "device pointers to MPI: only for a CUDA-aware MPI)")
     parser.add_argument("--layers", type=int, default=4, help="part 3: MLP layers")
     parser.add_argument("--width", type=int, default=2048, help="part 3: layer width")
     parser.add_argument("--batch-size", type=int, default=256, help="part 3: samples per step")
@@ -585,11 +586,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             sys.exit(f"bench_gpu: cannot run without a CUDA GPU: {reason} (--cpu-only runs "
                      "the NumPy sides)")
         cp = importlib.import_module("cupy")
+        count = cp.cuda.runtime.getDeviceCount()
+        if not 0 <= args.device < count:
+            sys.exit(f"bench_gpu: --device {args.device} is not a visible GPU (valid: "
+                     f"0..{count - 1})")
     lat_batch, lat_repeats = (100, 5) if args.quick else (200, 15)
     if args.latency_child and cp is not None:  # the AXONDIST_CHECKS=0 run of part 1
         write_json(args.latency_child, latency(cp, args.device, lat_batch, lat_repeats))
         return {}
-    results: dict[str, Any] = {"note": ONE_GPU_NOTE}
+    results: dict[str, Any] = {}
     failures: dict[str, str] = {}
     rank, comm = 0, None
     if launched_by_mpi():
@@ -609,9 +614,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         batch, repeats = (2, 3) if args.quick else (3, 7)
         results["part3"] = guarded("part 3", lambda: fsdp_compare(cp, args, batch, repeats),
                                    failures)
-        for name, error in (results["part3"] or {}).get("errors", {}).items():
+        part3 = results["part3"] or {}
+        for name, error in part3.get("errors", {}).items():
             failures[f"part 3 ({name})"] = error
-        print(report(results, args), flush=True)
+        differ = [r["variant"] for r in part3.get("losses", []) if not r["agree"]]
+        if differ:
+            failures["part 3 (losses)"] = f"{', '.join(differ)} computed other losses"
+        print(report(results, args, failures), flush=True)
         write_json(args.json, {**results, "failures": failures})
     if comm is not None:
         wait_for_rank0(comm)
@@ -620,7 +629,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     return results
 
 
-def report(results: dict[str, Any], args: argparse.Namespace) -> str:
+def report(results: dict[str, Any], args: argparse.Namespace,
+           failures: dict[str, str]) -> str:
     text = []
     part1 = results.get("part1")
     if part1 is not None:
@@ -636,6 +646,8 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> str:
                     "mpiexec; run: mpiexec -n 2 python benchmarks/bench_gpu.py")
     if results.get("part3") is not None:
         text.append(fsdp_report(results["part3"]))
+    for name, error in failures.items():
+        text.append(f"{name} FAILED: {error.strip().splitlines()[-1]}")
     text.append(ONE_GPU_NOTE)
     return "\n\n".join(text)
 
