@@ -280,8 +280,9 @@ def staging_row(cp: ModuleType | None, world: ad.World, comm: Any, nbytes: int,
 
 def staging_report(part: dict[str, Any]) -> str:
     staged = "through host copies" if part["cupy_staged"] else "directly (no host copies)"
-    text = [f"Part 2: axondist.all_reduce on the MPI backend, {part['world_size']} ranks on one "
-            f"GPU, float32 SUM; us per call, median (min-max) over {part['repeats']} batches "
+    where = " on one GPU" if part["gpu"] else ""
+    text = [f"Part 2: axondist.all_reduce on the MPI backend, {part['world_size']} ranks"
+            f"{where}, float32 SUM; us per call, median (min-max) over {part['repeats']} batches "
             f"(each the slowest rank's). {part['mpi_library']}; MPI reports CUDA-aware: "
             f"{part['mpi_cuda_aware']}; host_staging={part['host_staging']!r}, so CuPy arrays "
             f"go {staged}. copies = cupy.asnumpy then cupy.asarray written back in place (what "
