@@ -15,8 +15,9 @@ calls. Part 2 (every rank under mpiexec, all on one GPU) times
 (through the host copies when MPI is not CUDA-aware) and for a NumPy array,
 beside the cost of those copies alone. Part 3 (rank 0) times training steps of
 an MLP (4 layers of 2048x2048, tanh, 256 samples, SGD) in plain loops and
-wrapped in FSDP FULL_SHARD, on NumPy and CuPy, and checks that every variant
-computes the same losses. Every figure is a median (min-max) over timed
+wrapped in FSDP FULL_SHARD over a one-rank mock world, on NumPy and CuPy (and
+over a one-GPU NCCL world), and checks that every variant computes the same
+losses. Every figure is a median (min-max) over timed
 batches that alternate between the variants (``_common.alternate``), every
 ratio paired batch by batch. Without CuPy or a GPU the script exits with
 status 1 and the reason, except with ``--cpu-only``.
@@ -74,7 +75,7 @@ PROFILE_CALLS = 2000
 SUM = ad.ReduceOp.SUM
 #: Relative difference above which two variants' losses count as different results.
 LOSS_TOLERANCE = 1e-3
-#: Environment variables of an MPI launch, kept from the checks-off child process.
+#: Variables of an MPI launch, left out of the checks-off child's environment.
 _LAUNCH_PREFIXES = ("PMI_", "PMIX_", "HYDRA_", "MPIR_", "OMPI_")
 
 ONE_GPU_NOTE = (
