@@ -582,7 +582,8 @@ class GradientSynchronizer:
                                  f"{num_samples!r}")
             self._num_samples = n
             if self.strategy is not GradSyncStrategy.NO_SYNC:
-                self._count = np.array([n], dtype=np.float64)
+                backend = self._group.backend_for("GradientSynchronizer.start")
+                self._count = backend.metadata_buffer(np.array([n], dtype=np.float64))
                 overlapped = self.strategy is GradSyncStrategy.OVERLAPPED
                 work = all_reduce(self._count, ReduceOp.SUM, self._group, async_op=overlapped)
                 self._count_work = work if overlapped else CompletedWork(work)
@@ -668,7 +669,7 @@ class GradientSynchronizer:
         if self._count_work is not None:
             self._count_work.wait()
             self._count_work = None
-            total = float(self._count[0])
+            total = float(_array.to_host(self._count)[0])
             if total <= 0:
                 raise ValueError("GradientSynchronizer: num_samples add up to 0 over the group; "
                                  "at least one rank must have samples")

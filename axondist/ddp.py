@@ -394,8 +394,10 @@ class DistributedDataParallel:
 
     def _check_presence(self, present: Any) -> set[int]:
         """All-gather the presence masks; raise on disagreement; return all-missing indices."""
-        world = self.process_group.world_size
-        masks = all_gather(present, self.process_group).reshape(world, -1)
+        group = self.process_group
+        world = group.world_size
+        mine = group.backend_for("DistributedDataParallel.sync_gradients").metadata_buffer(present)
+        masks = _array.to_host(all_gather(mine, group)).reshape(world, -1)
         counts = masks.sum(axis=0)
         split = [i for i in range(len(self._params)) if 0 < counts[i] < world]
         if split:
@@ -542,8 +544,7 @@ class DistributedDataParallel:
             raise RuntimeError(f"{where}: the gradients are local sums from no_sync(), not "
                                "averaged yet; clip after the first backward() outside no_sync()")
         grads = [q.grad for q in self._params if q.grad is not None]
-        xp = _array.namespace(*grads) if grads else np
-        total = _clip.global_norm([g.reshape(-1) for g in grads], p, None, xp)
+        total = _clip.global_norm([g.reshape(-1) for g in grads], p, None)
         if error_if_nonfinite:
             _clip.check_finite(total, p, where)
         coef = _clip.clip_coefficient(total, limit)

@@ -15,10 +15,10 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from . import comm
+from . import _array, comm
 from ._validate import parse_choice
 from .ops import ReduceOp
-from .process_group import ProcessGroup
+from .process_group import ProcessGroup, resolve_group
 
 #: The library's logger name; modules log to ``axondist.<module>``.
 LOGGER_NAME = "axondist"
@@ -214,9 +214,10 @@ def all_reduce_scalar(value: Any, op: ReduceOp | str = "mean",
         what = f"an array of shape {shape}" if shape is not None else type(value).__name__
         raise TypeError(f"all_reduce_scalar: value must be a real number or a one-element "
                         f"array, got {what}; reduce arrays with axondist.all_reduce") from None
-    buf = np.array([number], dtype=np.float64)
-    comm.all_reduce(buf, reduce_op, group)
-    return float(buf[0])
+    g = resolve_group(group)
+    buf = g.backend_for("all_reduce_scalar").metadata_buffer(np.array([number], dtype=np.float64))
+    comm.all_reduce(buf, reduce_op, g)
+    return float(_array.to_host(buf)[0])
 
 
 try:

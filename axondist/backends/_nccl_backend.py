@@ -779,6 +779,12 @@ class NcclBackend(Backend):
             buf.data.ptr, buf.data.ptr, 1, NCCL_DTYPES["int32"], NCCL_OPS["sum"],
             self._stream.ptr), result=None, keep=(), async_op=False)
 
+    def metadata_buffer(self, values: Any) -> Any:
+        """A copy of the host array ``values`` on this backend's GPU (NCCL reads device
+        memory only), made on the caller's stream, which the collectives follow."""
+        with self._cupy.cuda.Device(self.device):
+            return self._cupy.asarray(values)
+
     # --- point to point -------------------------------------------------------------------
     def _check_peer(self, peer: int, what: str, arg: str) -> None:
         self._check_root(peer, what, arg)

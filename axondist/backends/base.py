@@ -380,6 +380,17 @@ class Backend(abc.ABC):
     def barrier(self) -> None:
         """Return once every rank has entered the barrier."""
 
+    def metadata_buffer(self, values: Any) -> Any:
+        """``values`` (a small NumPy array: counts, flags, a loss) as a buffer this backend's
+        collectives take; read the result back with ``axondist._array.to_host``.
+
+        Wrappers exchange such metadata next to the arrays they were given, which may
+        live elsewhere (offloaded to the host, or absent on a rank). The default returns
+        ``values`` itself, since host backends take NumPy buffers; a backend that takes
+        device memory only (NCCL) returns a copy on its device.
+        """
+        return values
+
     # --- collectives with a default built on the ones above --------------------------------
     def reduce(self, buf: Any, op: ReduceOp, root: int, *, signature: Signature = (),
                async_op: bool = False) -> Work:

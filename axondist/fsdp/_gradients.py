@@ -217,8 +217,7 @@ class GradientSync(UnitState):
             lo, hi = st.flat.valid_bounds(self.shard_rank)
             pieces.append(g[lo - start:hi - start])
             grads.append(g)
-        xp = _array.namespace(*grads) if grads else self._xp
-        total = _clip.global_norm(pieces, p, self.shard_group, xp)
+        total = _clip.global_norm(pieces, p, self.shard_group)
         if error_if_nonfinite:
             _clip.check_finite(total, p, "clip_grad_norm")
         coef = _clip.clip_coefficient(total, limit)

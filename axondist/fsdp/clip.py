@@ -74,8 +74,7 @@ def local_norm_term(grads: Sequence[Any], norm_type: float) -> float:
     return total
 
 
-def global_norm(grads: Sequence[Any], norm_type: float, group: ProcessGroup | None,
-                xp: Any) -> float:
+def global_norm(grads: Sequence[Any], norm_type: float, group: ProcessGroup | None) -> float:
     """The norm of the gradient whose disjoint pieces ``grads`` the ranks of ``group`` hold.
 
     A NaN on any rank makes the norm NaN on every rank: the ranks reduce a
@@ -85,9 +84,9 @@ def global_norm(grads: Sequence[Any], norm_type: float, group: ProcessGroup | No
         grads: this rank's pieces (1-D arrays, padding already cut off).
         norm_type: p (> 0) or inf.
         group: the ranks holding the other pieces; None when this rank holds
-            every piece (nothing is communicated).
-        xp: the array namespace the scalar is reduced in (where the backend
-            expects buffers).
+            every piece (nothing is communicated). The two numbers travel in the
+            group backend's :meth:`~axondist.backends.base.Backend.metadata_buffer`,
+            wherever the pieces live (offloaded to the host, or none on this rank).
 
     Returns:
         The norm (a Python float, the same on every rank of ``group``).
@@ -95,9 +94,11 @@ def global_norm(grads: Sequence[Any], norm_type: float, group: ProcessGroup | No
     term = local_norm_term(grads, norm_type)
     if group is not None and group.world_size > 1:
         nan = math.isnan(term)
-        buf = xp.asarray([0.0 if nan else term, 1.0 if nan else 0.0], dtype="float64")
+        mine = np.array([0.0 if nan else term, 1.0 if nan else 0.0], dtype=np.float64)
+        buf = group.backend_for("clip_grad_norm").metadata_buffer(mine)
         comm.all_reduce(buf, ReduceOp.MAX if math.isinf(norm_type) else ReduceOp.SUM, group)
-        term = math.nan if float(buf[1]) > 0 else float(buf[0])
+        flag, value = _array.to_host(buf)[::-1].tolist()
+        term = math.nan if flag > 0 else value
     return term if math.isinf(norm_type) else term ** (1.0 / norm_type)
 
 

@@ -74,10 +74,10 @@ def total_norm(grads: Sequence[Any], norm_type: float, group: ProcessGroup | Non
     """
     term = _local_term(grads, norm_type)
     if group is not None and group.world_size > 1:
-        xp = _array.namespace(*grads) if grads else np
-        terms = comm.all_gather(xp.asarray([term], dtype="float64"), group,
-                                sizes=[1] * group.world_size)
-        values = [float(t) for t in _array.to_host(terms)]
+        mine = group.backend_for("clip_grad_norm").metadata_buffer(
+            np.array([term], dtype=np.float64))
+        terms = comm.all_gather(mine, group, sizes=[1] * group.world_size)
+        values = _array.to_host(terms).tolist()
         term = _nan_max(values) if math.isinf(norm_type) else math.fsum(values)
     if math.isinf(norm_type) or math.isnan(term):
         return term

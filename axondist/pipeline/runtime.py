@@ -376,9 +376,10 @@ class Pipeline:
         self._execute(step, self._plan)
         loss = step.total_loss() if self.holds_last_stage else math.nan
         if self._group is not None:
-            buf = np.array([loss], dtype=np.float64)
+            buf = self._group.backend_for(what).metadata_buffer(
+                np.array([loss], dtype=np.float64))
             comm.broadcast(buf, self._group, src=(self.num_stages - 1) % self.num_ranks)
-            loss = float(buf[0])
+            loss = float(_array.to_host(buf)[0])
         step.write_grads(accumulate)
         self.last_stats = step.stats(self._expected_peaks)
         return loss
@@ -561,8 +562,10 @@ class Pipeline:
         if self.holds_last_stage:
             t_rows = NO_LOSS_FN if no_loss_fn else rows_code(target)
         if self._group is not None:
-            mine = np.array([[x_rows, t_rows]], dtype=np.int64)
-            table = comm.all_gather(mine, self._group, sizes=[1] * self.num_ranks)
+            mine = self._group.backend_for(what).metadata_buffer(
+                np.array([[x_rows, t_rows]], dtype=np.int64))
+            table = _array.to_host(comm.all_gather(mine, self._group,
+                                                   sizes=[1] * self.num_ranks))
             x_rows = int(table[0, 0])
             t_rows = int(table[(self.num_stages - 1) % self.num_ranks, 1])
         m = self.num_microbatches
