@@ -27,6 +27,7 @@ from __future__ import annotations
 import collections
 import ctypes
 import functools
+import importlib.machinery
 import itertools
 import os
 import sys
@@ -194,6 +195,57 @@ class FakeArray(np.ndarray):
         _stream_order()
         super().__setitem__(key, value)
 
+    # Real CuPy refuses NumPy operands in its ufuncs and array functions ("TypeError:
+    # Unsupported type <class 'numpy.ndarray'>", seen on an H100); so does the fake,
+    # else a NumPy subclass would quietly compute on a mix of host and device arrays.
+    def __array_ufunc__(self, ufunc: Any, method: str, *inputs: Any, **kwargs: Any) -> Any:
+        out = kwargs.get("out", ())
+        _refuse_host_operands(f"{ufunc.__name__}.{method}", [*inputs, *out])
+        if out:
+            kwargs["out"] = tuple(_plain(o) for o in out)
+        result = getattr(ufunc, method)(*(_plain(a) for a in inputs), **kwargs)
+        if out:
+            return out[0] if len(out) == 1 else out
+        return _to_fake_tree(result)
+
+    def __array_function__(self, func: Any, types_: Any, args: Any, kwargs: Any) -> Any:
+        _refuse_host_operands(f"numpy.{func.__name__}", [*args, *kwargs.values()])
+        return _to_fake_tree(func(*_plain(list(args)), **{k: _plain(v)
+                                                          for k, v in kwargs.items()}))
+
+
+def _host_arrays_in(values: Any) -> bool:
+    for v in values:
+        if isinstance(v, (list, tuple)):
+            if _host_arrays_in(v):
+                return True
+        elif isinstance(v, np.ndarray) and not isinstance(v, FakeArray) and v.ndim > 0:
+            return True
+    return False
+
+
+def _refuse_host_operands(what: str, operands: list[Any]) -> None:
+    if _host_arrays_in(operands):
+        raise TypeError(f"fake cupy: {what} was given a NumPy array among CuPy arrays "
+                        "(real CuPy: Unsupported type <class 'numpy.ndarray'>)")
+
+
+def _plain(a: Any) -> Any:
+    if isinstance(a, FakeArray):
+        return a.view(np.ndarray)
+    if isinstance(a, (list, tuple)):
+        return type(a)(_plain(x) for x in a)
+    return a
+
+
+def _to_fake_tree(r: Any) -> Any:
+    """Results as CuPy gives them: arrays on the device, 0-d ones too (NumPy gives scalars)."""
+    if isinstance(r, (tuple, list)):
+        return type(r)(_to_fake_tree(x) for x in r)
+    if isinstance(r, np.generic):
+        return np.asarray(r).view(FakeArray)
+    return _to_fake(r)
+
 
 def _to_fake(x: Any) -> Any:
     if isinstance(x, np.ndarray) and not isinstance(x, FakeArray):
@@ -215,6 +267,10 @@ class FakeCupy(types.ModuleType):
     def array(self, a: Any, dtype: Any = None, copy: bool = True, **kw: Any) -> FakeArray:
         _stream_order()
         return _to_fake(np.array(np.asarray(a), dtype=dtype, copy=True))
+
+    def asnumpy(self, a: Any, stream: Any = None) -> np.ndarray:
+        _stream_order(stream)
+        return np.array(np.asarray(a).view(np.ndarray), copy=True)
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__"):
@@ -571,6 +627,7 @@ def install(monkeypatch: Any, device_count: int = 4, version_code: int = 21903) 
     _PENDING.clear()
     _WORLDS.clear()
     cupy = FakeCupy("cupy")
+    cupy.__spec__ = importlib.machinery.ModuleSpec("cupy", None)  # importlib.util.find_spec
     cuda = types.ModuleType("cupy.cuda")
     runtime = types.ModuleType("cupy.cuda.runtime")
     nccl = types.ModuleType("cupy.cuda.nccl")

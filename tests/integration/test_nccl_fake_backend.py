@@ -936,6 +936,47 @@ def test_bench_sizes_and_exit_without_gpu():
     assert "pip install 'axondist[gpu]'" in out.stderr
 
 
+_ON_STAND_IN = """
+import runpy, sys
+sys.path.insert(0, {integration!r})
+import nccl_fake
+
+class Patch:
+    def setitem(self, d, k, v):
+        d[k] = v
+
+nccl_fake.install(Patch(), device_count=2)
+sys.argv = [{launcher!r}, "pytest", *{args!r}]
+runpy.run_path({launcher!r}, run_name="__main__")
+"""
+
+
+@pytest.mark.parametrize("ranks", [0, 2], ids=["mock-world", "mpiexec-n2"])
+def test_the_cupy_world_test_files_pass_on_the_cpu_stand_in(ranks):
+    """tests/gpu's CuPy-array tests (every collective, every wrapper against NumPy), on the
+    stand-in: their logic and the library's device paths (host staging under MPI, arrays
+    kept on the device) are checked here; real CuPy refuses mixed NumPy/CuPy operands and
+    so does the stand-in."""
+    files = [str(ROOT / "tests" / "gpu" / name)
+             for name in ("test_cupy_collectives.py", "test_cupy_wrappers.py")]
+    launcher = str(ROOT / "tests" / "world" / "test_mpi_launch.py")
+    code = _ON_STAND_IN.format(integration=str(Path(__file__).parent), launcher=launcher,
+                               args=["-q", "-p", "no:cacheprovider", "-x", *files])
+    cmd = [sys.executable, "-c", code]
+    if ranks:
+        mpiexec = Path(sys.executable).parent / "mpiexec"
+        if importlib.util.find_spec("mpi4py") is None or not mpiexec.exists():
+            pytest.skip("needs mpi4py and MPICH's mpiexec next to this Python")
+        cmd = [str(mpiexec), "-n", str(ranks), sys.executable, "-m", "mpi4py", "-c", code]
+    env = {**child_env(), "AXONDIST_TEST_EXAMPLES": "5", "AXONDIST_TIMEOUT": "60"}
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-3000:]
+    assert out.stdout.count("pytest OK") == max(ranks, 1), out.stdout[-3000:]
+    summaries = [line for line in out.stdout.splitlines() if " passed" in line]
+    assert len(summaries) == max(ranks, 1) and all("failed" not in s for s in summaries), \
+        out.stdout[-3000:]
+
+
 def test_the_gpu_test_file_passes_on_the_cpu_stand_in():
     """tests/gpu/test_nccl_gpu.py, run against the fake with two 'GPUs' (world sizes 1 and 2).
 
