@@ -110,6 +110,7 @@ class NcclBackend(Backend):
 
     name = "nccl"
     host_collectives = False
+    serial_p2p = True
     _hosts: tuple[str, ...] | None  # every rank's host name, for node_info
 
     def __init__(self, unique_id: Any, rank: int, world_size: int, device: int, *,

@@ -340,6 +340,10 @@ class Backend(abc.ABC):
     #: True when collectives accept host (NumPy) buffers: callers may exchange
     #: small metadata arrays on it (NCCL takes device memory only).
     host_collectives: ClassVar[bool] = True
+    #: True when a rank's sends and receives on one communicator run in one queue (NCCL:
+    #: one stream), so a receive still waiting holds back every send issued after it:
+    #: callers that send and receive concurrently give each direction its own group.
+    serial_p2p: ClassVar[bool] = False
     #: The handle :meth:`persistent_all_reduce` returns (an alias backends build theirs from).
     Persistent: TypeAlias = PersistentAllReduce
     #: The Work of a request completed by polling (an alias for the same reason).

@@ -138,7 +138,8 @@ class Pipeline:
                     {c * p + g.rank: st for c, st in enumerate(local)}, (g.rank,))
         # Pipeline traffic on its own communicator, never matching the caller's messages.
         self._group: ProcessGroup | None = g.new_group(list(range(p)))
-        self._transport: GroupTransport | None = GroupTransport(self._group)
+        channels = [(o.src_rank, o.dst_rank) for row in self._plan.ops for o in row]
+        self._transport: GroupTransport | None = GroupTransport(self._group, channels)
         weakref.finalize(self, self._transport.stop)
 
     @classmethod
@@ -323,6 +324,7 @@ class Pipeline:
         communicator is collective); single-process pipelines need no closing."""
         if self._transport is not None:
             self._transport.stop(wait=True)
+            self._transport.destroy()
         if self._group is not None:
             self._group.destroy()  # idempotent: a second close() is a no-op
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import queue
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 from axondist import comm
@@ -82,14 +83,37 @@ class GroupTransport:
     Pipeline's ``close``, or its garbage collection): starting a thread per
     step would cost a GIL hand-over each time.  :meth:`finish` waits until
     every queued send has completed and re-raises a send's error on the
-    stepping thread.
+    stepping thread.  On a backend whose sends and receives share one queue
+    (``Backend.serial_p2p``: NCCL's stream) a receive posted first would hold
+    back the helper thread's sends, so there each ``(src, dst)`` pair of
+    ``channels`` gets its own two-rank group, on which ``src`` only sends and
+    ``dst`` only receives, in order (as the plan's channels pair up).
+
+    Args:
+        group: the pipeline's group; every member constructs the transport.
+        channels: the ``(src, dst)`` group-rank pairs messages travel between,
+            the same on every rank.
     """
 
-    def __init__(self, group: ProcessGroup) -> None:
+    def __init__(self, group: ProcessGroup, channels: Sequence[tuple[int, int]] = ()) -> None:
         self._group = group
         self._queue: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        #: (src, dst) -> (the pair's group, the peer's rank in it); empty: all on ``group``.
+        self._routes: dict[tuple[int, int], tuple[ProcessGroup, int]] = {}
+        if group.backend_for("Pipeline").serial_p2p:
+            me = group.rank
+            for src, dst in sorted(set(channels)):
+                members = sorted((src, dst))
+                pair = group.new_group(members)  # collective: every rank, same order
+                if me in members:
+                    peer = dst if me == src else src
+                    self._routes[src, dst] = (pair, members.index(peer))
+
+    def _route(self, src: int, dst: int, peer: int) -> tuple[ProcessGroup, int]:
+        """The group a message from ``src`` to ``dst`` travels on, and ``peer``'s rank there."""
+        return self._routes.get((src, dst)) or (self._group, peer)
 
     def ready(self, op: CommOp) -> bool:
         """Always True: :meth:`recv` blocks until the message arrives."""
@@ -106,7 +130,7 @@ class GroupTransport:
             self._thread = threading.Thread(target=self._send_loop, daemon=True,
                                             name=f"axondist-pipeline-send-r{op.rank}")
             self._thread.start()
-        self._queue.put((x, op.peer, op.tag % _TAG_SPACE))
+        self._queue.put((x, *self._route(op.rank, op.peer, op.peer), op.tag % _TAG_SPACE))
 
     def recv(self, op: CommOp) -> Any:
         """Receive the message for ``op`` from its peer, blocking until it arrives.
@@ -116,7 +140,8 @@ class GroupTransport:
         """
         self._raise_send_error()
         try:
-            return comm.recv(op.peer, self._group, op.tag % _TAG_SPACE)
+            group, src = self._route(op.peer, op.rank, op.peer)
+            return comm.recv(src, group, op.tag % _TAG_SPACE)
         except BaseException as exc:
             if self._error is not None:  # the real cause: our send failed
                 raise self._error from exc
@@ -138,6 +163,12 @@ class GroupTransport:
             if wait:
                 thread.join()
 
+    def destroy(self) -> None:
+        """Free the pair groups (after :meth:`stop`); every member calls it."""
+        routes, self._routes = self._routes, {}
+        for pair, _ in routes.values():
+            pair.destroy()
+
     def _send_loop(self) -> None:
         while True:
             item = self._queue.get()
@@ -145,8 +176,8 @@ class GroupTransport:
                 if item is None:
                     return
                 if self._error is None:  # after a failure, only drain
-                    x, dst, tag = item
-                    comm.send(x, dst, self._group, tag)
+                    x, group, dst, tag = item
+                    comm.send(x, dst, group, tag)
             except BaseException as exc:  # noqa: BLE001 - re-raised on the stepping thread
                 self._error = exc
             finally:
