@@ -215,14 +215,14 @@ def numpy_reducer(dtype: np.dtype, ufunc: Callable[..., Any]) -> Callable[[Any, 
 
 
 def host_copy(x: Any) -> np.ndarray:
-    """A host array holding ``x``'s values that communication may overwrite."""
-    host = _array.to_host(x)
-    return host.copy() if host is x else host
+    """A host array holding ``x``'s values that communication may overwrite (page-locked
+    for a CuPy ``x``: see :func:`axondist._array.host_staging_buffer`)."""
+    return _array.copy_to_host(x, _array.host_staging_buffer(x))
 
 
 def copy_back(dst: Any, host: np.ndarray) -> None:
     """Write host values into ``dst`` (a NumPy or CuPy array) in place."""
-    dst[...] = _array.namespace(dst).asarray(host)
+    _array.copy_from_host(dst, host)
 
 
 # --- MPI loading, types, errors ------------------------------------------------------------

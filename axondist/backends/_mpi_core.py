@@ -244,7 +244,7 @@ class MPIBackendBase(Backend):
         """Run ``call`` on host copies of ``args`` (values copied for ``reads``), then copy
         ``writes`` back (in ``wait()`` when async); the result is ``args[out]``."""
         hosts: list[Any] = [None if a is None else host_copy(a) if i in reads
-                            else np.empty(a.shape, a.dtype) for i, a in enumerate(args)]
+                            else _array.host_staging_buffer(a) for i, a in enumerate(args)]
         work = call(*hosts)
 
         def finish() -> None:

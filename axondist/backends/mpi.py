@@ -18,8 +18,6 @@ import traceback
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
-
 from .. import _array
 from .._validate import positive_seconds
 from ..errors import CollectiveMismatchError, InvalidBufferError
@@ -255,7 +253,7 @@ class MPIBackend(AllReduceMixin, BlockwiseMixin, MPIBackendBase):
         """
         self._check_rank(src, "recv", "src")
         data_tag, _ = split_tag(tag, self._tag_ub)
-        target = np.empty(buf.shape, buf.dtype) if self._needs_host(buf) else buf
+        target = _array.host_staging_buffer(buf) if self._needs_host(buf) else buf
         status = MPI.Status()
         what = f"recv from rank {src} (tag {tag}) into {_array.describe(buf)}"
         guard = self._guard

@@ -189,7 +189,22 @@ class FakeArray(np.ndarray):
     def get(self, stream: Stream | None = None, order: str = "C", out: Any = None,
             blocking: bool = True) -> np.ndarray:
         _stream_order(stream)
-        return np.array(self.view(np.ndarray), copy=True)
+        if out is None:
+            return np.array(self.view(np.ndarray), copy=True)
+        if isinstance(out, FakeArray) or not isinstance(out, np.ndarray) or \
+                out.shape != self.shape or out.dtype != self.dtype or \
+                not out.flags.c_contiguous:
+            raise FakeMisuse("get(out=): out must be a C-contiguous NumPy array of the same "
+                             "shape and dtype")
+        out[...] = self.view(np.ndarray)
+        return out
+
+    def set(self, arr: Any, stream: Stream | None = None) -> None:
+        _stream_order(stream)
+        if isinstance(arr, FakeArray) or not isinstance(arr, np.ndarray) or \
+                arr.shape != self.shape or arr.dtype != self.dtype:
+            raise FakeMisuse("set(arr): arr must be a NumPy array of the same shape and dtype")
+        self.view(np.ndarray)[...] = arr
 
     def __setitem__(self, key: Any, value: Any) -> None:
         _stream_order()
@@ -653,7 +668,9 @@ def install(monkeypatch: Any, device_count: int = 4, version_code: int = 21903) 
                        ("NCCL_FLOAT16", 6), ("NCCL_FLOAT32", 7), ("NCCL_FLOAT64", 8),
                        ("NCCL_BFLOAT16", 9)):
         setattr(nccl, name, code)
+    cupyx = types.ModuleType("cupyx")
+    cupyx.empty_pinned = lambda shape, dtype=float: np.empty(shape, dtype)  # type: ignore[attr-defined]
     for name, module in (("cupy", cupy), ("cupy.cuda", cuda), ("cupy.cuda.runtime", runtime),
-                         ("cupy.cuda.nccl", nccl)):
+                         ("cupy.cuda.nccl", nccl), ("cupyx", cupyx)):
         monkeypatch.setitem(sys.modules, name, module)
     return SETTINGS

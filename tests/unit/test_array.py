@@ -100,3 +100,17 @@ def test_reduce_op_parses_names_and_integer_sums_wrap():
     assert out[0] == np.int64(-(2**62))
 
 
+
+
+@given(shape=st.lists(st.integers(1, 4), min_size=1, max_size=3).map(tuple),
+       transpose=st.booleans())
+def test_host_staging_helpers_copy_both_ways_on_host_arrays(shape, transpose):
+    x = np.arange(int(np.prod(shape)), dtype=np.float32).reshape(shape)
+    src = x.T if transpose else x  # a non-contiguous source too
+    staged = _array.host_staging_buffer(src)
+    assert staged.shape == src.shape and staged.dtype == src.dtype and staged is not src
+    assert _array.copy_to_host(src, staged) is staged
+    np.testing.assert_array_equal(staged, src)
+    dst = np.zeros_like(src)
+    _array.copy_from_host(dst, staged)
+    np.testing.assert_array_equal(dst, src)
