@@ -978,7 +978,8 @@ def test_the_cupy_world_test_files_pass_on_the_cpu_stand_in(ranks):
 
 
 def test_the_gpu_test_file_passes_on_the_cpu_stand_in():
-    """tests/gpu/test_nccl_gpu.py, run against the fake with two 'GPUs' (world sizes 1 and 2).
+    """tests/gpu/test_nccl_gpu.py and test_nccl_wrappers.py, run against the fake with two
+    'GPUs' (world sizes 1 and 2).
 
     It checks the gpu tests' own logic here, so a machine with GPUs runs tests
     known to be sound; what only real GPUs show (stream races, NCCL itself)
@@ -995,7 +996,8 @@ def test_the_gpu_test_file_passes_on_the_cpu_stand_in():
 
         nccl_fake.install(Patch(), device_count=2)
         sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", "-x",
-                              {str(ROOT / "tests" / "gpu" / "test_nccl_gpu.py")!r}]))
+                              {str(ROOT / "tests" / "gpu" / "test_nccl_gpu.py")!r},
+                              {str(ROOT / "tests" / "gpu" / "test_nccl_wrappers.py")!r}]))
     """)
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                          timeout=300, env=child_env())
