@@ -111,10 +111,6 @@ class GroupTransport:
                     peer = dst if me == src else src
                     self._routes[src, dst] = (pair, members.index(peer))
 
-    def _route(self, src: int, dst: int, peer: int) -> tuple[ProcessGroup, int]:
-        """The group a message from ``src`` to ``dst`` travels on, and ``peer``'s rank there."""
-        return self._routes.get((src, dst)) or (self._group, peer)
-
     def ready(self, op: CommOp) -> bool:
         """Always True: :meth:`recv` blocks until the message arrives."""
         return True  # recv blocks until the message is there
@@ -130,7 +126,8 @@ class GroupTransport:
             self._thread = threading.Thread(target=self._send_loop, daemon=True,
                                             name=f"axondist-pipeline-send-r{op.rank}")
             self._thread.start()
-        self._queue.put((x, *self._route(op.rank, op.peer, op.peer), op.tag % _TAG_SPACE))
+        group, dst = self._routes[op.rank, op.peer] if self._routes else (self._group, op.peer)
+        self._queue.put((x, group, dst, op.tag % _TAG_SPACE))
 
     def recv(self, op: CommOp) -> Any:
         """Receive the message for ``op`` from its peer, blocking until it arrives.
@@ -140,7 +137,7 @@ class GroupTransport:
         """
         self._raise_send_error()
         try:
-            group, src = self._route(op.peer, op.rank, op.peer)
+            group, src = self._routes[op.peer, op.rank] if self._routes else (self._group, op.peer)
             return comm.recv(src, group, op.tag % _TAG_SPACE)
         except BaseException as exc:
             if self._error is not None:  # the real cause: our send failed
