@@ -131,7 +131,7 @@ def host_staging_buffer(x: Any) -> np.ndarray:
 def copy_to_host(x: Any, out: np.ndarray) -> np.ndarray:
     """Write ``x``'s values into the host array ``out`` (shaped like ``x``); return ``out``."""
     if is_cupy(x) and x.flags.c_contiguous:
-        x.get(out=out)
+        x.get(out=out, blocking=True)
     else:
         out[...] = to_host(x)
     return out
@@ -141,7 +141,11 @@ def copy_from_host(dst: Any, host: np.ndarray) -> None:
     """Write the host array ``host`` into ``dst`` (NumPy or CuPy, same shape) in place."""
     if is_cupy(dst):
         if dst.flags.c_contiguous and host.flags.c_contiguous:
-            dst.set(host)
+            # From page-locked memory the copy is asynchronous: wait for it, as the
+            # caller may reuse ``host`` at once (a staging buffer back in the pool).
+            stream = _cupy().cuda.get_current_stream()  # type: ignore[union-attr]
+            dst.set(host, stream=stream)
+            stream.synchronize()
         else:
             dst[...] = _cupy().asarray(host)  # type: ignore[union-attr]
     else:
