@@ -12,7 +12,9 @@ so agreement is exact up to float64 rounding.
 from __future__ import annotations
 
 import math
+import os
 import re
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -364,3 +366,60 @@ def test_metadata_buffer_is_on_the_backends_gpu_under_nccl_and_the_array_itself_
     assert [v for _, _, v in got] == [v for _, _, v in want] == [[3, 6, 9]] * 3
     values = np.zeros(2)
     assert ad.spawn(lambda w: w.backend.metadata_buffer(values) is values, 2) == [True, True]
+
+
+# --- failure: a stage that raises on one rank of an NCCL pipeline --------------------------
+
+_RAISING_PIPELINE = """
+import sys
+sys.path[:0] = [{root!r}, {here!r}]
+import numpy as np
+import nccl_fake
+
+
+class Patch:
+    def setitem(self, d, k, v):
+        d[k] = v
+
+
+nccl_fake.install(Patch(), device_count=4)
+import axondist as ad
+from axondist.launch import spawn_on_devices
+from axondist.pipeline import Pipeline, PipelineStage
+
+
+def body(world):
+    def fwd(params, x):
+        if world.rank == world.world_size - 1:
+            raise ValueError(f"stage boom on rank {{world.rank}}")
+        return x @ params[0], x
+
+    def bwd(params, x, gy):
+        return gy @ params[0].T, [x.T @ gy]
+
+    stage = PipelineStage(fwd, bwd, [ad.Parameter(ad.to_device(np.eye(2)), "w")])
+    pipe = Pipeline([stage], world, num_microbatches=2)
+    x = ad.to_device(np.ones((4, 2)))
+    pipe.train_step(x, x, lambda y, t: (0.0, y - t))
+
+
+try:
+    spawn_on_devices(body, list(range({n})), timeout=10.0)
+except Exception as exc:
+    print("RAISED", type(exc).__name__, str(exc).splitlines()[0])
+else:
+    print("NO ERROR")
+"""
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_a_stage_raising_on_one_rank_ends_every_rank_of_an_nccl_pipeline(n):
+    """The others wait in a receive (and the send thread in a send) that can never complete:
+    the run must end with the stage's error, not hang (a subprocess, in case it does)."""
+    code = _RAISING_PIPELINE.format(root=str(Path(__file__).resolve().parents[2]),
+                                    here=str(Path(__file__).parent), n=n)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, env={k: v for k, v in os.environ.items()
+                                           if not k.startswith(("PMI_", "HYDI_", "MPI"))})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"RAISED ValueError stage boom on rank {n - 1}" in out.stdout, out.stdout + out.stderr
