@@ -17,13 +17,13 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from . import comm
 from ._environment import launched_by_mpi
 from .comm import split_sizes
 from .data import DistributedSampler
 from .ddp import DistributedDataParallel
 from .fsdp import FullyShardedDataParallel
 from .launch import init, spawn
+from .log import all_reduce_scalar
 from .optim import SGD
 from .parameter import Parameter
 from .pipeline import SCHEDULES, Pipeline, PipelineSchedule, PipelineStage
@@ -325,9 +325,7 @@ StrategyFn = Callable[[ProcessGroup, DemoConfig, Reference, OnStep], RankResult]
 
 
 def _global_max(value: float, group: ProcessGroup) -> float:
-    buf = np.array([value], dtype=np.float64)
-    comm.all_reduce_max(buf, group)
-    return float(buf[0])
+    return all_reduce_scalar(value, "max", group)
 
 
 def _diff(params: list[np.ndarray], reference: list[np.ndarray]) -> float:
@@ -376,9 +374,7 @@ def run_tp(group: ProcessGroup, cfg: DemoConfig, ref: Reference, progress: OnSte
 
 def _data_parallel_loss(loss: float, group: ProcessGroup) -> float:
     """The global batch's loss from each rank's loss over its share (a mean of means)."""
-    buf = np.array([loss], dtype=np.float64)
-    comm.all_reduce_mean(buf, group)
-    return float(buf[0])
+    return all_reduce_scalar(loss, "mean", group)
 
 
 def run_ddp(group: ProcessGroup, cfg: DemoConfig, ref: Reference,

@@ -32,6 +32,7 @@ from . import comm
 from ._environment import launched_by_mpi
 from ._validate import positive_number
 from .launch import spawn
+from .log import all_reduce_scalar
 from .process_group import ProcessGroup, init, resolve_group
 
 #: Where the settings file goes and is read from, unless ``$AXONDIST_TUNE_FILE`` says.
@@ -159,8 +160,9 @@ def sweep(group: ProcessGroup | None = None, sizes: Sequence[int] = DEFAULT_SIZE
             raise ValueError(f"sweep: size {nbytes!r} must be a positive multiple of 4 bytes "
                              "(float32 values)")
     points = []
+    backend = g.backend_for("sweep")
     for nbytes in sizes:
-        x = np.ones(nbytes // 4, np.float32)
+        x = backend.metadata_buffer(np.ones(nbytes // 4, np.float32))  # on the GPU for NCCL
         for _ in range(warmup):
             comm.all_reduce(x, "sum", g)
         times = []
@@ -168,8 +170,8 @@ def sweep(group: ProcessGroup | None = None, sizes: Sequence[int] = DEFAULT_SIZE
             comm.barrier(g)
             start = time.perf_counter()
             comm.all_reduce(x, "sum", g)
-            elapsed = np.array([time.perf_counter() - start])
-            times.append(float(comm.all_reduce(elapsed, "max", g)[0]))  # the slowest rank
+            elapsed = time.perf_counter() - start
+            times.append(all_reduce_scalar(elapsed, "max", g))  # the slowest rank
         seconds = max(statistics.median(times), 1e-9)
         points.append(SweepPoint(nbytes, seconds, bus_bandwidth(nbytes, seconds,
                                                                 g.world_size)))

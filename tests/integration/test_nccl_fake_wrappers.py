@@ -423,3 +423,14 @@ def test_a_stage_raising_on_one_rank_ends_every_rank_of_an_nccl_pipeline(n):
                                            if not k.startswith(("PMI_", "HYDI_", "MPI"))})
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"RAISED ValueError stage boom on rank {n - 1}" in out.stdout, out.stdout + out.stderr
+
+
+def sweep_body(world: ad.World, to: Any) -> list[tuple[int, bool]]:
+    from axondist.tune import sweep
+
+    return [(point.nbytes, point.seconds > 0) for point in sweep(world, [4, 4096], repeats=2)]
+
+
+def test_the_tune_sweep_runs_on_nccl(fake):
+    got, want = both(sweep_body, 2)
+    assert got == want == [[(4, True), (4096, True)]] * 2
