@@ -170,13 +170,21 @@ def backward(fsdp: FullyShardedDataParallel, plan: LayerPlan, saved: list[Any], 
             saved[k] = None
             if unit is None:
                 continue
-            for p, g in zip(layer.parameters(), param_grads):
-                p.grad = None if g is None else as_array(g)
+            _set_gradients(layer, param_grads)
+            # the Parameters hold the gradients now: without this the list would keep them
+            # alive after sync_gradients drops them, through the next layer's backward
+            del param_grads
             fsdp.reshard_parameters(unit)
             fsdp.sync_gradients(unit)
     except BaseException:
         fsdp.reshard_parameters()
         raise
+
+
+def _set_gradients(layer: Any, param_grads: list[Any]) -> None:
+    """Hand a layer's gradients to its Parameters (``.grad``; None for none)."""
+    for p, g in zip(layer.parameters(), param_grads):
+        p.grad = None if g is None else as_array(g)
 
 
 def loss_and_grad(loss_fn: Any, y: Any, target: Any, where: str) -> tuple[Any, Any]:

@@ -341,6 +341,9 @@ class FullyShardedDataParallel(GradientSync):
         del arrays
         for p, g in zip(self._params, grads):
             p.grad = None if g is None else _array.as_array(g)
+        # only the Parameters may hold the gradients, so that each unit's are freed as soon as
+        # sync_gradients has reduced them
+        del grads, g
         self.reshard_parameters()
         self.sync_gradients()
         return loss
