@@ -173,18 +173,6 @@ def test_gathers_scatters_broadcasts_send_recv_objects(world_size):
 
 # --- one process, one GPU: bootstrap, streams, async handles, groups --------------------------
 
-@pytest.fixture(scope="module")
-def world():
-    import cupy
-
-    from axondist.backends.nccl import NcclBackend
-
-    cupy.cuda.Device(0).use()
-    backend = NcclBackend(NcclBackend.generate_unique_id(), 0, 1, 0, timeout=120.0)
-    yield ad.World(backend)
-    backend.close()
-
-
 def test_backend_basics_and_tables_match_cupy(world):
     from cupy.cuda import nccl
 

@@ -20,18 +20,6 @@ from axondist.errors import CollectiveTimeoutError
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(REASON is not None, reason=str(REASON))]
 
 
-@pytest.fixture(scope="module")
-def world():
-    import cupy
-
-    from axondist.backends.nccl import NcclBackend
-
-    cupy.cuda.Device(0).use()
-    backend = NcclBackend(NcclBackend.generate_unique_id(), 0, 1, 0, timeout=120.0)
-    yield ad.World(backend)
-    backend.close()
-
-
 _SPIN = r"""
 extern "C" __global__ void spin(long long cycles) {
     long long start = clock64();

@@ -26,18 +26,6 @@ from axondist.pipeline import PipelineSchedule
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(REASON is not None, reason=str(REASON))]
 
 
-@pytest.fixture(scope="module")
-def world():
-    import cupy
-
-    from axondist.backends.nccl import NcclBackend
-
-    cupy.cuda.Device(0).use()
-    backend = NcclBackend(NcclBackend.generate_unique_id(), 0, 1, 0, timeout=120.0)
-    yield ad.World(backend)
-    backend.close()
-
-
 def on_nccl_and_numpy(world, body, *args):
     """``body`` on the NCCL world with CuPy, and on a mock world of one rank with NumPy."""
     import cupy
