@@ -342,8 +342,7 @@ def _prelude() -> str:
         return ""
     return (f"import sys\nsys.path.insert(0, {str(Path(fake.__file__).parent)!r})\n"
             "import nccl_fake\n"
-            "class _Patch:\n    def setitem(self, d, k, v):\n        d[k] = v\n"
-            f"nccl_fake.install(_Patch(), device_count={fake.SETTINGS.device_count})\n")
+            f"nccl_fake.install_for_process(device_count={fake.SETTINGS.device_count})\n")
 
 
 def _run_fault(case: str, timeout: float) -> str:

@@ -674,3 +674,15 @@ def install(monkeypatch: Any, device_count: int = 4, version_code: int = 21903) 
                          ("cupy.cuda.nccl", nccl), ("cupyx", cupyx)):
         monkeypatch.setitem(sys.modules, name, module)
     return SETTINGS
+
+
+class _ForGood:
+    """``install``'s undo log in a child process, where nothing needs undoing."""
+
+    def setitem(self, mapping: Any, key: Any, value: Any) -> None:
+        mapping[key] = value
+
+
+def install_for_process(device_count: int = 4, version_code: int = 21903) -> Settings:
+    """:func:`install` for the rest of this process (child scripts of the tests)."""
+    return install(_ForGood(), device_count, version_code)

@@ -360,19 +360,6 @@ def test_rendezvous_between_processes():
 
 # --- the backend on the CPU stand-in --------------------------------------------------------
 
-@pytest.fixture
-def fake(monkeypatch):
-    sys.path.insert(0, str(Path(__file__).parent))
-    try:
-        import nccl_fake
-    finally:
-        sys.path.pop(0)
-    monkeypatch.delenv("AXONDIST_DEBUG", raising=False)
-    settings_ = nccl_fake.install(monkeypatch, device_count=4)
-    settings_.module = nccl_fake
-    return settings_
-
-
 def spawn(body, world_size, *args, timeout=20.0):
     from axondist.launch import spawn_on_devices
 
@@ -884,11 +871,7 @@ def test_mpi_bootstrap_under_mpiexec(tmp_path):
         import numpy as np
         import nccl_fake
 
-        class Patch:
-            def setitem(self, d, k, v):
-                d[k] = v
-
-        nccl_fake.install(Patch(), device_count=2)
+        nccl_fake.install_for_process(device_count=2)
         import axondist as ad
         world = ad.init("nccl")
         x = ad.to_device(np.arange(3.0))
@@ -941,11 +924,7 @@ import runpy, sys
 sys.path.insert(0, {integration!r})
 import nccl_fake
 
-class Patch:
-    def setitem(self, d, k, v):
-        d[k] = v
-
-nccl_fake.install(Patch(), device_count=2)
+nccl_fake.install_for_process(device_count=2)
 sys.argv = [{launcher!r}, "pytest", *{args!r}]
 runpy.run_path({launcher!r}, run_name="__main__")
 """
@@ -990,11 +969,7 @@ def test_the_gpu_test_file_passes_on_the_cpu_stand_in():
         sys.path.insert(0, {str(Path(__file__).parent)!r})
         import nccl_fake, pytest
 
-        class Patch:
-            def setitem(self, d, k, v):
-                d[k] = v
-
-        nccl_fake.install(Patch(), device_count=2)
+        nccl_fake.install_for_process(device_count=2)
         sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", "-x",
                               {str(ROOT / "tests" / "gpu" / "test_nccl_gpu.py")!r},
                               {str(ROOT / "tests" / "gpu" / "test_nccl_wrappers.py")!r}]))
@@ -1182,11 +1157,7 @@ sys.path[:0] = [{root!r}, {here!r}]
 import numpy as np
 import nccl_fake
 
-class Patch:
-    def setitem(self, d, k, v):
-        d[k] = v
-
-nccl_fake.install(Patch(), device_count=2)
+nccl_fake.install_for_process(device_count=2)
 import axondist as ad
 from axondist.launch import spawn_on_devices
 

@@ -38,19 +38,6 @@ REUSED_FIXTURE = [HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
 TIMEOUT = 30.0
 
 
-@pytest.fixture
-def fake(monkeypatch):
-    sys.path.insert(0, str(Path(__file__).parent))
-    try:
-        import nccl_fake
-    finally:
-        sys.path.pop(0)
-    monkeypatch.delenv("AXONDIST_DEBUG", raising=False)
-    settings_ = nccl_fake.install(monkeypatch, device_count=4)
-    settings_.module = nccl_fake
-    return settings_
-
-
 def on_nccl(body: Any, n: int, *args: Any) -> list[Any]:
     """``body(world, to_array, *args)`` on ``n`` fake GPUs, arrays made on the device."""
     from axondist.launch import spawn_on_devices
@@ -377,12 +364,7 @@ import numpy as np
 import nccl_fake
 
 
-class Patch:
-    def setitem(self, d, k, v):
-        d[k] = v
-
-
-nccl_fake.install(Patch(), device_count=4)
+nccl_fake.install_for_process(device_count=4)
 import axondist as ad
 from axondist.launch import spawn_on_devices
 from axondist.pipeline import Pipeline, PipelineStage
