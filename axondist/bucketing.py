@@ -347,11 +347,20 @@ class _Slot:
 
 
 class _BucketState:
-    __slots__ = ("bucket", "factor", "flat", "indices", "launched", "pending", "persistent",
-                 "work")
+    __slots__ = ("bucket", "cursor", "flat", "indices", "launched", "layout",
+                 "pending", "persistent", "ready_elems", "weigh_from", "work")
 
-    def __init__(self, bucket: GradientBucket, indices: list[int]) -> None:
+    def __init__(self, bucket: GradientBucket, indices: list[int],
+                 layout: list[tuple[int, int, int]]) -> None:
         self.bucket, self.indices = bucket, indices
+        #: per slot, in buffer order: (first element, end, gradient index)
+        self.layout = layout
+        #: position in ``layout`` of the first slot not ready yet (this step)
+        self.cursor = 0
+        #: elements from the buffer's start whose slots are all ready (this step)
+        self.ready_elems = 0
+        #: position in ``layout`` of the first slot the next piece to start may weight
+        self.weigh_from = 0
         #: the bucket's used part, one array object for its lifetime (hooks may
         #: key per-bucket scratch memory on it)
         self.flat = bucket.data
@@ -360,8 +369,6 @@ class _BucketState:
         self.launched = False
         #: the bucket's persistent all-reduce (OVERLAPPED, default hook), made once per group
         self.persistent: PersistentAllReduce | None = None
-        #: the weight still to apply to the whole bucket, piece by piece, before it starts
-        self.factor = 1.0
 
 
 def _describe_item(item: Any) -> tuple[tuple[int, ...], np.dtype, Any]:
@@ -457,8 +464,14 @@ class GradientSynchronizer:
     #: initialized with ``MPI_THREAD_MULTIPLE`` (mpi4py's default) when the caller's own
     #: code makes MPI calls meanwhile.
     progress_interval: float | None = None
-    #: Largest piece of a persistent all-reduce in bytes (None: the backend's choice).
-    piece_bytes: int | None = None
+    #: Largest piece of a bucket's persistent all-reduce, in bytes (OVERLAPPED, default
+    #: hook). A piece starts once every gradient it holds was added, so when the backward
+    #: pass hands over its last gradient at most about one piece is left to start: the
+    #: exposed end of the step. Smaller pieces leave less, but each pays the group's latency
+    #: once (under MPI a big piece is a ring of ``2 (world_size - 1)`` messages per rank).
+    #: None: the backend's choice (under MPI ``chunk_bytes``: 16 MiB on one host, whole
+    #: buckets across hosts).
+    piece_bytes: int | None = 8 * MiB
 
     # --- layout ----------------------------------------------------------------------------
     def _caps(self, dtype: np.dtype) -> tuple[int, int]:
@@ -512,9 +525,12 @@ class GradientSynchronizer:
             dt = items[indices[0]][1]
             source = next((items[i][2] for i in indices if items[i][2] is not None), like)
             bucket = GradientBucket(sum(prod(items[i][0]) for i in indices), dt, like=source)
+            layout = []
             for i in indices:
+                offset = bucket.size
                 self.slots[i] = _Slot(b, bucket.reserve(items[i][0], like=source))
-            self.buckets.append(_BucketState(bucket, indices))
+                layout.append((offset, bucket.size, i))
+            self.buckets.append(_BucketState(bucket, indices, layout))
         self._active = False
         return [list(s.indices) for s in self.buckets]
 
@@ -567,12 +583,18 @@ class GradientSynchronizer:
             s.ready = s.weighted = False
         for b in self.buckets:
             b.pending, b.work, b.launched = len(b.indices), None, False
+            b.cursor = b.ready_elems = b.weigh_from = 0
+            self._advance_ready(b)  # a bucket of zero-size gradients only is ready at once
         self.copies = 0
         self._next_launch = 0
         self._oldest_in_flight = 0
         self._group = resolve_group(group if group is not None else self.group)
         if self._persistent_path():
             self._make_persistent()
+            # Every piece, in the one order all ranks start them; each starts once its
+            # gradients are in (see _pump).
+            self._queue.extend((state, k) for state in self.buckets
+                               for k in range(len(state.persistent.bounds)))  # type: ignore[union-attr]
         self._count_work = None
         self._num_samples = None
         if num_samples is not None:
@@ -623,9 +645,20 @@ class GradientSynchronizer:
         state = self.buckets[slot.bucket]
         state.pending -= 1
         if self.strategy is GradSyncStrategy.OVERLAPPED:
-            if state.pending == 0:
+            if state.persistent is not None:
+                self._advance_ready(state)
+            elif state.pending == 0:
                 self._launch_ready()
             self._progress(slot.view.size)
+
+    def _advance_ready(self, state: _BucketState) -> None:
+        """Move ``state``'s ready prefix past the slots that are ready now (in buffer order:
+        the order a backward pass fills it, so usually by one slot per gradient)."""
+        layout, slots, c = state.layout, self.slots, state.cursor
+        while c < len(layout) and slots[layout[c][2]].ready:
+            c += 1
+        state.cursor = c
+        state.ready_elems = layout[c][0] if c < len(layout) else state.flat.size
 
     #: Elements per block of :meth:`accumulate` (256 KiB of float32): a block's sum is
     #: still in cache when it is weighted, so the two steps cost one pass over memory.
@@ -690,10 +723,6 @@ class GradientSynchronizer:
                     view = self.slots[i].view
                     xp.multiply(view, factor, out=view, casting="unsafe")
         state.launched = True
-        if async_op and state.persistent is not None:
-            state.factor, state.work = whole, None
-            self._queue.extend((state, k) for k in range(len(state.persistent.bounds)))
-            return
         fused = self._fused_backend(data, async_op)
         if fused is not None:
             fused.scaled_sum_blocking(data, whole)
@@ -740,33 +769,70 @@ class GradientSynchronizer:
         _, _, local_size = self._group.node_info()  # type: ignore[union-attr]
         return 1e-3 if local_size < self._group.world_size else 0.0  # type: ignore[union-attr]
 
-    def _pump(self, pieces: int) -> None:
-        """Start the next ``pieces`` queued pieces, each weighted just before it starts;
-        with the window full, first wait for the oldest piece in flight. The count does
-        not depend on timing, so every rank starts the same pieces at the same calls."""
+    def _pump(self, pieces: int) -> int:
+        """Start up to ``pieces`` queued pieces, in queue order, each once every gradient
+        it holds was added and weighted just before it starts; with the window full, first
+        wait for the oldest piece in flight. Which pieces start depends only on which
+        gradients were added, not on timing, so every rank starts the same pieces in the
+        same order. Returns how many started."""
         queue, in_flight = self._queue, self._in_flight
+        started = 0
         with self._lock:
-            for _ in range(pieces):
-                if not queue:
+            while started < pieces and queue:
+                state, k = queue[0]
+                handle = state.persistent
+                lo, hi = handle.bounds[k]  # type: ignore[union-attr]
+                if hi > state.ready_elems:
                     break
                 if len(in_flight) >= self.PIPELINE_WINDOW:
                     in_flight.popleft().wait()
-                state, k = queue.popleft()
-                handle = state.persistent
-                if state.factor != 1.0:
-                    piece = handle.piece(k)  # type: ignore[union-attr]
-                    _array.namespace(piece).multiply(piece, state.factor, out=piece,
-                                                     casting="unsafe")
+                queue.popleft()
+                self._weigh_piece(state, lo, hi)
                 in_flight.append(handle.start(k))  # type: ignore[union-attr]
+                state.launched = True
+                started += 1
             if self._helper is not None and in_flight:
                 self._helper.wake()
+        return started
+
+    def _weigh_piece(self, state: _BucketState, lo: int, hi: int) -> None:
+        """Multiply the part of ``state``'s buffer in ``[lo, hi)`` held by slots not yet
+        weighted by this rank's weight, one call per run of such slots. Pieces start in
+        buffer order, so ``state.weigh_from`` only moves on (a slot cut by a piece's end
+        is weighted part by part)."""
+        factor = self._weight()
+        if factor == 1.0:
+            return
+        layout, slots = state.layout, self.slots
+        j = state.weigh_from
+        run_lo = run_hi = lo
+        while j < len(layout) and layout[j][0] < hi:
+            end, i = layout[j][1], layout[j][2]
+            if slots[i].weighted:
+                self._scale(state.flat, run_lo, run_hi, factor)
+                run_lo = run_hi = min(end, hi)
+            else:
+                run_hi = min(end, hi)
+            if end > hi:
+                break
+            j += 1
+        self._scale(state.flat, run_lo, run_hi, factor)
+        state.weigh_from = j
+
+    @staticmethod
+    def _scale(flat: Any, lo: int, hi: int, factor: float) -> None:
+        """``flat[lo:hi] *= factor`` (cast to its dtype); nothing for an empty range."""
+        if hi > lo:
+            part = flat[lo:hi]
+            _array.namespace(part).multiply(part, factor, out=part, casting="unsafe")
 
     def _progress(self, added: int = 0) -> None:
         """Move the all-reduces in flight on, after a gradient of ``added`` elements.
 
         Persistent pieces: start about as many elements as the gradient had (at
-        least one piece), so communication keeps pace with the backward pass.
-        Otherwise test the oldest bucket in flight: MPI advances a non-blocking
+        least one piece, of those whose gradients are all in), so communication
+        keeps pace with the backward pass; with none to start, test every piece in
+        flight. Otherwise test the oldest bucket in flight: MPI advances a non-blocking
         collective only inside MPI calls (unless the library runs a progress
         thread); a test between two gradients lets the all-reduces move on while
         the gradients are being computed.
@@ -774,10 +840,12 @@ class GradientSynchronizer:
         if self._queue:
             state, k = self._queue[0]
             lo, hi = state.persistent.bounds[k]  # type: ignore[union-attr]
-            self._pump(max(1, added // max(1, hi - lo)))
-            return
+            if self._pump(max(1, added // max(1, hi - lo))):
+                return
         with self._lock:
-            while self._in_flight and self._in_flight[0].is_completed():  # a local test only
+            for piece in self._in_flight:  # local tests; each moves its piece on
+                piece.is_completed()
+            while self._in_flight and self._in_flight[0].is_completed():
                 self._in_flight.popleft()
         while self._oldest_in_flight < self._next_launch:
             work = self.buckets[self._oldest_in_flight].work
@@ -806,12 +874,15 @@ class GradientSynchronizer:
                 s.view[...] = 0
                 s.weighted = True
         try:
-            if self.strategy is not GradSyncStrategy.NO_SYNC:
+            if self._persistent_path():  # every gradient is in (or zero) now
+                for state in self.buckets:
+                    state.ready_elems = state.flat.size
+                self._pump(len(self._queue))
+            elif self.strategy is not GradSyncStrategy.NO_SYNC:
                 overlapped = self.strategy is GradSyncStrategy.OVERLAPPED
                 for state in self.buckets[self._next_launch:]:
                     self._launch(state, async_op=overlapped)
                 self._next_launch = len(self.buckets)
-                self._pump(len(self._queue))
         finally:
             self._wait_pending()
             self._active = False
@@ -941,8 +1012,8 @@ class _ProgressHelper:
             if sync is None or self._stopped:
                 return
             with sync._lock:
-                try:
-                    busy = any(not work.is_completed() for work in sync._in_flight)
+                try:  # every piece in flight: each test moves its own ring on
+                    busy = [work.is_completed() for work in sync._in_flight].count(False) > 0
                 except Exception:  # noqa: BLE001 - the caller's wait raises it, with context
                     busy = False
                 if not busy:

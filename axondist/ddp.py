@@ -35,7 +35,7 @@ from .errors import CollectiveMismatchError
 from .fsdp import clip as _clip
 from .parameter import Parameter, parameters_of
 from .process_group import ProcessGroup, resolve_group
-from .tune import tuned_bucket_cap_mb
+from .tune import DEFAULT_BUCKET_CAP_MB, tuned_bucket_cap_mb
 
 ForwardFn = Callable[..., Any]
 
@@ -105,9 +105,12 @@ class DistributedDataParallel:
     Args:
         model: the model (anything :func:`~axondist.parameters_of` accepts).
         group: the data-parallel group (the current world when None).
-        bucket_cap_mb: MiB per gradient bucket; None takes the size
-            ``python -m axondist tune`` picked for this world's layout (its
-            settings file), else 25, as torch DDP.
+        bucket_cap_mb: MiB per gradient bucket; None: 25, as torch DDP, and
+            under OVERLAPPED the size ``python -m axondist tune`` picked for this
+            world's layout (its settings file) where there is one. The pick is
+            the smallest bucket that still moves data near the links' bandwidth:
+            what overlap wants (less left to reduce after the last gradient),
+            while a synchronous step only gains from fewer, bigger buckets.
         first_bucket_mb: MiB of the first bucket of each dtype (1, as torch
             DDP): the first all-reduce starts after the first few gradients.
         broadcast_buffers: broadcast ``buffers`` at every synchronized step.
@@ -142,8 +145,11 @@ class DistributedDataParallel:
         self.module = model
         self._params = parameters_of(model)
         self.process_group = resolve_group(group)
+        strategy = GradSyncStrategy.parse(strategy)
         if bucket_cap_mb is None:
-            bucket_cap_mb = tuned_bucket_cap_mb(self.process_group)
+            bucket_cap_mb = (tuned_bucket_cap_mb(self.process_group)
+                             if strategy is GradSyncStrategy.OVERLAPPED
+                             else DEFAULT_BUCKET_CAP_MB)
         bucket_cap_mb = positive_number(bucket_cap_mb, "DistributedDataParallel",
                                         "bucket_cap_mb (MiB per bucket, e.g. 25)")
         first_bucket_mb = positive_number(first_bucket_mb, "DistributedDataParallel",
@@ -159,7 +165,7 @@ class DistributedDataParallel:
         self.first_bucket_mb = float(first_bucket_mb)
         self.broadcast_buffers = bool(broadcast_buffers)
         self.gradient_as_bucket_view = bool(gradient_as_bucket_view)
-        self.strategy = GradSyncStrategy.parse(strategy)
+        self.strategy = strategy
         self.grad_fn = check_grad_fn(grad_fn, "DistributedDataParallel")
         self.forward_fn = forward_fn
         self.missing_grad = missing_grad

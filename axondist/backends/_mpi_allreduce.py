@@ -1,6 +1,7 @@
 """The MPI backend's all-reduces: the blocking call (its check riding in the data of a
 small one), pieces of big ones, means as reduce-scatter, scaled block and all-gather,
-weighted sums (DDP's gradient buckets), and persistent all-reduces (MPI 4).
+weighted sums (DDP's gradient buckets), and persistent all-reduces (MPI-4 requests, or
+rings of persistent point-to-point requests for big pieces).
 """
 
 from __future__ import annotations
@@ -38,6 +39,94 @@ bind_mpi(globals())
 
 #: Elements a weighted ring scales and adds at a time (each part still in cache).
 _CACHED = 1 << 16
+#: The persistent rings' tags on the private communicator: piece ``u`` (numbered over the
+#: backend's lifetime) sends with ``_PERSISTENT_TAG + u % _PERSISTENT_TAGS``, so pieces in
+#: flight at once never take each other's messages.
+_PERSISTENT_TAG = RING_TAG + 8
+_PERSISTENT_TAGS = 1 << 14
+
+
+class PersistentRing:
+    """One piece of a persistent SUM all-reduce as a ring of persistent point-to-point
+    requests (``Send_init``/``Recv_init`` per step, made once): n - 1 reduce-scatter steps,
+    each adding the partial sum that arrives from the left into this rank's copy of a block,
+    then n - 1 all-gather steps handing the finished blocks round, as the blocking ring of
+    :meth:`AllReduceMixin._ring_mean` does (the same blocks, so the same bits). A step
+    starts when the previous one completed on this rank; :meth:`test` and :meth:`block`
+    move it on, so the ring advances only while its caller tests or waits.
+
+    Args:
+        comm: the group's private communicator.
+        flat: the piece, flat, in its dtype (the sums are formed on it).
+        wire: the same memory as MPI moves it (``flat`` or a view of it).
+        mtype: the MPI datatype of ``wire``'s elements.
+        rank: this rank in ``comm``.
+        size: ``comm``'s size (> 1).
+        tag: the tag every message of this piece carries.
+    """
+
+    __slots__ = ("_steps", "step", "_mpi")
+
+    def __init__(self, comm: Any, flat: Any, wire: Any, mtype: Any, rank: int, size: int,
+                 tag: int) -> None:
+        counts = block_counts(flat.size, size)
+        blocks = [slice(lo, lo + c) for lo, c in zip(displacements(counts), counts)]
+        # Written once here: no page faults when a step first lands in it.
+        received = np.zeros(max(counts), flat.dtype)
+        wire_received = received if received.dtype == wire.dtype else received.view(wire.dtype)
+        right, left = (rank + 1) % size, (rank - 1) % size
+        self._steps: list[tuple[list[Any], Any, Any]] = []
+        for step in range(size - 1):  # reduce-scatter: block (rank - step - 1) grows
+            out, into = blocks[(rank - step) % size], blocks[(rank - step - 1) % size]
+            n = into.stop - into.start
+            requests = [comm.Recv_init([wire_received[:n], mtype], left, tag),
+                        comm.Send_init([wire[out], mtype], right, tag)]
+            self._steps.append((requests, flat[into], received[:n]))
+        for step in range(size - 1):  # all-gather: pass the finished blocks on
+            out, into = blocks[(rank + 1 - step) % size], blocks[(rank - step) % size]
+            requests = [comm.Recv_init([wire[into], mtype], left, tag),
+                        comm.Send_init([wire[out], mtype], right, tag)]
+            self._steps.append((requests, None, None))
+        #: the step in flight; ``len(steps)`` when idle or done
+        self.step = len(self._steps)
+        self._mpi = MPI
+
+    def start(self) -> None:
+        """Start the first step (the piece must be complete and weighted by now)."""
+        self.step = 0
+        self._mpi.Prequest.Startall(self._steps[0][0])
+
+    def test(self) -> bool:
+        """Move the ring on without blocking; whether it finished."""
+        steps, testall = self._steps, self._mpi.Request.Testall
+        while self.step < len(steps):
+            if not testall(steps[self.step][0]):
+                return False
+            self._next()
+        return True
+
+    def block(self) -> None:
+        """Wait for the ring to finish."""
+        steps, waitall = self._steps, self._mpi.Request.Waitall
+        while self.step < len(steps):
+            waitall(steps[self.step][0])
+            self._next()
+
+    def _next(self) -> None:
+        """The step in flight completed: add what arrived (reduce-scatter), start the next."""
+        _, mine, got = self._steps[self.step]
+        if mine is not None:
+            np.add(mine, got, out=mine)
+        self.step += 1
+        if self.step < len(self._steps):
+            self._mpi.Prequest.Startall(self._steps[self.step][0])
+
+    def free(self) -> None:
+        """Release the requests (the ring must not be in flight)."""
+        for requests, _, _ in self._steps:
+            for request in requests:
+                if request != self._mpi.REQUEST_NULL:
+                    request.Free()
 
 
 class AllReduceMixin(MPIBackendBase):
@@ -294,7 +383,11 @@ class AllReduceMixin(MPIBackendBase):
         starts a piece) and its Work honours ``wait(timeout)``. Pieces are of
         ``piece_bytes`` (default: the weighted sums' piece, ``chunk_bytes``
         unless ``AXONDIST_PIECE_MB`` asks for small ones that stay in cache
-        between a caller's weighting and MPI's copy). Device buffers, debug mode
+        between a caller's weighting and MPI's copy). A SUM piece above
+        ``MEAN_IN_BLOCKS_BYTES`` in a dtype the rings add is a :class:`PersistentRing`
+        on the private communicator (the blocks and bits of the blocking weighted
+        sum's ring, and no MPI temporaries: its scratch is ``1 / world_size`` of the
+        piece); smaller ones are ``Allreduce_init`` requests. Device buffers, debug mode
         and host staging take the default (a non-blocking all-reduce per start).
         """
         if type(buf) is not np.ndarray or self._slow:
@@ -305,9 +398,13 @@ class AllReduceMixin(MPIBackendBase):
         guard, comm = self._guard, self._comm
         self._blocking("all_reduce", (buf.dtype, buf.shape, op._name_, "persistent"),
                        lambda: None)
+        requests: list[Any] = []
         try:
-            requests = [comm.Allreduce_init(_IN_PLACE, [wire[lo:hi], mtype], mop)
-                        for lo, hi in bounds]
+            for lo, hi in bounds:
+                if self._rings_piece(flat, op, average, hi - lo):
+                    requests.append(self._persistent_ring(flat[lo:hi], wire[lo:hi], mtype))
+                else:
+                    requests.append(comm.Allreduce_init(_IN_PLACE, [wire[lo:hi], mtype], mop))
         except MPI.Exception as exc:
             raise_mpi_error(exc, "all_reduce")
         keys = [(buf.dtype, (hi - lo,), op._name_, True) for lo, hi in bounds]
@@ -315,22 +412,29 @@ class AllReduceMixin(MPIBackendBase):
         def start(k: int) -> Work:
             request = requests[k]
             seq, slot = guard.begin("all_reduce", keys[k], blocking=False)
+            ring = type(request) is PersistentRing
             try:
-                request.Start()
+                if ring:
+                    request.start()
+                else:
+                    request.Start()
             except MPI.Exception as exc:
                 raise_mpi_error(exc, "all_reduce")
             finally:
                 guard.rec.end(slot)
+            # Not Testall on the collective's request: MPICH fails it on persistent ones.
+            poll, finish = (request.test, request.block) if ring else (request.Test,
+                                                                     request.Wait)
 
-            def test() -> bool:  # not Testall: MPICH fails it on persistent collectives
+            def test() -> bool:
                 try:
-                    return bool(request.Test())
+                    return bool(poll())
                 except MPI.Exception as exc:
                     raise_mpi_error(exc, "all_reduce")
 
             def block() -> None:
                 try:
-                    request.Wait()
+                    finish()
                 except MPI.Exception as exc:
                     raise_mpi_error(exc, "all_reduce")
 
@@ -342,9 +446,31 @@ class AllReduceMixin(MPIBackendBase):
         def free() -> None:
             if not MPI.Is_finalized():
                 for request in requests:
-                    if request != MPI.REQUEST_NULL:
+                    if type(request) is PersistentRing:
+                        request.free()
+                    elif request != MPI.REQUEST_NULL:
                         request.Free()
 
         handle = Backend.Persistent(buf, bounds, start, free)
         self._persistent.add(handle)
         return handle
+
+    def _rings_piece(self, flat: Any, op: ReduceOp, average: bool, count: int) -> bool:
+        """Whether a persistent all-reduce's piece of ``count`` elements of ``flat`` runs as
+        a :class:`PersistentRing`: a SUM over several ranks in a dtype the rings add, above
+        ``MEAN_IN_BLOCKS_BYTES`` (where the blocking weighted sum rings too). Decided from
+        the call's arguments alone, so every rank decides alike."""
+        return (op._name_ == "SUM" and not average and self._guard.private is not None
+                and flat.dtype in RING_DTYPES
+                and count * flat.itemsize > MEAN_IN_BLOCKS_BYTES)
+
+    def _persistent_ring(self, flat: Any, wire: Any, mtype: Any) -> PersistentRing:
+        """A :class:`PersistentRing` over ``flat`` with the next piece tag."""
+        uid = self._ring_pieces
+        self._ring_pieces = uid + 1
+        return PersistentRing(self._guard.private, flat, wire, mtype, self.rank,
+                              self.world_size, _PERSISTENT_TAG + uid % _PERSISTENT_TAGS)
+
+    #: Persistent rings made so far by this backend (their tags follow it); the same count
+    #: on every rank, as the rings are made collectively.
+    _ring_pieces = 0
