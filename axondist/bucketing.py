@@ -472,7 +472,7 @@ class GradientSynchronizer:
     #: once (under MPI a big piece is a ring of ``2 (world_size - 1)`` messages per rank).
     #: None: the backend's choice (under MPI ``chunk_bytes``: 16 MiB on one host, whole
     #: buckets across hosts).
-    piece_bytes: int | None = 8 * MiB
+    piece_bytes: int | None = 4 * MiB
 
     # --- layout ----------------------------------------------------------------------------
     def _caps(self, dtype: np.dtype) -> tuple[int, int]:
