@@ -71,8 +71,9 @@ class PersistentRing:
                  tag: int) -> None:
         counts = block_counts(flat.size, size)
         blocks = [slice(lo, lo + c) for lo, c in zip(displacements(counts), counts)]
-        # Written once here: no page faults when a step first lands in it.
-        received = np.zeros(max(counts), flat.dtype)
+        # Written once here (np.zeros would leave the pages to the first step's faults).
+        received = np.empty(max(counts), flat.dtype)
+        received[...] = 0
         wire_received = received if received.dtype == wire.dtype else received.view(wire.dtype)
         right, left = (rank + 1) % size, (rank - 1) % size
         self._steps: list[tuple[list[Any], Any, Any]] = []
