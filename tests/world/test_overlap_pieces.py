@@ -193,9 +193,12 @@ def test_tunes_bucket_applies_to_overlapped_only(tmp_path: Path,
     size = current_size(2)
     folder = Path(mpi_world().backend.comm.bcast(str(tmp_path))) if UNDER_MPI else tmp_path
     path = folder / "tune.json"
+    # the settings apply to the layout they were measured on: this one's hosts
+    nodes = (len(set(mpi_world().backend.comm.allgather(mpi_world().node_info()[0])))
+             if UNDER_MPI else 1)
     if not UNDER_MPI or mpi_world().rank == 0:
-        tune.save_settings(TuneSettings(2.0, size, 1, 0.9, (SweepPoint(1 << 21, 0.01, 2e8),),
-                                        1e-4, 1e8), path)
+        tune.save_settings(TuneSettings(2.0, size, nodes, 0.9,
+                                        (SweepPoint(1 << 21, 0.01, 2e8),), 1e-4, 1e8), path)
     if UNDER_MPI:
         mpi_world().backend.comm.Barrier()
     monkeypatch.setenv("AXONDIST_TUNE_FILE", str(path))
