@@ -395,9 +395,11 @@ class GradientSynchronizer:
     gradients of one dtype in reverse index order (the order a backward pass
     makes them), sized by :func:`bucket_plan`. Under
     :attr:`GradSyncStrategy.OVERLAPPED` a bucket's all-reduce is issued as
-    soon as its last gradient arrives, but always in bucket order (a complete
-    bucket waits for the ones before it), so every rank issues the same
-    collectives in the same order whatever order its gradients come in.
+    soon as its last gradient arrives (with the default hook: each of its
+    pieces, of :attr:`piece_bytes`, as soon as the gradients that piece holds
+    arrived), but always in bucket order (a complete bucket or piece waits for
+    the ones before it), so every rank issues the same collectives in the same
+    order whatever order its gradients come in.
     Gradients never added in a step count as zeros.
 
     Args:
