@@ -51,7 +51,8 @@ class PersistentRing:
     requests (``Send_init``/``Recv_init`` per step, made once): n - 1 reduce-scatter steps,
     each adding the partial sum that arrives from the left into this rank's copy of a block,
     then n - 1 all-gather steps handing the finished blocks round, as the blocking ring of
-    :meth:`AllReduceMixin._ring_mean` does (the same blocks, so the same bits). A step
+    :meth:`AllReduceMixin._ring_mean` does (over the same piece the same blocks, so the
+    same bits as a blocking weighted sum of pre-weighted values). A step
     starts when the previous one completed on this rank; :meth:`test` and :meth:`block`
     move it on, so the ring advances only while its caller tests or waits.
 
