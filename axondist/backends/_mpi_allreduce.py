@@ -235,7 +235,8 @@ class AllReduceMixin(MPIBackendBase):
             raise unsupported("all_reduce", buf.dtype, op)
         view, mtype, mop, average = plan
         data = buf if view is None else buf.view(view)
-        if average and data.nbytes > MEAN_IN_BLOCKS_BYTES and self.world_size > 1:
+        if (average and data.nbytes > MEAN_IN_BLOCKS_BYTES and self.world_size > 1
+                and self._blocking_rings):
             self._mean_in_blocks(buf, data, mtype, mop)
             return
         if data.nbytes > self._chunk:
@@ -279,7 +280,8 @@ class AllReduceMixin(MPIBackendBase):
         comm, scale = self._comm, factor != 1.0
         ring = self._guard.private
         try:
-            if (ring is not None and flat.dtype in RING_DTYPES and self._piece() >= self._chunk
+            if (ring is not None and self._blocking_rings and flat.dtype in RING_DTYPES
+                    and self._piece() >= self._chunk
                     and flat.size * flat.itemsize > MEAN_IN_BLOCKS_BYTES):
                 for lo, hi in piece_bounds(flat.size, flat.itemsize, self._chunk):
                     self._ring_mean(ring, flat[lo:hi], wire[lo:hi], mtype, factor)

@@ -332,7 +332,8 @@ class BlockwiseMixin(MPIBackendBase):
             s, r, mtype, mop, average = send, recv, plan[1], plan[2], plan[3]  # no views
         else:
             s, r, mtype, mop, average = self._reduce_scatter_plan(send, recv, op)
-        if (send.dtype in RING_DTYPES and op._name_ in UFUNCS and self._guard.private is not None
+        if (send.dtype in RING_DTYPES and op._name_ in UFUNCS and self._blocking_rings
+                and self._guard.private is not None
                 and send.size * send.dtype.itemsize > MEAN_IN_BLOCKS_BYTES):
             try:
                 self._ring_reduce_scatter(send, recv, counts, mtype, op._name_)

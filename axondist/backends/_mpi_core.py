@@ -137,6 +137,11 @@ class MPIBackendBase(Backend):
         #: Bytes per piece of big messages (``chunk_bytes``, by default from the layout).
         self._chunk_bytes = chunk_for(self.options.chunk_bytes, len(set(self._nodes)))
         self._chunk = self._chunk_bytes or sys.maxsize
+        #: Blocking big sums, means and reduce-scatters as rings of point-to-point steps
+        #: (``_mpi_allreduce``): on one node they beat MPICH's own collectives; across
+        #: hosts each of a ring's 2 (n - 1) steps waits for the link's latency, and
+        #: MPICH's algorithms, with fewer rounds, cost less (docs/multi-host.md).
+        self._blocking_rings = len(set(self._nodes)) == 1
         self._host_twin: MPIBackendBase | None = None
         #: Scratch memory of the point-to-point algorithms, per array library.
         self._scratch_buffers: dict[str, Any] = {}

@@ -25,9 +25,11 @@ def _assert_all_ok(run_text: list[str], word: str, tail: str) -> None:
         assert f"{word} OK" in text, f"rank {r} did not finish {word}\n{tail}"
 
 
-# test_ddp_persistent.py: OVERLAPPED DDP's progress helper is on by itself across hosts.
+# test_ddp_persistent.py: OVERLAPPED DDP's progress helper is on by itself across hosts;
+# test_overlap_pieces.py: its persistent rings and early-starting pieces across a real link.
 @pytest.mark.parametrize("world_test", ["test_collectives.py", "test_ddp.py",
-                                        "test_ddp_persistent.py", "test_ddp_progress.py"])
+                                        "test_ddp_persistent.py", "test_ddp_progress.py",
+                                        "test_overlap_pieces.py"])
 def test_world_tests_pass_on_two_hosts(cluster: SimCluster, world_test: str) -> None:
     args = ["-m", "mpi4py", MPI_LAUNCH, "pytest", f"tests/world/{world_test}", "-q", "-x",
             "-p", "no:cacheprovider", "-m", "not gpu"]

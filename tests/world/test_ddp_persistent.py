@@ -1,9 +1,10 @@
 """OVERLAPPED DDP on persistent all-reduces against single-process training.
 
 Every bucket's all-reduce is set up once (``Backend.persistent_all_reduce``:
-MPI-4 ``Allreduce_init`` pieces under MPI, an ordinary non-blocking all-reduce
-per piece elsewhere) and started piece by piece each step, each piece weighted
-just before it starts. Each rank derives every rank's data from seeds and
+under MPI, rings of persistent point-to-point requests for big pieces and MPI-4
+``Allreduce_init`` for small ones; an ordinary non-blocking all-reduce per piece
+elsewhere) and started piece by piece each step, each piece weighted just
+before it starts. Each rank derives every rank's data from seeds and
 checks its own parameters against the full-batch reference. Runs on the mock
 world and unchanged under ``mpiexec -n K python -m pytest``.
 """

@@ -90,11 +90,12 @@ def test_reduce_scatter_of_uneven_and_even_rows_matches_numpy(n, seed, dtype, ro
 
 # --- the MPI backend itself ---------------------------------------------------------------
 
-def _backend(**options: Any) -> Any:
-    """A backend over a duplicate of the MPI world's communicator (collective)."""
+def _backend(node_ids: list[int] | None = None, **options: Any) -> Any:
+    """A backend over a duplicate of the MPI world's communicator (collective); with
+    ``node_ids``, as if its ranks ran on those hosts."""
     world = mpi_world().backend
     return MPIBackend(world.comm.Dup(), MPIOptions(**options), recorder=world.recorder,
-                      group_name="world.pieces")
+                      group_name="world.pieces", node_ids=node_ids)
 
 
 @mpi_only
@@ -323,3 +324,37 @@ def test_big_weighted_sums_run_as_a_weighted_ring(seed, dtype, extra, weights):
         assert all(e == everyone[0] for e in everyone), "ranks hold different sums"
     finally:
         b.close()
+
+
+@mpi_only
+@settings(max_examples=4)
+@given(seed=seeds, dtype=st.sampled_from(["float32", "float64"]))
+def test_across_hosts_big_blocking_reductions_use_mpis_own_collectives(seed, dtype):
+    """A ring's 2 (n - 1) steps each wait for the link's latency across hosts: there the
+    big weighted sum, mean and reduce-scatter are MPICH's own collectives (fewer rounds),
+    with the same values."""
+    n = mpi_world().world_size
+    b = _backend(node_ids=[r % 2 for r in range(n)])  # every other rank on a second host
+    try:
+        numel = (MEAN_IN_BLOCKS_BYTES // np.dtype(dtype).itemsize + 1) * n
+        inputs = [values(seed, r, numel, dtype) for r in range(n)]
+        exact = sum(v.astype(np.float64) for v in inputs)
+        tol = (1e-5 if dtype == "float32" else 1e-12) * n
+        spy = b._comm = _Calls(b._comm)
+        x = inputs[b.rank].copy()
+        b.scaled_sum_blocking(x, 0.5)
+        np.testing.assert_allclose(x, 0.5 * exact, rtol=tol, atol=tol)
+        y = inputs[b.rank].copy()
+        b.all_reduce(y, ReduceOp.AVERAGE)
+        np.testing.assert_allclose(y, exact / n, rtol=tol, atol=tol)
+        per = numel // n
+        out = np.empty(per, dtype)
+        b.reduce_scatter(inputs[b.rank].copy(), out, [per] * n, ReduceOp.SUM).wait()
+        np.testing.assert_allclose(out, exact[b.rank * per:(b.rank + 1) * per], rtol=tol,
+                                   atol=tol)
+        b._comm = spy.comm
+        if n > 1:
+            assert {"Allreduce", "Reduce_scatter_block"} <= set(spy.names), spy.names
+    finally:
+        b.close()
+
