@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 
 import axondist as ad
 from axondist import Parameter, tune
+from axondist.backends._mpi_common import NODE_CHUNK_BYTES
 from axondist.bucketing import GradientSynchronizer, GradSyncStrategy
 from axondist.ddp import DDP
 from axondist.errors import CollectiveTimeoutError
@@ -241,7 +242,7 @@ def _ring_sum(world, numel, dtype, piece_bytes, factor, seed):
        seed=st.integers(0, 2**20))
 def test_persistent_ring_sums_like_numpy(size, numel, dtype, factor, seed):
     size = current_size(size)
-    piece = 16 << 20  # one node's chunk: the blocking sum's pieces too
+    piece = NODE_CHUNK_BYTES  # one node's chunk: the blocking sum's pieces too
     out = run_world(_ring_sum, size, numel, dtype, piece, factor, seed)
     if UNDER_MPI:
         mine = [r[2][s][0] for r in out for s in range(2)]
