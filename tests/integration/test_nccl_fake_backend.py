@@ -1276,6 +1276,8 @@ def test_the_mock_world_refuses_ranks_that_mix_numpy_and_cupy_arrays(fake):
                            r"different libraries \(rank 0: numpy, rank 1: cupy, rank 2: numpy\)"):
             ad.all_gather(x)
         ad.all_reduce(np.ones(2))  # the world goes on
+        got = ad.all_gather_object([x])  # objects are handed over as they are, mixed or not
+        assert [_array.is_cupy(g[0]) for g in got] == [False, True, False]
         return True
 
     assert ad.spawn(body, 3) == [True] * 3
