@@ -123,8 +123,7 @@ def host_staging_buffer(x: Any) -> np.ndarray:
     page-locking happens once per size.
     """
     if is_cupy(x):
-        cupyx = sys.modules.get("cupyx") or importlib.import_module("cupyx")
-        return cupyx.empty_pinned(x.shape, x.dtype)
+        return importlib.import_module("cupyx").empty_pinned(x.shape, x.dtype)
     return np.empty(x.shape, x.dtype)
 
 

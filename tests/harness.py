@@ -12,6 +12,7 @@ the K-rank MPI world (``world_size`` is then ignored: use
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -56,3 +57,23 @@ def current_size(default: int) -> int:
 
 
 mock_only = pytest.mark.skipif(UNDER_MPI, reason="needs the in-process mock world")
+
+
+def why_no_gpu(need_nccl: bool = False) -> str | None:
+    """Why the GPU tests cannot run here (CuPy, a CUDA device, NCCL when ``need_nccl``
+    missing), or None when they can."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            import cupy
+            from cupy.cuda import nccl
+    except Exception as exc:  # ImportError, or CUDA libraries failing to load
+        return f"CuPy is not importable ({exc})"
+    if need_nccl and not getattr(nccl, "available", False):
+        return "CuPy cannot load NCCL"
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:
+        return f"no CUDA device ({exc})"
+    return None if count > 0 else "no CUDA device"
+

@@ -10,11 +10,9 @@ CUDA support. Skipped, at collection, without CuPy or a CUDA device.
 
 from __future__ import annotations
 
-import warnings
-
 import numpy as np
 import pytest
-from harness import UNDER_MPI, current_size, mpi_world, run_world
+from harness import UNDER_MPI, current_size, mpi_world, run_world, why_no_gpu
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -22,19 +20,7 @@ import axondist as ad
 from axondist import ReduceOp
 from axondist._array import bfloat16
 
-
-def _unavailable() -> str | None:
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            import cupy
-        count = cupy.cuda.runtime.getDeviceCount()
-    except Exception as exc:  # ImportError, or CUDA libraries failing to load
-        return f"CuPy or a CUDA device is missing ({exc})"
-    return None if count > 0 else "no CUDA device"
-
-
-REASON = _unavailable()
+REASON = why_no_gpu()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(REASON is not None, reason=str(REASON))]
 
 DTYPES = ["float16", "bfloat16", "float32", "float64", "int32", "int64", "bool"]

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from harness import current_size, run_world, world_sizes
+from harness import current_size, run_world, why_no_gpu, world_sizes
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -54,23 +54,7 @@ if os.environ.get(FAKE_ENV, "") not in ("", "numpy"):
                      "'numpy' (or leave it unset to use CuPy)")
 
 
-def _unavailable() -> str | None:
-    if FAKE:
-        return None
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            import cupy
-    except Exception as exc:  # ImportError, or CUDA libraries failing to load
-        return f"CuPy is not importable ({exc})"
-    try:
-        count = cupy.cuda.runtime.getDeviceCount()
-    except Exception as exc:
-        return f"no CUDA device ({exc})"
-    return None if count > 0 else "no CUDA device"
-
-
-REASON = _unavailable()
+REASON = None if FAKE else why_no_gpu()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(REASON is not None, reason=str(REASON))]
 
 #: The "device" namespace: CuPy, or NumPy in fake mode (None when the file is skipped).

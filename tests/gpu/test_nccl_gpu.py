@@ -13,11 +13,11 @@ import importlib.util
 import os
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 
 import numpy as np
 import pytest
+from harness import why_no_gpu
 
 import axondist as ad
 from axondist import _array
@@ -25,25 +25,7 @@ from axondist.backends import _nccl_types as nt
 from axondist.errors import UnsupportedDTypeError
 from axondist.ops import ReduceOp, combine_into
 
-
-def _unavailable() -> str | None:
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            import cupy
-            from cupy.cuda import nccl
-    except Exception as exc:  # ImportError, or CUDA libraries failing to load
-        return f"CuPy is not importable ({exc})"
-    if not getattr(nccl, "available", False):
-        return "CuPy cannot load NCCL"
-    try:
-        count = cupy.cuda.runtime.getDeviceCount()
-    except Exception as exc:
-        return f"no CUDA device ({exc})"
-    return None if count > 0 else "no CUDA device"
-
-
-REASON = _unavailable()
+REASON = why_no_gpu(need_nccl=True)
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(REASON is not None, reason=str(REASON))]
 
 

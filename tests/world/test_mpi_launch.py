@@ -154,21 +154,14 @@ def test_world_tests_pass_under_mpiexec(mpi_ready: None, tmp_path: Path, n: int)
     assert len(counts) == 1, f"ranks ran different tests: {summaries}"
 
 
-def _why_no_gpu() -> str | None:
-    try:
-        import cupy
-
-        return None if cupy.cuda.runtime.getDeviceCount() > 0 else "no CUDA device"
-    except Exception as exc:  # ImportError, or CUDA libraries failing to load
-        return f"CuPy or a CUDA device is missing ({exc})"
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("n, staging", [(2, "auto"), (4, "auto"), (2, "always")])
 def test_gpu_world_tests_pass_under_mpiexec(mpi_ready: None, tmp_path: Path, n: int,
                                             staging: str) -> None:
     """tests/gpu's world tests on CuPy arrays, every rank on the one GPU (MPI allows it)."""
-    reason = _why_no_gpu()
+    from harness import why_no_gpu  # pytest's path only: this file also runs as a script
+
+    reason = why_no_gpu()
     if reason is not None:
         pytest.skip(reason)
     args = ["-m", "mpi4py", __file__, "pytest", "tests/gpu/test_cupy_collectives.py",
