@@ -35,7 +35,7 @@ from .errors import CollectiveMismatchError
 from .fsdp import clip as _clip
 from .parameter import Parameter, parameters_of
 from .process_group import ProcessGroup, resolve_group
-from .tune import DEFAULT_BUCKET_CAP_MB, tuned_bucket_cap_mb
+from .tune import DEFAULT_BUCKET_CAP_MB, tuned_sizes
 
 ForwardFn = Callable[..., Any]
 
@@ -111,6 +111,8 @@ class DistributedDataParallel:
             the smallest bucket that still moves data near the links' bandwidth:
             what overlap wants (less left to reduce after the last gradient),
             while a synchronous step only gains from fewer, bigger buckets.
+            Under OVERLAPPED the file's piece size (``tune``'s pick) also
+            replaces ``synchronizer.piece_bytes``, whatever ``bucket_cap_mb``.
         first_bucket_mb: MiB of the first bucket of each dtype (1, as torch
             DDP): the first all-reduce starts after the first few gradients.
         broadcast_buffers: broadcast ``buffers`` at every synchronized step.
@@ -146,10 +148,12 @@ class DistributedDataParallel:
         self._params = parameters_of(model)
         self.process_group = resolve_group(group)
         strategy = GradSyncStrategy.parse(strategy)
+        # tune's sizes are for overlap: a synchronous step only gains from bigger buckets
+        tuned_mb, tuned_piece = (tuned_sizes(self.process_group)
+                                 if strategy is GradSyncStrategy.OVERLAPPED
+                                 else (DEFAULT_BUCKET_CAP_MB, None))
         if bucket_cap_mb is None:
-            bucket_cap_mb = (tuned_bucket_cap_mb(self.process_group)
-                             if strategy is GradSyncStrategy.OVERLAPPED
-                             else DEFAULT_BUCKET_CAP_MB)
+            bucket_cap_mb = tuned_mb
         bucket_cap_mb = positive_number(bucket_cap_mb, "DistributedDataParallel",
                                         "bucket_cap_mb (MiB per bucket, e.g. 25)")
         first_bucket_mb = positive_number(first_bucket_mb, "DistributedDataParallel",
@@ -178,6 +182,8 @@ class DistributedDataParallel:
             self.strategy, bucket_bytes=_mib_to_bytes(self.bucket_cap_mb),
             first_bucket_bytes=_mib_to_bytes(self.first_bucket_mb), compression=compression,
             group=self.process_group)
+        if tuned_piece is not None:  # set ddp.synchronizer.piece_bytes before a step to override
+            self.synchronizer.piece_bytes = tuned_piece
         self.synchronizer.prepare(self._params)
         self._unsynced = False  # .grad holds local sums made inside no_sync()
         if logger.isEnabledFor(logging.INFO):

@@ -1,14 +1,15 @@
-"""``python -m axondist tune``: measure all-reduce bus bandwidth per size, pick DDP's bucket.
+"""``python -m axondist tune``: measure all-reduce bus bandwidth per size, pick DDP's sizes.
 
 A sweep all-reduces float32 arrays of growing size over the world (each size timed on its
 slowest rank, the median of a few repeats) and reports the bus bandwidth, the rate at
 which each rank's link carries a ring all-reduce (``2 (n - 1) / n * bytes / seconds``,
 the figure NCCL's tests print). A fit of latency and bandwidth to the sweep gives
 :func:`pick_bucket_bytes` the smallest size that spends ``fraction`` of its time moving
-bytes: big enough that latency no longer matters and no bigger (a smaller bucket starts
-its all-reduce sooner and overlaps more of the backward pass).
-The pick and the table go to a small JSON settings file (:func:`save_settings`,
-:func:`load_settings`), by default ``axondist-tune.json`` or ``$AXONDIST_TUNE_FILE``.
+bytes, and :func:`pick_piece_bytes` the smallest OVERLAPPED piece that, with the pieces
+kept in flight together, keeps ``fraction`` of the link busy (what decides how much of an
+overlapped step is left exposed after the last gradient). The picks and the table go to
+a small JSON settings file (:func:`save_settings`, :func:`load_settings`), by default
+``axondist-tune.json`` or ``$AXONDIST_TUNE_FILE``.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import numpy as np
 from . import comm
 from ._environment import launched_by_mpi
 from ._validate import positive_number
+from .bucketing import GradientSynchronizer
 from .launch import spawn
 from .log import all_reduce_scalar
 from .process_group import ProcessGroup, init, resolve_group
@@ -40,6 +42,10 @@ DEFAULT_FILE = "axondist-tune.json"
 #: Sizes swept by default: 64 KiB to 64 MiB, doubling.
 DEFAULT_SIZES = tuple(64 << 10 << k for k in range(11))
 SETTINGS_VERSION = 1
+#: The smallest OVERLAPPED piece :func:`pick_piece_bytes` picks: below it each piece's own
+#: Python and MPI overhead (start, weighting, tests), which a sweep of single all-reduces
+#: does not show, outweighs what a smaller exposed end saves.
+MIN_PIECE_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -72,6 +78,9 @@ class TuneSettings:
     """Seconds of the fitted per-call latency (alpha)."""
     bandwidth: float = 0.0
     """Message bytes per second of the fitted bandwidth (beta; not bus bytes)."""
+    piece_mb: float | None = None
+    """The picked OVERLAPPED piece in MiB (:func:`pick_piece_bytes`); None in files
+    written before tune picked it (DDP then keeps its default piece)."""
 
 
 def bus_bandwidth(nbytes: int, seconds: float, world_size: int) -> float:
@@ -136,6 +145,67 @@ def pick_bucket_bytes(points: Sequence[SweepPoint], fraction: float = 0.9) -> in
     return next((s for s in sizes if s >= needed), sizes[-1])
 
 
+def piece_latency(alpha: float, world_size: int) -> float:
+    """Seconds of latency one OVERLAPPED piece pays, from a sweep's fitted ``alpha``.
+
+    A small all-reduce (what fixes ``alpha``) waits ``ceil(log2 n)`` link latencies
+    (recursive doubling), a piece's ring ``2 (n - 1)``: ``alpha`` scaled by their ratio.
+
+    Raises:
+        ValueError: ``world_size`` below 1.
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"piece_latency: world_size={world_size!r} must be an int >= 1")
+    if world_size == 1:
+        return alpha
+    return alpha * 2 * (world_size - 1) / math.ceil(math.log2(world_size))
+
+
+def pick_piece_bytes(points: Sequence[SweepPoint], world_size: int, fraction: float = 0.9, *,
+                     in_flight: int = GradientSynchronizer.PIPELINE_WINDOW,
+                     min_bytes: int = MIN_PIECE_BYTES) -> int:
+    """The smallest swept OVERLAPPED piece that keeps ``fraction`` of the link busy.
+
+    Under OVERLAPPED each bucket is cut into pieces, each all-reduced as soon as its
+    gradients are in, ``in_flight`` at a time; what is left after the last gradient is
+    about one piece, so smaller is better until the latency shows. With the fit
+    ``seconds = alpha + nbytes / beta`` (:func:`fit_latency_bandwidth`) and a piece's
+    latency ``L`` (:func:`piece_latency`), ``k`` pieces of ``s`` bytes in flight keep
+    the link busy ``k s / (s + L * beta)`` of the time (each waits out its latency while
+    the others move bytes): the pick is the smallest swept size at or above
+    ``L * beta * fraction / (in_flight - fraction)`` and at least ``min_bytes``, else
+    the largest swept size.
+
+    Args:
+        points: a sweep of at least two sizes (any order).
+        world_size: ranks of the swept group.
+        fraction: in (0, 1); the share of the link's bandwidth to keep busy.
+        in_flight: pieces in flight at once (at least 1; DDP's synchronizer keeps
+            :attr:`GradientSynchronizer.PIPELINE_WINDOW`).
+        min_bytes: the smallest piece to pick (see :data:`MIN_PIECE_BYTES`).
+
+    Returns:
+        The size in bytes, one of the swept sizes.
+
+    Raises:
+        ValueError: fewer than two sizes, ``fraction`` outside (0, 1), or
+            ``world_size`` or ``in_flight`` below 1.
+    """
+    if not 0 < fraction < 1:
+        raise ValueError(f"pick_piece_bytes: fraction={fraction!r} must be in (0, 1), "
+                         "e.g. 0.9")
+    if isinstance(in_flight, bool) or not isinstance(in_flight, int) or in_flight < 1:
+        raise ValueError(f"pick_piece_bytes: in_flight={in_flight!r} must be an int >= 1 "
+                         "(pieces in flight at once, e.g. 2)")
+    if not points:
+        raise ValueError("pick_piece_bytes: points is empty; run a sweep first")
+    alpha, beta = fit_latency_bandwidth(points)
+    latency = piece_latency(alpha, world_size)
+    needed = max(latency * beta * fraction / (in_flight - fraction), min_bytes)
+    sizes = sorted({p.nbytes for p in points})
+    return next((s for s in sizes if s >= needed), sizes[-1])
+
+
 def sweep(group: ProcessGroup | None = None, sizes: Sequence[int] = DEFAULT_SIZES, *,
           repeats: int = 5, warmup: int = 1) -> list[SweepPoint]:
     """Time an all-reduce of each size over ``group``; collective (every rank calls it).
@@ -180,7 +250,7 @@ def sweep(group: ProcessGroup | None = None, sizes: Sequence[int] = DEFAULT_SIZE
 
 def tune(group: ProcessGroup | None = None, sizes: Sequence[int] = DEFAULT_SIZES, *,
          repeats: int = 5, fraction: float = 0.9) -> TuneSettings:
-    """Sweep ``group`` and pick the bucket size (collective; see :func:`sweep`).
+    """Sweep ``group`` and pick the bucket and piece sizes (collective; see :func:`sweep`).
 
     Returns:
         The settings, the same on every rank.
@@ -191,7 +261,7 @@ def tune(group: ProcessGroup | None = None, sizes: Sequence[int] = DEFAULT_SIZES
     picked = pick_bucket_bytes(points, fraction)
     alpha, beta = fit_latency_bandwidth(points)
     return TuneSettings(picked / 2**20, g.world_size, nodes, fraction, tuple(points),
-                        alpha, beta)
+                        alpha, beta, pick_piece_bytes(points, g.world_size, fraction) / 2**20)
 
 
 def settings_path(path: str | os.PathLike[str] | None = None) -> Path:
@@ -211,26 +281,33 @@ def save_settings(settings: TuneSettings, path: str | os.PathLike[str] | None = 
 DEFAULT_BUCKET_CAP_MB = 25.0
 
 
-def tuned_bucket_cap_mb(group: ProcessGroup) -> float:
-    """The tuned bucket size when the settings file was measured on this group's layout
-    (world size and host count), else :data:`DEFAULT_BUCKET_CAP_MB`. An unreadable file
-    falls back to the default too (a warning says why)."""
+def tuned_sizes(group: ProcessGroup) -> tuple[float, int | None]:
+    """``(bucket_cap_mb, piece_bytes)`` from the settings file when it was measured on
+    this group's layout (world size and host count); else :data:`DEFAULT_BUCKET_CAP_MB`
+    and None (None also for a file without a piece pick: keep the synchronizer's
+    default). An unreadable file counts as none (a warning says why). Collective."""
     found: Any = None
-    if group.rank == 0:  # one reader: every rank must pick the same size
+    if group.rank == 0:  # one reader: every rank must pick the same sizes
         try:
             settings = load_settings()
             found = None if settings is None else (settings.bucket_cap_mb, settings.world_size,
-                                                   settings.nodes)
+                                                   settings.nodes, settings.piece_mb)
         except ValueError as exc:
             found = str(exc)
     found = comm.broadcast_object(found, group, src=0)
     if isinstance(found, str):
         warnings.warn(f"ignoring the tune settings: {found}", RuntimeWarning, stacklevel=3)
-        return DEFAULT_BUCKET_CAP_MB
+        return DEFAULT_BUCKET_CAP_MB, None
     nodes = len({info[0] for info in comm.all_gather_object(group.node_info(), group)})
     if found is None or (found[1], found[2]) != (group.world_size, nodes):
-        return DEFAULT_BUCKET_CAP_MB
-    return float(found[0])
+        return DEFAULT_BUCKET_CAP_MB, None
+    piece = None if found[3] is None else max(1, round(found[3] * 2**20))
+    return float(found[0]), piece
+
+
+def tuned_bucket_cap_mb(group: ProcessGroup) -> float:
+    """The bucket size of :func:`tuned_sizes` alone. Collective."""
+    return tuned_sizes(group)[0]
 
 
 def load_settings(path: str | os.PathLike[str] | None = None) -> TuneSettings | None:
@@ -249,21 +326,31 @@ def load_settings(path: str | os.PathLike[str] | None = None) -> TuneSettings | 
             raise ValueError(f"version {data.get('version')!r}, expected {SETTINGS_VERSION}")
         points = tuple(SweepPoint(int(p["nbytes"]), float(p["seconds"]), float(p["busbw"]))
                        for p in data["sweep"])
+        piece = data.get("piece_mb")  # absent from files written before the piece pick
+        if piece is not None and not float(piece) > 0:
+            raise ValueError(f"piece_mb={piece!r} is not a positive size")
         return TuneSettings(float(data["bucket_cap_mb"]), int(data["world_size"]),
                             int(data["nodes"]), float(data["fraction"]), points,
-                            float(data["latency"]), float(data["bandwidth"]))
+                            float(data["latency"]), float(data["bandwidth"]),
+                            None if piece is None else float(piece))
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise ValueError(f"load_settings: {source} is not a readable axondist tune file "
                          f"({exc}); run `python -m axondist tune` again or delete it") from None
 
 
 def format_sweep(settings: TuneSettings) -> str:
-    """The sweep as a text table, the picked size marked."""
-    picked = round(settings.bucket_cap_mb * 2**20)
+    """The sweep as a text table, the picked sizes marked."""
+    bucket = round(settings.bucket_cap_mb * 2**20)
+    piece = None if settings.piece_mb is None else round(settings.piece_mb * 2**20)
+
+    def marks(nbytes: int) -> str:
+        names = [name for name, size in (("bucket", bucket), ("piece", piece))
+                 if size == nbytes]
+        return f"  <- {', '.join(names)}" if names else ""
+
     lines = [f"{'size':>10}  {'time':>10}  {'busbw':>12}",
              *(f"{_size(p.nbytes):>10}  {p.seconds * 1e3:>8.3f}ms  "
-               f"{p.busbw / 1e9:>8.3f} GB/s{'  <- bucket' if p.nbytes == picked else ''}"
-               for p in settings.sweep)]
+               f"{p.busbw / 1e9:>8.3f} GB/s{marks(p.nbytes)}" for p in settings.sweep)]
     return "\n".join(lines)
 
 
@@ -278,8 +365,8 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m axondist tune",
         description="Measure all-reduce bus bandwidth per size over the world and save the "
-                    "DDP bucket size that reaches the bandwidth (run it under mpiexec on the "
-                    "machines and ranks you train on).")
+                    "DDP bucket and OVERLAPPED piece sizes that reach the bandwidth (run it "
+                    "under mpiexec on the machines and ranks you train on).")
     parser.add_argument("--min-size", type=int, default=DEFAULT_SIZES[0], metavar="BYTES",
                         help="smallest all-reduce (default: %(default)s)")
     parser.add_argument("--max-size", type=int, default=DEFAULT_SIZES[-1], metavar="BYTES",
@@ -331,12 +418,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(format_sweep(settings))
         print(f"{settings.world_size} ranks on {settings.nodes} host(s): latency "
               f"{settings.latency * 1e6:.1f} us, bandwidth {settings.bandwidth / 1e9:.3g} GB/s "
-              f"(fitted); bucket {settings.bucket_cap_mb:g} MiB (at least {settings.fraction:g} "
-              f"of the bandwidth); saved to {target}")
+              f"(fitted); bucket {settings.bucket_cap_mb:g} MiB, OVERLAPPED piece "
+              f"{settings.piece_mb:g} MiB (at least {settings.fraction:g} of the bandwidth); "
+              f"saved to {target}")
     return 0
 
 
-__all__ = ["DEFAULT_FILE", "SweepPoint", "TuneSettings", "bus_bandwidth", "fit_latency_bandwidth",
-           "format_sweep",
-           "load_settings", "main", "pick_bucket_bytes", "save_settings", "settings_path",
-           "sweep", "tune"]
+__all__ = ["DEFAULT_FILE", "MIN_PIECE_BYTES", "SweepPoint", "TuneSettings", "bus_bandwidth",
+           "fit_latency_bandwidth", "format_sweep", "load_settings", "main",
+           "pick_bucket_bytes", "pick_piece_bytes", "piece_latency", "save_settings",
+           "settings_path", "sweep", "tune", "tuned_sizes"]

@@ -1,5 +1,6 @@
-"""``python -m axondist tune``: the pick, the sweep on the mock world, the settings file,
-the command line, and a sweep across two simulated hosts."""
+"""``python -m axondist tune``: the bucket and piece picks, the sweep on the mock world, the
+settings file (old files without a piece still load), DDP applying the tuned piece under
+OVERLAPPED only, the command line, and a sweep across two simulated hosts."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -14,6 +16,8 @@ from hypothesis import strategies as st
 import axondist as ad
 from axondist import tune
 from axondist.__main__ import main as cli
+from axondist.bucketing import GradientSynchronizer, GradSyncStrategy
+from axondist.ddp import DDP
 from axondist.tune import SweepPoint, TuneSettings
 from cluster.simcluster import SimCluster
 
@@ -50,6 +54,42 @@ def test_the_pick_is_the_smallest_size_that_reaches_the_fraction(
     assert all(efficiency(s) < fraction * (1 + 1e-6) for s in sizes if s < picked)
 
 
+@given(alpha=st.floats(1e-6, 1e-2), n=st.integers(1, 64))
+def test_a_piece_pays_the_rings_latencies(alpha: float, n: int) -> None:
+    """A ring piece waits 2 (n - 1) link latencies, the small all-reduce that measured
+    alpha ceil(log2 n): 2 alpha on 2 ranks, 3 alpha on 4; never less than alpha."""
+    got = tune.piece_latency(alpha, n)
+    steps = 2 * (n - 1) / math.ceil(math.log2(n)) if n > 1 else 1.0
+    assert got == pytest.approx(alpha * steps)
+    assert got >= alpha * (1 - 1e-12)
+    assert tune.piece_latency(alpha, 4) == pytest.approx(3 * alpha)
+
+
+@given(sizes=size_sets, alpha=st.floats(1e-6, 1e-2), beta=st.floats(1e6, 1e11),
+       fraction=st.floats(0.05, 0.99), n=st.integers(1, 16), in_flight=st.integers(1, 4),
+       floor=st.sampled_from([1, 1 << 16, 1 << 20, 1 << 24]))
+def test_the_piece_is_the_smallest_that_keeps_the_link_busy(
+        sizes: list[int], alpha: float, beta: float, fraction: float, n: int, in_flight: int,
+        floor: int) -> None:
+    """``in_flight`` pieces of ``s`` bytes, each paying the ring's latency ``L``, keep the
+    link busy ``in_flight * s / (s + L beta)`` of the time (capped at 1): the pick is the
+    smallest swept size at or above ``floor`` reaching ``fraction``, else the largest."""
+    points = _model_sweep(sizes, alpha, beta)
+    picked = tune.pick_piece_bytes(points, n, fraction, in_flight=in_flight, min_bytes=floor)
+    latency = tune.piece_latency(alpha, n)
+
+    def busy(s: int) -> float:
+        return min(1.0, in_flight * (s / beta) / (latency + s / beta))
+
+    assert picked in sizes
+    if picked != sizes[-1]:  # else no size qualifies: the largest is the best there is
+        assert picked >= floor and busy(picked) >= fraction * (1 - 1e-6)
+    assert all(s < floor or busy(s) < fraction * (1 + 1e-6) for s in sizes if s < picked)
+    # a smaller piece than the bucket: several in flight hide each other's latency
+    if n <= 2 and in_flight >= 2 and floor <= sizes[0]:
+        assert picked <= tune.pick_bucket_bytes(points, fraction)
+
+
 def test_bad_picks_and_bandwidths_are_refused() -> None:
     with pytest.raises(ValueError, match=r"pick_bucket_bytes: points is empty"):
         tune.pick_bucket_bytes([])
@@ -58,6 +98,15 @@ def test_bad_picks_and_bandwidths_are_refused() -> None:
     with pytest.raises(ValueError, match=r"fit_latency_bandwidth: needs at least two distinct "
                                          r"sizes, got \[4\]"):
         tune.pick_bucket_bytes([SweepPoint(4, 1.0, 1.0)] * 3)
+    two = [SweepPoint(4, 1.0, 1.0), SweepPoint(8, 2.0, 1.0)]
+    with pytest.raises(ValueError, match=r"pick_piece_bytes: fraction=0 must be in \(0, 1\)"):
+        tune.pick_piece_bytes(two, 2, 0)
+    with pytest.raises(ValueError, match=r"pick_piece_bytes: in_flight=0 must be an int >= 1"):
+        tune.pick_piece_bytes(two, 2, in_flight=0)
+    with pytest.raises(ValueError, match=r"pick_piece_bytes: points is empty"):
+        tune.pick_piece_bytes([], 2)
+    with pytest.raises(ValueError, match=r"piece_latency: world_size=0 must be an int >= 1"):
+        tune.pick_piece_bytes(two, 0)
     with pytest.raises(ValueError, match=r"bus_bandwidth: seconds=0 must be a finite number"):
         tune.bus_bandwidth(4, 0, 2)
     assert tune.bus_bandwidth(1000, 1.0, 4) == 1500.0
@@ -73,6 +122,7 @@ def test_the_sweep_is_the_same_on_every_rank(n: int) -> None:
     assert [p.nbytes for p in settings.sweep] == sizes
     assert settings.world_size == n and settings.nodes == 1
     assert settings.bucket_cap_mb * 2**20 in sizes
+    assert settings.piece_mb is not None and settings.piece_mb * 2**20 in sizes
     assert all(p.seconds > 0 and p.busbw > 0 for p in settings.sweep)
 
 
@@ -89,9 +139,15 @@ def test_the_sweep_refuses_bad_sizes() -> None:
 def test_settings_round_trip_and_missing_or_broken_files(tmp_path: Path,
                                                          monkeypatch: pytest.MonkeyPatch
                                                          ) -> None:
-    settings = TuneSettings(2.0, 4, 2, 0.9, (SweepPoint(1 << 21, 0.01, 2e8),), 1e-4, 1e8)
+    settings = TuneSettings(2.0, 4, 2, 0.9, (SweepPoint(1 << 21, 0.01, 2e8),), 1e-4, 1e8, 0.5)
     path = tune.save_settings(settings, tmp_path / "t.json")
     assert tune.load_settings(path) == settings
+    old = tmp_path / "old.json"  # written before tune picked a piece: still loads
+    data = json.loads(path.read_text())
+    del data["piece_mb"]
+    old.write_text(json.dumps(data))
+    assert tune.load_settings(old) == TuneSettings(*list(vars(settings).values())[:-1])
+    assert tune.load_settings(old).piece_mb is None  # type: ignore[union-attr]
     monkeypatch.setenv("AXONDIST_TUNE_FILE", str(path))
     assert tune.settings_path() == path and tune.load_settings() == settings
     assert tune.load_settings(tmp_path / "none.json") is None
@@ -100,9 +156,53 @@ def test_settings_round_trip_and_missing_or_broken_files(tmp_path: Path,
     with pytest.raises(ValueError, match=r"load_settings: .*broken.json is not a readable "
                                          r"axondist tune file .*run `python -m axondist tune`"):
         tune.load_settings(broken)
+    broken.write_text(json.dumps({**data, "piece_mb": -1}))
+    with pytest.raises(ValueError, match=r"piece_mb=-1 is not a positive size"):
+        tune.load_settings(broken)
     broken.write_text('{"version": 99}')
     with pytest.raises(ValueError, match=r"version 99, expected 1"):
         tune.load_settings(broken)
+
+
+def _ddp_sizes(world: ad.World, seed: int) -> dict[str, object]:
+    """Per strategy: DDP's bucket cap and piece, and one step's averages against NumPy's."""
+    shapes = [(40, 3), (7,), (129,)]
+    found: dict[str, object] = {}
+    for strategy in (GradSyncStrategy.SYNCHRONOUS, GradSyncStrategy.OVERLAPPED):
+        params = [ad.Parameter(np.zeros(s)) for s in shapes]
+        with DDP(params, world, strategy=strategy) as ddp:
+            grads = [np.random.default_rng([seed, world.rank, k]).standard_normal(s)
+                     for k, s in enumerate(shapes)]
+            for p, g in zip(params, grads):
+                p.grad = g.copy()
+            ddp.sync_gradients()
+            for k, p in enumerate(params):
+                want = np.mean([np.random.default_rng([seed, r, k]).standard_normal(shapes[k])
+                                for r in range(world.world_size)], axis=0)
+                np.testing.assert_allclose(p.grad, want, rtol=1e-12, atol=1e-12)
+            found[strategy.name] = (ddp.bucket_cap_mb, ddp.synchronizer.piece_bytes)
+    return found
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_ddp_takes_the_tuned_piece_under_overlapped_only(
+        n: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The file's piece (1 KiB here: a 1 KiB piece cuts the 3 KiB bucket in three)
+    replaces the synchronizer's under OVERLAPPED, and the averages stay right; SYNCHRONOUS
+    keeps 25 MiB and the default piece. A file without a piece (written before tune
+    picked one) gives OVERLAPPED the tuned bucket and the default piece; a file measured
+    on another layout gives the defaults."""
+    default = (tune.DEFAULT_BUCKET_CAP_MB, GradientSynchronizer.piece_bytes)
+    path = tmp_path / "tune.json"
+    monkeypatch.setenv("AXONDIST_TUNE_FILE", str(path))
+    point = (SweepPoint(1 << 21, 0.01, 2e8),)
+    cases = [(TuneSettings(2.0, n, 1, 0.9, point, 1e-4, 1e8, 2.0**-10), (2.0, 1024)),
+             (TuneSettings(2.0, n, 1, 0.9, point, 1e-4, 1e8, None), (2.0, default[1])),
+             (TuneSettings(2.0, n + 1, 1, 0.9, point, 1e-4, 1e8, 0.5), default)]
+    for seed, (settings, overlapped) in enumerate(cases):
+        tune.save_settings(settings, path)
+        for found in ad.spawn(lambda w, seed=seed: _ddp_sizes(w, seed), n):
+            assert found == {"SYNCHRONOUS": default, "OVERLAPPED": overlapped}, settings
 
 
 def test_the_command_writes_the_settings_file(tmp_path: Path,
@@ -111,7 +211,7 @@ def test_the_command_writes_the_settings_file(tmp_path: Path,
     assert cli(["tune", "--min-size", "4096", "--max-size", "65536", "--repeats", "2",
                 "--out", str(out)]) == 0
     printed = capsys.readouterr().out
-    assert "<- bucket" in printed and f"saved to {out}" in printed
+    assert "bucket" in printed and "piece" in printed and f"saved to {out}" in printed
     data = json.loads(out.read_text())
     assert data["world_size"] == 2 and [p["nbytes"] for p in data["sweep"]] == [
         4096, 8192, 16384, 32768, 65536]
