@@ -19,6 +19,7 @@ world tests, default 5).
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import re
@@ -28,6 +29,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -35,6 +37,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 MPIEXEC = Path(sys.executable).parent / "mpiexec"
 LAUNCH_TIMEOUT = float(os.environ.get("AXONDIST_MPI_LAUNCH_TIMEOUT", "600"))
+# Seconds a failing rank waits between printing its traceback and aborting the job.
+OUTPUT_GRACE_S = 0.5
 # MPICH busy-polls while it waits; with more ranks than free cores (CI machines,
 # shared test boxes) the spinning ranks starve the one that should send. These
 # settings (MPICH's own CI uses them to run mpi4py's tests oversubscribed) make
@@ -191,6 +195,29 @@ def test_a_failing_world_test_prints_its_traceback_before_the_job_aborts(
     assert run.returncode != 0, run.tail()
     assert "rank 1: test_fails_on_rank_1.py::test_rank_1_fails failed" in run.ranks[1], run.tail()
     assert "AssertionError: rank 1 fails this test on purpose" in run.ranks[1], run.tail()
+    assert run.seconds < 30, f"the job took {run.seconds:.0f} s to end\n{run.tail()}"
+    assert "failed" not in run.ranks[0], "rank 0 did not fail; it must not be blamed"
+
+
+FAILING_TESTS = REPO / "tests" / "cluster" / "world_test_that_fails.py"
+
+
+def test_a_failing_hypothesis_example_prints_its_traceback_and_ends_the_job(
+        mpi_ready: None, tmp_path: Path) -> None:
+    """Hypothesis shrinks and replays a failing example on the failing rank alone, whose
+    collectives then wait for ranks that went on (a hang until the timeout, and no
+    traceback). The first failing example prints it and ends the job instead."""
+    test = f"{FAILING_TESTS}::test_one_rank_fails_one_example"
+    run = launch(tmp_path, 2, ["-m", "mpi4py", __file__, "pytest", test, "-q", "-x", "-p",
+                               "no:cacheprovider"],
+                 {"AXONDIST_FAIL_RANKS": "1", "AXONDIST_TEST_EXAMPLES": "3",
+                  "AXONDIST_TIMEOUT": "60"}, timeout=120)
+    assert run.returncode != 0, run.tail()
+    assert run.seconds < 30, f"the job took {run.seconds:.0f} s to end\n{run.tail()}"
+    assert "test_one_rank_fails_one_example failed (call), the job aborts now" in run.ranks[1], (
+        run.tail())
+    assert "AssertionError: rank 1 fails size=" in run.ranks[1], run.tail()
+    assert "failing example on this rank: size=" in run.ranks[1], run.tail()
     assert "failed" not in run.ranks[0], "rank 0 did not fail; it must not be blamed"
 
 
@@ -406,7 +433,40 @@ class _PrintFailuresNow:
 
     Under mpiexec the failing rank aborts the job in ``pytest_sessionfinish``, before
     pytest's summary would show the traceback; printed here, it survives the abort.
+    A hypothesis test goes further: after a failing example hypothesis shrinks it and
+    replays it, on the failing rank alone, so that rank's collectives find no partner
+    (the others passed the example and went on) and the job hangs without a word. Its
+    first failing example therefore prints the traceback and aborts the job at once.
     """
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
+        for item in items:
+            handle = getattr(getattr(item, "obj", None), "hypothesis", None)
+            if handle is not None and callable(getattr(handle, "inner_test", None)):
+                handle.inner_test = self._abort_on_failure(item, handle.inner_test)
+
+    @classmethod
+    def _abort_on_failure(cls, item: pytest.Item, test: Any) -> Any:
+        @functools.wraps(test)
+        def run_example(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return test(*args, **kwargs)
+            except Exception as exc:
+                # hypothesis's own signals (assume(), ...) are no failure; hypothesis is
+                # loaded by then (imported here, pytest could not rewrite its asserts)
+                if isinstance(exc, sys.modules["hypothesis.errors"].HypothesisException):
+                    raise
+                text = str(item.repr_failure(pytest.ExceptionInfo.from_exception(exc)))
+                example = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
+                capture = item.config.pluginmanager.getplugin("capturemanager")
+                with capture.global_and_fixture_disabled():  # past pytest's capture
+                    cls._print(f"{item.nodeid} failed (call), the job aborts now",
+                               f"{text}\nfailing example on this rank: {example[:2000]}")
+                    _abort(1)
+                raise  # not reached: the abort ends this process
+
+        return run_example
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         if report.failed:
@@ -421,6 +481,21 @@ class _PrintFailuresNow:
     def _print(what: str, text: str) -> None:
         rank = os.environ.get("PMI_RANK", "?")
         print(f"\n--- rank {rank}: {what} ---\n{text}", file=sys.stderr, flush=True)
+
+
+def _abort(status: int) -> None:
+    """End the whole job now (as ``tests/conftest.py`` does when a rank's session fails)."""
+    from mpi4py import MPI
+
+    from axondist.backends._watchdog import silence_all
+
+    silence_all()  # this rank fails the run: not a departure for the others to report
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # the text goes through this host's proxy to mpiexec, the abort by its own way, and
+    # hydra orders neither: a short pause lets the text arrive first
+    time.sleep(OUTPUT_GRACE_S)
+    MPI.COMM_WORLD.Abort(status)
 
 
 def _pytest(*args: str) -> None:
