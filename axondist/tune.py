@@ -282,10 +282,20 @@ DEFAULT_BUCKET_CAP_MB = 25.0
 
 
 def tuned_sizes(group: ProcessGroup) -> tuple[float, int | None]:
-    """``(bucket_cap_mb, piece_bytes)`` from the settings file when it was measured on
-    this group's layout (world size and host count); else :data:`DEFAULT_BUCKET_CAP_MB`
-    and None (None also for a file without a piece pick: keep the synchronizer's
-    default). An unreadable file counts as none (a warning says why). Collective."""
+    """The DDP sizes of the settings file, when it was measured on this group's layout.
+
+    Collective: group rank 0 reads the file (:func:`settings_path`) and every rank gets
+    the same answer. A file measured on another world size or host count, no file, or
+    an unreadable one (a ``RuntimeWarning`` says why) give the defaults.
+
+    Args:
+        group: the group DDP averages over.
+
+    Returns:
+        ``(bucket_cap_mb, piece_bytes)``: the tuned bucket in MiB and OVERLAPPED piece in
+        bytes, else :data:`DEFAULT_BUCKET_CAP_MB` and None (None also for a file written
+        before tune picked a piece: keep the synchronizer's default piece).
+    """
     found: Any = None
     if group.rank == 0:  # one reader: every rank must pick the same sizes
         try:
@@ -303,11 +313,6 @@ def tuned_sizes(group: ProcessGroup) -> tuple[float, int | None]:
         return DEFAULT_BUCKET_CAP_MB, None
     piece = None if found[3] is None else max(1, round(found[3] * 2**20))
     return float(found[0]), piece
-
-
-def tuned_bucket_cap_mb(group: ProcessGroup) -> float:
-    """The bucket size of :func:`tuned_sizes` alone. Collective."""
-    return tuned_sizes(group)[0]
 
 
 def load_settings(path: str | os.PathLike[str] | None = None) -> TuneSettings | None:
