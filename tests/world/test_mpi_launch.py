@@ -10,7 +10,8 @@ This file is also the per-rank program of the MPI-only checks:
 function ``CHECKS[CHECK]`` on every rank (each rank asserts its own results
 against NumPy references derived from seeds, then prints ``CHECK OK``);
 ``CHECK`` = ``pytest ARGS`` runs pytest printing each failure's traceback at
-once, so it survives the abort that a failing rank starts.
+once, so it survives the abort that a failing rank starts (at a hypothesis
+test's first failing example, before hypothesis would replay it on that rank alone).
 
 Environment: ``AXONDIST_MPI_LAUNCH_TIMEOUT`` (seconds per launch, default
 600), ``AXONDIST_MPI_TEST_EXAMPLES`` (hypothesis examples in the launched
