@@ -37,7 +37,7 @@ from .base import Work, compare_signatures, stall_warning_after
 from .recorder import CALL_FIELDS, FlightRecorder, format_entries
 
 if TYPE_CHECKING:
-    from ._nccl_backend import NcclBackend
+    from ._nccl_core import NcclBackendBase
 
 
 # --- loading CuPy --------------------------------------------------------------------
@@ -106,7 +106,7 @@ class NcclCall:
 class PendingCall:
     __slots__ = ("backend", "work", "post", "blocking")
 
-    def __init__(self, backend: NcclBackend, work: NcclWork, post: Callable[[], Any] | None,
+    def __init__(self, backend: NcclBackendBase, work: NcclWork, post: Callable[[], Any] | None,
                  blocking: bool) -> None:
         self.backend, self.work, self.post, self.blocking = backend, work, post, blocking
 
@@ -181,7 +181,7 @@ class NcclWork(Work):
     __slots__ = ("_backend", "_op", "_result", "_keep", "_event", "_done", "_error", "_entry",
                  "_check")
 
-    def __init__(self, backend: NcclBackend, op: str, result: Any, keep: tuple[Any, ...],
+    def __init__(self, backend: NcclBackendBase, op: str, result: Any, keep: tuple[Any, ...],
                  entry: Entry | None = None) -> None:
         self._backend = backend
         self._op = op

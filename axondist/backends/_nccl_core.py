@@ -1,0 +1,400 @@
+"""The NCCL backend's foundation (:class:`NcclBackendBase`): the state every call reads
+(communicator, stream, flight recorder, checks), the launch machinery that orders a call
+after the caller's stream, enqueues it and waits for its event, and the recording and
+cross-rank checking of each call. :mod:`axondist.backends._nccl_backend` builds
+:class:`~axondist.backends.nccl.NcclBackend` on it.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import time
+from collections.abc import Callable, Sequence
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+from ..errors import (
+    CollectiveMismatchError,
+    CollectiveTimeoutError,
+    RankError,
+    WorldAbortedError,
+)
+from ..ops import ReduceOp
+from ._nccl_runtime import (
+    GROUP_STATE,
+    Entry,
+    NcclCall,
+    NcclWork,
+    PendingCall,
+    RankState,
+    WorldLink,
+    check_pair,
+    mismatch_error,
+    named_signatures,
+    recorded_call,
+)
+from ._nccl_types import (
+    NCCL_DTYPES,
+    NCCL_OPS,
+    ReducePlan,
+    check_device_array,
+    parse_nccl_version,
+    reduce_plan,
+)
+from .base import (
+    Backend,
+    Signature,
+    compare_signatures,
+)
+from .recorder import describe_detail
+
+#: Seconds past the timeout a wait keeps polling for the watchdog's verdict, which names the
+#: missing ranks, before it gives up on its own.
+_VERDICT_GRACE = 10.0
+#: Distinct (call, arguments) pairs whose check buffers stay on the device.
+_CHECK_CACHE = 4096
+#: Seconds a mismatch report keeps asking peers that did not answer for their call.
+_MISMATCH_PATIENCE = 5.0
+
+
+class NcclBackendBase(Backend):
+    """State, launch, recording and checks of one rank's NCCL communicator (see
+    :class:`~axondist.backends.nccl.NcclBackend`, which adds the collectives, messages and
+    life cycle)."""
+
+    _hosts: tuple[str, ...] | None  # every rank's host name, for node_info
+    #: The object all-gather the debug checks exchange signatures with (``_nccl_messages``).
+    _allgather_object_raw: Callable[[Any], list[Any]]
+
+    def _setup(self, cupy: ModuleType, nccl: ModuleType, comm: Any, rank: int, world_size: int,
+               device: int, hosts: tuple[str, ...] | None, link: WorldLink, state: RankState,
+               group: str, members: Sequence[int], *, is_world: bool) -> None:
+        self._cupy, self._nccl, self._comm = cupy, nccl, comm
+        self.rank, self.world_size, self.device = rank, world_size, device
+        self.timeout = state.timeout
+        self._hosts = hosts
+        self._link = link
+        self._closed = False
+        self._inflight: collections.deque[NcclWork] = collections.deque()
+        self._version = parse_nccl_version(nccl.get_version())
+        self._state = state
+        self._is_world = is_world
+        self._group, self._p2p_group = group, f"{group}:p2p"
+        self._members = tuple(members)
+        state.recorder.groups[group] = state.recorder.groups[self._p2p_group] = self._members
+        state.comms.append(comm)
+        self._seqs, self._p2p_seqs = itertools.count(1), itertools.count(1)
+        self._groups_made = 0
+        self._checked = (state.checks or state.debug) and world_size > 1
+        #: axondist.comm builds signature tuples only for the debug comparison.
+        self.needs_signature = state.debug
+        self._pairs: dict[tuple[str, tuple[Any, ...]], Any] = {}
+        self._plans: dict[tuple[Any, ReduceOp], ReducePlan] = {}
+        with cupy.cuda.Device(device):
+            self._stream = cupy.cuda.Stream(non_blocking=True)
+            self._ready = cupy.cuda.Event(disable_timing=True)
+            self._barrier_buf = cupy.empty(1, dtype=np.int32)  # its value does not matter
+            self._check_out = cupy.empty(2, dtype=np.int64)
+            self._read_stream = cupy.cuda.Stream(non_blocking=True)
+        self._broken: str | None = None  # why a mismatch aborted the communicator
+
+    # --- the launch machinery -------------------------------------------------------------
+    def _where(self) -> str:
+        return f"rank {self.rank} of {self.world_size} (GPU {self.device})"
+
+    def _call(self, op: str) -> NcclCall:
+        return NcclCall(self._nccl, op, self._where())
+
+    def _usable(self, op: str) -> None:
+        if self._closed:
+            raise RuntimeError(f"{op}: the nccl backend of {self._where()} was closed")
+        if self._state.verdict is not None:
+            raise self._state.verdict_error(op, self._where())
+        if self._broken is not None:
+            raise CollectiveMismatchError(
+                f"{op}: the NCCL communicator of {self._where()} was aborted after a mismatched "
+                f"call and cannot be used any more: {self._broken}")
+
+    def _launch(self, op: str, issue: Callable[[], None], *, result: Any, keep: tuple[Any, ...],
+                async_op: bool, post: Callable[[], Any] | None = None,
+                entry: Entry | None = None, follow_caller: bool = True) -> NcclWork:
+        """Order after the caller's stream (unless ``follow_caller`` is false), enqueue
+        ``issue()``, then finish or defer to a group; ``entry`` is stamped on completion."""
+        self._usable(op)
+        cupy = self._cupy
+        with cupy.cuda.Device(self.device):
+            current = cupy.cuda.get_current_stream()
+            if follow_caller and current.ptr != self._stream.ptr:
+                self._ready.record(current)
+                self._stream.wait_event(self._ready)
+            with self._call(op):
+                issue()
+            work = NcclWork(self, op, result, keep, entry)
+            if GROUP_STATE.depth:
+                GROUP_STATE.pending.append(PendingCall(self, work, post, not async_op))
+                return work
+            self._start(work, post)
+        if not async_op:
+            work.wait()
+        return work
+
+    def _start(self, work: NcclWork, post: Callable[[], Any] | None) -> None:
+        """After the kernels are enqueued: run ``post`` on the stream, record the event."""
+        cupy = self._cupy
+        with cupy.cuda.Device(self.device):
+            if post is not None:
+                with self._stream:
+                    post()
+            event = cupy.cuda.Event(disable_timing=True)
+            event.record(self._stream)
+        work._event = event
+        self._sweep()
+        self._inflight.append(work)
+
+    def _sweep(self) -> None:
+        """Forget (and stamp in the recorder) the leading in-flight calls that completed."""
+        while self._inflight and self._inflight[0].is_completed():
+            self._inflight.popleft()
+
+    def _wait_event(self, event: Any, op: str, timeout: float | None) -> None:
+        """Poll ``event`` until done; time out, notice aborts, the watchdog's verdict and
+        NCCL's async errors.
+
+        With ``timeout`` None the backend's timeout applies and the watchdog
+        (when there is one) decides first; an explicit ``timeout`` leaves the
+        operation running.
+        """
+        state = self._state
+        if not event.done:
+            self._poll(event, op, timeout)
+        if state.verdict is not None or self._broken is not None:
+            self._usable(op)  # an aborted call's event completes too: never return its result
+
+    def _poll(self, event: Any, op: str, timeout: float | None) -> None:
+        state = self._state
+        if timeout is not None:
+            limit = float(timeout)
+        else:
+            limit = self.timeout + (_VERDICT_GRACE if state.watchdog is not None else 0.0)
+        state.polling[id(event)] = event
+        try:
+            self._poll_until(event, op, timeout, limit)
+        finally:
+            state.polling.pop(id(event), None)
+
+    def _poll_until(self, event: Any, op: str, timeout: float | None, limit: float) -> None:
+        state = self._state
+        start = time.monotonic()
+        spin_until, next_check = start + 1e-4, start + 0.25
+        delay = 1e-5
+        while not event.done and state.verdict is None and self._broken is None:
+            now = time.monotonic()
+            if self._link.reason is not None:
+                raise WorldAbortedError(f"{op} cancelled on {self._where()}: {self._link.reason}")
+            if now >= next_check:
+                next_check = now + 0.25
+                if self._version >= (2, 4, 0):
+                    with self._call(op):
+                        self._comm.check_async_error()
+            if now - start > limit:
+                if timeout is None:
+                    raise state.timeout_error(op, self._where(), limit)
+                raise CollectiveTimeoutError(
+                    f"{op}: not completed within {limit:g} s on {self._where()}; it keeps "
+                    "running: call wait() again (every rank of the group must make the same "
+                    "calls in the same order; NCCL_DEBUG=INFO shows where each rank is)")
+            if now >= spin_until:
+                time.sleep(delay)
+                delay = min(delay * 2, 1e-3)
+
+    def _check(self, x: Any, op: str, *, writable: bool = False) -> None:
+        check_device_array(x, op, self.device, writable=writable)
+
+    # --- recording and checking ----------------------------------------------------------
+    def _begin_call(self, op: str, key: tuple[Any, ...], signature: Signature = (),
+                    blocking: bool = True) -> Entry:
+        """Number and record collective ``op``; for a blocking call (outside groups) then
+        the cross-rank check, settled before anything else is enqueued."""
+        self._usable(op)
+        entry = self._state.begin(self._group, next(self._seqs), op, key, blocking)
+        if self._checked and not GROUP_STATE.depth and (blocking or self._state.debug):
+            try:
+                if self._state.debug:
+                    self._agree_by_name(op, key, signature)
+                else:
+                    self._agree(op, key, entry)
+            except BaseException:
+                self._state.finish(entry)
+                raise
+        return entry
+
+    def _collective(self, op: str, key: tuple[Any, ...], signature: Signature,
+                    issue: Callable[[], None], *, result: Any, keep: tuple[Any, ...],
+                    async_op: bool, post: Callable[[], Any] | None = None) -> NcclWork:
+        """:meth:`_launch` of collective ``op`` whose arguments are ``key``, recorded, checked.
+
+        An async call's check is enqueued just before it and settled in
+        ``wait()``, before its data is waited for: the host does not wait for
+        the peers when issuing it.
+        """
+        entry = self._begin_call(op, key, signature, not async_op)
+        try:
+            check = None
+            if async_op and self._checked and not GROUP_STATE.depth and not self._state.debug:
+                check = self._check_later(op, key, entry)
+            work = self._launch(op, issue, result=result, keep=keep, async_op=async_op,
+                                post=post, entry=entry)
+        except BaseException:
+            self._state.finish(entry)
+            raise
+        work._check = check
+        return work
+
+    def _issue_check(self, op: str, key: tuple[Any, ...], out: Any, async_op: bool) -> NcclWork:
+        """Enqueue the check's MAX all-reduce of ``[h, -h]`` into ``out``; it follows this
+        backend's earlier calls, not the caller's stream."""
+        pair = self._pairs.get((op, key))
+        if pair is None:
+            pair = self._device_pair(op, key)
+        stream = self._stream.ptr
+
+        def issue() -> None:
+            self._comm.allReduce(pair.data.ptr, out.data.ptr, 2, NCCL_DTYPES["int64"],
+                                 NCCL_OPS["max"], stream)
+
+        return self._launch(op, issue, result=None, keep=(pair, out), async_op=async_op,
+                            follow_caller=False)
+
+    def _agree(self, op: str, key: tuple[Any, ...], entry: Entry) -> None:
+        """Return when every rank calls ``op`` with ``key``, else raise the mismatch on all."""
+        since = time.monotonic()
+        self._issue_check(op, key, self._check_out, False)
+        got = self._host(self._check_out)
+        if got[0] != -got[1]:
+            raise self._mismatch(op, key, entry.group, entry.seq, True, since)
+
+    def _check_later(self, op: str, key: tuple[Any, ...],
+                     entry: Entry) -> Callable[[float | None], None]:
+        """Enqueue an async call's check; what verifies it (``wait(timeout)`` calls it)."""
+        with self._cupy.cuda.Device(self.device):
+            out = self._cupy.empty(2, dtype=np.int64)  # its own: later checks may run first
+        since = time.monotonic()
+        work = self._issue_check(op, key, out, True)
+        group, seq = entry.group, entry.seq
+
+        def settle(timeout: float | None) -> None:
+            work.wait(timeout)
+            with self._cupy.cuda.Device(self.device):
+                got = out.get(stream=self._read_stream)  # the main stream may be stuck
+            if got[0] != -got[1]:
+                raise self._mismatch(op, key, group, seq, False, since)
+
+        return settle
+
+    def _device_pair(self, op: str, key: tuple[Any, ...]) -> Any:
+        if len(self._pairs) >= _CHECK_CACHE:
+            self._pairs.clear()
+        with self._cupy.cuda.Device(self.device), self._stream:
+            pair = self._pairs[(op, key)] = self._cupy.asarray(check_pair(op, key))
+        return pair
+
+    def _mismatch(self, op: str, key: tuple[Any, ...], group: str, seq: int,
+                  blocking: bool, since: float) -> CollectiveMismatchError:
+        """The error of a failed check (issued at ``since``), naming the ranks and what
+        differs.
+
+        The peers' calls are read from their flight recorders over the
+        watchdog's side channel, not over this communicator, which is out of
+        step when a peer's call was async (its data call is enqueued already):
+        then, or when a peer did not answer, the communicator is aborted. Before
+        returning, the rank waits (up to ``_MISMATCH_PATIENCE``) until the peers it
+        read have read it too: a rank that raised and left at once would leave a
+        slower peer without an answer.
+        """
+        me = self._members[self.rank]
+        query = self._state.recorder.query_peers
+        statuses: dict[int, Any] = {}
+        unknown = [m for m in self._members if m != me]
+        # A peer under load may answer late, or not have recorded the call yet: ask again
+        # for up to _MISMATCH_PATIENCE seconds (the error path only) before calling its
+        # call unknown, which costs the communicator.
+        give_up, pause = time.monotonic() + _MISMATCH_PATIENCE, 0.05
+        while query is not None and unknown:
+            statuses.update(query(unknown))
+            unknown = [m for m in unknown if recorded_call(statuses.get(m), group, seq) is None]
+            if not unknown or time.monotonic() + pause > give_up:
+                break
+            time.sleep(pause)
+            pause = min(2 * pause, 0.8)
+        calls = [(op, describe_detail(key, op), blocking) if m == me
+                 else recorded_call(statuses.get(m), group, seq) for m in self._members]
+        error, unsafe = mismatch_error(op, calls)
+        watchdog = self._state.watchdog
+        if watchdog is not None:
+            known = [m for m in self._members if m != me and m not in unknown]
+            watchdog.wait_asked(known, since, _MISMATCH_PATIENCE)
+        if unsafe:
+            self._break(str(error))
+            error = CollectiveMismatchError(
+                f"{error}; a rank's call was async or is unknown, so its data call may be "
+                "enqueued already: this group's NCCL communicator was aborted (ncclCommAbort) "
+                "and cannot be used any more")
+        return error
+
+    def _break(self, reason: str) -> None:
+        """Abort this communicator after a mismatch left it out of step."""
+        self._broken = reason
+        if self._comm in self._state.comms:
+            self._state.comms.remove(self._comm)
+        with self._cupy.cuda.Device(self.device):
+            self._comm.abort()
+
+    def _agree_by_name(self, op: str, key: tuple[Any, ...], signature: Signature) -> None:
+        """``AXONDIST_DEBUG=1``: every argument exchanged (pickled) and compared by name,
+        for async calls too (which then wait for their peers)."""
+        calls = self._allgather_object_raw(((op, key), tuple(signature)))
+        error = compare_signatures(op, named_signatures([c[0] for c in calls]))
+        if error is None and any(c != calls[0] for c in calls):
+            error = compare_signatures(op, [(("op", c[0][0]),) + c[1] for c in calls])
+        if error is not None:
+            raise error
+
+    def _check_root(self, r: int, what: str, arg: str) -> None:
+        if not isinstance(r, (int, np.integer)) or not 0 <= r < self.world_size:
+            raise RankError(f"{what}: {arg}={r!r} is outside the group of {self.world_size} ranks "
+                            f"(valid: 0..{self.world_size - 1})")
+
+    def _divide_post(self, buf: Any, plan: ReducePlan) -> Callable[[], Any] | None:
+        if not plan.divide_by_size or self.world_size == 1:
+            return None
+        n, xp = self.world_size, self._cupy
+        return lambda: xp.divide(buf, n, out=buf)  # floating and complex only (AVERAGE)
+
+    def _plan(self, x: Any, op: ReduceOp, what: str) -> ReducePlan:
+        """The (dtype, op) pair's plan, made once (a refused pair raises every time)."""
+        plan = self._plans.get((x.dtype, op))
+        if plan is None:
+            plan = self._plans[x.dtype, op] = reduce_plan(x.dtype, op, self._version, what)
+        return plan
+
+    # --- host and device bytes ------------------------------------------------------------
+    def _device_bytes(self, data: bytes | np.ndarray,
+                      size: int | None = None) -> tuple[Any, np.ndarray]:
+        """``data`` zero-padded to ``size`` bytes in a device buffer, copied on our stream.
+
+        Returns the device buffer and the host staging array, which the
+        caller keeps alive until an operation on the buffer was waited for.
+        """
+        host = np.zeros(len(data) if size is None else size, dtype=np.uint8)
+        host[:len(data)] = np.frombuffer(data, dtype=np.uint8) if isinstance(data, bytes) else data
+        with self._cupy.cuda.Device(self.device), self._stream:
+            return self._cupy.asarray(host), host  # host stays referenced by the caller
+
+    def _host(self, dev: Any) -> np.ndarray:
+        with self._cupy.cuda.Device(self.device):
+            out = dev.get(stream=self._stream)
+            self._stream.synchronize()
+        return out
