@@ -790,13 +790,39 @@ class GradientSynchronizer:
                 if len(in_flight) >= self.PIPELINE_WINDOW:
                     in_flight.popleft().wait()
                 queue.popleft()
-                self._weigh_piece(state, lo, hi)
-                in_flight.append(handle.start(k))  # type: ignore[union-attr]
+                in_flight.append(self._start_piece(state, k, lo, hi))
                 state.launched = True
                 started += 1
             if self._helper is not None and in_flight:
                 self._helper.wake()
         return started
+
+    def _start_piece(self, state: _BucketState, k: int, lo: int, hi: int) -> Work:
+        """Start piece ``k`` (``[lo, hi)``) of ``state``'s persistent all-reduce, weighted.
+        Where the handle weights its pieces itself (``takes_weight``: the MPI rings weight
+        the values as they join the ring, in cache) and no slot in the piece holds weighted
+        values yet, the weight goes with the start; otherwise the piece is weighted here
+        first (:meth:`_weigh_piece`). The same values either way, bit for bit."""
+        handle: Any = state.persistent
+        if getattr(handle, "takes_weight", False) and not self._holds_weighted(state, lo, hi):
+            return handle.start(k, self._weight())
+        self._weigh_piece(state, lo, hi)
+        return handle.start(k)
+
+    def _holds_weighted(self, state: _BucketState, lo: int, hi: int) -> bool:
+        """Whether a slot overlapping ``[lo, hi)`` of ``state``'s buffer already holds
+        weighted values; moves ``state.weigh_from`` past the slots that end by ``hi``
+        when none does (the next piece starts there)."""
+        layout, slots = state.layout, self.slots
+        j = state.weigh_from
+        while j < len(layout) and layout[j][0] < hi:
+            if slots[layout[j][2]].weighted:
+                return True
+            if layout[j][1] > hi:
+                break
+            j += 1
+        state.weigh_from = j
+        return False
 
     def _weigh_piece(self, state: _BucketState, lo: int, hi: int) -> None:
         """Multiply the part of ``state``'s buffer in ``[lo, hi)`` held by slots not yet

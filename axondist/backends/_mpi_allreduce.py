@@ -6,6 +6,7 @@ rings of persistent point-to-point requests for big pieces).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -27,6 +28,7 @@ from ._mpi_guard import RING_DTYPES, RING_TAG, Rider
 from .base import (
     Backend,
     CompletedWork,
+    PersistentAllReduce,
     Signature,
     Work,
 )
@@ -44,17 +46,73 @@ _CACHED = 1 << 16
 #: flight at once never take each other's messages.
 _PERSISTENT_TAG = RING_TAG + 8
 _PERSISTENT_TAGS = 1 << 14
+#: The blocking weighted ring's tag for the weights the ranks hand their right neighbours.
+_WEIGHT_TAG = RING_TAG + 2
+
+
+def weigh_and_add(mine: Any, got: Any, weight: float, got_weight: float, xp: Any = np) -> None:
+    """``mine = mine * weight + got * got_weight`` in place (``got`` is scratch and is
+    scaled in place too), in parts of ``_CACHED`` elements so each part is scaled and
+    added while it is in cache: one pass over memory. A weight of 1 is skipped (exact).
+    Each product is rounded to the arrays' dtype, as a sender weighting its own values
+    before sending them would round them, so the ring's bits do not depend on which
+    rank applies a weight."""
+    if weight == 1.0 and got_weight == 1.0:
+        xp.add(mine, got, out=mine)
+        return
+    for lo in range(0, mine.shape[0], _CACHED):
+        part, arrived = mine[lo:lo + _CACHED], got[lo:lo + _CACHED]
+        if weight != 1.0:
+            xp.multiply(part, weight, out=part, casting="unsafe")
+        if got_weight != 1.0:
+            xp.multiply(arrived, got_weight, out=arrived, casting="unsafe")
+        xp.add(part, arrived, out=part)
+
+
+class ScratchPool:
+    """Scratch buffers that :class:`PersistentRing` steps borrow, each for one step: the
+    partial sum arriving from the left lands in one, is added, and the buffer goes back.
+    A buffer given back is the next one taken (still in cache), and the pool holds only as
+    many as steps were ever in flight at once, instead of one per piece. Buffers are
+    written once when made (no page faults in later steps)."""
+
+    __slots__ = ("_free",)
+
+    def __init__(self) -> None:
+        self._free: list[Any] = []
+
+    def take(self, nbytes: int) -> Any:
+        """A byte buffer of at least ``nbytes`` (the most recently given back that fits)."""
+        free = self._free
+        for i in range(len(free) - 1, -1, -1):
+            if free[i].nbytes >= nbytes:
+                return free.pop(i)
+        buf = np.empty(nbytes, np.uint8)
+        buf[...] = 0
+        return buf
+
+    def give(self, buf: Any) -> None:
+        """Return a buffer :meth:`take` handed out."""
+        self._free.append(buf)
+
+    def __len__(self) -> int:
+        return len(self._free)
 
 
 class PersistentRing:
-    """One piece of a persistent SUM all-reduce as a ring of persistent point-to-point
-    requests (``Send_init``/``Recv_init`` per step, made once): n - 1 reduce-scatter steps,
-    each adding the partial sum that arrives from the left into this rank's copy of a block,
-    then n - 1 all-gather steps handing the finished blocks round, as the blocking ring of
-    :meth:`AllReduceMixin._ring_mean` does (over the same piece the same blocks, so the
-    same bits as a blocking weighted sum of pre-weighted values). A step
-    starts when the previous one completed on this rank; :meth:`test` and :meth:`block`
-    move it on, so the ring advances only while its caller tests or waits.
+    """One piece of a persistent SUM all-reduce as a ring of point-to-point requests made
+    once (``Send_init`` per step, ``Recv_init`` for the all-gather's): n - 1 reduce-scatter
+    steps, each adding the partial sum that arrives from the left into this rank's copy of
+    a block, then n - 1 all-gather steps handing the finished blocks round, as the blocking
+    ring of :meth:`AllReduceMixin._ring_mean` does (over the same piece the same blocks, so
+    the same bits as the blocking weighted sum). :meth:`start` takes this rank's weight:
+    each rank's values are weighted as they join the ring, in cache, while the partial sum
+    that arrives is added (the first step's block, which left its rank unweighted, with the
+    weight that travels with it), so weighting costs no pass of its own. A reduce-scatter
+    step receives into a buffer borrowed from ``pool`` for that step only (an ``Irecv``), so
+    rings share a few buffers that stay in cache. A step starts when the previous one
+    completed on this rank; :meth:`test` and :meth:`block` move it on, so the ring advances
+    only while its caller tests or waits.
 
     Args:
         comm: the group's private communicator.
@@ -64,71 +122,139 @@ class PersistentRing:
         rank: this rank in ``comm``.
         size: ``comm``'s size (> 1).
         tag: the tag every message of this piece carries.
+        pool: where reduce-scatter steps borrow their receive buffers.
     """
 
-    __slots__ = ("_steps", "step", "_mpi")
+    __slots__ = ("_steps", "_weighing", "_weights", "_weight", "_live", "_got", "_comm",
+                 "_left", "_tag", "_mtype", "_dtype", "_wire_dtype", "_pool", "step", "_mpi")
 
     def __init__(self, comm: Any, flat: Any, wire: Any, mtype: Any, rank: int, size: int,
-                 tag: int) -> None:
+                 tag: int, pool: ScratchPool) -> None:
         counts = block_counts(flat.size, size)
         blocks = [slice(lo, lo + c) for lo, c in zip(displacements(counts), counts)]
-        # Written once here (np.zeros would leave the pages to the first step's faults).
-        received = np.empty(max(counts), flat.dtype)
-        received[...] = 0
-        wire_received = received if received.dtype == wire.dtype else received.view(wire.dtype)
         right, left = (rank + 1) % size, (rank - 1) % size
-        self._steps: list[tuple[list[Any], Any, Any]] = []
+        self._comm, self._left, self._tag, self._mtype = comm, left, tag, mtype
+        self._dtype, self._wire_dtype, self._pool = flat.dtype, wire.dtype, pool
+        #: this rank's weight (sent right at each start) and the left neighbour's
+        self._weights = np.zeros(2, np.float64)
+        self._weight = 1.0
+        # The weights' messages start before step 0's data: same tag, same pair of ranks,
+        # so MPI matches them first (messages do not overtake).
+        self._weighing = [comm.Recv_init([self._weights[1:], MPI.DOUBLE], left, tag),
+                          comm.Send_init([self._weights[:1], MPI.DOUBLE], right, tag)]
+        #: per step: its persistent requests, and for a reduce-scatter step the block the
+        #: arriving partial sum is added into (None for an all-gather step)
+        self._steps: list[tuple[list[Any], Any]] = []
         for step in range(size - 1):  # reduce-scatter: block (rank - step - 1) grows
             out, into = blocks[(rank - step) % size], blocks[(rank - step - 1) % size]
-            n = into.stop - into.start
-            requests = [comm.Recv_init([wire_received[:n], mtype], left, tag),
-                        comm.Send_init([wire[out], mtype], right, tag)]
-            self._steps.append((requests, flat[into], received[:n]))
+            self._steps.append(([comm.Send_init([wire[out], mtype], right, tag)], flat[into]))
         for step in range(size - 1):  # all-gather: pass the finished blocks on
             out, into = blocks[(rank + 1 - step) % size], blocks[(rank - step) % size]
-            requests = [comm.Recv_init([wire[into], mtype], left, tag),
-                        comm.Send_init([wire[out], mtype], right, tag)]
-            self._steps.append((requests, None, None))
+            self._steps.append(([comm.Recv_init([wire[into], mtype], left, tag),
+                                 comm.Send_init([wire[out], mtype], right, tag)], None))
+        #: the requests of the step in flight
+        self._live: list[Any] = []
+        #: the borrowed buffer the step in flight receives into (None: none borrowed)
+        self._got: Any = None
         #: the step in flight; ``len(steps)`` when idle or done
         self.step = len(self._steps)
         self._mpi = MPI
 
-    def start(self) -> None:
-        """Start the first step (the piece must be complete and weighted by now)."""
+    def start(self, weight: float = 1.0) -> None:
+        """Start the first step (the piece must be complete by now; its values are
+        multiplied by ``weight`` as they join the ring, rounded to the piece's dtype)."""
         self.step = 0
-        self._mpi.Prequest.Startall(self._steps[0][0])
+        self._weight = weight = float(weight)
+        self._weights[0] = weight
+        self._mpi.Prequest.Startall(self._weighing)  # the weights first
+        self._start_step(self._weighing)
+
+    def _start_step(self, also: list[Any]) -> None:
+        """Start step ``self.step`` (``also``: requests already started that it waits for)."""
+        requests, mine = self._steps[self.step]
+        live = list(also)
+        if mine is not None:  # receive the partial sum into a borrowed buffer
+            got = self._got = self._pool.take(mine.shape[0] * self._dtype.itemsize)
+            wire = got[:mine.shape[0] * self._dtype.itemsize].view(self._wire_dtype)
+            live.append(self._comm.Irecv([wire, self._mtype], self._left, self._tag))
+        self._mpi.Prequest.Startall(requests)
+        self._live = live + requests
 
     def test(self) -> bool:
         """Move the ring on without blocking; whether it finished."""
-        steps, testall = self._steps, self._mpi.Request.Testall
-        while self.step < len(steps):
-            if not testall(steps[self.step][0]):
+        testall = self._mpi.Request.Testall
+        while self.step < len(self._steps):
+            if not testall(self._live):
                 return False
             self._next()
         return True
 
     def block(self) -> None:
         """Wait for the ring to finish."""
-        steps, waitall = self._steps, self._mpi.Request.Waitall
-        while self.step < len(steps):
-            waitall(steps[self.step][0])
+        waitall = self._mpi.Request.Waitall
+        while self.step < len(self._steps):
+            waitall(self._live)
             self._next()
 
     def _next(self) -> None:
         """The step in flight completed: add what arrived (reduce-scatter), start the next."""
-        _, mine, got = self._steps[self.step]
-        if mine is not None:
-            np.add(mine, got, out=mine)
+        mine = self._steps[self.step][1]
+        if mine is not None:  # the first step's block left its rank unweighted
+            got = self._got
+            self._got = None
+            count = mine.shape[0]
+            weigh_and_add(mine, got[:count * self._dtype.itemsize].view(self._dtype),
+                          self._weight, float(self._weights[1]) if self.step == 0 else 1.0)
+            self._pool.give(got)
         self.step += 1
+        self._live = []
         if self.step < len(self._steps):
-            self._mpi.Prequest.Startall(self._steps[self.step][0])
+            self._start_step([])
 
     def free(self) -> None:
         """Release the requests (the ring must not be in flight)."""
-        for requests, _, _ in self._steps:
-            for request in requests:
-                if request != self._mpi.REQUEST_NULL:
-                    request.Free()
+        for request in self._weighing + [r for requests, _ in self._steps for r in requests]:
+            if request != self._mpi.REQUEST_NULL:
+                request.Free()
+
+
+class WeightedPersistentAllReduce(PersistentAllReduce):
+    """A :class:`~axondist.backends.base.PersistentAllReduce` whose :meth:`start` also
+    takes this rank's weight for the piece: ``start(k, w)`` sums ``w * piece`` over the
+    ranks (each rank its own ``w``), bit for bit as multiplying the piece by ``w`` (cast
+    to its dtype) and then ``start(k)`` would. A ring piece weights its values as they
+    join the ring, in cache, so the weighting costs no pass over the piece of its own;
+    other pieces are multiplied just before they start.
+
+    Args:
+        buf: the contiguous buffer reduced in place.
+        bounds: the pieces as element ranges of ``buf.reshape(-1)``, in start order.
+        start: ``start(k, weight)`` starts piece ``k`` and returns its Work.
+        free: releases what the backend set up.
+    """
+
+    __slots__ = ("_weight",)
+
+    #: :meth:`start` takes the weight (callers need not multiply the piece first).
+    takes_weight = True
+
+    def __init__(self, buf: Any, bounds: Sequence[tuple[int, int]],
+                 start: Callable[[int, float], Work], free: Callable[[], None]) -> None:
+        super().__init__(buf, bounds, lambda k: start(k, self._weight), free)
+        self._weight = 1.0
+
+    def start(self, k: int, weight: float = 1.0) -> Work:
+        """Start piece ``k``'s reduction, this rank's values weighted by ``weight``.
+
+        Raises:
+            RuntimeError: the handle was freed, or piece ``k``'s previous start
+                has not completed yet (wait for its Work first).
+        """
+        self._weight = float(weight)
+        try:
+            return super().start(k)
+        finally:
+            self._weight = 1.0
 
 
 class AllReduceMixin(MPIBackendBase):
@@ -283,8 +409,9 @@ class AllReduceMixin(MPIBackendBase):
             if (ring is not None and self._blocking_rings and flat.dtype in RING_DTYPES
                     and self._piece() >= self._chunk
                     and flat.size * flat.itemsize > MEAN_IN_BLOCKS_BYTES):
+                left = self._left_weight(ring, factor)
                 for lo, hi in piece_bounds(flat.size, flat.itemsize, self._chunk):
-                    self._ring_mean(ring, flat[lo:hi], wire[lo:hi], mtype, factor)
+                    self._ring_mean(ring, flat[lo:hi], wire[lo:hi], mtype, factor, left)
                 return
             for lo, hi in piece_bounds(flat.size, flat.itemsize, self._piece()):
                 if scale:
@@ -315,13 +442,21 @@ class AllReduceMixin(MPIBackendBase):
         except MPI.Exception as exc:
             raise_mpi_error(exc, "all_reduce")
 
+    def _left_weight(self, comm: Any, weight: float) -> float:
+        """Hand ``weight`` to the right neighbour on ``comm``; the left neighbour's."""
+        mine, left = np.array([weight], np.float64), np.zeros(1, np.float64)
+        comm.Sendrecv([mine, MPI.DOUBLE], (self.rank + 1) % self.world_size, _WEIGHT_TAG,
+                      [left, MPI.DOUBLE], (self.rank - 1) % self.world_size, _WEIGHT_TAG)
+        return float(left[0])
+
     def _ring_mean(self, comm: Any, flat: Any, wire: Any, mtype: Any,
-                   weight: float | None = None) -> None:
+                   weight: float | None = None, left_weight: float = 1.0) -> None:
         """One piece of :meth:`_mean_in_blocks` (``flat`` in its dtype, ``wire`` the same
         memory as MPI moves it), or with ``weight`` one of a weighted sum's: each rank's
-        own blocks are multiplied by its weight as they join the ring (the first before
-        it is sent, the others in cache-sized parts just before the partial sum that
-        arrives is added), and nothing is scaled at the end."""
+        values are multiplied by its weight as they join the ring, in cache-sized parts
+        just before the partial sum that arrives is added (:func:`weigh_and_add`; the
+        first step's block leaves its rank unweighted and its receiver multiplies it by
+        ``left_weight``, the sender's weight), and nothing is scaled at the end."""
         n, rank = self.world_size, self.rank
         counts = block_counts(flat.size, n)
         starts = displacements(counts)
@@ -330,23 +465,14 @@ class AllReduceMixin(MPIBackendBase):
         received = self._scratch(xp, max(counts), flat.dtype)
         wire_received = received if received.dtype == wire.dtype else received.view(wire.dtype)
         right, left = (rank + 1) % n, (rank - 1) % n
-        weighted = weight is not None and weight != 1.0
-        if weighted:
-            first = flat[blocks[rank]]
-            xp.multiply(first, weight, out=first, casting="unsafe")
+        weight_here = 1.0 if weight is None else float(weight)
         for step in range(n - 1):  # reduce-scatter: block (rank - step - 1) grows
             out, into = blocks[(rank - step) % n], blocks[(rank - step - 1) % n]
             size = into.stop - into.start
             comm.Sendrecv([wire[out], mtype], right, RING_TAG,
                           [wire_received[:size], mtype], left, RING_TAG)
-            mine, got = flat[into], received[:size]
-            if not weighted:
-                xp.add(mine, got, out=mine)
-                continue
-            for lo in range(0, size, _CACHED):
-                part = mine[lo:lo + _CACHED]
-                xp.multiply(part, weight, out=part, casting="unsafe")
-                xp.add(part, got[lo:lo + _CACHED], out=part)
+            weigh_and_add(flat[into], received[:size], weight_here,
+                          float(left_weight) if step == 0 else 1.0, xp)
         if weight is None:
             own = flat[blocks[(rank + 1) % n]]
             how, by = mean_scaling(n)
@@ -378,7 +504,8 @@ class AllReduceMixin(MPIBackendBase):
     def persistent_all_reduce(self, buf: Any, op: ReduceOp = ReduceOp.SUM, *,
                               piece_bytes: int | None = None) -> Backend.Persistent:
         """MPI-4 persistent ``Allreduce_init`` requests over pieces of ``buf`` (a
-        :class:`~axondist.backends.base.PersistentAllReduce`), made once and started each step.
+        :class:`WeightedPersistentAllReduce`: ``start(k, weight)`` weights the piece
+        itself), made once and started each step.
 
         No per-call allocation, so no page faults per start (an ``Iallreduce``
         allocates MPI's temporary buffers every call). The ranks check once,
@@ -386,19 +513,25 @@ class AllReduceMixin(MPIBackendBase):
         recorded as an ``all_reduce`` (the watchdog names a rank that never
         starts a piece) and its Work honours ``wait(timeout)``. Pieces are of
         ``piece_bytes`` (default: the weighted sums' piece, ``chunk_bytes``
-        unless ``AXONDIST_PIECE_MB`` asks for small ones that stay in cache
-        between a caller's weighting and MPI's copy). A SUM piece above
-        ``MEAN_IN_BLOCKS_BYTES`` in a dtype the rings add is a :class:`PersistentRing`
-        on the private communicator (the blocks and bits of the blocking weighted
-        sum's ring, and no MPI temporaries: its scratch is ``1 / world_size`` of the
-        piece); smaller ones are ``Allreduce_init`` requests. Device buffers, debug mode
-        and host staging take the default (a non-blocking all-reduce per start).
+        unless ``AXONDIST_PIECE_MB`` asks for small ones), on one host at most
+        ``chunk_bytes``, the blocking weighted sum's pieces: the same blocks and bits,
+        and blocks that stay in cache while they are weighted and added (two ranks,
+        95 MiB, compute 0: 4 MiB pieces took 1.3x the blocking sum, 2 MiB ones 1.13x).
+        A SUM piece above ``MEAN_IN_BLOCKS_BYTES`` in a dtype the rings add is a
+        :class:`PersistentRing` on the private communicator (no MPI temporaries: its
+        receive buffers are borrowed step by step from the backend's
+        :class:`ScratchPool`); smaller ones are ``Allreduce_init`` requests. Device
+        buffers, debug mode and host staging take the default (a non-blocking
+        all-reduce per start).
         """
         if type(buf) is not np.ndarray or self._slow:
             return super().persistent_all_reduce(buf, op, piece_bytes=piece_bytes)
         data, mtype, mop, average = self._reduction(buf, op, "all_reduce")
         flat, wire = buf.reshape(-1), data.reshape(-1)
-        bounds = piece_bounds(flat.size, flat.itemsize, piece_bytes or self._piece())
+        piece = piece_bytes or self._piece()
+        if self._blocking_rings:  # one host: the blocking weighted sum's pieces at most
+            piece = min(piece, self._chunk)
+        bounds = piece_bounds(flat.size, flat.itemsize, piece)
         guard, comm = self._guard, self._comm
         self._blocking("all_reduce", (buf.dtype, buf.shape, op._name_, "persistent"),
                        lambda: None)
@@ -413,13 +546,16 @@ class AllReduceMixin(MPIBackendBase):
             raise_mpi_error(exc, "all_reduce")
         keys = [(buf.dtype, (hi - lo,), op._name_, True) for lo, hi in bounds]
 
-        def start(k: int) -> Work:
+        def start(k: int, weight: float) -> Work:
             request = requests[k]
+            ring = isinstance(request, PersistentRing)
+            if weight != 1.0 and not ring:  # a ring weights its values as they join it
+                part = flat[bounds[k][0]:bounds[k][1]]
+                np.multiply(part, weight, out=part, casting="unsafe")
             seq, slot = guard.begin("all_reduce", keys[k], blocking=False)
-            ring = type(request) is PersistentRing
             try:
                 if ring:
-                    request.start()
+                    request.start(weight)
                 else:
                     request.Start()
             except MPI.Exception as exc:
@@ -450,12 +586,12 @@ class AllReduceMixin(MPIBackendBase):
         def free() -> None:
             if not MPI.Is_finalized():
                 for request in requests:
-                    if type(request) is PersistentRing:
+                    if isinstance(request, PersistentRing):
                         request.free()
                     elif request != MPI.REQUEST_NULL:
                         request.Free()
 
-        handle = Backend.Persistent(buf, bounds, start, free)
+        handle = WeightedPersistentAllReduce(buf, bounds, start, free)
         self._persistent.add(handle)
         return handle
 
@@ -472,9 +608,14 @@ class AllReduceMixin(MPIBackendBase):
         """A :class:`PersistentRing` over ``flat`` with the next piece tag."""
         uid = self._ring_pieces
         self._ring_pieces = uid + 1
+        if self._ring_scratch is None:
+            self._ring_scratch = ScratchPool()
         return PersistentRing(self._guard.private, flat, wire, mtype, self.rank,
-                              self.world_size, _PERSISTENT_TAG + uid % _PERSISTENT_TAGS)
+                              self.world_size, _PERSISTENT_TAG + uid % _PERSISTENT_TAGS,
+                              self._ring_scratch)
 
     #: Persistent rings made so far by this backend (their tags follow it); the same count
     #: on every rank, as the rings are made collectively.
     _ring_pieces = 0
+    #: The receive buffers this backend's persistent rings borrow step by step.
+    _ring_scratch: ScratchPool | None = None
