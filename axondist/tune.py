@@ -5,11 +5,12 @@ slowest rank, the median of a few repeats) and reports the bus bandwidth, the ra
 which each rank's link carries a ring all-reduce (``2 (n - 1) / n * bytes / seconds``,
 the figure NCCL's tests print). A fit of latency and bandwidth to the sweep gives
 :func:`pick_bucket_bytes` the smallest size that spends ``fraction`` of its time moving
-bytes, and :func:`pick_piece_bytes` the smallest OVERLAPPED piece that, with the pieces
-kept in flight together, keeps ``fraction`` of the link busy (what decides how much of an
-overlapped step is left exposed after the last gradient). The picks and the table go to
-a small JSON settings file (:func:`save_settings`, :func:`load_settings`), by default
-``axondist-tune.json`` or ``$AXONDIST_TUNE_FILE``.
+bytes. A second sweep times OVERLAPPED's own pipelined pieces (:func:`piece_sweep`), and
+:func:`pick_piece_bytes` takes the smallest piece within ``1 / fraction`` of the fastest
+(what is left after a backward pass's last gradient is about one piece, so smaller is
+better while the link keeps up). The picks and the tables go to a small JSON settings
+file (:func:`save_settings`, :func:`load_settings`), by default ``axondist-tune.json`` or
+``$AXONDIST_TUNE_FILE``.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import numpy as np
 from . import comm
 from ._environment import launched_by_mpi
 from ._validate import positive_number
-from .bucketing import GradientSynchronizer
+from .bucketing import GradientSynchronizer, GradSyncStrategy
 from .launch import spawn
 from .log import all_reduce_scalar
 from .process_group import ProcessGroup, init, resolve_group
@@ -42,10 +43,10 @@ DEFAULT_FILE = "axondist-tune.json"
 #: Sizes swept by default: 64 KiB to 64 MiB, doubling.
 DEFAULT_SIZES = tuple(64 << 10 << k for k in range(11))
 SETTINGS_VERSION = 1
-#: The smallest OVERLAPPED piece :func:`pick_piece_bytes` picks: below it each piece's own
-#: Python and MPI overhead (start, weighting, tests), which a sweep of single all-reduces
-#: does not show, outweighs what a smaller exposed end saves.
-MIN_PIECE_BYTES = 1 << 20
+#: OVERLAPPED pieces swept by default: 1 to 16 MiB, doubling.
+DEFAULT_PIECE_SIZES = tuple(1 << 20 << k for k in range(5))
+#: Bytes each piece sweep all-reduces per call (at least two of the largest pieces).
+PIECE_SWEEP_BYTES = 32 << 20
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,9 @@ class TuneSettings:
     piece_mb: float | None = None
     """The picked OVERLAPPED piece in MiB (:func:`pick_piece_bytes`); None in files
     written before tune picked it (DDP then keeps its default piece)."""
+    piece_sweep: tuple[SweepPoint, ...] = field(default_factory=tuple)
+    """Per piece size (``nbytes``), the time of one pipelined all-reduce of
+    :data:`PIECE_SWEEP_BYTES` in such pieces (its bus bandwidth over those bytes)."""
 
 
 def bus_bandwidth(nbytes: int, seconds: float, world_size: int) -> float:
@@ -145,65 +149,94 @@ def pick_bucket_bytes(points: Sequence[SweepPoint], fraction: float = 0.9) -> in
     return next((s for s in sizes if s >= needed), sizes[-1])
 
 
-def piece_latency(alpha: float, world_size: int) -> float:
-    """Seconds of latency one OVERLAPPED piece pays, from a sweep's fitted ``alpha``.
+def pick_piece_bytes(points: Sequence[SweepPoint], fraction: float = 0.9) -> int:
+    """The smallest OVERLAPPED piece whose pipelined all-reduce is within ``1 / fraction``
+    of the fastest piece's time (a :func:`piece_sweep`).
 
-    A small all-reduce (what fixes ``alpha``) waits ``ceil(log2 n)`` link latencies
-    (recursive doubling), a piece's ring ``2 (n - 1)``: ``alpha`` scaled by their ratio.
-
-    Raises:
-        ValueError: ``world_size`` below 1.
-    """
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"piece_latency: world_size={world_size!r} must be an int >= 1")
-    if world_size == 1:
-        return alpha
-    return alpha * 2 * (world_size - 1) / math.ceil(math.log2(world_size))
-
-
-def pick_piece_bytes(points: Sequence[SweepPoint], world_size: int, fraction: float = 0.9, *,
-                     in_flight: int = GradientSynchronizer.PIPELINE_WINDOW,
-                     min_bytes: int = MIN_PIECE_BYTES) -> int:
-    """The smallest swept OVERLAPPED piece that keeps ``fraction`` of the link busy.
-
-    Under OVERLAPPED each bucket is cut into pieces, each all-reduced as soon as its
-    gradients are in, ``in_flight`` at a time; what is left after the last gradient is
-    about one piece, so smaller is better until the latency shows. With the fit
-    ``seconds = alpha + nbytes / beta`` (:func:`fit_latency_bandwidth`) and a piece's
-    latency ``L`` (:func:`piece_latency`), ``k`` pieces of ``s`` bytes in flight keep
-    the link busy ``k s / (s + L * beta)`` of the time (each waits out its latency while
-    the others move bytes): the pick is the smallest swept size at or above
-    ``L * beta * fraction / (in_flight - fraction)`` and at least ``min_bytes``, else
-    the largest swept size.
+    Under OVERLAPPED each bucket is cut into pieces, each started as soon as its
+    gradients are in, so what is left after the last gradient is about one piece:
+    smaller is better, as long as the pieces still move the bytes about as fast. How
+    fast they do depends on more than a latency and a bandwidth (each piece is a ring
+    of ``2 (n - 1)`` steps, and message sizes cross the transports' protocol
+    thresholds), so it is measured, not modelled.
 
     Args:
-        points: a sweep of at least two sizes (any order).
-        world_size: ranks of the swept group.
-        fraction: in (0, 1); the share of the link's bandwidth to keep busy.
-        in_flight: pieces in flight at once (at least 1; DDP's synchronizer keeps
-            :attr:`GradientSynchronizer.PIPELINE_WINDOW`).
-        min_bytes: the smallest piece to pick (see :data:`MIN_PIECE_BYTES`).
+        points: a piece sweep of at least one size (any order): ``nbytes`` the piece,
+            ``seconds`` the time of the same all-reduce in such pieces.
+        fraction: in (0, 1); 0.9 accepts pieces up to 1.11x the fastest time.
 
     Returns:
-        The size in bytes, one of the swept sizes.
+        The size in bytes, one of the swept pieces.
 
     Raises:
-        ValueError: fewer than two sizes, ``fraction`` outside (0, 1), or
-            ``world_size`` or ``in_flight`` below 1.
+        ValueError: no points, or ``fraction`` outside (0, 1).
     """
     if not 0 < fraction < 1:
         raise ValueError(f"pick_piece_bytes: fraction={fraction!r} must be in (0, 1), "
                          "e.g. 0.9")
-    if isinstance(in_flight, bool) or not isinstance(in_flight, int) or in_flight < 1:
-        raise ValueError(f"pick_piece_bytes: in_flight={in_flight!r} must be an int >= 1 "
-                         "(pieces in flight at once, e.g. 2)")
     if not points:
-        raise ValueError("pick_piece_bytes: points is empty; run a sweep first")
-    alpha, beta = fit_latency_bandwidth(points)
-    latency = piece_latency(alpha, world_size)
-    needed = max(latency * beta * fraction / (in_flight - fraction), min_bytes)
-    sizes = sorted({p.nbytes for p in points})
-    return next((s for s in sizes if s >= needed), sizes[-1])
+        raise ValueError("pick_piece_bytes: points is empty; run a piece sweep first")
+    fastest = min(p.seconds for p in points)
+    return min(p.nbytes for p in points if p.seconds * fraction <= fastest)
+
+
+def piece_sweep(group: ProcessGroup | None = None, sizes: Sequence[int] = DEFAULT_PIECE_SIZES,
+                *, total_bytes: int = PIECE_SWEEP_BYTES, repeats: int = 3,
+                warmup: int = 1) -> list[SweepPoint]:
+    """Time OVERLAPPED's pieces: per size, a synchronizer over one float32 gradient of
+    ``total_bytes`` cut into pieces of that size, all started at once (as many in flight
+    as a backward pass keeps); collective, every rank calls it.
+
+    Args:
+        group: the group to measure (None: the current world).
+        sizes: piece sizes in bytes, each a positive multiple of 4.
+        total_bytes: bytes all-reduced per timed call, a positive multiple of 4.
+        repeats: timed calls per size (the median of the slowest rank's times is kept).
+        warmup: untimed calls per size first (the first sets the pieces up).
+
+    Returns:
+        One point per size, in the order given, the same on every rank.
+
+    Raises:
+        ValueError: a size or ``total_bytes`` that is not a positive multiple of 4, or
+            ``repeats`` < 1.
+    """
+    g = resolve_group(group)
+    _check_sizes("piece_sweep", [*sizes, total_bytes], repeats)
+    backend = g.backend_for("piece_sweep")
+    x = backend.metadata_buffer(np.ones(total_bytes // 4, np.float32))  # on the GPU for NCCL
+    points = []
+    for nbytes in sizes:
+        sync = GradientSynchronizer(GradSyncStrategy.OVERLAPPED, bucket_bytes=total_bytes,
+                                    group=g)
+        sync.piece_bytes = nbytes
+        sync.prepare([x])
+        times = []
+        try:
+            for k in range(warmup + repeats):
+                comm.barrier(g)
+                start = time.perf_counter()
+                sync.start(g)
+                sync.add_gradient(0, x)
+                sync.finish()
+                elapsed = time.perf_counter() - start
+                if k >= warmup:
+                    times.append(all_reduce_scalar(elapsed, "max", g))  # the slowest rank
+        finally:
+            sync.close()
+        seconds = max(statistics.median(times), 1e-9)
+        points.append(SweepPoint(nbytes, seconds, bus_bandwidth(total_bytes, seconds,
+                                                                g.world_size)))
+    return points
+
+
+def _check_sizes(where: str, sizes: Sequence[int], repeats: int) -> None:
+    if repeats < 1:
+        raise ValueError(f"{where}: repeats={repeats!r} must be at least 1")
+    for nbytes in sizes:
+        if not isinstance(nbytes, int) or nbytes < 4 or nbytes % 4:
+            raise ValueError(f"{where}: size {nbytes!r} must be a positive multiple of 4 "
+                             "bytes (float32 values)")
 
 
 def sweep(group: ProcessGroup | None = None, sizes: Sequence[int] = DEFAULT_SIZES, *,
@@ -223,12 +256,7 @@ def sweep(group: ProcessGroup | None = None, sizes: Sequence[int] = DEFAULT_SIZE
         ValueError: a size that is not a positive multiple of 4, or ``repeats`` < 1.
     """
     g = resolve_group(group)
-    if repeats < 1:
-        raise ValueError(f"sweep: repeats={repeats!r} must be at least 1")
-    for nbytes in sizes:
-        if not isinstance(nbytes, int) or nbytes < 4 or nbytes % 4:
-            raise ValueError(f"sweep: size {nbytes!r} must be a positive multiple of 4 bytes "
-                             "(float32 values)")
+    _check_sizes("sweep", sizes, repeats)
     points = []
     backend = g.backend_for("sweep")
     for nbytes in sizes:
@@ -249,19 +277,25 @@ def sweep(group: ProcessGroup | None = None, sizes: Sequence[int] = DEFAULT_SIZE
 
 
 def tune(group: ProcessGroup | None = None, sizes: Sequence[int] = DEFAULT_SIZES, *,
-         repeats: int = 5, fraction: float = 0.9) -> TuneSettings:
-    """Sweep ``group`` and pick the bucket and piece sizes (collective; see :func:`sweep`).
+         repeats: int = 5, fraction: float = 0.9,
+         piece_sizes: Sequence[int] = DEFAULT_PIECE_SIZES,
+         piece_total_bytes: int = PIECE_SWEEP_BYTES) -> TuneSettings:
+    """Sweep ``group`` and pick the bucket and piece sizes (collective; see :func:`sweep`
+    and :func:`piece_sweep`, which gets ``piece_sizes``, ``piece_total_bytes`` and at
+    most 3 ``repeats``).
 
     Returns:
         The settings, the same on every rank.
     """
     g = resolve_group(group)
     points = sweep(g, sizes, repeats=repeats)
+    pieces = piece_sweep(g, piece_sizes, total_bytes=piece_total_bytes,
+                         repeats=min(repeats, 3))
     nodes = len({info[0] for info in comm.all_gather_object(g.node_info(), g)})
     picked = pick_bucket_bytes(points, fraction)
     alpha, beta = fit_latency_bandwidth(points)
     return TuneSettings(picked / 2**20, g.world_size, nodes, fraction, tuple(points),
-                        alpha, beta, pick_piece_bytes(points, g.world_size, fraction) / 2**20)
+                        alpha, beta, pick_piece_bytes(pieces, fraction) / 2**20, tuple(pieces))
 
 
 def settings_path(path: str | os.PathLike[str] | None = None) -> Path:
@@ -334,28 +368,30 @@ def load_settings(path: str | os.PathLike[str] | None = None) -> TuneSettings | 
         piece = data.get("piece_mb")  # absent from files written before the piece pick
         if piece is not None and not float(piece) > 0:
             raise ValueError(f"piece_mb={piece!r} is not a positive size")
+        pieces = tuple(SweepPoint(int(p["nbytes"]), float(p["seconds"]), float(p["busbw"]))
+                       for p in data.get("piece_sweep", ()))
         return TuneSettings(float(data["bucket_cap_mb"]), int(data["world_size"]),
                             int(data["nodes"]), float(data["fraction"]), points,
                             float(data["latency"]), float(data["bandwidth"]),
-                            None if piece is None else float(piece))
+                            None if piece is None else float(piece), pieces)
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise ValueError(f"load_settings: {source} is not a readable axondist tune file "
                          f"({exc}); run `python -m axondist tune` again or delete it") from None
 
 
 def format_sweep(settings: TuneSettings) -> str:
-    """The sweep as a text table, the picked sizes marked."""
-    bucket = round(settings.bucket_cap_mb * 2**20)
+    """The sweeps as text tables (all-reduce sizes, then OVERLAPPED pieces), the picks
+    marked."""
     piece = None if settings.piece_mb is None else round(settings.piece_mb * 2**20)
-
-    def marks(nbytes: int) -> str:
-        names = [name for name, size in (("bucket", bucket), ("piece", piece))
-                 if size == nbytes]
-        return f"  <- {', '.join(names)}" if names else ""
-
-    lines = [f"{'size':>10}  {'time':>10}  {'busbw':>12}",
-             *(f"{_size(p.nbytes):>10}  {p.seconds * 1e3:>8.3f}ms  "
-               f"{p.busbw / 1e9:>8.3f} GB/s{marks(p.nbytes)}" for p in settings.sweep)]
+    tables = [("size", settings.sweep, round(settings.bucket_cap_mb * 2**20), "bucket"),
+              ("piece", settings.piece_sweep, piece, "piece")]
+    lines = []
+    for title, points, picked, name in tables:
+        if points:
+            lines += [f"{title:>10}  {'time':>10}  {'busbw':>12}",
+                      *(f"{_size(p.nbytes):>10}  {p.seconds * 1e3:>8.3f}ms  "
+                        f"{p.busbw / 1e9:>8.3f} GB/s{'  <- ' + name if p.nbytes == picked else ''}"
+                        for p in points)]
     return "\n".join(lines)
 
 
@@ -423,13 +459,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(format_sweep(settings))
         print(f"{settings.world_size} ranks on {settings.nodes} host(s): latency "
               f"{settings.latency * 1e6:.1f} us, bandwidth {settings.bandwidth / 1e9:.3g} GB/s "
-              f"(fitted); bucket {settings.bucket_cap_mb:g} MiB, OVERLAPPED piece "
-              f"{settings.piece_mb:g} MiB (at least {settings.fraction:g} of the bandwidth); "
-              f"saved to {target}")
+              f"(fitted); bucket {settings.bucket_cap_mb:g} MiB (at least "
+              f"{settings.fraction:g} of the bandwidth), OVERLAPPED piece "
+              f"{settings.piece_mb:g} MiB (within 1/{settings.fraction:g} of the fastest "
+              f"piece's time); saved to {target}")
     return 0
 
 
-__all__ = ["DEFAULT_FILE", "MIN_PIECE_BYTES", "SweepPoint", "TuneSettings", "bus_bandwidth",
-           "fit_latency_bandwidth", "format_sweep", "load_settings", "main",
-           "pick_bucket_bytes", "pick_piece_bytes", "piece_latency", "save_settings",
-           "settings_path", "sweep", "tune", "tuned_sizes"]
+__all__ = ["DEFAULT_FILE", "DEFAULT_PIECE_SIZES", "PIECE_SWEEP_BYTES", "SweepPoint",
+           "TuneSettings", "bus_bandwidth", "fit_latency_bandwidth", "format_sweep",
+           "load_settings", "main", "pick_bucket_bytes", "pick_piece_bytes", "piece_sweep",
+           "save_settings", "settings_path", "sweep", "tune", "tuned_sizes"]

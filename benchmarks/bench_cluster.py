@@ -16,8 +16,9 @@ ratios paired batch by batch (``_common``). Rank 0 switches the relay's delay of
 * all-reduce of 4 KiB to 64 MiB float32: axondist vs raw mpi4py ``Allreduce`` (target:
   axondist <= 1.1x raw from 4 MiB; the 4 KiB row is the latency, the 64 MiB row's bus
   bandwidth the links'), and :class:`axondist.HierarchicalAllReduce` vs the flat one.
-* ``python -m axondist tune``'s sweep on the same links, and the bucket and OVERLAPPED
-  piece it picks (saved to a settings file that the tuned DDP reads).
+* ``python -m axondist tune``'s sweeps on the same links (all-reduce sizes, and
+  OVERLAPPED's pipelined pieces), and the bucket and piece it picks (saved to a settings
+  file that the tuned DDP reads).
 * DDP on a 95 MiB model (160 arrays): gradient sync alone with 25 MiB buckets vs the
   tuned size (no target: DDP applies the pick under OVERLAPPED only, since a sync alone
   can only gain from fewer, bigger buckets; the ratio shows what a pick would cost a
@@ -271,6 +272,8 @@ def rank_main(args: argparse.Namespace) -> None:
     settings = tune.tune(world, TUNE_SIZES, repeats=3)
     results["tune"] = [{"size": p.nbytes, "busbw_MBps": p.busbw / 1e6} for p in settings.sweep]
     results["tune_fit"] = {"latency_s": settings.latency, "bandwidth_Bps": settings.bandwidth}
+    results["tune_pieces"] = [{"size": p.nbytes, "ms": p.seconds * 1e3}
+                              for p in settings.piece_sweep]
     tune_file = args.rank_out + ".tune.json"  # what the tuned DDP reads (rank 0)
     if world.rank == 0:
         tune.save_settings(settings, tune_file)
@@ -335,6 +338,9 @@ def report(results: dict[str, Any]) -> str:
              _all_reduce_table(results["all_reduce"]), "",
              "tune sweep: " + ", ".join(f"{format_size(p['size'])} {p['busbw_MBps']:.0f} MB/s"
                                         for p in results["tune"]),
+             f"tune piece sweep ({format_size(tune.PIECE_SWEEP_BYTES)} in pieces): "
+             + ", ".join(f"{format_size(p['size'])} {p['ms']:.0f} ms"
+                         for p in results["tune_pieces"]),
              f"tuned bucket: {ddp['tuned_mb']:g} MiB (default {DEFAULT_BUCKET_MB:g}); tuned "
              f"OVERLAPPED piece: {ddp['tuned_piece_mb']:g} MiB (default "
              f"{ddp['default_piece_mb']:g}); compute per step {ddp['compute_s']:.3g} s", "",

@@ -4,6 +4,7 @@ OVERLAPPED only, the command line, and a sweep across two simulated hosts."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -54,40 +55,25 @@ def test_the_pick_is_the_smallest_size_that_reaches_the_fraction(
     assert all(efficiency(s) < fraction * (1 + 1e-6) for s in sizes if s < picked)
 
 
-@given(alpha=st.floats(1e-6, 1e-2), n=st.integers(1, 64))
-def test_a_piece_pays_the_rings_latencies(alpha: float, n: int) -> None:
-    """A ring piece waits 2 (n - 1) link latencies, the small all-reduce that measured
-    alpha ceil(log2 n): 2 alpha on 2 ranks, 3 alpha on 4; never less than alpha."""
-    got = tune.piece_latency(alpha, n)
-    steps = 2 * (n - 1) / math.ceil(math.log2(n)) if n > 1 else 1.0
-    assert got == pytest.approx(alpha * steps)
-    assert got >= alpha * (1 - 1e-12)
-    assert tune.piece_latency(alpha, 4) == pytest.approx(3 * alpha)
+piece_sweeps = st.lists(st.tuples(st.integers(0, 6), st.floats(1e-3, 10.0)), min_size=1,
+                        max_size=7, unique_by=lambda t: t[0]).map(
+    lambda pts: [SweepPoint(1 << 20 << k, t, 1.0) for k, t in pts])
 
 
-@given(sizes=size_sets, alpha=st.floats(1e-6, 1e-2), beta=st.floats(1e6, 1e11),
-       fraction=st.floats(0.05, 0.99), n=st.integers(1, 16), in_flight=st.integers(1, 4),
-       floor=st.sampled_from([1, 1 << 16, 1 << 20, 1 << 24]))
-def test_the_piece_is_the_smallest_that_keeps_the_link_busy(
-        sizes: list[int], alpha: float, beta: float, fraction: float, n: int, in_flight: int,
-        floor: int) -> None:
-    """``in_flight`` pieces of ``s`` bytes, each paying the ring's latency ``L``, keep the
-    link busy ``in_flight * s / (s + L beta)`` of the time (capped at 1): the pick is the
-    smallest swept size at or above ``floor`` reaching ``fraction``, else the largest."""
-    points = _model_sweep(sizes, alpha, beta)
-    picked = tune.pick_piece_bytes(points, n, fraction, in_flight=in_flight, min_bytes=floor)
-    latency = tune.piece_latency(alpha, n)
-
-    def busy(s: int) -> float:
-        return min(1.0, in_flight * (s / beta) / (latency + s / beta))
-
-    assert picked in sizes
-    if picked != sizes[-1]:  # else no size qualifies: the largest is the best there is
-        assert picked >= floor and busy(picked) >= fraction * (1 - 1e-6)
-    assert all(s < floor or busy(s) < fraction * (1 + 1e-6) for s in sizes if s < picked)
-    # a smaller piece than the bucket: several in flight hide each other's latency
-    if n <= 2 and in_flight >= 2 and floor <= sizes[0]:
-        assert picked <= tune.pick_bucket_bytes(points, fraction)
+@given(points=piece_sweeps, fraction=st.floats(0.05, 0.99))
+def test_the_piece_is_the_smallest_within_reach_of_the_fastest(points: list[SweepPoint],
+                                                               fraction: float) -> None:
+    """Less is left after the last gradient with a smaller piece: the pick is the smallest
+    swept piece whose time is at most ``1 / fraction`` of the fastest piece's."""
+    picked = tune.pick_piece_bytes(points, fraction)
+    fastest = min(p.seconds for p in points)
+    by_size = {p.nbytes: p.seconds for p in points}
+    assert picked in by_size
+    assert by_size[picked] * fraction <= fastest
+    assert all(t * fraction > fastest for s, t in by_size.items() if s < picked)
+    assert tune.pick_piece_bytes(points[::-1], fraction) == picked  # any order
+    # the fastest piece qualifies, so the pick is never bigger than it
+    assert picked <= min(s for s, t in by_size.items() if t == fastest)
 
 
 def test_bad_picks_and_bandwidths_are_refused() -> None:
@@ -100,13 +86,9 @@ def test_bad_picks_and_bandwidths_are_refused() -> None:
         tune.pick_bucket_bytes([SweepPoint(4, 1.0, 1.0)] * 3)
     two = [SweepPoint(4, 1.0, 1.0), SweepPoint(8, 2.0, 1.0)]
     with pytest.raises(ValueError, match=r"pick_piece_bytes: fraction=0 must be in \(0, 1\)"):
-        tune.pick_piece_bytes(two, 2, 0)
-    with pytest.raises(ValueError, match=r"pick_piece_bytes: in_flight=0 must be an int >= 1"):
-        tune.pick_piece_bytes(two, 2, in_flight=0)
-    with pytest.raises(ValueError, match=r"pick_piece_bytes: points is empty"):
-        tune.pick_piece_bytes([], 2)
-    with pytest.raises(ValueError, match=r"piece_latency: world_size=0 must be an int >= 1"):
         tune.pick_piece_bytes(two, 0)
+    with pytest.raises(ValueError, match=r"pick_piece_bytes: points is empty; run a piece "):
+        tune.pick_piece_bytes([])
     with pytest.raises(ValueError, match=r"bus_bandwidth: seconds=0 must be a finite number"):
         tune.bus_bandwidth(4, 0, 2)
     assert tune.bus_bandwidth(1000, 1.0, 4) == 1500.0
@@ -115,15 +97,18 @@ def test_bad_picks_and_bandwidths_are_refused() -> None:
 
 @pytest.mark.parametrize("n", [1, 2, 3])
 def test_the_sweep_is_the_same_on_every_rank(n: int) -> None:
-    sizes = [4, 1 << 12, 1 << 16]
-    results = ad.spawn(lambda w: tune.tune(w, sizes, repeats=2), n)
+    sizes, pieces = [4, 1 << 12, 1 << 16], [1 << 10, 1 << 12]
+    results = ad.spawn(lambda w: tune.tune(w, sizes, repeats=2, piece_sizes=pieces,
+                                           piece_total_bytes=1 << 14), n)
     assert all(r == results[0] for r in results)
     settings = results[0]
     assert [p.nbytes for p in settings.sweep] == sizes
+    assert [p.nbytes for p in settings.piece_sweep] == pieces
     assert settings.world_size == n and settings.nodes == 1
     assert settings.bucket_cap_mb * 2**20 in sizes
-    assert settings.piece_mb is not None and settings.piece_mb * 2**20 in sizes
-    assert all(p.seconds > 0 and p.busbw > 0 for p in settings.sweep)
+    assert settings.piece_mb is not None and settings.piece_mb * 2**20 in pieces
+    assert settings.piece_mb * 2**20 == tune.pick_piece_bytes(settings.piece_sweep, 0.9)
+    assert all(p.seconds > 0 and p.busbw > 0 for p in settings.sweep + settings.piece_sweep)
 
 
 def test_the_sweep_refuses_bad_sizes() -> None:
@@ -132,6 +117,11 @@ def test_the_sweep_refuses_bad_sizes() -> None:
             tune.sweep(world, [4, 6])
         with pytest.raises(ValueError, match=r"sweep: repeats=0 must be at least 1"):
             tune.sweep(world, [4], repeats=0)
+        with pytest.raises(ValueError, match=r"piece_sweep: size 10 must be a positive "
+                                             r"multiple of 4"):
+            tune.piece_sweep(world, [1024], total_bytes=10)
+        with pytest.raises(ValueError, match=r"piece_sweep: repeats=0 must be at least 1"):
+            tune.piece_sweep(world, [1024], repeats=0)
 
     ad.spawn(body, 2)
 
@@ -139,14 +129,16 @@ def test_the_sweep_refuses_bad_sizes() -> None:
 def test_settings_round_trip_and_missing_or_broken_files(tmp_path: Path,
                                                          monkeypatch: pytest.MonkeyPatch
                                                          ) -> None:
-    settings = TuneSettings(2.0, 4, 2, 0.9, (SweepPoint(1 << 21, 0.01, 2e8),), 1e-4, 1e8, 0.5)
+    settings = TuneSettings(2.0, 4, 2, 0.9, (SweepPoint(1 << 21, 0.01, 2e8),), 1e-4, 1e8, 0.5,
+                            (SweepPoint(1 << 19, 0.2, 3e8), SweepPoint(1 << 20, 0.19, 3e8)))
     path = tune.save_settings(settings, tmp_path / "t.json")
     assert tune.load_settings(path) == settings
     old = tmp_path / "old.json"  # written before tune picked a piece: still loads
     data = json.loads(path.read_text())
-    del data["piece_mb"]
+    del data["piece_mb"], data["piece_sweep"]
     old.write_text(json.dumps(data))
-    assert tune.load_settings(old) == TuneSettings(*list(vars(settings).values())[:-1])
+    assert tune.load_settings(old) == dataclasses.replace(settings, piece_mb=None,
+                                                          piece_sweep=())
     assert tune.load_settings(old).piece_mb is None  # type: ignore[union-attr]
     monkeypatch.setenv("AXONDIST_TUNE_FILE", str(path))
     assert tune.settings_path() == path and tune.load_settings() == settings
@@ -235,4 +227,5 @@ def test_tune_across_two_hosts(cluster: SimCluster) -> None:
     assert run.returncode == 0, run.tail()
     settings = tune.load_settings(out)
     assert settings is not None and settings.world_size == 4 and settings.nodes == 2
+    assert settings.piece_mb is not None and len(settings.piece_sweep) == 5, run.tail()
     assert "4 ranks on 2 host(s)" in run.ranks[0], run.tail()
