@@ -72,9 +72,10 @@ def weigh_and_add(mine: Any, got: Any, weight: float, got_weight: float, xp: Any
 class ScratchPool:
     """Scratch buffers that :class:`PersistentRing` steps borrow, each for one step: the
     partial sum arriving from the left lands in one, is added, and the buffer goes back.
-    A buffer given back is the next one taken (still in cache), and the pool holds only as
-    many as steps were ever in flight at once, instead of one per piece. Buffers are
-    written once when made (no page faults in later steps)."""
+    A buffer given back is the next one taken (still in cache), and there are only as
+    many as steps were ever in flight at once (a bigger one replaces a free one too
+    small), instead of one per piece. Buffers are written once when made (no page faults
+    in later steps)."""
 
     __slots__ = ("_free",)
 
@@ -87,6 +88,8 @@ class ScratchPool:
         for i in range(len(free) - 1, -1, -1):
             if free[i].nbytes >= nbytes:
                 return free.pop(i)
+        if free:
+            free.pop()  # too small: replaced by the bigger one made here
         buf = np.empty(nbytes, np.uint8)
         buf[...] = 0
         return buf
