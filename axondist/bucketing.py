@@ -454,9 +454,9 @@ class GradientSynchronizer:
         self._helper: _ProgressHelper | None = None
 
     #: Pieces of persistent all-reduces in flight at once (more starts wait for the
-    #: oldest). Each piece is weighted just before it starts; with small pieces
-    #: (``AXONDIST_PIECE_MB=0.5`` under MPI) and few in flight, MPI copies it while it is
-    #: still in cache.
+    #: oldest). Each piece is weighted as it starts (under MPI as it joins the ring); with
+    #: small pieces (``AXONDIST_PIECE_MB=0.5`` under MPI) and few in flight, MPI copies it
+    #: while it is still in cache.
     PIPELINE_WINDOW = 2
     #: Seconds between the tests a helper thread makes of the persistent pieces in flight
     #: while the caller computes the next gradients (OVERLAPPED, default hook). MPI moves a
@@ -472,8 +472,8 @@ class GradientSynchronizer:
     #: pass hands over its last gradient at most about one piece is left to start: the
     #: exposed end of the step. Smaller pieces leave less, but each pays the group's latency
     #: once (under MPI a big piece is a ring of ``2 (world_size - 1)`` messages per rank).
-    #: None: the backend's choice (under MPI ``chunk_bytes``: 16 MiB on one host, whole
-    #: buckets across hosts).
+    #: None: the backend's choice (under MPI ``chunk_bytes``: 2 MiB on one host, whole
+    #: buckets across hosts). On one host MPI caps the pieces at ``chunk_bytes``.
     piece_bytes: int | None = 4 * MiB
 
     # --- layout ----------------------------------------------------------------------------

@@ -16,9 +16,10 @@ Gradient synchronization alone (gradients already in place):
   (``MPIBackend.scaled_sum_blocking``, ``docs/backends.md``), or a multiply and
   SUM all-reduce pieces where ``AXONDIST_PIECE_MB`` asks for small ones.
 * ``axondist overlapped``: the same with ``strategy=OVERLAPPED``: each bucket's
-  persistent all-reduce (set up on the first step; pieces of at most 4 MiB, each a ring of
-  persistent point-to-point requests: the blocking sum's ring, started and moved on
-  step by step) started piece by piece, each piece weighted just before it starts.
+  persistent all-reduce (set up on the first step; pieces of at most 4 MiB, on one host
+  at most ``chunk_bytes``, each a ring of persistent point-to-point requests: the
+  blocking sum's ring, started and moved on step by step) started piece by piece, each
+  rank's values weighted as they join the ring.
 * ``axondist overlapped (Iallreduce per call)``: OVERLAPPED through a custom
   hook that sums like the default one, so each bucket is one ``Iallreduce``
   per step (MPI allocates its temporary buffers per call): the path before
