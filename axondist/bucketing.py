@@ -799,12 +799,13 @@ class GradientSynchronizer:
 
     def _start_piece(self, state: _BucketState, k: int, lo: int, hi: int) -> Work:
         """Start piece ``k`` (``[lo, hi)``) of ``state``'s persistent all-reduce, weighted.
-        Where the handle weights its pieces itself (``takes_weight``: the MPI rings weight
-        the values as they join the ring, in cache) and no slot in the piece holds weighted
-        values yet, the weight goes with the start; otherwise the piece is weighted here
-        first (:meth:`_weigh_piece`). The same values either way, bit for bit."""
-        handle: Any = state.persistent
-        if getattr(handle, "takes_weight", False) and not self._holds_weighted(state, lo, hi):
+        Where no slot in the piece holds weighted values yet, the weight goes with the
+        start (the MPI rings apply it as the values join the ring, in cache); otherwise
+        the slots not yet weighted are weighted here first (:meth:`_weigh_piece`). The
+        same values either way, bit for bit."""
+        handle = state.persistent
+        assert handle is not None  # the caller set it up
+        if not self._holds_weighted(state, lo, hi):
             return handle.start(k, self._weight())
         self._weigh_piece(state, lo, hi)
         return handle.start(k)

@@ -6,7 +6,6 @@ rings of persistent point-to-point requests for big pieces).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -28,7 +27,6 @@ from ._mpi_guard import RING_DTYPES, RING_TAG, Rider
 from .base import (
     Backend,
     CompletedWork,
-    PersistentAllReduce,
     Signature,
     Work,
 )
@@ -219,45 +217,6 @@ class PersistentRing:
         for request in self._weighing + [r for requests, _ in self._steps for r in requests]:
             if request != self._mpi.REQUEST_NULL:
                 request.Free()
-
-
-class WeightedPersistentAllReduce(PersistentAllReduce):
-    """A :class:`~axondist.backends.base.PersistentAllReduce` whose :meth:`start` also
-    takes this rank's weight for the piece: ``start(k, w)`` sums ``w * piece`` over the
-    ranks (each rank its own ``w``), bit for bit as multiplying the piece by ``w`` (cast
-    to its dtype) and then ``start(k)`` would. A ring piece weights its values as they
-    join the ring, in cache, so the weighting costs no pass over the piece of its own;
-    other pieces are multiplied just before they start.
-
-    Args:
-        buf: the contiguous buffer reduced in place.
-        bounds: the pieces as element ranges of ``buf.reshape(-1)``, in start order.
-        start: ``start(k, weight)`` starts piece ``k`` and returns its Work.
-        free: releases what the backend set up.
-    """
-
-    __slots__ = ("_weight",)
-
-    #: :meth:`start` takes the weight (callers need not multiply the piece first).
-    takes_weight = True
-
-    def __init__(self, buf: Any, bounds: Sequence[tuple[int, int]],
-                 start: Callable[[int, float], Work], free: Callable[[], None]) -> None:
-        super().__init__(buf, bounds, lambda k: start(k, self._weight), free)
-        self._weight = 1.0
-
-    def start(self, k: int, weight: float = 1.0) -> Work:
-        """Start piece ``k``'s reduction, this rank's values weighted by ``weight``.
-
-        Raises:
-            RuntimeError: the handle was freed, or piece ``k``'s previous start
-                has not completed yet (wait for its Work first).
-        """
-        self._weight = float(weight)
-        try:
-            return super().start(k)
-        finally:
-            self._weight = 1.0
 
 
 class AllReduceMixin(MPIBackendBase):
@@ -507,8 +466,8 @@ class AllReduceMixin(MPIBackendBase):
     def persistent_all_reduce(self, buf: Any, op: ReduceOp = ReduceOp.SUM, *,
                               piece_bytes: int | None = None) -> Backend.Persistent:
         """MPI-4 persistent ``Allreduce_init`` requests over pieces of ``buf`` (a
-        :class:`WeightedPersistentAllReduce`: ``start(k, weight)`` weights the piece
-        itself), made once and started each step.
+        :class:`~axondist.backends.base.PersistentAllReduce` that fuses the weight of
+        ``start(k, weight)``), made once and started each step.
 
         No per-call allocation, so no page faults per start (an ``Iallreduce``
         allocates MPI's temporary buffers every call). The ranks check once,
@@ -594,7 +553,7 @@ class AllReduceMixin(MPIBackendBase):
                     elif request != MPI.REQUEST_NULL:
                         request.Free()
 
-        handle = WeightedPersistentAllReduce(buf, bounds, start, free)
+        handle = Backend.Persistent(buf, bounds, start, free, fuses_weight=True)
         self._persistent.add(handle)
         return handle
 

@@ -251,23 +251,32 @@ class PersistentAllReduce:
     one piece's reduction and returns its Work. Every rank must start the
     pieces in the same order, interleaved in the same way with its other
     collectives on the group, and may change a piece's values only until it
-    starts it (so a caller can weight each piece just before it leaves, while
-    the piece is in cache). Made by :meth:`Backend.persistent_all_reduce`.
+    starts it. ``start(k, weight)`` sums ``weight * piece`` over the ranks (each rank
+    its own weight, the products rounded to the buffer's dtype): the handle multiplies
+    the piece just before it starts, or, where the backend fuses the weighting
+    (:attr:`fuses_weight`: the MPI rings weight values as they join the ring, in cache),
+    passes the weight on. Made by :meth:`Backend.persistent_all_reduce`.
 
     Args:
         buf: the contiguous buffer reduced in place.
         bounds: the pieces as element ranges of ``buf.reshape(-1)``, in start order.
-        start: ``start(k)`` starts piece ``k`` and returns its Work.
+        start: ``start(k)`` starts piece ``k`` and returns its Work; with
+            ``fuses_weight``, ``start(k, weight)``.
         free: releases what the backend set up (None: nothing to release).
+        fuses_weight: ``start`` takes the weight and applies it itself, bit for bit as
+            multiplying the piece first would.
     """
 
-    __slots__ = ("buf", "bounds", "_start", "_free", "_works", "__weakref__")
+    __slots__ = ("buf", "bounds", "fuses_weight", "_start", "_free", "_works", "__weakref__")
 
     def __init__(self, buf: Any, bounds: Sequence[tuple[int, int]],
-                 start: Callable[[int], Work], free: Callable[[], None] | None = None) -> None:
+                 start: Callable[..., Work], free: Callable[[], None] | None = None, *,
+                 fuses_weight: bool = False) -> None:
         self.buf = buf
         self.bounds = [(int(lo), int(hi)) for lo, hi in bounds]
-        self._start: Callable[[int], Work] | None = start
+        #: ``start`` applies the weight itself (else :meth:`start` multiplies first).
+        self.fuses_weight = fuses_weight
+        self._start: Callable[..., Work] | None = start
         self._free = free
         self._works: list[Work | None] = [None] * len(self.bounds)
 
@@ -281,8 +290,9 @@ class PersistentAllReduce:
         lo, hi = self.bounds[k]
         return self.buf.reshape(-1)[lo:hi]
 
-    def start(self, k: int) -> Work:
-        """Start piece ``k``'s reduction; its Work's ``wait()`` returns once it is done.
+    def start(self, k: int, weight: float = 1.0) -> Work:
+        """Start piece ``k``'s reduction, this rank's values multiplied by ``weight``; its
+        Work's ``wait()`` returns once it is done.
 
         Raises:
             RuntimeError: the handle was freed, or piece ``k``'s previous start
@@ -295,6 +305,12 @@ class PersistentAllReduce:
         if previous is not None and not previous.is_completed():
             raise RuntimeError(f"PersistentAllReduce.start: piece {k} is still being reduced; "
                                "wait() for its Work before starting it again")
+        if self.fuses_weight:
+            work = self._works[k] = self._start(k, float(weight))
+            return work
+        if weight != 1.0:
+            piece = self.piece(k)
+            namespace(piece).multiply(piece, weight, out=piece, casting="unsafe")
         work = self._works[k] = self._start(k)
         return work
 

@@ -4,7 +4,7 @@ as weighting the piece first and starting it unweighted, and (one host, pieces a
 the blocking sum's, or two ranks) as the blocking weighted sum with the same factors;
 pieces too small for a ring are weighted before they start; the rings' receive buffers
 come from one pool that holds no more buffers than rings were in flight at once. Runs on
-the mock world (whose handles take no weight: only the reference paths run) and
+the mock world (whose handles multiply a piece by the weight before it starts) and
 unchanged under ``mpiexec -n K python -m pytest``.
 """
 
@@ -25,7 +25,7 @@ def _weighted(world, numel, dtype, piece_bytes, weights, seed):
     x = np.zeros(numel, dtype)
     handle = backend.persistent_all_reduce(x, piece_bytes=piece_bytes)
     weight = weights[world.rank]
-    takes = getattr(handle, "takes_weight", False)
+    fuses = handle.fuses_weight
     results = []
     for step in range(2):  # the same requests, started again
         values = (rng.standard_normal(numel) * (step + 1)).astype(dtype)
@@ -35,18 +35,16 @@ def _weighted(world, numel, dtype, piece_bytes, weights, seed):
         for work in [handle.start(k) for k in range(len(handle.bounds))]:
             work.wait()
         first = x.copy()
-        fused = None
-        if takes:
-            x[...] = values
-            works = [handle.start(k, weight) for k in range(len(handle.bounds))]
-            for work in reversed(works):  # any wait order
-                work.wait()
-            fused = x.copy()
+        x[...] = values  # the weight passed with each start
+        works = [handle.start(k, weight) for k in range(len(handle.bounds))]
+        for work in reversed(works):  # any wait order
+            work.wait()
+        fused = x.copy()
         blocking = values.copy()
         backend.scaled_sum_blocking(blocking, weight)
         results.append((values, first, fused, blocking))
     handle.free()
-    return takes, results
+    return fuses, results
 
 
 @settings(max_examples=10, deadline=None)
@@ -66,14 +64,13 @@ def test_weighted_start_sums_like_numpy_and_like_weighting_first(size, numel, dt
     else:
         every = [[r[1][s][0] for r in out] for s in range(2)]
     tol = 1e-5 * size if dtype == "float32" else 1e-12
-    for takes, results in out:
-        assert takes == (UNDER_MPI and size > 1)  # the mock world's handles take no weight
+    for fuses, results in out:
+        assert fuses == (UNDER_MPI and size > 1)  # the mock world's handles multiply first
         for s, (_, first, fused, blocking) in enumerate(results):
             want = sum(w * a.astype(np.float64) for w, a in zip(weights, every[s]))
             np.testing.assert_allclose(first, want, rtol=tol, atol=tol)
             np.testing.assert_allclose(blocking, want, rtol=tol, atol=tol)
-            if fused is not None:
-                np.testing.assert_array_equal(fused, first)
+            np.testing.assert_array_equal(fused, first)
             if (UNDER_MPI and mpi_world().backend._blocking_rings
                     and (size <= 2 or piece_bytes >= NODE_CHUNK_BYTES)):
                 # one host, pieces asked at least as big as the blocking sum's: capped to
