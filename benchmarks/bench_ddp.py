@@ -41,9 +41,10 @@ A training step's extra time for communication (what a user sees):
   minus the same backward inside ``no_sync()``. Skipped without torch.
 
 Memory: the resident set each wrapper adds (``VmRSS`` after building it and
-its first step, minus before; its buckets, and under OVERLAPPED the MPI
-persistent requests' buffers) and the process's peak (``VmHWM``), the largest
-over the ranks.
+its first step, minus before, the heap's freed pages returned to the kernel
+around each: ``_common.release_freed_memory``; its buckets, and under
+OVERLAPPED the MPI persistent requests' buffers) and the process's peak
+(``VmHWM``), the largest over the ranks.
 
 Targets (on the medians of the paired ratios): axondist sync <= 1.05x the raw
 "sum + divide" floor (raw (a)+mean) and <= 1.1x the best raw scenario;
@@ -72,6 +73,7 @@ from _common import (  # noqa: E402
     missing_peers,
     process_memory_mib,
     ratio_spread,
+    release_freed_memory,
     spread,
     start_gloo,
     target,
@@ -124,9 +126,13 @@ def _ddp(shapes: list[tuple[int, ...]], strategy: GradSyncStrategy, grad_fn: Any
 
 
 def _rss_added(build: Callable[[], Any], memory: dict[str, float], name: str) -> Any:
-    """``build()``, recording in ``memory[name]`` the MiB of resident memory it added."""
+    """``build()``, recording in ``memory[name]`` the MiB of resident memory it added (the
+    heap's freed pages returned to the kernel before and after: see
+    :func:`release_freed_memory`)."""
+    release_freed_memory()
     before = process_memory_mib("VmRSS")
     made = build()
+    release_freed_memory()
     memory[name] = process_memory_mib("VmRSS") - before
     return made
 
