@@ -5,7 +5,7 @@ gather, scatter and barrier, each recorded, checked and launched through
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..errors import (
@@ -176,29 +176,7 @@ class CollectivesMixin(NcclBackendBase):
             self._check(recv, "gather", writable=True)
         counts = self._check_counts("gather", counts, send, recv if is_root else None,
                                     "send", "recv")
-        size, stream = send.itemsize, self._stream.ptr
-        out: Any = recv  # used on the root only
-
-        def issue() -> None:
-            self._nccl.groupStart()
-            try:
-                if not is_root:
-                    if counts[self.rank]:
-                        self._comm.send(send.data.ptr, send.nbytes, NCCL_BYTE, root, stream)
-                    return
-                offset = 0
-                for k, c in enumerate(counts):
-                    if c and k != root:
-                        self._comm.recv(out.data.ptr + offset * size, c * size, NCCL_BYTE, k,
-                                        stream)
-                    offset += c
-            finally:
-                self._nccl.groupEnd()
-            if is_root and counts[root]:
-                lo = sum(counts[:root])
-                with self._stream:
-                    out.reshape(-1)[lo:lo + counts[root]] = send.reshape(-1)
-
+        issue = self._rooted_issue(send, recv, counts, root, to_root=True)
         return self._collective("gather", (send.dtype, tuple(counts), int(root), async_op),
                                 signature, issue, result=recv if is_root else None,
                                 keep=(send, recv), async_op=async_op)
@@ -213,32 +191,45 @@ class CollectivesMixin(NcclBackendBase):
             self._check(send, "scatter")
         counts = self._check_counts("scatter", counts, recv, send if is_root else None,
                                     "recv", "send")
-        size, stream = recv.itemsize, self._stream.ptr
-        source: Any = send  # used on the root only
+        issue = self._rooted_issue(recv, send, counts, root, to_root=False)
+        return self._collective("scatter", (recv.dtype, tuple(counts), int(root), async_op),
+                                signature, issue, result=recv, keep=(send, recv),
+                                async_op=async_op)
+
+    def _rooted_issue(self, mine: Any, whole: Any, counts: list[int], root: int, *,
+                      to_root: bool) -> Callable[[], None]:
+        """The ``issue`` of a gather (``to_root``: each rank's ``mine`` lands in the root's
+        ``whole`` at its offset) or a scatter (the root's ``whole`` is cut into the ranks'
+        ``mine``): NCCL sends and receives in one group, then the root copies its own
+        part on the stream."""
+        size, stream, is_root = mine.itemsize, self._stream.ptr, self.rank == root
 
         def issue() -> None:
             self._nccl.groupStart()
             try:
                 if not is_root:
                     if counts[self.rank]:
-                        self._comm.recv(recv.data.ptr, recv.nbytes, NCCL_BYTE, root, stream)
+                        move = self._comm.send if to_root else self._comm.recv
+                        move(mine.data.ptr, mine.nbytes, NCCL_BYTE, root, stream)
                     return
+                move = self._comm.recv if to_root else self._comm.send
                 offset = 0
                 for k, c in enumerate(counts):
                     if c and k != root:
-                        self._comm.send(source.data.ptr + offset * size, c * size, NCCL_BYTE,
-                                        k, stream)
+                        move(whole.data.ptr + offset * size, c * size, NCCL_BYTE, k, stream)
                     offset += c
             finally:
                 self._nccl.groupEnd()
             if is_root and counts[root]:
                 lo = sum(counts[:root])
+                part = whole.reshape(-1)[lo:lo + counts[root]]
                 with self._stream:
-                    recv.reshape(-1)[...] = source.reshape(-1)[lo:lo + counts[root]]
+                    if to_root:
+                        part[...] = mine.reshape(-1)
+                    else:
+                        mine.reshape(-1)[...] = part
 
-        return self._collective("scatter", (recv.dtype, tuple(counts), int(root), async_op),
-                                signature, issue, result=recv, keep=(send, recv),
-                                async_op=async_op)
+        return issue
 
     def barrier(self) -> None:
         """An all-reduce of one number, waited for on the host."""
