@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import importlib.util
 import json
 import os
@@ -139,12 +140,16 @@ def release_freed_memory() -> None:
     later big arrays land in the heap where freeing them leaves the set as it was (two
     identical DDPs measured 289 and 97 MiB added, one after the other; 195 and 191 with
     trimming)."""
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return
-    trim = getattr(ctypes.CDLL(name), "malloc_trim", None)
+    trim = _malloc_trim()
     if trim is not None:
         trim(0)
+
+
+@functools.cache
+def _malloc_trim() -> Any:
+    """glibc's ``malloc_trim``, or None (looked up once: ``find_library`` runs a program)."""
+    name = ctypes.util.find_library("c")
+    return None if name is None else getattr(ctypes.CDLL(name), "malloc_trim", None)
 
 
 def process_memory_mib(field: str = "VmHWM") -> float:
