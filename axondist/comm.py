@@ -53,11 +53,12 @@ _MOVE_OK: set[Any] = set()
 
 def _backend_of(group: ProcessGroup | None, what: str) -> Backend:
     """The backend of ``group`` (the current world when None) for call ``what``."""
-    if group.__class__ in _GROUP_TYPES:
-        b = group._backend
+    g = current_world() if group is None else group
+    if g.__class__ in _GROUP_TYPES:
+        b = g._backend
         if b is not None:
             return b
-    return (current_world() if group is None else resolve_group(group)).backend_for(what)
+    return resolve_group(g).backend_for(what)
 
 
 def _wants_signature(b: Backend) -> bool:
@@ -233,17 +234,18 @@ def reduce_scatter(x: Any, op: ReduceOp | str = ReduceOp.SUM, group: ProcessGrou
         InvalidBufferError: ``out`` is not such an array, or ``x`` is 0-d.
     """
     b = _backend_of(group, "reduce_scatter")
-    if (not async_op and x.__class__ is _HOST_ARRAY and x.flags.c_contiguous and x.ndim == 1
-            and op in _REDUCE_OK.get(x.dtype, ()) and x.size % b.world_size == 0):
+    if x.__class__ is _HOST_ARRAY and not async_op and x.ndim == 1:
         # The hot path: 1-D NumPy, equal blocks, an op the dtype passed before.
-        block = x.size // b.world_size
-        if out is None:
-            out = _HOST_ARRAY((block,), x.dtype)
-        elif not (out.__class__ is _HOST_ARRAY and out.flags.carray and out.shape == (block,)
-                  and out.dtype == x.dtype):
-            out = _checked_block_out(out, x, (block,))
-        b.reduce_scatter_blocking(x, out, [block] * b.world_size, op)
-        return out
+        n, size, dtype = b.world_size, x.size, x.dtype
+        if size % n == 0 and op in _REDUCE_OK.get(dtype, ()) and x.flags.c_contiguous:
+            block = size // n
+            if out is None:
+                out = _HOST_ARRAY((block,), dtype)
+            elif not (out.__class__ is _HOST_ARRAY and out.shape == (block,)
+                      and (out.dtype is dtype or out.dtype == dtype) and out.flags.carray):
+                out = _checked_block_out(out, x, (block,))
+            b.reduce_scatter_blocking(x, out, [block] * n, op)
+            return out
     g = resolve_group(group)
     x = _array.contiguous(_array.as_array(x))
     op = ReduceOp.parse(op)
@@ -386,10 +388,9 @@ def reduce_scatter_mean(x: Any, group: ProcessGroup | None = None, async_op: boo
 def broadcast(x: Any, group: ProcessGroup | None = None, *, src: int = 0,
               async_op: bool = False) -> Any:
     """Copy group rank ``src``'s ``x`` into every rank's ``x`` (in place) and return it."""
-    g = current_world() if group is None else resolve_group(group)
-    b = g.backend_for("broadcast")
+    b = _backend_of(group, "broadcast")
     if src.__class__ is not int or not 0 <= src < b.world_size:
-        src = as_rank(src, g.world_size, "broadcast", "src")
+        src = as_rank(src, b.world_size, "broadcast", "src")
     if x.__class__ is _HOST_ARRAY and x.flags.carray and x.dtype in _MOVE_OK:
         if not async_op:
             b.broadcast_blocking(x, src)
@@ -409,24 +410,16 @@ def broadcast_from(x: Any, group: ProcessGroup | None = None, src: int = 0,
     return broadcast(x, group, src=src, async_op=async_op)
 
 
-def _gather_counts(g: ProcessGroup, b: Backend, x: Any, what: str,
-                   sizes: Sequence[int] | None) -> list[int]:
+def _gather_counts(b: Backend, x: Any, what: str) -> list[int]:
     """Rows each rank contributes, checking that dtype and trailing shape agree."""
     trailing = tuple(x.shape[1:])
-    if sizes is not None:
-        sizes = [int(s) for s in sizes]
-        if len(sizes) != g.world_size or sizes[g.rank] != x.shape[0]:
-            raise CollectiveMismatchError(
-                f"{what}: sizes={sizes} must list {g.world_size} row counts with this rank's "
-                f"({x.shape[0]}) at index {g.rank}")
-        return sizes
     if b.host_collectives:
-        # MPI: one small all-gather of host numbers (rows and a fingerprint of dtype
-        # and trailing shape), ~10x cheaper than exchanging pickled objects. Every
+        # One small all-gather of host numbers (rows and a fingerprint of dtype and
+        # trailing shape), ~10x cheaper than exchanging pickled objects. Every
         # rank sees every fingerprint, so when they differ all ranks fall back to
         # the object exchange below, which names the disagreement. (Not for NCCL:
         # its collectives take device memory only.)
-        n = g.world_size
+        n = b.world_size
         header, table, counts = _row_exchange(b, x.dtype, trailing, n)
         header[0] = x.shape[0]
         b.all_gather_blocking(header, table, counts)
@@ -479,22 +472,38 @@ def all_gather(x: Any, group: ProcessGroup | None = None, *, sizes: Sequence[int
     ``out`` (writable, C-contiguous, of the result's shape and dtype) reuses
     it instead of allocating: fresh big arrays cost page faults on every call.
     """
-    g = current_world() if group is None else resolve_group(group)
-    b = g.backend_for("all_gather")
-    host = x.__class__ is _HOST_ARRAY and x.flags.c_contiguous and x.dtype in _MOVE_OK
-    if (host and sizes is not None and out is not None and not async_op
-            and out.__class__ is _HOST_ARRAY and x.ndim == 1 and out.flags.carray):
-        # The hot path: 1-D NumPy in and out, sizes given (the checks below, inlined).
-        rows, total = _int_sizes(sizes)
-        if len(rows) != b.world_size or rows[b.rank] != x.size:
-            raise _bad_sizes(g, rows, x)
-        if (out.dtype is not x.dtype and out.dtype != x.dtype) or out.shape != (total,):
-            raise _bad_out(out, x, (total,))
-        b.all_gather_blocking(x, out, rows)
-        return out
+    b = _backend_of(group, "all_gather")
+    host = x.__class__ is _HOST_ARRAY and x.dtype in _MOVE_OK and x.flags.c_contiguous
+    if host and not async_op:
+        if sizes is None:
+            # The hot path without sizes: the row counts travel with the call's check
+            # (in a group of two, with the rows themselves when they are small).
+            gather_rows = _rows_gatherer(b)
+            if gather_rows is not None and x.ndim and (
+                    out is None or (out.__class__ is _HOST_ARRAY and out.flags.carray)):
+                return gather_rows(x, out)
+        elif out.__class__ is _HOST_ARRAY and x.ndim == 1 and out.flags.carray:
+            # The hot path: 1-D NumPy in and out, sizes given (the checks below, inlined).
+            rows = list(map(int, sizes))
+            total = sum(rows)
+            if len(rows) != b.world_size or rows[b.rank] != x.size:
+                raise _bad_sizes(b, rows, x)
+            if (out.dtype is not x.dtype and out.dtype != x.dtype) or out.shape != (total,):
+                raise _bad_out(out, x, (total,))
+            b.all_gather_blocking(x, out, rows)
+            return out
     if not host:
         x = _array.contiguous(_array.as_array(x))
         _checked_dtype(x, "all_gather")
+    if sizes is None:
+        gather_rows = _rows_gatherer(b)
+        if gather_rows is not None:
+            # The backend allocates ``out`` once it knows the counts, or checks the one
+            # given (async_op: the call is blocking; its Work is already complete).
+            if out is not None:
+                _checked_gather_out(out)
+            got = gather_rows(x if x.ndim else x.reshape(1), out)
+            return CompletedWork(got) if async_op else got
     if x.ndim == 1:  # the common case: no trailing shape
         trailing: tuple[int, ...] = ()
         row_size = 1
@@ -503,12 +512,12 @@ def all_gather(x: Any, group: ProcessGroup | None = None, *, sizes: Sequence[int
         trailing = tuple(x.shape[1:])
         row_size = prod(trailing)
     if sizes is None:
-        rows = _gather_counts(g, b, x, "all_gather", None)
+        rows = _gather_counts(b, x, "all_gather")
         total = sum(rows)
     else:
         rows, total = _int_sizes(sizes)
         if len(rows) != b.world_size or rows[b.rank] != x.shape[0]:
-            raise _bad_sizes(g, rows, x)
+            raise _bad_sizes(b, rows, x)
     shape = (total,) + trailing
     if out is None:
         out = _array.namespace(x).empty(shape, dtype=x.dtype)
@@ -530,10 +539,27 @@ def all_gather(x: Any, group: ProcessGroup | None = None, *, sizes: Sequence[int
     return out
 
 
-def _bad_sizes(g: ProcessGroup, rows: list[int], x: Any) -> CollectiveMismatchError:
+def _rows_gatherer(b: Backend) -> Any:
+    """``b``'s all-gather that exchanges the row counts itself (the MPI backend's
+    ``all_gather_rows_blocking``), or None where the backend has none."""
+    return getattr(b, "all_gather_rows_blocking", None)
+
+
+def _checked_gather_out(out: Any) -> None:
+    """Raise unless ``out`` is an array all_gather may write whole (writable, C-contiguous)."""
+    if not (isinstance(out, _HOST_ARRAY) or _array.is_cupy(out)):
+        raise InvalidBufferError(f"all_gather: out is a {type(out).__name__}; pass a NumPy or "
+                                 "CuPy array of the result's shape and dtype, or no out")
+    _array.check_writable(out, "all_gather")
+    if not out.flags.c_contiguous:
+        raise InvalidBufferError(f"all_gather: out is {_array.describe(out)}, not C-contiguous; "
+                                 "pass a C-contiguous array, or no out")
+
+
+def _bad_sizes(b: Backend, rows: list[int], x: Any) -> CollectiveMismatchError:
     return CollectiveMismatchError(
-        f"all_gather: sizes={rows} must list {g.world_size} row counts with this "
-        f"rank's ({x.shape[0]}) at index {g.rank}")
+        f"all_gather: sizes={rows} must list {b.world_size} row counts with this "
+        f"rank's ({x.shape[0]}) at index {b.rank}")
 
 
 def _bad_out(out: Any, x: Any, shape: tuple[int, ...]) -> InvalidBufferError:
@@ -548,7 +574,7 @@ def gather_tensor(x: Any, group: ProcessGroup | None = None, dst: int = 0,
     dst = _check_rank(g, dst, "gather_tensor", "dst")
     x = _as_rows(_array.contiguous(_array.as_array(x)))
     _array.check_dtype(x.dtype, "gather_tensor")
-    rows = _gather_counts(g, b, x, "gather_tensor", None)
+    rows = _gather_counts(b, x, "gather_tensor")
     row_size = prod(x.shape[1:])
     out = None
     if g.rank == dst:

@@ -5,17 +5,20 @@ non-blocking ones in pieces or checked in ``wait()``.
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Sequence
+from math import prod
 from typing import Any
 
 import numpy as np
 
 from .. import _array
-from ..errors import InvalidBufferError
+from ..errors import CollectiveMismatchError, InvalidBufferError
 from ..ops import ReduceOp
 from ._mpi_common import (
     MEAN_IN_BLOCKS_BYTES,
     MPIWork,
+    copy_back,
     displacements,
     mean_scaling,
     piece_bounds,
@@ -23,7 +26,7 @@ from ._mpi_common import (
     unsupported,
 )
 from ._mpi_core import MPIBackendBase, bind_mpi
-from ._mpi_guard import RING_DTYPES, RING_TAG, UFUNCS, UNPLANNED, Rider
+from ._mpi_guard import RING_DTYPES, RING_TAG, UFUNCS, UNPLANNED
 from .base import (
     CompletedWork,
     Signature,
@@ -35,6 +38,29 @@ from .base import (
 MPI: Any = None
 _IN_PLACE: Any = None
 bind_mpi(globals())
+
+
+_NDARRAY = np.ndarray
+
+#: The counts an unsized all-gather's check names (what a rank with ``sizes=`` differs in).
+_ROWS_NOT_GIVEN = "not given"
+
+
+def _row_size(trailing: tuple[int, ...]) -> int:
+    """Elements per row of a trailing shape."""
+    return prod(trailing)
+
+
+def _fingerprint(dtype: Any, trailing: tuple[int, ...]) -> tuple[int, int, int]:
+    """Three numbers that equal dtypes and trailing shapes share on every rank (a CRC of
+    their text, the number of trailing axes, the row size)."""
+    return zlib.crc32(f"{dtype}{trailing}".encode()), len(trailing), prod(trailing)
+
+
+def _bad_rows_out(out: Any, send: Any, shape: tuple[int, ...]) -> InvalidBufferError:
+    return InvalidBufferError(f"all_gather: out is {_array.describe(out)} but the result is "
+                              f"{send.dtype}{list(shape)}; pass an array of that shape and "
+                              "dtype, or no out")
 
 
 class BlockwiseMixin(MPIBackendBase):
@@ -91,15 +117,15 @@ class BlockwiseMixin(MPIBackendBase):
             if guard.checks:
                 carrier = guard.carriers.get(("broadcast", key), UNPLANNED)
                 if carrier is UNPLANNED:
-                    shapes = (buf.shape, (0,)) if self.rank == root else ((0,), buf.shape)
-                    carrier = guard.carrier("broadcast", key, buf.nbytes, buf.dtype, *shapes)
+                    carrier = self._plan_broadcast(key, buf, root)
                 if carrier is None:
                     guard.agree("broadcast", key)
                 elif buf.__class__ is np.ndarray or isinstance(buf, np.ndarray):
-                    if self.rank == root:
+                    if carrier.keep:  # the root's data travels
                         carrier.mine[...] = buf
-                    guard.carry(carrier, "broadcast", key)
-                    if self.rank != root:
+                        guard.carry(carrier, "broadcast", key)
+                    else:
+                        guard.carry(carrier, "broadcast", key)
                         buf[...] = carrier.theirs
                     return
                 else:
@@ -108,7 +134,20 @@ class BlockwiseMixin(MPIBackendBase):
         finally:
             rec.end_blocking(slot, group, seq)
 
+    def _plan_broadcast(self, key: tuple[Any, ...], buf: Any, root: int) -> Any:
+        """Broadcast ``key``'s :class:`Carrier` (its ``keep`` true on the root), or None
+        where the data cannot ride; kept by the guard."""
+        if not 0 <= root < self.world_size:
+            self._check_rank(root, "broadcast", "root")
+        shapes = (buf.shape, (0,)) if self.rank == root else ((0,), buf.shape)
+        carrier = self._guard.carrier("broadcast", key, buf.nbytes, buf.dtype, *shapes)
+        if carrier is not None:
+            carrier.keep = self.rank == root
+        return carrier
+
     def _broadcast_now(self, buf: Any, root: int) -> None:
+        if not 0 <= root < self.world_size:
+            self._check_rank(root, "broadcast", "root")
         plan = self._transfer_plans.get(buf.dtype)
         if plan is None:
             raise unsupported("broadcast", buf.dtype)
@@ -196,27 +235,37 @@ class BlockwiseMixin(MPIBackendBase):
             if guard.checks:
                 carrier = guard.carriers.get(("all_gather", key), UNPLANNED)
                 if carrier is UNPLANNED:
-                    carrier = guard.carrier(
-                        "all_gather", key, sum(counts) * send.dtype.itemsize, send.dtype,
-                        (counts[self.rank],), (counts[1 - self.rank],)
-                    ) if self.world_size == 2 else None
+                    carrier = self._plan_all_gather(key, send, counts)
                 if carrier is None:
                     guard.agree("all_gather", key)
                 elif send.__class__ is recv.__class__ is np.ndarray or (
                         isinstance(send, np.ndarray) and isinstance(recv, np.ndarray)):
-                    flat = send.reshape(-1) if send.ndim != 1 else send
+                    flat = send if send.ndim == 1 else send.reshape(-1)
                     carrier.mine[...] = flat
                     guard.carry(carrier, "all_gather", key)
-                    rows = recv.reshape(-1) if recv.ndim != 1 else recv
-                    first = counts[0]
-                    rows[:first] = flat if self.rank == 0 else carrier.theirs
-                    rows[first:] = carrier.theirs if self.rank == 0 else flat
+                    rows = recv if recv.ndim == 1 else recv.reshape(-1)
+                    rows[carrier.keep] = flat
+                    rows[carrier.give] = carrier.theirs
                     return
                 else:
                     guard.agree("all_gather", key, riding=False)
             self._all_gather_now(send, recv, counts)
         finally:
             rec.end_blocking(slot, group, seq)
+
+    def _plan_all_gather(self, key: tuple[Any, ...], send: Any, counts: list[int]) -> Any:
+        """All-gather ``key``'s :class:`Carrier` (``keep`` and ``give`` the slices of the
+        result for this rank's and the other's part), or None where the data cannot
+        ride; kept by the guard."""
+        rank, first = self.rank, counts[0]
+        pair = self.world_size == 2  # (the guard gives None in other groups)
+        carrier = self._guard.carrier("all_gather", key, sum(counts) * send.dtype.itemsize,
+                                      send.dtype, (counts[rank],),
+                                      (counts[1 - rank] if pair else 0,))
+        if carrier is not None:
+            carrier.keep, carrier.give = ((slice(0, first), slice(first, None)) if rank == 0
+                                          else (slice(first, None), slice(0, first)))
+        return carrier
 
     def _all_gather_now(self, send: Any, recv: Any, counts: list[int]) -> None:
         plan = self._transfer_plans.get(send.dtype)
@@ -231,6 +280,128 @@ class BlockwiseMixin(MPIBackendBase):
                 self._comm.Allgatherv([s, mtype], [r, counts, displacements(counts), mtype])
         except MPI.Exception as exc:
             raise_mpi_error(exc, "all_gather")
+
+    def all_gather_rows_blocking(self, send: Any, out: Any | None) -> Any:
+        """All-gather of ``send``'s rows (along axis 0) when no rank knows the others' row
+        counts: dtype and trailing shape agree on every rank, the counts need not.
+
+        The counts travel with the call's check: in a two-rank group one swap carries
+        both ranks' headers (the call's hash, their rows) and, where they fit in
+        ``RIDE_MAX_BYTES``, the rows themselves (:class:`RowCarrier`); rows that did not
+        ride follow in one ``Allgatherv``. Otherwise the check goes first, then an
+        ``Allgather`` of each rank's count and a fingerprint of its dtype and trailing
+        shape (compared even with the checks off), then the rows' ``Allgatherv``: the
+        check and the counts cover the data call, which runs unchecked. Arrays other
+        than NumPy go through host copies.
+
+        Args:
+            send: this rank's rows, at least 1-D, C-contiguous.
+            out: where the rows go (every rank's, in rank order), or None for a new array.
+
+        Returns:
+            ``out``, or the new array.
+
+        Raises:
+            CollectiveMismatchError: ranks differ in dtype or trailing shape, or one of
+                them makes another call.
+            InvalidBufferError: ``out`` does not have the gathered shape and dtype.
+        """
+        if send.__class__ is not _NDARRAY or (out is not None and out.__class__ is not _NDARRAY):
+            return self._all_gather_rows_staged(send, out)
+        dtype, shape = send.dtype, send.shape
+        rows, trailing = shape[0], shape[1:]
+        key = (dtype, _ROWS_NOT_GIVEN, False, trailing)
+        guard = self._guard
+        group, seq = guard.group, next(guard.seqs)
+        rec = guard.rec
+        slot = rec.begin(group, seq, "all_gather", key)
+        try:
+            carrier = guard.carriers.get(("all_gather", key, rows), UNPLANNED)
+            if carrier is UNPLANNED:
+                carrier = guard.row_carrier(key, dtype, rows, _row_size(trailing))
+            if carrier is None:
+                return self._all_gather_rows_now(send, out, key)
+            if carrier.fits:
+                carrier.mine[...] = send if not trailing else send.reshape(-1)
+            theirs = guard.carry_rows(carrier, key)
+            total = rows + theirs
+            if out is None:
+                out = np.empty((total,) + trailing, dtype)
+            else:
+                got = out.shape
+                if got[0] != total or got[1:] != trailing or (out.dtype is not dtype
+                                                              and out.dtype != dtype):
+                    raise _bad_rows_out(out, send, (total,) + trailing)
+            if not carrier.fits or carrier.theirs is None:  # some rows did not ride
+                first = rows if self.rank == 0 else theirs
+                self._all_gather_now(send, out, [first * carrier.row_size,
+                                                 (total - first) * carrier.row_size])
+            elif self.rank == 0:
+                out[:rows] = send
+                out[rows:] = carrier.theirs
+            else:
+                out[:theirs] = carrier.theirs
+                out[theirs:] = send
+            return out
+        finally:
+            rec.end_blocking(slot, group, seq)
+
+    def _all_gather_rows_now(self, send: Any, out: Any | None, key: tuple[Any, ...]) -> Any:
+        """:meth:`all_gather_rows_blocking` without a swap that carries it: the check (or,
+        under debug, the exchange of signatures), then every rank's row count and
+        fingerprint, then the rows."""
+        n, trailing = self.world_size, key[3]
+        if self._guard.checks:
+            self._guard.agree("all_gather", key)
+        elif self._debug:
+            self._agree("all_gather", (("dtype", send.dtype), ("counts", _ROWS_NOT_GIVEN),
+                                       ("trailing shape", trailing)))
+        header = np.array((send.shape[0],) + _fingerprint(send.dtype, trailing), np.int64)
+        table = np.empty(4 * n, np.int64)
+        try:
+            self._comm.Allgather([header, MPI.INT64_T], [table, MPI.INT64_T])
+        except MPI.Exception as exc:
+            raise_mpi_error(exc, "all_gather")
+        values = table.tolist()  # small: Python lists beat NumPy calls here
+        if any(values[k:k + 3] != values[1:4] for k in range(5, 4 * n, 4)):
+            raise self._rows_mismatch(send, trailing)
+        rows = values[0::4]
+        total = sum(rows)
+        if out is None:
+            out = np.empty((total,) + trailing, send.dtype)
+        elif out.shape[0] != total or out.shape[1:] != trailing or out.dtype != send.dtype:
+            raise _bad_rows_out(out, send, (total,) + trailing)
+        if n > 1:
+            size = _row_size(trailing)
+            self._all_gather_now(send, out, [r * size for r in rows])
+        else:
+            out[...] = send
+        return out
+
+    def _rows_mismatch(self, send: Any, trailing: tuple[int, ...]) -> Exception:
+        """The error every rank raises when the fingerprints of an unsized all-gather
+        differ (every rank saw them all): the ranks' dtypes and trailing shapes, named."""
+        metas = self._comm.allgather((str(send.dtype), list(trailing)))
+        for field, idx in (("dtype", 0), ("trailing shape", 1)):
+            values = [m[idx] for m in metas]
+            if any(v != values[0] for v in values):
+                detail = ", ".join(f"rank {k}: {v}" for k, v in enumerate(values))
+                return CollectiveMismatchError(f"all_gather: ranks disagree on {field} "
+                                               f"({detail})")
+        return CollectiveMismatchError(  # equal texts, different fingerprints: a bug
+            f"all_gather: the ranks' row headers differ although their calls match ({metas}); "
+            "report this as a bug")
+
+    def _all_gather_rows_staged(self, send: Any, out: Any | None) -> Any:
+        """:meth:`all_gather_rows_blocking` of arrays other than NumPy: through host
+        copies (every rank takes the same path, whatever its arrays)."""
+        got = self.all_gather_rows_blocking(_array.to_host(send), None)
+        if out is None:
+            return _array.namespace(send).asarray(got)
+        if tuple(out.shape) != got.shape or out.dtype != got.dtype:
+            raise _bad_rows_out(out, send, got.shape)
+        copy_back(out, got)
+        return out
 
     def reduce_scatter(self, send: Any, recv: Any, counts: Sequence[int], op: ReduceOp, *,
                        signature: Signature = (), async_op: bool = False) -> Work:
@@ -282,25 +453,18 @@ class BlockwiseMixin(MPIBackendBase):
         slot = rec.begin(group, seq, "reduce_scatter", key)
         try:
             if guard.checks:
-                carrier = guard.carriers.get(("reduce_scatter", key), UNPLANNED)
-                if carrier is UNPLANNED:
-                    carrier = guard.carrier(
-                        "reduce_scatter", key, sum(counts) * send.dtype.itemsize, send.dtype,
-                        (counts[1 - self.rank],), (counts[self.rank],), op._name_
-                    ) if self.world_size == 2 else None
-                if carrier is None:
+                rider = guard.carriers.get(("reduce_scatter", key), UNPLANNED)
+                if rider is UNPLANNED:
+                    rider = self._plan_reduce_scatter(key, send, counts)
+                if rider is None:
                     guard.agree("reduce_scatter", key)
                 elif send.__class__ is recv.__class__ is np.ndarray or (
                         isinstance(send, np.ndarray) and isinstance(recv, np.ndarray)):
-                    flat = send.reshape(-1) if send.ndim != 1 else send
-                    first = counts[0]
-                    mine, other = (flat[:first], flat[first:]) if self.rank == 0 else \
-                        (flat[first:], flat[:first])
-                    carrier.mine[...] = other
-                    guard.carry(carrier, "reduce_scatter", key)
-                    out = recv.reshape(-1) if recv.ndim != 1 else recv
-                    rider: Rider = carrier  # made with an op
-                    rider.ufunc(mine, rider.theirs, out=out)
+                    flat = send if send.ndim == 1 else send.reshape(-1)
+                    rider.mine[...] = flat[rider.give]
+                    guard.carry(rider, "reduce_scatter", key)
+                    out = recv if recv.ndim == 1 else recv.reshape(-1)
+                    rider.ufunc(flat[rider.keep], rider.theirs, out=out)
                     if rider.scale is not None:
                         rider.scale(out, rider.by, out=out, casting="unsafe")
                     return
@@ -309,6 +473,20 @@ class BlockwiseMixin(MPIBackendBase):
             self._reduce_scatter_now(send, recv, counts, op)
         finally:
             rec.end_blocking(slot, group, seq)
+
+    def _plan_reduce_scatter(self, key: tuple[Any, ...], send: Any, counts: list[int]) -> Any:
+        """Reduce-scatter ``key``'s :class:`Rider` (``keep`` and ``give`` the slices of the
+        flat input for this rank's block and the other's), or None where the data cannot
+        ride; kept by the guard."""
+        rank, first = self.rank, counts[0]
+        pair = self.world_size == 2  # (the guard gives None in other groups)
+        rider = self._guard.carrier("reduce_scatter", key, sum(counts) * send.dtype.itemsize,
+                                    send.dtype, (counts[1 - rank] if pair else 0,),
+                                    (counts[rank],), key[2])
+        if rider is not None:
+            rider.keep, rider.give = ((slice(0, first), slice(first, None)) if rank == 0
+                                      else (slice(first, None), slice(0, first)))
+        return rider
 
     def _reduce_scatter_plan(self, send: Any, recv: Any, op: ReduceOp) -> tuple[Any, Any, Any,
                                                                                  Any, bool]:

@@ -151,12 +151,20 @@ class MPIBackendBase(Backend):
         self.watchdog: Watchdog | None = None
         self._bind_hot_path()
 
+    #: The ``*_blocking`` entry points and the checked calls they become without a
+    #: general path to take.
+    _HOT_PATHS = (("all_reduce_blocking", "_checked_all_reduce"),
+                  ("broadcast_blocking", "_checked_broadcast"),
+                  ("all_gather_blocking", "_checked_all_gather"),
+                  ("reduce_scatter_blocking", "_checked_reduce_scatter"))
+
     def _bind_hot_path(self) -> None:
-        """Point :meth:`all_reduce_blocking` straight at the checked call where no
-        general path is needed (one Python frame less per small all-reduce)."""
-        self.__dict__.pop("all_reduce_blocking", None)
-        if not self._slow:
-            self.all_reduce_blocking = self._checked_all_reduce  # type: ignore[method-assign,assignment]
+        """Point the ``*_blocking`` entry points straight at the checked calls where no
+        general path is needed (one Python frame less per small collective)."""
+        for entry, checked in self._HOT_PATHS:
+            self.__dict__.pop(entry, None)
+            if not self._slow:
+                setattr(self, entry, getattr(self, checked))
 
     @property
     def recorder(self) -> FlightRecorder:  # type: ignore[override]

@@ -40,7 +40,8 @@ CALL_FIELDS: dict[str, tuple[str, ...]] = {
     "all_reduce": ("dtype", "shape", "reduce_op", "async_op"),
     "scaled_sum": ("dtype", "shape"),
     "broadcast": ("dtype", "shape", "root", "async_op"),
-    "all_gather": ("dtype", "counts", "async_op"),
+    # an all-gather without sizes= names its trailing shape instead of counts it lacks
+    "all_gather": ("dtype", "counts", "async_op", "trailing shape"),
     "reduce_scatter": ("dtype", "counts", "reduce_op", "async_op"),
     "gather": ("dtype", "counts", "root", "async_op"),
     "scatter": ("dtype", "counts", "root", "async_op"),
@@ -56,19 +57,25 @@ CALL_FIELDS: dict[str, tuple[str, ...]] = {
 
 def describe_detail(detail: Any, op: str = "") -> str:
     """A call's detail (dtype, shape, op, root, peer...) as short text; a plain tuple of
-    values is named by ``CALL_FIELDS[op]``."""
+    values is named by ``CALL_FIELDS[op]`` (its first names, where it has fewer values)."""
     if detail is None:
         return ""
     names = CALL_FIELDS.get(op)
-    if isinstance(detail, tuple) and names is not None and len(names) == len(detail):
+    if (isinstance(detail, tuple) and names is not None and 0 < len(detail) <= len(names)
+            and not _is_pair(detail[0])):
         detail = tuple((n, v) for n, v in zip(names, detail) if n != "async_op")
     if isinstance(detail, tuple):
         return ", ".join(_describe_item(d) for d in detail if d is not None and d != ())
     return _describe_item(detail)
 
 
+def _is_pair(item: Any) -> bool:
+    """Whether ``item`` is a ``(name, value)`` pair (details given as pairs name themselves)."""
+    return isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
+
+
 def _describe_item(item: Any) -> str:
-    if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str):
+    if _is_pair(item):
         value = list(item[1]) if isinstance(item[1], tuple) else item[1]
         return f"{item[0]}={value}"
     if isinstance(item, tuple):
