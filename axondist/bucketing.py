@@ -805,8 +805,8 @@ class GradientSynchronizer:
         same values either way, bit for bit."""
         handle = state.persistent
         assert handle is not None  # the caller set it up
-        if not self._holds_weighted(state, lo, hi):
-            return handle.start(k, self._weight())
+        if not self._holds_weighted(state, lo, hi):  # a plain mean: every rank's weight alike
+            return handle.start(k, self._weight(), same_weight=self._num_samples is None)
         self._weigh_piece(state, lo, hi)
         return handle.start(k)
 

@@ -24,6 +24,7 @@ from ._mpi_common import (
 )
 from ._mpi_core import MPIBackendBase, bind_mpi
 from ._mpi_guard import RING_DTYPES, RING_TAG, Rider
+from ._mpi_rings import _CACHED, PersistentRing, ScratchPool, unit_bounds, weigh_and_add  # noqa: F401 (_CACHED re-exported)
 from .base import (
     Backend,
     CompletedWork,
@@ -37,8 +38,6 @@ MPI: Any = None
 _IN_PLACE: Any = None
 bind_mpi(globals())
 
-#: Elements a weighted ring scales and adds at a time (each part still in cache).
-_CACHED = 1 << 16
 #: The persistent rings' tags on the private communicator: piece ``u`` (numbered over the
 #: backend's lifetime) sends with ``_PERSISTENT_TAG + u % _PERSISTENT_TAGS``, so pieces in
 #: flight at once never take each other's messages.
@@ -46,177 +45,6 @@ _PERSISTENT_TAG = RING_TAG + 8
 _PERSISTENT_TAGS = 1 << 14
 #: The blocking weighted ring's tag for the weights the ranks hand their right neighbours.
 _WEIGHT_TAG = RING_TAG + 2
-
-
-def weigh_and_add(mine: Any, got: Any, weight: float, got_weight: float, xp: Any = np) -> None:
-    """``mine = mine * weight + got * got_weight`` in place (``got`` is scratch and is
-    scaled in place too), in parts of ``_CACHED`` elements so each part is scaled and
-    added while it is in cache: one pass over memory. A weight of 1 is skipped (exact).
-    Each product is rounded to the arrays' dtype, as a sender weighting its own values
-    before sending them would round them, so the ring's bits do not depend on which
-    rank applies a weight."""
-    if weight == 1.0 and got_weight == 1.0:
-        xp.add(mine, got, out=mine)
-        return
-    for lo in range(0, mine.shape[0], _CACHED):
-        part, arrived = mine[lo:lo + _CACHED], got[lo:lo + _CACHED]
-        if weight != 1.0:
-            xp.multiply(part, weight, out=part, casting="unsafe")
-        if got_weight != 1.0:
-            xp.multiply(arrived, got_weight, out=arrived, casting="unsafe")
-        xp.add(part, arrived, out=part)
-
-
-class ScratchPool:
-    """Scratch buffers that :class:`PersistentRing` steps borrow, each for one step: the
-    partial sum arriving from the left lands in one, is added, and the buffer goes back.
-    A buffer given back is the next one taken (still in cache), and there are only as
-    many as steps were ever in flight at once (a bigger one replaces a free one too
-    small), instead of one per piece. Buffers are written once when made (no page faults
-    in later steps)."""
-
-    __slots__ = ("_free",)
-
-    def __init__(self) -> None:
-        self._free: list[Any] = []
-
-    def take(self, nbytes: int) -> Any:
-        """A byte buffer of at least ``nbytes`` (the most recently given back that fits)."""
-        free = self._free
-        for i in range(len(free) - 1, -1, -1):
-            if free[i].nbytes >= nbytes:
-                return free.pop(i)
-        if free:
-            free.pop()  # too small: replaced by the bigger one made here
-        buf = np.empty(nbytes, np.uint8)
-        buf[...] = 0
-        return buf
-
-    def give(self, buf: Any) -> None:
-        """Return a buffer :meth:`take` handed out."""
-        self._free.append(buf)
-
-    def __len__(self) -> int:
-        return len(self._free)
-
-
-class PersistentRing:
-    """One piece of a persistent SUM all-reduce as a ring of point-to-point requests made
-    once (``Send_init`` per step, ``Recv_init`` for the all-gather's): n - 1 reduce-scatter
-    steps, each adding the partial sum that arrives from the left into this rank's copy of
-    a block, then n - 1 all-gather steps handing the finished blocks round, as the blocking
-    ring of :meth:`AllReduceMixin._ring_mean` does (over the same piece the same blocks, so
-    the same bits as the blocking weighted sum). :meth:`start` takes this rank's weight:
-    each rank's values are weighted as they join the ring, in cache, while the partial sum
-    that arrives is added (the first step's block, which left its rank unweighted, with the
-    weight that travels with it), so weighting costs no pass of its own. A reduce-scatter
-    step receives into a buffer borrowed from ``pool`` for that step only (an ``Irecv``), so
-    rings share a few buffers that stay in cache. A step starts when the previous one
-    completed on this rank; :meth:`test` and :meth:`block` move it on, so the ring advances
-    only while its caller tests or waits.
-
-    Args:
-        comm: the group's private communicator.
-        flat: the piece, flat, in its dtype (the sums are formed on it).
-        wire: the same memory as MPI moves it (``flat`` or a view of it).
-        mtype: the MPI datatype of ``wire``'s elements.
-        rank: this rank in ``comm``.
-        size: ``comm``'s size (> 1).
-        tag: the tag every message of this piece carries.
-        pool: where reduce-scatter steps borrow their receive buffers.
-    """
-
-    __slots__ = ("_steps", "_weighing", "_weights", "_weight", "_live", "_got", "_comm",
-                 "_left", "_tag", "_mtype", "_dtype", "_wire_dtype", "_pool", "step", "_mpi")
-
-    def __init__(self, comm: Any, flat: Any, wire: Any, mtype: Any, rank: int, size: int,
-                 tag: int, pool: ScratchPool) -> None:
-        counts = block_counts(flat.size, size)
-        blocks = [slice(lo, lo + c) for lo, c in zip(displacements(counts), counts)]
-        right, left = (rank + 1) % size, (rank - 1) % size
-        self._comm, self._left, self._tag, self._mtype = comm, left, tag, mtype
-        self._dtype, self._wire_dtype, self._pool = flat.dtype, wire.dtype, pool
-        #: this rank's weight (sent right at each start) and the left neighbour's
-        self._weights = np.zeros(2, np.float64)
-        self._weight = 1.0
-        # The weights' messages start before step 0's data: same tag, same pair of ranks,
-        # so MPI matches them first (messages do not overtake).
-        self._weighing = [comm.Recv_init([self._weights[1:], MPI.DOUBLE], left, tag),
-                          comm.Send_init([self._weights[:1], MPI.DOUBLE], right, tag)]
-        #: per step: its persistent requests, and for a reduce-scatter step the block the
-        #: arriving partial sum is added into (None for an all-gather step)
-        self._steps: list[tuple[list[Any], Any]] = []
-        for step in range(size - 1):  # reduce-scatter: block (rank - step - 1) grows
-            out, into = blocks[(rank - step) % size], blocks[(rank - step - 1) % size]
-            self._steps.append(([comm.Send_init([wire[out], mtype], right, tag)], flat[into]))
-        for step in range(size - 1):  # all-gather: pass the finished blocks on
-            out, into = blocks[(rank + 1 - step) % size], blocks[(rank - step) % size]
-            self._steps.append(([comm.Recv_init([wire[into], mtype], left, tag),
-                                 comm.Send_init([wire[out], mtype], right, tag)], None))
-        #: the requests of the step in flight
-        self._live: list[Any] = []
-        #: the borrowed buffer the step in flight receives into (None: none borrowed)
-        self._got: Any = None
-        #: the step in flight; ``len(steps)`` when idle or done
-        self.step = len(self._steps)
-        self._mpi = MPI
-
-    def start(self, weight: float = 1.0) -> None:
-        """Start the first step (the piece must be complete by now; its values are
-        multiplied by ``weight`` as they join the ring, rounded to the piece's dtype)."""
-        self.step = 0
-        self._weight = weight = float(weight)
-        self._weights[0] = weight
-        self._mpi.Prequest.Startall(self._weighing)  # the weights first
-        self._start_step(self._weighing)
-
-    def _start_step(self, also: list[Any]) -> None:
-        """Start step ``self.step`` (``also``: requests already started that it waits for)."""
-        requests, mine = self._steps[self.step]
-        live = list(also)
-        if mine is not None:  # receive the partial sum into a borrowed buffer
-            got = self._got = self._pool.take(mine.shape[0] * self._dtype.itemsize)
-            wire = got[:mine.shape[0] * self._dtype.itemsize].view(self._wire_dtype)
-            live.append(self._comm.Irecv([wire, self._mtype], self._left, self._tag))
-        self._mpi.Prequest.Startall(requests)
-        self._live = live + requests
-
-    def test(self) -> bool:
-        """Move the ring on without blocking; whether it finished."""
-        testall = self._mpi.Request.Testall
-        while self.step < len(self._steps):
-            if not testall(self._live):
-                return False
-            self._next()
-        return True
-
-    def block(self) -> None:
-        """Wait for the ring to finish."""
-        waitall = self._mpi.Request.Waitall
-        while self.step < len(self._steps):
-            waitall(self._live)
-            self._next()
-
-    def _next(self) -> None:
-        """The step in flight completed: add what arrived (reduce-scatter), start the next."""
-        mine = self._steps[self.step][1]
-        if mine is not None:  # the first step's block left its rank unweighted
-            got = self._got
-            self._got = None
-            count = mine.shape[0]
-            weigh_and_add(mine, got[:count * self._dtype.itemsize].view(self._dtype),
-                          self._weight, float(self._weights[1]) if self.step == 0 else 1.0)
-            self._pool.give(got)
-        self.step += 1
-        self._live = []
-        if self.step < len(self._steps):
-            self._start_step([])
-
-    def free(self) -> None:
-        """Release the requests (the ring must not be in flight)."""
-        for request in self._weighing + [r for requests, _ in self._steps for r in requests]:
-            if request != self._mpi.REQUEST_NULL:
-                request.Free()
 
 
 class AllReduceMixin(MPIBackendBase):
@@ -465,7 +293,8 @@ class AllReduceMixin(MPIBackendBase):
 
     def persistent_all_reduce(self, buf: Any, op: ReduceOp = ReduceOp.SUM, *,
                               piece_bytes: int | None = None) -> Backend.Persistent:
-        """MPI-4 persistent ``Allreduce_init`` requests over pieces of ``buf`` (a
+        """MPI-4 persistent ``Allreduce_init`` requests over pieces of ``buf``, or rings of
+        persistent point-to-point requests (a
         :class:`~axondist.backends.base.PersistentAllReduce` that fuses the weight of
         ``start(k, weight)``), made once and started each step.
 
@@ -475,11 +304,12 @@ class AllReduceMixin(MPIBackendBase):
         recorded as an ``all_reduce`` (the watchdog names a rank that never
         starts a piece) and its Work honours ``wait(timeout)``. Pieces are of
         ``piece_bytes`` (default: the weighted sums' piece, ``chunk_bytes``
-        unless ``AXONDIST_PIECE_MB`` asks for small ones), on one host at most
-        ``chunk_bytes``, the blocking weighted sum's pieces: the same blocks and bits,
-        and blocks that stay in cache while they are weighted and added (two ranks,
-        95 MiB, compute 0: 4 MiB pieces took 1.3x the blocking sum, 2 MiB ones 1.13x).
-        A SUM piece above ``MEAN_IN_BLOCKS_BYTES`` in a dtype the rings add is a
+        unless ``AXONDIST_PIECE_MB`` asks for small ones). On one host a piece is made of
+        the blocking weighted sum's pieces (``chunk_bytes``; :func:`unit_bounds`), each
+        cut into the same blocks, so the same bits, with blocks that stay in cache while
+        they are weighted and added; a piece of several of them is one ring moving them
+        together (one start and one Python event per step for all of them). A SUM piece
+        whose parts exceed ``MEAN_IN_BLOCKS_BYTES`` in a dtype the rings add is a
         :class:`PersistentRing` on the private communicator (no MPI temporaries: its
         receive buffers are borrowed step by step from the backend's
         :class:`ScratchPool`); smaller ones are ``Allreduce_init`` requests. Device
@@ -491,88 +321,60 @@ class AllReduceMixin(MPIBackendBase):
         data, mtype, mop, average = self._reduction(buf, op, "all_reduce")
         flat, wire = buf.reshape(-1), data.reshape(-1)
         piece = piece_bytes or self._piece()
-        if self._blocking_rings:  # one host: the blocking weighted sum's pieces at most
-            piece = min(piece, self._chunk)
-        bounds = piece_bounds(flat.size, flat.itemsize, piece)
-        guard, comm = self._guard, self._comm
+        # One host: units of the blocking weighted sum's pieces, ringed where it rings them.
+        like_blocking = self._blocking_rings and piece >= self._chunk
+        if self._blocking_rings:
+            units = unit_bounds(flat.size, flat.itemsize, piece, self._chunk)
+        else:
+            units = [[b] for b in piece_bounds(flat.size, flat.itemsize, piece)]
         self._blocking("all_reduce", (buf.dtype, buf.shape, op._name_, "persistent"),
                        lambda: None)
-        requests: list[Any] = []
+        pieces: list[_PersistentPiece] = []
         try:
-            for lo, hi in bounds:
-                if self._rings_piece(flat, op, average, hi - lo):
-                    requests.append(self._persistent_ring(flat[lo:hi], wire[lo:hi], mtype))
+            for parts in units:
+                lo, hi = parts[0][0], parts[-1][1]
+                count = flat.size if like_blocking else parts[0][1] - parts[0][0]
+                if self._rings_piece(flat, op, average, count):
+                    request: Any = self._persistent_ring(
+                        [(flat[a:b], wire[a:b]) for a, b in parts], mtype)
                 else:
-                    requests.append(comm.Allreduce_init(_IN_PLACE, [wire[lo:hi], mtype], mop))
+                    request = _CollectiveRequest(self._comm.Allreduce_init(
+                        _IN_PLACE, [wire[lo:hi], mtype], mop))
+                pieces.append(_PersistentPiece(self, request, flat[lo:hi], op, average))
         except MPI.Exception as exc:
             raise_mpi_error(exc, "all_reduce")
-        keys = [(buf.dtype, (hi - lo,), op._name_, True) for lo, hi in bounds]
 
-        def start(k: int, weight: float) -> Work:
-            request = requests[k]
-            ring = isinstance(request, PersistentRing)
-            if weight != 1.0 and not ring:  # a ring weights its values as they join it
-                part = flat[bounds[k][0]:bounds[k][1]]
-                np.multiply(part, weight, out=part, casting="unsafe")
-            seq, slot = guard.begin("all_reduce", keys[k], blocking=False)
-            try:
-                if ring:
-                    request.start(weight)
-                else:
-                    request.Start()
-            except MPI.Exception as exc:
-                raise_mpi_error(exc, "all_reduce")
-            finally:
-                guard.rec.end(slot)
-            # Not Testall on the collective's request: MPICH fails it on persistent ones.
-            poll, finish = (request.test, request.block) if ring else (request.Test,
-                                                                     request.Wait)
-
-            def test() -> bool:
-                try:
-                    return bool(poll())
-                except MPI.Exception as exc:
-                    raise_mpi_error(exc, "all_reduce")
-
-            def block() -> None:
-                try:
-                    finish()
-                except MPI.Exception as exc:
-                    raise_mpi_error(exc, "all_reduce")
-
-            piece = flat[bounds[k][0]:bounds[k][1]]
-            return Backend.Polled(test, block, piece, "all_reduce",
-                                  (lambda: self._divide(piece)) if average else None,
-                                  (guard.rec, guard.group, seq))
+        def start(k: int, weight: float, same_weight: bool) -> Work:
+            return pieces[k].start(weight, same_weight)
 
         def free() -> None:
             if not MPI.Is_finalized():
-                for request in requests:
-                    if isinstance(request, PersistentRing):
-                        request.free()
-                    elif request != MPI.REQUEST_NULL:
-                        request.Free()
+                for one in pieces:
+                    one.request.free()
 
+        bounds = [(parts[0][0], parts[-1][1]) for parts in units]
         handle = Backend.Persistent(buf, bounds, start, free, fuses_weight=True)
         self._persistent.add(handle)
         return handle
 
     def _rings_piece(self, flat: Any, op: ReduceOp, average: bool, count: int) -> bool:
-        """Whether a persistent all-reduce's piece of ``count`` elements of ``flat`` runs as
-        a :class:`PersistentRing`: a SUM over several ranks in a dtype the rings add, above
-        ``MEAN_IN_BLOCKS_BYTES`` (where the blocking weighted sum rings too). Decided from
-        the call's arguments alone, so every rank decides alike."""
+        """Whether a persistent all-reduce's piece of ``flat`` runs as a
+        :class:`PersistentRing`: a SUM over several ranks in a dtype the rings add, where
+        ``count`` elements exceed ``MEAN_IN_BLOCKS_BYTES`` (``count``: the piece's, or,
+        for the blocking weighted sum's own pieces, the whole buffer's, as that sum decides
+        for all its pieces at once). Decided from the call's arguments alone, so every
+        rank decides alike."""
         return (op._name_ == "SUM" and not average and self._guard.private is not None
                 and flat.dtype in RING_DTYPES
                 and count * flat.itemsize > MEAN_IN_BLOCKS_BYTES)
 
-    def _persistent_ring(self, flat: Any, wire: Any, mtype: Any) -> PersistentRing:
-        """A :class:`PersistentRing` over ``flat`` with the next piece tag."""
+    def _persistent_ring(self, parts: list[tuple[Any, Any]], mtype: Any) -> PersistentRing:
+        """A :class:`PersistentRing` over ``parts`` with the next piece tag."""
         uid = self._ring_pieces
         self._ring_pieces = uid + 1
         if self._ring_scratch is None:
             self._ring_scratch = ScratchPool()
-        return PersistentRing(self._guard.private, flat, wire, mtype, self.rank,
+        return PersistentRing(self._guard.private, parts, mtype, self.rank,
                               self.world_size, _PERSISTENT_TAG + uid % _PERSISTENT_TAGS,
                               self._ring_scratch)
 
@@ -581,3 +383,70 @@ class AllReduceMixin(MPIBackendBase):
     _ring_pieces = 0
     #: The receive buffers this backend's persistent rings borrow step by step.
     _ring_scratch: ScratchPool | None = None
+
+
+class _CollectiveRequest:
+    """An ``Allreduce_init`` request with a ring's interface (``start``, ``test``,
+    ``block``, ``free``): a piece too small for a ring. ``start`` multiplies the piece by
+    the weight first (a ring weights its values as they join it)."""
+
+    __slots__ = ("_request", "piece")
+
+    def __init__(self, request: Any) -> None:
+        self._request = request
+        self.piece: Any = None
+
+    def start(self, weight: float = 1.0, left_weight: float | None = None) -> None:
+        if weight != 1.0:
+            np.multiply(self.piece, weight, out=self.piece, casting="unsafe")
+        try:
+            self._request.Start()
+        except MPI.Exception as exc:
+            raise_mpi_error(exc, "all_reduce")
+
+    def test(self) -> bool:
+        # Not Testall on the collective's request: MPICH fails it on persistent ones.
+        try:
+            return bool(self._request.Test())
+        except MPI.Exception as exc:
+            raise_mpi_error(exc, "all_reduce")
+
+    def block(self) -> None:
+        try:
+            self._request.Wait()
+        except MPI.Exception as exc:
+            raise_mpi_error(exc, "all_reduce")
+
+    def free(self) -> None:
+        if self._request != MPI.REQUEST_NULL:
+            self._request.Free()
+
+
+class _PersistentPiece:
+    """One piece of an MPI persistent all-reduce: its ring (or collective request), the
+    piece's memory and the call's record key, made once; :meth:`start` numbers and
+    records the start, starts the request with the weight and returns a polled Work whose
+    test and wait move the request on."""
+
+    __slots__ = ("request", "_piece", "_key", "_guard", "_finish", "_test", "_block")
+
+    def __init__(self, backend: Any, request: Any, piece: Any, op: ReduceOp,
+                 average: bool) -> None:
+        self.request = request
+        if isinstance(request, _CollectiveRequest):
+            request.piece = piece
+        self._piece = piece
+        self._key = (piece.dtype, (piece.size,), op._name_, True)
+        self._guard = backend._guard
+        self._finish = (lambda: backend._divide(piece)) if average else None
+        self._test, self._block = request.test, request.block
+
+    def start(self, weight: float, same_weight: bool) -> Work:
+        guard = self._guard
+        seq, slot = guard.begin("all_reduce", self._key, blocking=False)
+        try:
+            self.request.start(weight, weight if same_weight else None)
+        finally:
+            guard.rec.end(slot)
+        return Backend.Polled(self._test, self._block, self._piece, "all_reduce",
+                              self._finish, (guard.rec, guard.group, seq))

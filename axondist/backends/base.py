@@ -261,7 +261,7 @@ class PersistentAllReduce:
         buf: the contiguous buffer reduced in place.
         bounds: the pieces as element ranges of ``buf.reshape(-1)``, in start order.
         start: ``start(k)`` starts piece ``k`` and returns its Work; with
-            ``fuses_weight``, ``start(k, weight)``.
+            ``fuses_weight``, ``start(k, weight, same_weight)``.
         free: releases what the backend set up (None: nothing to release).
         fuses_weight: ``start`` takes the weight and applies it itself, bit for bit as
             multiplying the piece first would.
@@ -290,9 +290,11 @@ class PersistentAllReduce:
         lo, hi = self.bounds[k]
         return self.buf.reshape(-1)[lo:hi]
 
-    def start(self, k: int, weight: float = 1.0) -> Work:
+    def start(self, k: int, weight: float = 1.0, *, same_weight: bool = False) -> Work:
         """Start piece ``k``'s reduction, this rank's values multiplied by ``weight``; its
-        Work's ``wait()`` returns once it is done.
+        Work's ``wait()`` returns once it is done. ``same_weight``: every rank passes this
+        same ``weight`` (a plain mean), so a backend that fuses the weighting need not send
+        the weights round; every rank must pass the same flag.
 
         Raises:
             RuntimeError: the handle was freed, or piece ``k``'s previous start
@@ -306,7 +308,7 @@ class PersistentAllReduce:
             raise RuntimeError(f"PersistentAllReduce.start: piece {k} is still being reduced; "
                                "wait() for its Work before starting it again")
         if self.fuses_weight:
-            work = self._works[k] = self._start(k, float(weight))
+            work = self._works[k] = self._start(k, float(weight), same_weight)
             return work
         if weight != 1.0:
             piece = self.piece(k)
