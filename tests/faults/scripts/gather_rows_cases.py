@@ -1,0 +1,84 @@
+"""Mismatches of all_gather without ``sizes=`` (whose row counts travel with the check on
+MPI), each a small per-rank program: ``python gather_rows_cases.py CASE mock N`` on an
+N-rank mock world, ``mpiexec -n N python gather_rows_cases.py CASE mpi`` on MPI.
+
+A case that must fail ends non-zero with a message naming the operation and what the
+ranks disagree on; a case that must not fail prints ``CASE OK`` on every rank.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+
+import axondist as ad
+
+#: Rows of float64 past what rides with the check (64 KiB).
+BIG = 9000
+
+
+def rows_dtype(world: ad.World) -> None:
+    last = world.rank == world.world_size - 1
+    ad.all_gather(np.ones((world.rank + 1, 3), np.float64 if last else np.float32))
+
+
+def rows_trailing(world: ad.World) -> None:
+    last = world.rank == world.world_size - 1
+    ad.all_gather(np.ones((world.rank + 1,) + ((2, 2) if last else (3,))))
+
+
+def rows_big_dtype(world: ad.World) -> None:
+    # rank 0's rows do not ride with the check; the last rank's dtype differs
+    last = world.rank == world.world_size - 1
+    rows = BIG if world.rank == 0 else 2
+    ad.all_gather(np.ones(rows, np.float32 if last else np.float64))
+
+
+def rows_vs_sizes(world: ad.World) -> None:
+    x = np.ones((2, 3))
+    if world.rank == 0:
+        ad.all_gather(x, sizes=[2] * world.world_size)
+    else:
+        ad.all_gather(x)
+
+
+def rows_vs_broadcast(world: ad.World) -> None:
+    x = np.ones(16, np.float32)
+    if world.rank == 0:
+        ad.all_gather(x)
+    else:
+        ad.broadcast(x, src=0)
+
+
+def rows_mismatch_caught_then_good(world: ad.World) -> None:
+    n, last = world.world_size, world.rank == world.world_size - 1
+    for rows in (1, BIG):  # riding and not
+        try:
+            ad.all_gather(np.ones((rows, 2), np.int32 if last else np.int64))
+        except ad.CollectiveMismatchError as exc:
+            assert "all_gather: ranks disagree on dtype" in str(exc), exc
+        else:
+            raise AssertionError("a dtype mismatch passed")
+        x = np.full((world.rank + rows, 2), world.rank, np.int64)
+        got = ad.all_gather(x)
+        want = np.concatenate([np.full((r + rows, 2), r, np.int64) for r in range(n)])
+        np.testing.assert_array_equal(got, want)
+    print(f"rows_mismatch_caught_then_good OK rank {world.rank}", flush=True)
+
+
+CASES = {f.__name__: f for f in (rows_dtype, rows_trailing, rows_big_dtype, rows_vs_sizes,
+                                  rows_vs_broadcast, rows_mismatch_caught_then_good)}
+
+
+def main() -> None:
+    case, mode = sys.argv[1], sys.argv[2]
+    fn = CASES[case]
+    if mode == "mpi":
+        fn(ad.init("mpi"))
+    else:
+        ad.spawn(fn, int(sys.argv[3]))
+
+
+if __name__ == "__main__":
+    main()

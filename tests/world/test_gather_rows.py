@@ -1,0 +1,127 @@
+"""all_gather without ``sizes=``: every rank's row count may differ (and be drawn on each
+side of ``RIDE_MAX_BYTES``, where the MPI backend's rows stop riding with the check),
+dtype and trailing shape agree; the result equals NumPy's concatenation on every rank,
+with and without ``out``. Under ``mpiexec -n 2`` the counts travel with the check, so
+each call is one recorded exchange. Runs on the mock world too.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from harness import run_world, world_sizes
+from hypothesis import given
+from hypothesis import strategies as st
+
+import axondist as ad
+from axondist._array import dtype_named
+from axondist.backends._mpi_guard import RIDE_MAX_BYTES
+
+DTYPES = ["float32", "float64", "int32", "int64", "bool", "float16", "bfloat16", "uint8"]
+TRAILING = [(), (3,), (2, 2), (0,)]
+
+
+def _rows(dtype: str, trailing: tuple[int, ...], where: str, offset: int) -> int:
+    """A row count: small, or just under/at/over the riding limit for this row size."""
+    if where == "small":
+        return offset + 1  # 0..2
+    row_bytes = max(1, int(np.prod(trailing, dtype=int))) * np.dtype(dtype_named(dtype)).itemsize
+    return max(0, RIDE_MAX_BYTES // row_bytes + offset)
+
+
+def _local(seed: int, rank: int, rows: int, trailing: tuple[int, ...], dtype: str) -> np.ndarray:
+    values = np.random.default_rng([seed, rank]).integers(-40, 40, size=(rows,) + trailing)
+    return values.astype(dtype_named(dtype))
+
+
+def _body(world: ad.World, seed: int, plan: list[tuple[str, int]], trailing: tuple[int, ...],
+          dtype: str, give_out: bool, async_op: bool) -> None:
+    n = world.world_size
+    counts = [_rows(dtype, trailing, *plan[r % len(plan)]) for r in range(n)]
+    x = _local(seed, world.rank, counts[world.rank], trailing, dtype)
+    want = np.concatenate([_local(seed, r, counts[r], trailing, dtype) for r in range(n)])
+    out = np.full_like(want, 7) if give_out else None
+    got = ad.all_gather(x, out=out, async_op=async_op)
+    if async_op:
+        got = got.wait()
+    if give_out:
+        assert got is out
+    assert got.dtype == want.dtype and got.shape == want.shape
+    np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))
+
+
+@given(n=world_sizes(1, 4), seed=st.integers(0, 2**31 - 1),
+       plan=st.lists(st.tuples(st.sampled_from(["small", "limit"]), st.integers(-1, 1)),
+                     min_size=1, max_size=4),
+       trailing=st.sampled_from(TRAILING), dtype=st.sampled_from(DTYPES),
+       give_out=st.booleans(), async_op=st.booleans())
+def test_unsized_all_gathers_match_numpy(n, seed, plan, trailing, dtype, give_out, async_op):
+    run_world(_body, n, seed, plan, trailing, dtype, give_out, async_op)
+
+
+def _body_repeated(world: ad.World, seed: int, counts_per_call: list[list[int]]) -> None:
+    # the same call site with counts that change from call to call (the MPI backend keeps
+    # one carrier per row count) and a multi-dimensional out reused
+    for k, rows in enumerate(counts_per_call):
+        counts = [rows[r % len(rows)] for r in range(world.world_size)]
+        x = _local(seed + k, world.rank, counts[world.rank], (3,), "float64")
+        got = ad.all_gather(x)
+        want = np.concatenate([_local(seed + k, r, counts[r], (3,), "float64")
+                               for r in range(world.world_size)])
+        np.testing.assert_array_equal(got, want)
+
+
+@given(n=world_sizes(1, 4), seed=st.integers(0, 2**31 - 1),
+       counts_per_call=st.lists(st.lists(st.integers(0, 6), min_size=1, max_size=3),
+                                min_size=2, max_size=6))
+def test_row_counts_that_change_between_calls(n, seed, counts_per_call):
+    run_world(_body_repeated, n, seed, counts_per_call)
+
+
+def _world_calls(after: int) -> list[dict]:
+    """This rank's recorded calls on the world group numbered after ``after``."""
+    return [e for e in ad.flight_recorder() if e["group"] == "world" and e["seq"] > after]
+
+
+def _body_one_exchange(world: ad.World) -> None:
+    x = np.arange(3 * (world.rank + 1), dtype=np.float32).reshape(-1, 3)
+    before = max([0] + [e["seq"] for e in _world_calls(0)])
+    ad.all_gather(x)
+    calls = [(e["op"], e["detail"]) for e in _world_calls(before)]
+    if world.backend.name == "mpi":
+        # one call: the counts rode with the check (no separate exchange of counts)
+        assert calls == [("all_gather", "dtype=float32, counts=not given, trailing shape=[3]")]
+    else:
+        assert calls and calls[-1][0] == "all_gather"
+
+
+def test_an_unsized_all_gather_is_recorded_as_one_call():
+    run_world(_body_one_exchange, 2)
+
+
+def _body_bad_out_then_good(world: ad.World) -> None:
+    n = world.world_size
+    x = np.full((world.rank + 1, 2), float(world.rank))
+    total = n * (n + 1) // 2
+    with pytest.raises(ad.InvalidBufferError, match=r"all_gather: out is .* but the result is "
+                                                    rf"float64\[{total}, 2\]"):
+        ad.all_gather(x, out=np.empty((total + 1, 2)))
+    got = ad.all_gather(x)  # the ranks are still in step
+    want = np.concatenate([np.full((r + 1, 2), float(r)) for r in range(n)])
+    np.testing.assert_array_equal(got, want)
+
+
+@given(n=world_sizes(1, 4))
+def test_a_wrong_out_on_every_rank_raises_and_the_next_call_works(n):
+    run_world(_body_bad_out_then_good, n)
+
+
+def test_a_read_only_out_is_refused_before_any_exchange():
+    def body(world: ad.World) -> None:
+        out = np.empty(world.world_size)
+        out.flags.writeable = False
+        with pytest.raises(ad.InvalidBufferError, match="all_gather"):
+            ad.all_gather(np.ones(1), out=out)
+        ad.barrier()
+
+    run_world(body, 2)
