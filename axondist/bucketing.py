@@ -24,10 +24,6 @@ scaling be one operation when a gradient must be copied into its bucket.
 from __future__ import annotations
 
 import enum
-import threading
-import time
-import weakref
-from collections import deque
 from collections.abc import Callable, Sequence
 from math import prod
 from typing import Any, Protocol
@@ -35,6 +31,8 @@ from typing import Any, Protocol
 import numpy as np
 
 from . import _array
+from ._persistent_pieces import PersistentPieces
+from ._persistent_pieces import ProgressHelper as _ProgressHelper  # noqa: F401 (tests)
 from ._validate import check_real_gradient
 from .backends.base import Backend, CompletedWork, PersistentAllReduce, Work
 from .comm import all_reduce
@@ -381,7 +379,7 @@ def _describe_item(item: Any) -> tuple[tuple[int, ...], np.dtype, Any]:
     return tuple(int(d) for d in item), None, None  # type: ignore[return-value]
 
 
-class GradientSynchronizer:
+class GradientSynchronizer(PersistentPieces):
     """Averages a fixed list of gradients over a group through persistent buckets.
 
     Gradients are identified by index (their parameter's position). After
@@ -444,37 +442,7 @@ class GradientSynchronizer:
         self._num_samples: float | None = None
         self._next_launch = 0
         self._oldest_in_flight = 0
-        #: persistent pieces waiting to start, in the one order every rank starts them
-        self._queue: deque[tuple[_BucketState, int]] = deque()
-        #: started pieces, oldest first (at most PIPELINE_WINDOW)
-        self._in_flight: deque[Work] = deque()
-        self._persistent_owner: Backend | None = None
-        #: held by whoever touches the pieces in flight (this thread or the helper)
-        self._lock = threading.Lock()
-        self._helper: _ProgressHelper | None = None
-
-    #: Pieces of persistent all-reduces in flight at once (more starts wait for the
-    #: oldest). Each piece is weighted as it starts (under MPI as it joins the ring); with
-    #: small pieces (``AXONDIST_PIECE_MB=0.5`` under MPI) and few in flight, MPI copies it
-    #: while it is still in cache.
-    PIPELINE_WINDOW = 2
-    #: Seconds between the tests a helper thread makes of the persistent pieces in flight
-    #: while the caller computes the next gradients (OVERLAPPED, default hook). MPI moves a
-    #: non-blocking collective only inside MPI calls; between two gradients nothing would
-    #: move, and over a network the kernel's socket buffers fill and then idle. None: 1 ms
-    #: in a group that spans several hosts, off on one host (shared memory moves the data
-    #: in the test itself, and the helper would compete for the cores); 0: off. Needs MPI
-    #: initialized with ``MPI_THREAD_MULTIPLE`` (mpi4py's default) when the caller's own
-    #: code makes MPI calls meanwhile.
-    progress_interval: float | None = None
-    #: Largest piece of a bucket's persistent all-reduce, in bytes (OVERLAPPED, default
-    #: hook). A piece starts once every gradient it holds was added, so when the backward
-    #: pass hands over its last gradient at most about one piece is left to start: the
-    #: exposed end of the step. Smaller pieces leave less, but each pays the group's latency
-    #: once (under MPI a big piece is a ring of ``2 (world_size - 1)`` messages per rank).
-    #: None: the backend's choice (under MPI ``chunk_bytes``: 2 MiB on one host, whole
-    #: buckets across hosts). On one host MPI caps the pieces at ``chunk_bytes``.
-    piece_bytes: int | None = 4 * MiB
+        self._init_pieces()
 
     # --- layout ----------------------------------------------------------------------------
     def _caps(self, dtype: np.dtype) -> tuple[int, int]:
@@ -593,11 +561,7 @@ class GradientSynchronizer:
         self._oldest_in_flight = 0
         self._group = resolve_group(group if group is not None else self.group)
         if self._persistent_path():
-            self._make_persistent()
-            # Every piece, in the one order all ranks start them; each starts once its
-            # gradients are in (see _pump).
-            self._queue.extend((state, k) for state in self.buckets
-                               for k in range(len(state.persistent.bounds)))  # type: ignore[union-attr]
+            self._make_persistent()  # and queue every piece (see PersistentPieces._pump)
         self._count_work = None
         self._num_samples = None
         if num_samples is not None:
@@ -749,134 +713,15 @@ class GradientSynchronizer:
         """Whether buckets go through persistent all-reduces (the same on every rank)."""
         return self.strategy is GradSyncStrategy.OVERLAPPED and self.hook is sum_hook
 
-    def _make_persistent(self) -> None:
-        """Give every bucket its persistent all-reduce on this step's group (made on the
-        first step, again only when the group changes). Collective, in bucket order, at
-        the start of a step: the same point on every rank."""
-        backend = self._group.backend_for("GradientSynchronizer")  # type: ignore[union-attr]
-        if self.buckets and self._persistent_owner is backend:
-            return
-        self._free_persistent()
-        for state in self.buckets:
-            state.persistent = backend.persistent_all_reduce(state.flat, ReduceOp.SUM,
-                                                             piece_bytes=self.piece_bytes)
-        self._persistent_owner = backend
-        interval = self._helper_interval()
-        if interval > 0:
-            self._helper = _ProgressHelper(self, interval)
-
-    def _helper_interval(self) -> float:
-        """Seconds between the helper's tests (0: no helper); see :attr:`progress_interval`."""
-        if self.progress_interval is not None:
-            return max(0.0, float(self.progress_interval))
-        _, _, local_size = self._group.node_info()  # type: ignore[union-attr]
-        return 1e-3 if local_size < self._group.world_size else 0.0  # type: ignore[union-attr]
-
-    def _pump(self, pieces: int) -> int:
-        """Start up to ``pieces`` queued pieces, in queue order, each once every gradient
-        it holds was added and weighted just before it starts; with the window full, first
-        wait for the oldest piece in flight. Which pieces start depends only on which
-        gradients were added, not on timing, so every rank starts the same pieces in the
-        same order. Returns how many started."""
-        queue, in_flight = self._queue, self._in_flight
-        started = 0
-        with self._lock:
-            while started < pieces and queue:
-                state, k = queue[0]
-                handle = state.persistent
-                lo, hi = handle.bounds[k]  # type: ignore[union-attr]
-                if hi > state.ready_elems:
-                    break
-                if len(in_flight) >= self.PIPELINE_WINDOW:
-                    in_flight.popleft().wait()
-                queue.popleft()
-                in_flight.append(self._start_piece(state, k, lo, hi))
-                state.launched = True
-                started += 1
-            if self._helper is not None and in_flight:
-                self._helper.wake()
-        return started
-
-    def _start_piece(self, state: _BucketState, k: int, lo: int, hi: int) -> Work:
-        """Start piece ``k`` (``[lo, hi)``) of ``state``'s persistent all-reduce, weighted.
-        Where no slot in the piece holds weighted values yet, the weight goes with the
-        start (the MPI rings apply it as the values join the ring, in cache); otherwise
-        the slots not yet weighted are weighted here first (:meth:`_weigh_piece`). The
-        same values either way, bit for bit."""
-        handle = state.persistent
-        assert handle is not None  # the caller set it up
-        if not self._holds_weighted(state, lo, hi):  # a plain mean: every rank's weight alike
-            return handle.start(k, self._weight(), same_weight=self._num_samples is None)
-        self._weigh_piece(state, lo, hi)
-        return handle.start(k)
-
-    def _holds_weighted(self, state: _BucketState, lo: int, hi: int) -> bool:
-        """Whether a slot overlapping ``[lo, hi)`` of ``state``'s buffer already holds
-        weighted values; moves ``state.weigh_from`` past the slots that end by ``hi``
-        when none does (the next piece starts there)."""
-        layout, slots = state.layout, self.slots
-        j = state.weigh_from
-        while j < len(layout) and layout[j][0] < hi:
-            if slots[layout[j][2]].weighted:
-                return True
-            if layout[j][1] > hi:
-                break
-            j += 1
-        state.weigh_from = j
-        return False
-
-    def _weigh_piece(self, state: _BucketState, lo: int, hi: int) -> None:
-        """Multiply the part of ``state``'s buffer in ``[lo, hi)`` held by slots not yet
-        weighted by this rank's weight, one call per run of such slots. Pieces start in
-        buffer order, so ``state.weigh_from`` only moves on (a slot cut by a piece's end
-        is weighted part by part)."""
-        factor = self._weight()
-        if factor == 1.0:
-            return
-        layout, slots = state.layout, self.slots
-        j = state.weigh_from
-        run_lo = run_hi = lo
-        while j < len(layout) and layout[j][0] < hi:
-            end, i = layout[j][1], layout[j][2]
-            if slots[i].weighted:
-                self._scale(state.flat, run_lo, run_hi, factor)
-                run_lo = run_hi = min(end, hi)
-            else:
-                run_hi = min(end, hi)
-            if end > hi:
-                break
-            j += 1
-        self._scale(state.flat, run_lo, run_hi, factor)
-        state.weigh_from = j
-
-    @staticmethod
-    def _scale(flat: Any, lo: int, hi: int, factor: float) -> None:
-        """``flat[lo:hi] *= factor`` (cast to its dtype); nothing for an empty range."""
-        if hi > lo:
-            part = flat[lo:hi]
-            _array.namespace(part).multiply(part, factor, out=part, casting="unsafe")
-
     def _progress(self, added: int = 0) -> None:
-        """Move the all-reduces in flight on, after a gradient of ``added`` elements.
-
-        Persistent pieces: start about as many elements as the gradient had (at
-        least one piece, of those whose gradients are all in), so communication
-        keeps pace with the backward pass; with none to start, test every piece in
-        flight. Otherwise test the oldest bucket in flight: MPI advances a non-blocking
-        collective only inside MPI calls (unless the library runs a progress
-        thread); a test between two gradients lets the all-reduces move on while
-        the gradients are being computed.
-        """
-        if self._queue:
-            state, k = self._queue[0]
-            lo, hi = state.persistent.bounds[k]  # type: ignore[union-attr]
-            if self._pump(max(1, added // max(1, hi - lo))):
-                return
-        with self._lock:
-            for piece in self._in_flight:  # local tests; each moves its piece on
-                piece.is_completed()
-            while self._in_flight and self._in_flight[0].is_completed():
-                self._in_flight.popleft()
+        """Move the all-reduces in flight on, after a gradient of ``added`` elements:
+        persistent pieces through :meth:`PersistentPieces._progress_pieces`; otherwise test
+        the oldest bucket in flight: MPI advances a non-blocking collective only inside MPI
+        calls (unless the library runs a progress thread); a test between two gradients
+        lets the all-reduces move on while the gradients are being computed."""
+        if self._queue or self._in_flight:
+            self._progress_pieces(added)
+            return
         while self._oldest_in_flight < self._next_launch:
             work = self.buckets[self._oldest_in_flight].work
             if work is not None and not work.is_completed():
@@ -938,14 +783,7 @@ class GradientSynchronizer:
 
     def _wait_pending(self) -> None:
         """Wait for every all-reduce in flight; pieces not started yet are dropped."""
-        first_error: BaseException | None = None
-        self._queue.clear()
-        with self._lock:
-            while self._in_flight:
-                try:
-                    self._in_flight.popleft().wait()
-                except BaseException as exc:  # noqa: BLE001 - wait for the rest, then raise
-                    first_error = first_error or exc
+        first_error = self._wait_pieces()
         for state in self.buckets:
             work, state.work = state.work, None
             if work is not None:
@@ -979,77 +817,10 @@ class GradientSynchronizer:
         self._active = False
         self._free_persistent()
 
-    @property
-    def persistent(self) -> list[PersistentAllReduce]:
-        """The buckets' persistent all-reduces, in bucket order (empty until the first
-        OVERLAPPED step with the default hook, and after :meth:`close`)."""
-        return [s.persistent for s in self.buckets if s.persistent is not None]
-
-    def _free_persistent(self) -> None:
-        """Free the buckets' persistent all-reduces (each waits for its pieces in flight)."""
-        helper, self._helper = self._helper, None
-        if helper is not None:
-            helper.stop()
-        self._queue.clear()
-        self._in_flight.clear()
-        for state in self.buckets:
-            handle, state.persistent = state.persistent, None
-            if handle is not None:
-                handle.free()
-        self._persistent_owner = None
-
     def __repr__(self) -> str:
         sizes = ", ".join(str(s.bucket.capacity) for s in self.buckets)
         return (f"GradientSynchronizer({self.strategy.name}, {len(self.slots)} gradients, "
                 f"buckets of [{sizes}] elements)")
-
-
-class _ProgressHelper:
-    """A daemon thread that, once woken, tests a synchronizer's oldest unfinished piece
-    every ``interval`` seconds (one MPI test moves every request on) until none is left,
-    then sleeps until woken again. It holds the synchronizer only weakly and ends with
-    it or at :meth:`stop`; the synchronizer's lock keeps its tests apart from the
-    caller's starts and waits (MPI forbids two threads completing one request). A test
-    that fails stops the testing until the next wake; the caller's own wait on that
-    piece raises the error."""
-
-    def __init__(self, sync: GradientSynchronizer, interval: float) -> None:
-        self._sync = weakref.ref(sync)
-        self._interval = interval
-        self._woken = threading.Event()
-        self._stopped = False
-        self._thread = threading.Thread(target=self._run, name="axondist-grad-progress",
-                                        daemon=True)
-        self._thread.start()
-
-    def wake(self) -> None:
-        """Start testing (called with the synchronizer's lock held, after a start)."""
-        self._woken.set()
-
-    def stop(self) -> None:
-        """End the thread and wait for it (not from the thread itself)."""
-        self._stopped = True
-        self._woken.set()
-        self._thread.join()
-
-    def _run(self) -> None:
-        while not self._stopped:
-            if not self._woken.wait(1.0):
-                if self._sync() is None:
-                    return
-                continue
-            sync = self._sync()
-            if sync is None or self._stopped:
-                return
-            with sync._lock:
-                try:  # every piece in flight: each test moves its own ring on
-                    busy = [work.is_completed() for work in sync._in_flight].count(False) > 0
-                except Exception:  # noqa: BLE001 - the caller's wait raises it, with context
-                    busy = False
-                if not busy:
-                    self._woken.clear()  # under the lock: a start after this wakes us again
-            del sync
-            time.sleep(self._interval)
 
 
 __all__ = [
