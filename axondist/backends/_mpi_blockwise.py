@@ -120,7 +120,7 @@ class BlockwiseMixin(MPIBackendBase):
                     carrier = self._plan_broadcast(key, buf, root)
                 if carrier is None:
                     guard.agree("broadcast", key)
-                elif buf.__class__ is np.ndarray or isinstance(buf, np.ndarray):
+                elif buf.__class__ is _NDARRAY or isinstance(buf, np.ndarray):
                     if carrier.keep:  # the root's data travels
                         carrier.mine[...] = buf
                         guard.carry(carrier, "broadcast", key)
@@ -238,7 +238,7 @@ class BlockwiseMixin(MPIBackendBase):
                     carrier = self._plan_all_gather(key, send, counts)
                 if carrier is None:
                     guard.agree("all_gather", key)
-                elif send.__class__ is recv.__class__ is np.ndarray or (
+                elif send.__class__ is recv.__class__ is _NDARRAY or (
                         isinstance(send, np.ndarray) and isinstance(recv, np.ndarray)):
                     flat = send if send.ndim == 1 else send.reshape(-1)
                     carrier.mine[...] = flat
@@ -458,7 +458,7 @@ class BlockwiseMixin(MPIBackendBase):
                     rider = self._plan_reduce_scatter(key, send, counts)
                 if rider is None:
                     guard.agree("reduce_scatter", key)
-                elif send.__class__ is recv.__class__ is np.ndarray or (
+                elif send.__class__ is recv.__class__ is _NDARRAY or (
                         isinstance(send, np.ndarray) and isinstance(recv, np.ndarray)):
                     flat = send if send.ndim == 1 else send.reshape(-1)
                     rider.mine[...] = flat[rider.give]

@@ -20,8 +20,9 @@ from typing import Any
 _monotonic = time.monotonic
 _trace = logging.getLogger("axondist.trace")
 
-# Fields of a ring slot (a tuple, so a reader never sees half of an update).
-_GROUP, _SEQ, _OP, _DETAIL, _START, _BLOCKING = range(6)
+# Fields of a ring slot (a tuple, so a reader never sees half of an update); _ORDER
+# numbers the calls of the rank (readers sort by it: the writers keep no "next" index).
+_GROUP, _SEQ, _OP, _DETAIL, _START, _BLOCKING, _ORDER = range(7)
 
 
 def _capacity() -> int:
@@ -112,8 +113,9 @@ class FlightRecorder:
         capacity = _capacity()
         self._mask = capacity - 1
         self._slots: list[tuple[Any, ...] | None] = [None] * capacity
+        #: When each slot's call ended: a call is done once its end is not before its
+        #: start (an end older than the start belongs to the slot's previous call).
         self._ends: list[float] = [0.0] * capacity
-        self._next = 0
         #: group name -> highest sequence number issued (started) on it.
         self.issued: dict[str, int] = {}
         #: group name -> highest sequence number completed on it.
@@ -132,9 +134,7 @@ class FlightRecorder:
         """Record the start of call ``seq`` of ``group``; the slot to pass to :meth:`end`."""
         i = next(self._counter)  # atomic under the GIL: threads never share a slot
         j = i & self._mask
-        self._ends[j] = 0.0
-        self._slots[j] = (group, seq, op, detail, _monotonic(), blocking)
-        self._next = i + 1
+        self._slots[j] = (group, seq, op, detail, _monotonic(), blocking, i)
         self.issued[group] = seq  # a group's calls are numbered in the order they start
         return j
 
@@ -172,16 +172,11 @@ class FlightRecorder:
         ``duration_s`` once done.
         """
         now = _monotonic()
-        n = self._next
-        count = min(n, self._mask + 1)
+        calls = self._calls()
         if last is not None:
-            count = min(count, last)
+            calls = calls[len(calls) - last:] if 0 < last < len(calls) else calls[:max(last, 0)]
         out = []
-        for i in range(n - count, n):
-            j = i & self._mask
-            entry, end = self._slots[j], self._ends[j]
-            if entry is None:
-                continue
+        for entry, end in calls:
             item = {"group": entry[_GROUP], "seq": entry[_SEQ], "op": entry[_OP],
                     "detail": describe_detail(entry[_DETAIL], entry[_OP]),
                     "blocking": entry[_BLOCKING],
@@ -195,6 +190,17 @@ class FlightRecorder:
             out.append(item)
         return out
 
+    def _calls(self) -> list[tuple[tuple[Any, ...], float]]:
+        """The ring's calls, oldest first, each with its end time (0.0: still running)."""
+        ends = list(self._ends)  # read before the slots: an end newer than its slot's start
+        calls = []               # then belongs to that slot's call
+        for j, entry in enumerate(list(self._slots)):
+            if entry is not None:
+                end = ends[j]
+                calls.append((entry, end if end >= entry[_START] else 0.0))
+        calls.sort(key=lambda call: call[0][_ORDER])
+        return calls
+
     def running(self) -> list[dict[str, Any]]:
         """Blocking calls in progress (normally one per thread that communicates)."""
         return [e for e in self.entries() if e["state"] == "running" and e["blocking"]]
@@ -202,11 +208,8 @@ class FlightRecorder:
     def last_completed(self) -> dict[str, Any] | None:
         """The newest completed call, with ``ended_s_ago``; None before the first."""
         now = _monotonic()
-        n = self._next
-        for i in range(n - 1, max(n - self._mask - 2, -1), -1):
-            j = i & self._mask
-            entry, end = self._slots[j], self._ends[j]
-            if entry is not None and end:
+        for entry, end in reversed(self._calls()):
+            if end:
                 return {"group": entry[_GROUP], "seq": entry[_SEQ], "op": entry[_OP],
                         "detail": describe_detail(entry[_DETAIL], entry[_OP]),
                         "ended_s_ago": round(now - end, 3)}
