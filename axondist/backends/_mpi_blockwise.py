@@ -26,7 +26,7 @@ from ._mpi_common import (
     unsupported,
 )
 from ._mpi_core import MPIBackendBase, bind_mpi
-from ._mpi_guard import RING_DTYPES, RING_TAG, UFUNCS, UNPLANNED
+from ._mpi_guard import RING_DTYPES, RING_TAG, UFUNCS, UNPLANNED, RowCarrier
 from .base import (
     CompletedWork,
     Signature,
@@ -119,6 +119,9 @@ class BlockwiseMixin(MPIBackendBase):
                 if carrier is UNPLANNED:
                     carrier = self._plan_broadcast(key, buf, root)
                 if carrier is None:
+                    if guard.moves_data(buf.nbytes, self._chunk):
+                        self._broadcast_moving(buf, root, key)
+                        return
                     guard.agree("broadcast", key)
                 elif buf.__class__ is _NDARRAY or isinstance(buf, np.ndarray):
                     if carrier.keep:  # the root's data travels
@@ -133,6 +136,17 @@ class BlockwiseMixin(MPIBackendBase):
             self._broadcast_now(buf, root)
         finally:
             rec.end_blocking(slot, group, seq)
+
+    def _broadcast_moving(self, buf: Any, root: int, key: tuple[Any, ...]) -> None:
+        """A checked two-rank broadcast sent point to point
+        (:meth:`CallGuard.pair_exchange`): the root's buffer straight into the other's."""
+        data, mtype = self._transfer(buf, "broadcast")
+        guard = self._guard
+        guard.agree("broadcast", key)
+        if self.rank == root:
+            guard.pair_exchange([data, mtype], None, "broadcast")
+        else:
+            guard.pair_exchange(None, [data, mtype], "broadcast")
 
     def _plan_broadcast(self, key: tuple[Any, ...], buf: Any, root: int) -> Any:
         """Broadcast ``key``'s :class:`Carrier` (its ``keep`` true on the root), or None
@@ -237,6 +251,9 @@ class BlockwiseMixin(MPIBackendBase):
                 if carrier is UNPLANNED:
                     carrier = self._plan_all_gather(key, send, counts)
                 if carrier is None:
+                    if guard.moves_data(max(counts) * send.dtype.itemsize, self._chunk):
+                        self._all_gather_moving(send, recv, counts, key)
+                        return
                     guard.agree("all_gather", key)
                 elif send.__class__ is recv.__class__ is _NDARRAY or (
                         isinstance(send, np.ndarray) and isinstance(recv, np.ndarray)):
@@ -252,6 +269,23 @@ class BlockwiseMixin(MPIBackendBase):
             self._all_gather_now(send, recv, counts)
         finally:
             rec.end_blocking(slot, group, seq)
+
+    def _all_gather_moving(self, send: Any, recv: Any, counts: list[int],
+                           key: tuple[Any, ...]) -> None:
+        """A checked two-rank all-gather sent point to point
+        (:meth:`CallGuard.pair_exchange`): each rank's ``send`` straight into the other's
+        ``recv``, then its own block copied."""
+        s, r, mtype = self._gather_buffers(send, recv)
+        first = counts[0]
+        flat, rows = r.reshape(-1), recv.reshape(-1)
+        theirs, mine = (flat[first:], rows[:first]) if self.rank == 0 else \
+            (flat[:first], rows[first:])
+        guard = self._guard
+        guard.agree("all_gather", key)
+        guard.pair_exchange([s, mtype], [theirs, mtype], "all_gather")
+        # after the data: MPI moves a message between ranks on one node only while the
+        # receiver is inside an MPI call, which this copy would delay
+        mine[...] = send.reshape(-1)
 
     def _plan_all_gather(self, key: tuple[Any, ...], send: Any, counts: list[int]) -> Any:
         """All-gather ``key``'s :class:`Carrier` (``keep`` and ``give`` the slices of the
@@ -333,9 +367,7 @@ class BlockwiseMixin(MPIBackendBase):
                                                               and out.dtype != dtype):
                     raise _bad_rows_out(out, send, (total,) + trailing)
             if not carrier.fits or carrier.theirs is None:  # some rows did not ride
-                first = rows if self.rank == 0 else theirs
-                self._all_gather_now(send, out, [first * carrier.row_size,
-                                                 (total - first) * carrier.row_size])
+                self._rows_exchange(send, out, carrier, theirs)
             elif self.rank == 0:
                 out[:rows] = send
                 out[rows:] = carrier.theirs
@@ -345,6 +377,21 @@ class BlockwiseMixin(MPIBackendBase):
             return out
         finally:
             rec.end_blocking(slot, group, seq)
+
+    def _rows_exchange(self, send: Any, out: Any, carrier: RowCarrier, theirs: int) -> None:
+        """The rows of a two-rank unsized all-gather that did not ride with its check,
+        point to point (:meth:`CallGuard.pair_exchange`); the rows that did, copied."""
+        s, r, mtype = self._gather_buffers(send, out)
+        rows = carrier.rows
+        cut = (rows if self.rank == 0 else theirs) * carrier.row_size
+        flat = r.reshape(-1)
+        their_part = flat[cut:] if self.rank == 0 else flat[:cut]
+        if carrier.theirs is not None:
+            (out[rows:] if self.rank == 0 else out[:theirs])[...] = carrier.theirs
+        self._guard.pair_exchange(None if carrier.fits else [s, mtype],
+                                  None if carrier.theirs is not None else [their_part, mtype],
+                                  "all_gather")
+        (out[:rows] if self.rank == 0 else out[theirs:])[...] = send
 
     def _all_gather_rows_now(self, send: Any, out: Any | None, key: tuple[Any, ...]) -> Any:
         """:meth:`all_gather_rows_blocking` without a swap that carries it: the check (or,

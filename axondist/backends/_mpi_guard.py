@@ -57,6 +57,8 @@ UNPLANNED: Any = object()
 UFUNCS, RING_DTYPES = _UFUNCS, _RIDING_DTYPES
 #: The rings' tags on the private communicator (RING_TAG and RING_TAG + 1; checks use _TAG).
 RING_TAG = 2
+#: The tag of checked calls' data sent point to point (:meth:`CallGuard.pair_exchange`).
+_DATA_TAG = 4
 
 
 def _hash_pair(op: str, key: tuple[Any, ...]) -> np.ndarray:
@@ -385,6 +387,26 @@ class CallGuard:
             buf[...] = mine
         if rider.scale is not None:
             rider.scale(buf, rider.by, out=buf, casting="unsafe")
+
+    def moves_data(self, nbytes: int, limit: int) -> bool:
+        """Whether a blocking call whose largest message is ``nbytes`` (too big to ride
+        with its check, at most ``limit``) moves its data with :meth:`pair_exchange`
+        once checked: in a two-rank group with the checks on."""
+        return self._header_requests is not None and RIDE_MAX_BYTES < nbytes <= limit
+
+    def pair_exchange(self, send: Any, recv: Any, op: str) -> None:
+        """In a two-rank group whose call ``op`` passed its check: send ``send`` to the
+        other rank and receive into ``recv`` (mpi4py buffer specs, either None), point
+        to point on the private communicator (for two ranks on one node, faster than
+        MPICH's collectives: an all-gather's 1 MiB blocks took 0.9x its ``Allgather``)."""
+        comm, peer = self._check_comm, self._pair
+        try:
+            requests = [] if recv is None else [comm.Irecv(recv, peer, _DATA_TAG)]  # type: ignore[union-attr]
+            if send is not None:
+                requests.append(comm.Isend(send, peer, _DATA_TAG))  # type: ignore[union-attr]
+            self._wait_all(requests)
+        except self._mpi.Exception as exc:
+            raise_mpi_error(exc, op)
 
     def _swap(self, requests: list[Any], h: int, nbytes: int) -> int:
         """Run a two-rank group's persistent swap of check messages; true when the

@@ -1,5 +1,6 @@
-"""Every mismatch of ``scripts/gather_rows_cases.py`` (all_gather without ``sizes=``) on the
-mock world and under ``mpiexec -n 2/3``.
+"""Every mismatch of ``scripts/blockwise_cases.py`` (all_gather without ``sizes=``; all_gather
+and broadcast past the size that rides with the check) on the mock world and under
+``mpiexec -n 2/3``.
 
 Each run is a subprocess under its own ``timeout`` (a hang fails the test instead of
 freezing the suite) with ``AXONDIST_TIMEOUT=10``; a case that must fail must end
@@ -24,7 +25,7 @@ import pytest
 from axondist.launch import launched_by_mpi
 
 REPO = Path(__file__).resolve().parents[2]
-SCRIPT = Path(__file__).resolve().parent / "scripts" / "gather_rows_cases.py"
+SCRIPT = Path(__file__).resolve().parent / "scripts" / "blockwise_cases.py"
 MPIEXEC = Path(sys.executable).parent / "mpiexec"
 LIMIT = 30.0  # seconds a failing case may take, with AXONDIST_TIMEOUT=10
 HARD_LIMIT = 90.0  # the subprocess timeout: past it, a hang
@@ -55,6 +56,15 @@ CASES: dict[str, tuple[str, str] | None] = {
                           r"ranks called different collectives at the same point \(rank 0 "
                           r"called all_gather, rank 1 called broadcast"),
     "rows_mismatch_caught_then_good": None,
+    "big_sizes_mismatch": (r"all_gather: ranks disagree on counts \(rank 0: \[9001, 9000",
+                           r"all_gather: ranks disagree on counts \(rank 0: \(9001, 9000"),
+    "big_src_mismatch": (r"broadcast: ranks disagree on root \(rank 0: 0, rank 1: 1",
+                         r"broadcast: ranks disagree on root \(rank 0: 0, rank 1: 1"),
+    "big_gather_vs_broadcast": (r"ranks called different collectives .*rank 0 called all_gather, "
+                                r"rank 1 called broadcast",
+                                r"ranks called different collectives .*rank 0 called all_gather, "
+                                r"rank 1 called broadcast"),
+    "big_mismatch_caught_then_good": None,
 }
 RUNS = [(case, mode, n) for case in CASES for mode in ("mock", "mpi") for n in (2, 3)]
 
@@ -93,7 +103,7 @@ pytestmark = pytest.mark.skipif(launched_by_mpi(), reason="launches its own mpie
 
 
 @pytest.mark.parametrize("case,mode,n", RUNS, ids=[f"{c}-{m}{n}" for c, m, n in RUNS])
-def test_unsized_all_gather_mismatch(case: str, mode: str, n: int) -> None:
+def test_blockwise_mismatch(case: str, mode: str, n: int) -> None:
     if mode == "mpi" and _why_no_mpi() is not None:
         pytest.skip(_why_no_mpi() or "")
     code, seconds, output = _outcomes()[(case, mode, n)].result()

@@ -1,6 +1,8 @@
 """Mismatches of all_gather without ``sizes=`` (whose row counts travel with the check on
-MPI), each a small per-rank program: ``python gather_rows_cases.py CASE mock N`` on an
-N-rank mock world, ``mpiexec -n N python gather_rows_cases.py CASE mpi`` on MPI.
+MPI) and of all_gather and broadcast too big to ride with the check (sent point to point
+after it in a group of two), each a small per-rank program: ``python blockwise_cases.py
+CASE mock N`` on an N-rank mock world, ``mpiexec -n N python blockwise_cases.py CASE mpi``
+on MPI.
 
 A case that must fail ends non-zero with a message naming the operation and what the
 ranks disagree on; a case that must not fail prints ``CASE OK`` on every rank.
@@ -67,8 +69,45 @@ def rows_mismatch_caught_then_good(world: ad.World) -> None:
     print(f"rows_mismatch_caught_then_good OK rank {world.rank}", flush=True)
 
 
+def big_sizes_mismatch(world: ad.World) -> None:
+    # every rank believes rank 0 sends BIG rows; rank 0 sends one more
+    sizes = [BIG] * world.world_size
+    x = np.ones(BIG + (world.rank == 0))
+    ad.all_gather(x, sizes=[BIG + 1] + sizes[1:] if world.rank == 0 else sizes)
+
+
+def big_src_mismatch(world: ad.World) -> None:
+    ad.broadcast(np.full(BIG, float(world.rank)), src=min(world.rank, 1))
+
+
+def big_gather_vs_broadcast(world: ad.World) -> None:
+    x = np.ones(BIG)
+    if world.rank == 0:
+        ad.all_gather(x, sizes=[BIG] * world.world_size)
+    else:
+        ad.broadcast(x, src=0)
+
+
+def big_mismatch_caught_then_good(world: ad.World) -> None:
+    n, rank = world.world_size, world.rank
+    try:
+        ad.broadcast(np.full(BIG, float(rank)), src=min(rank, 1))
+    except ad.CollectiveMismatchError as exc:
+        assert "broadcast: ranks disagree on root" in str(exc), exc
+    else:
+        raise AssertionError("a root mismatch passed")
+    x = np.full(BIG, float(rank))
+    ad.broadcast(x, src=n - 1)
+    np.testing.assert_array_equal(x, np.full(BIG, float(n - 1)))
+    got = ad.all_gather(np.full(BIG, float(rank)), sizes=[BIG] * n)
+    np.testing.assert_array_equal(got, np.repeat(np.arange(n, dtype=float), BIG))
+    print(f"big_mismatch_caught_then_good OK rank {rank}", flush=True)
+
+
 CASES = {f.__name__: f for f in (rows_dtype, rows_trailing, rows_big_dtype, rows_vs_sizes,
-                                  rows_vs_broadcast, rows_mismatch_caught_then_good)}
+                                  rows_vs_broadcast, rows_mismatch_caught_then_good,
+                                  big_sizes_mismatch, big_src_mismatch, big_gather_vs_broadcast,
+                                  big_mismatch_caught_then_good)}
 
 
 def main() -> None:
