@@ -26,7 +26,7 @@ from ._mpi_common import (
     unsupported,
 )
 from ._mpi_core import MPIBackendBase, bind_mpi
-from ._mpi_guard import RING_DTYPES, RING_TAG, UFUNCS, UNPLANNED, RowCarrier
+from ._mpi_guard import RING_DTYPES, RING_TAG, UFUNCS, UNPLANNED, PairMove, RowCarrier
 from .base import (
     CompletedWork,
     Signature,
@@ -119,10 +119,15 @@ class BlockwiseMixin(MPIBackendBase):
                 if carrier is UNPLANNED:
                     carrier = self._plan_broadcast(key, buf, root)
                 if carrier is None:
-                    if guard.moves_data(buf.nbytes, self._chunk):
-                        self._broadcast_moving(buf, root, key)
-                        return
                     guard.agree("broadcast", key)
+                elif carrier.__class__ is PairMove:  # too big to ride: point to point
+                    data = [buf if carrier.view is None else buf.view(carrier.view),
+                            carrier.mtype]
+                    if carrier.keep:
+                        guard.move(carrier, "broadcast", key, data, None)
+                    else:
+                        guard.move(carrier, "broadcast", key, None, data)
+                    return
                 elif buf.__class__ is _NDARRAY or isinstance(buf, np.ndarray):
                     if carrier.keep:  # the root's data travels
                         carrier.mine[...] = buf
@@ -137,24 +142,20 @@ class BlockwiseMixin(MPIBackendBase):
         finally:
             rec.end_blocking(slot, group, seq)
 
-    def _broadcast_moving(self, buf: Any, root: int, key: tuple[Any, ...]) -> None:
-        """A checked two-rank broadcast sent point to point
-        (:meth:`CallGuard.pair_exchange`): the root's buffer straight into the other's."""
-        data, mtype = self._transfer(buf, "broadcast")
-        guard = self._guard
-        guard.agree("broadcast", key)
-        if self.rank == root:
-            guard.pair_exchange([data, mtype], None, "broadcast")
-        else:
-            guard.pair_exchange(None, [data, mtype], "broadcast")
-
     def _plan_broadcast(self, key: tuple[Any, ...], buf: Any, root: int) -> Any:
-        """Broadcast ``key``'s :class:`Carrier` (its ``keep`` true on the root), or None
-        where the data cannot ride; kept by the guard."""
+        """Broadcast ``key``'s :class:`Carrier` (its ``keep`` true on the root), its
+        :class:`PairMove` where the data is too big to ride, or None where neither
+        applies (not two ranks, past chunk_bytes); kept by the guard."""
         if not 0 <= root < self.world_size:
             self._check_rank(root, "broadcast", "root")
         shapes = (buf.shape, (0,)) if self.rank == root else ((0,), buf.shape)
-        carrier = self._guard.carrier("broadcast", key, buf.nbytes, buf.dtype, *shapes)
+        guard = self._guard
+        carrier: Any = guard.carrier("broadcast", key, buf.nbytes, buf.dtype, *shapes)
+        if carrier is None and guard.moves_data(buf.nbytes, self._chunk):
+            plan = self._transfer_plans.get(buf.dtype)
+            if plan is None:
+                raise unsupported("broadcast", buf.dtype)
+            carrier = guard.pair_move("broadcast", key, *plan)
         if carrier is not None:
             carrier.keep = self.rank == root
         return carrier
@@ -251,10 +252,18 @@ class BlockwiseMixin(MPIBackendBase):
                 if carrier is UNPLANNED:
                     carrier = self._plan_all_gather(key, send, counts)
                 if carrier is None:
-                    if guard.moves_data(max(counts) * send.dtype.itemsize, self._chunk):
-                        self._all_gather_moving(send, recv, counts, key)
-                        return
                     guard.agree("all_gather", key)
+                elif carrier.__class__ is PairMove:  # too big to ride: point to point
+                    flat = recv if recv.ndim == 1 else recv.reshape(-1)
+                    view, mtype = carrier.view, carrier.mtype
+                    into = flat[carrier.give]
+                    guard.move(carrier, "all_gather", key,
+                               [send if view is None else send.view(view), mtype],
+                               [into if view is None else into.view(view), mtype])
+                    # after the data: MPI moves a message between ranks on one node only
+                    # while the receiver is inside an MPI call, which this copy would delay
+                    flat[carrier.keep] = send if send.ndim == 1 else send.reshape(-1)
+                    return
                 elif send.__class__ is recv.__class__ is _NDARRAY or (
                         isinstance(send, np.ndarray) and isinstance(recv, np.ndarray)):
                     flat = send if send.ndim == 1 else send.reshape(-1)
@@ -270,32 +279,22 @@ class BlockwiseMixin(MPIBackendBase):
         finally:
             rec.end_blocking(slot, group, seq)
 
-    def _all_gather_moving(self, send: Any, recv: Any, counts: list[int],
-                           key: tuple[Any, ...]) -> None:
-        """A checked two-rank all-gather sent point to point
-        (:meth:`CallGuard.pair_exchange`): each rank's ``send`` straight into the other's
-        ``recv``, then its own block copied."""
-        s, r, mtype = self._gather_buffers(send, recv)
-        first = counts[0]
-        flat, rows = r.reshape(-1), recv.reshape(-1)
-        theirs, mine = (flat[first:], rows[:first]) if self.rank == 0 else \
-            (flat[:first], rows[first:])
-        guard = self._guard
-        guard.agree("all_gather", key)
-        guard.pair_exchange([s, mtype], [theirs, mtype], "all_gather")
-        # after the data: MPI moves a message between ranks on one node only while the
-        # receiver is inside an MPI call, which this copy would delay
-        mine[...] = send.reshape(-1)
-
     def _plan_all_gather(self, key: tuple[Any, ...], send: Any, counts: list[int]) -> Any:
-        """All-gather ``key``'s :class:`Carrier` (``keep`` and ``give`` the slices of the
-        result for this rank's and the other's part), or None where the data cannot
-        ride; kept by the guard."""
+        """All-gather ``key``'s :class:`Carrier`, or its :class:`PairMove` where the data is
+        too big to ride (``keep`` and ``give`` the slices of the flat result for this
+        rank's part and the other's), or None where neither applies; kept by the guard."""
         rank, first = self.rank, counts[0]
         pair = self.world_size == 2  # (the guard gives None in other groups)
-        carrier = self._guard.carrier("all_gather", key, sum(counts) * send.dtype.itemsize,
-                                      send.dtype, (counts[rank],),
-                                      (counts[1 - rank] if pair else 0,))
+        guard = self._guard
+        carrier: Any = guard.carrier("all_gather", key, sum(counts) * send.dtype.itemsize,
+                                     send.dtype, (counts[rank],),
+                                     (counts[1 - rank] if pair else 0,))
+        if carrier is None and guard.moves_data(max(counts) * send.dtype.itemsize,
+                                                self._chunk):
+            plan = self._transfer_plans.get(send.dtype)
+            if plan is None:
+                raise unsupported("all_gather", send.dtype)
+            carrier = guard.pair_move("all_gather", key, *plan)
         if carrier is not None:
             carrier.keep, carrier.give = ((slice(0, first), slice(first, None)) if rank == 0
                                           else (slice(first, None), slice(0, first)))

@@ -156,6 +156,26 @@ class RowCarrier(Carrier):
         self.their_rows = -1  # the other rank's count that ``theirs`` views
 
 
+class PairMove:
+    """The plan of a checked blocking call in a two-rank group whose data is too big to
+    ride with its check: the check's header swap, then the data point to point
+    between the callers' buffers (:meth:`CallGuard.move`).
+
+    ``view`` and ``mtype`` are how the data goes to MPI (a NumPy view dtype or None,
+    the MPI datatype); ``keep`` and ``give`` are what the caller sets and reads (a
+    broadcast's root: ``keep`` true; an all-gather: the slices of its result for its
+    own block and the other rank's).
+    """
+
+    __slots__ = ("h", "view", "mtype", "keep", "give", "requests")
+
+    def __init__(self, h: int, view: Any, mtype: Any) -> None:
+        self.h, self.view, self.mtype = h, view, mtype
+        self.keep: Any = None
+        self.give: Any = None
+        self.requests = None  # (no persistent requests of its own to free)
+
+
 class CallGuard:
     """Sequence numbers, recording and argument checks of one MPI communicator.
 
@@ -390,9 +410,44 @@ class CallGuard:
 
     def moves_data(self, nbytes: int, limit: int) -> bool:
         """Whether a blocking call whose largest message is ``nbytes`` (too big to ride
-        with its check, at most ``limit``) moves its data with :meth:`pair_exchange`
-        once checked: in a two-rank group with the checks on."""
+        with its check, at most ``limit``) moves its data point to point once checked
+        (:meth:`move`, :meth:`pair_exchange`): in a two-rank group with the checks on."""
         return self._header_requests is not None and RIDE_MAX_BYTES < nbytes <= limit
+
+    def pair_move(self, op: str, key: tuple[Any, ...], view: Any, mtype: Any) -> PairMove:
+        """Call ``op`` with ``key``'s :class:`PairMove`, kept in :attr:`carriers` (in place
+        of the None :meth:`carrier` kept: its data cannot ride)."""
+        made = self.carriers[(op, key)] = PairMove(self._hash(op, key), view, mtype)
+        return made
+
+    def move(self, plan: PairMove, op: str, key: tuple[Any, ...], send: Any,
+             recv: Any) -> None:
+        """Run ``plan``'s check, then send ``send`` to the other rank and receive into
+        ``recv`` (mpi4py buffer specs, either None) on the private communicator: one
+        Python frame for the whole call past its arguments.
+
+        Raises:
+            CollectiveMismatchError: on both ranks, naming what differs (no data moved).
+        """
+        words, h = self._words, plan.h
+        words[0], words[1], words[2] = h, 0, 0
+        requests, comm, peer = self._header_requests, self._check_comm, self._pair
+        try:
+            self._start_all(requests)
+            self._wait_all(requests)
+            seen = self._seen
+            if not (seen[1] or seen[0] != h or seen[2]):
+                if recv is None:
+                    comm.Send(send, peer, _DATA_TAG)  # type: ignore[union-attr]
+                elif send is None:
+                    comm.Recv(recv, peer, _DATA_TAG)  # type: ignore[union-attr]
+                else:
+                    comm.Sendrecv(send, peer, _DATA_TAG, recv, peer,  # type: ignore[union-attr]
+                                  _DATA_TAG)
+                return
+        except self._mpi.Exception as exc:
+            raise_mpi_error(exc, op)
+        self._disagree(op, key)
 
     def pair_exchange(self, send: Any, recv: Any, op: str) -> None:
         """In a two-rank group whose call ``op`` passed its check: send ``send`` to the
@@ -576,4 +631,4 @@ def _printable(key: tuple[Any, ...]) -> tuple[Any, ...]:
 
 
 __all__ = ["FIELDS", "RIDE_MAX_BYTES", "RING_DTYPES", "RING_TAG", "UFUNCS", "UNPLANNED",
-           "CallGuard", "Carrier", "Rider", "RowCarrier"]
+           "CallGuard", "Carrier", "PairMove", "Rider", "RowCarrier"]

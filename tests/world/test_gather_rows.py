@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 import axondist as ad
 from axondist._array import dtype_named
-from axondist.backends._mpi_guard import RIDE_MAX_BYTES
+from axondist.backends._mpi_guard import _RIDERS_LIMIT, RIDE_MAX_BYTES
 
 DTYPES = ["float32", "float64", "int32", "int64", "bool", "float16", "bfloat16", "uint8"]
 TRAILING = [(), (3,), (2, 2), (0,)]
@@ -125,3 +125,26 @@ def test_a_read_only_out_is_refused_before_any_exchange():
         ad.barrier()
 
     run_world(body, 2)
+
+
+def _body_many_plans(world: ad.World, count: int) -> None:
+    # more distinct calls than the MPI backend keeps plans for: row counts, and big
+    # broadcasts and all-gathers (sent point to point after their check in a group of
+    # two); past the limit the plans and their persistent requests are dropped
+    n, rank = world.world_size, world.rank
+    big = RIDE_MAX_BYTES // 8 + 1
+    for k in range(count):
+        got = ad.all_gather(np.full(k % 7 + rank + k, float(k)))
+        assert got.shape == (sum(k % 7 + r + k for r in range(n)),) and (got == k).all()
+        if k % 16 == 0:
+            x = np.full(big + k, float(rank))
+            ad.broadcast(x, src=k % n)
+            np.testing.assert_array_equal(x, float(k % n))
+            got = ad.all_gather(np.full(big + rank, float(rank)),
+                                sizes=[big + r for r in range(n)])
+            np.testing.assert_array_equal(got, np.repeat(np.arange(n, dtype=float),
+                                                         [big + r for r in range(n)]))
+
+
+def test_more_plans_than_the_guard_keeps():
+    run_world(_body_many_plans, 2, _RIDERS_LIMIT + 40)
