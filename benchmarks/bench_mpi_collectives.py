@@ -23,8 +23,8 @@ Rows (raw mpi4py on ``COMM_WORLD``, with the buffers axondist gets):
   ``reduce_scatter_blocking`` with that result (what the public call costs
   without its argument checks).
 * ``all_gather``: ``all_gather(buf, sizes=..., out=out)`` vs ``Allgather``;
-  column ``no sizes`` is ``all_gather(buf, out=out)``, which first exchanges
-  every rank's row count.
+  column ``no sizes`` is ``all_gather(buf, out=out)``, whose row counts travel
+  with the call's check (with the rows too, up to 64 KiB, in a group of two).
 * ``broadcast``: ``broadcast(buf, src=0)`` vs ``Bcast(buf, 0)``.
 
 gloo (``all_reduce``, ``broadcast``, ``all_gather``) is skipped, and named as
