@@ -58,10 +58,9 @@ class PersistentPieces:
     #: exposed end of the step. Smaller pieces leave less, but each pays the group's latency
     #: and Python's costs once (under MPI a big piece is a ring of ``2 (world_size - 1)``
     #: steps per rank). None: the backend's choice (under MPI ``chunk_bytes``: 2 MiB on one
-    #: host, whole buckets across hosts). On one host MPI makes a piece of whole 2 MiB
-    #: blocks (``chunk_bytes``, the blocking sum's), moved by one ring.
+    #: host, whole buckets across hosts). On one host MPI caps the pieces at ``chunk_bytes``
+    #: (the blocking sum's pieces: the same bits).
     piece_bytes: int | None = 4 * MiB
-
     def _init_pieces(self) -> None:
         #: pieces waiting to start, in the one order every rank starts them
         self._queue: deque[tuple[Any, int]] = deque()
@@ -183,7 +182,8 @@ class PersistentPieces:
         all in), so communication keeps pace with the backward pass; with none to start,
         test each piece in flight once (MPI moves a non-blocking operation only inside
         MPI calls, and a ring takes its next step only when tested) and drop the finished
-        ones from the front."""
+        ones from the front (under MPI on one host each test is what moves the data: MPI
+        copies a big message through shared memory a part per call)."""
         queue = self._queue
         if queue:
             state, k = queue[0]

@@ -24,7 +24,7 @@ from ._mpi_common import (
 )
 from ._mpi_core import MPIBackendBase, bind_mpi
 from ._mpi_guard import RING_DTYPES, RING_TAG, Rider
-from ._mpi_rings import _CACHED, PersistentRing, ScratchPool, unit_bounds, weigh_and_add  # noqa: F401 (_CACHED re-exported)
+from ._mpi_rings import _CACHED, PersistentRing, ScratchPool, weigh_and_add  # noqa: F401 (tests)
 from .base import (
     Backend,
     CompletedWork,
@@ -304,12 +304,12 @@ class AllReduceMixin(MPIBackendBase):
         recorded as an ``all_reduce`` (the watchdog names a rank that never
         starts a piece) and its Work honours ``wait(timeout)``. Pieces are of
         ``piece_bytes`` (default: the weighted sums' piece, ``chunk_bytes``
-        unless ``AXONDIST_PIECE_MB`` asks for small ones). On one host a piece is made of
-        the blocking weighted sum's pieces (``chunk_bytes``; :func:`unit_bounds`), each
-        cut into the same blocks, so the same bits, with blocks that stay in cache while
-        they are weighted and added; a piece of several of them is one ring moving them
-        together (one start and one Python event per step for all of them). A SUM piece
-        whose parts exceed ``MEAN_IN_BLOCKS_BYTES`` in a dtype the rings add is a
+        unless ``AXONDIST_PIECE_MB`` asks for small ones), on one host at most
+        ``chunk_bytes``, the blocking weighted sum's pieces, ringed wherever it rings them:
+        the same blocks and bits, and blocks that stay in cache while they are weighted and
+        added (two ranks, 95 MiB, compute 0: pieces of two such blocks moved by one ring
+        took 1.2-1.35x the blocking sum, single blocks 1.08-1.25x). A SUM piece ringed
+        (above ``MEAN_IN_BLOCKS_BYTES``, in a dtype the rings add) is a
         :class:`PersistentRing` on the private communicator (no MPI temporaries: its
         receive buffers are borrowed step by step from the backend's
         :class:`ScratchPool`); smaller ones are ``Allreduce_init`` requests. Device
@@ -321,22 +321,21 @@ class AllReduceMixin(MPIBackendBase):
         data, mtype, mop, average = self._reduction(buf, op, "all_reduce")
         flat, wire = buf.reshape(-1), data.reshape(-1)
         piece = piece_bytes or self._piece()
-        # One host: units of the blocking weighted sum's pieces, ringed where it rings them.
-        like_blocking = self._blocking_rings and piece >= self._chunk
-        if self._blocking_rings:
-            units = unit_bounds(flat.size, flat.itemsize, piece, self._chunk)
-        else:
-            units = [[b] for b in piece_bounds(flat.size, flat.itemsize, piece)]
+        # One host: the blocking weighted sum's pieces at most (bigger pieces, several of
+        # its pieces per ring, measured slower at compute 0: later starts, more in flight),
+        # ringed wherever that sum rings them, so the same blocks and bits.
+        like_blocking = bool(self._blocking_rings and self._chunk and piece >= self._chunk)
+        if self._blocking_rings and self._chunk:
+            piece = min(piece, self._chunk)
+        bounds = piece_bounds(flat.size, flat.itemsize, piece)
         self._blocking("all_reduce", (buf.dtype, buf.shape, op._name_, "persistent"),
                        lambda: None)
         pieces: list[_PersistentPiece] = []
         try:
-            for parts in units:
-                lo, hi = parts[0][0], parts[-1][1]
-                count = flat.size if like_blocking else parts[0][1] - parts[0][0]
+            for lo, hi in bounds:
+                count = flat.size if like_blocking else hi - lo
                 if self._rings_piece(flat, op, average, count):
-                    request: Any = self._persistent_ring(
-                        [(flat[a:b], wire[a:b]) for a, b in parts], mtype)
+                    request: Any = self._persistent_ring(flat[lo:hi], wire[lo:hi], mtype)
                 else:
                     request = _CollectiveRequest(self._comm.Allreduce_init(
                         _IN_PLACE, [wire[lo:hi], mtype], mop))
@@ -352,7 +351,6 @@ class AllReduceMixin(MPIBackendBase):
                 for one in pieces:
                     one.request.free()
 
-        bounds = [(parts[0][0], parts[-1][1]) for parts in units]
         handle = Backend.Persistent(buf, bounds, start, free, fuses_weight=True)
         self._persistent.add(handle)
         return handle
@@ -368,13 +366,13 @@ class AllReduceMixin(MPIBackendBase):
                 and flat.dtype in RING_DTYPES
                 and count * flat.itemsize > MEAN_IN_BLOCKS_BYTES)
 
-    def _persistent_ring(self, parts: list[tuple[Any, Any]], mtype: Any) -> PersistentRing:
-        """A :class:`PersistentRing` over ``parts`` with the next piece tag."""
+    def _persistent_ring(self, flat: Any, wire: Any, mtype: Any) -> PersistentRing:
+        """A :class:`PersistentRing` over ``flat`` with the next piece tag."""
         uid = self._ring_pieces
         self._ring_pieces = uid + 1
         if self._ring_scratch is None:
             self._ring_scratch = ScratchPool()
-        return PersistentRing(self._guard.private, parts, mtype, self.rank,
+        return PersistentRing(self._guard.private, flat, wire, mtype, self.rank,
                               self.world_size, _PERSISTENT_TAG + uid % _PERSISTENT_TAGS,
                               self._ring_scratch)
 

@@ -1,17 +1,16 @@
 """The MPI backend's persistent rings: a piece of a persistent SUM all-reduce as a ring of
-persistent point-to-point requests made once and started every step (one or several
-blocks of the blocking ring's layout in one ring), the in-cache weighted add its
-reduce-scatter steps make, and the pool of receive buffers the rings borrow step by step.
+persistent point-to-point requests made once and started every step, the in-cache
+weighted add its reduce-scatter steps make, and the pool of receive buffers the rings
+borrow step by step.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from ._mpi_common import block_counts, displacements, piece_bounds, raise_mpi_error
+from ._mpi_common import block_counts, displacements, raise_mpi_error
 from ._mpi_core import bind_mpi
 
 # Bound when mpi4py loads (_mpi_core.bind_mpi).
@@ -79,27 +78,24 @@ class ScratchPool:
 class PersistentRing:
     """One piece of a persistent SUM all-reduce as a ring of point-to-point requests made
     once (``Send_init`` per step, ``Recv_init`` for the all-gather's): n - 1 reduce-scatter
-    steps, each adding the partial sums that arrive from the left into this rank's copy of
+    steps, each adding the partial sum that arrives from the left into this rank's copy of
     a block, then n - 1 all-gather steps handing the finished blocks round, as the blocking
-    ring of ``AllReduceMixin._ring_mean`` does. The piece is one or several ``parts`` (the
-    blocking ring's pieces, each cut into its own n blocks), moved together: every step
-    sends one message per part, so the same blocks and bits as the blocking weighted sum
-    over those parts, for one start and one Python event per step instead of one per part.
-    :meth:`start` takes this rank's weight: each rank's values are weighted as they join
-    the ring, in cache, while the partial sums that arrive are added (the first step's
-    blocks, which left their rank unweighted, with the left neighbour's weight, sent along
-    unless the caller says every rank has the same), so weighting costs no pass of its own.
-    A reduce-scatter step receives into one buffer borrowed from ``pool`` for that step
-    only (``Irecv`` per part into consecutive slices), so rings share a few buffers that
-    stay in cache. A step starts when the previous one completed on this rank;
+    ring of ``AllReduceMixin._ring_mean`` does (over the same piece the same blocks, so the
+    same bits as the blocking weighted sum). :meth:`start` takes this rank's weight: each
+    rank's values are weighted as they join the ring, in cache, while the partial sum that
+    arrives is added (the first step's block, which left its rank unweighted, with the left
+    neighbour's weight: sent along, unless the caller says every rank has the same), so
+    weighting costs no pass of its own. A reduce-scatter step receives into a buffer
+    borrowed from ``pool`` for that step only (an ``Irecv``), so rings share a few buffers
+    that stay in cache. A step starts when the previous one completed on this rank;
     :meth:`test` and :meth:`block` move it on, so the ring advances only while its caller
     tests or waits.
 
     Args:
         comm: the group's private communicator.
-        parts: per part, ``(flat, wire)``: the part, flat, in its dtype (the sums are
-            formed on it), and the same memory as MPI moves it.
-        mtype: the MPI datatype of the wire's elements.
+        flat: the piece, flat, in its dtype (the sums are formed on it).
+        wire: the same memory as MPI moves it (``flat`` or a view of it).
+        mtype: the MPI datatype of ``wire``'s elements.
         rank: this rank in ``comm``.
         size: ``comm``'s size (> 1).
         tag: the tag every message of this piece carries.
@@ -108,18 +104,15 @@ class PersistentRing:
 
     __slots__ = ("_steps", "_weighing", "_weights", "_weight", "_left_weight", "_live",
                  "_got", "_comm", "_left", "_tag", "_mtype", "_dtype", "_wire_dtype", "_pool",
-                 "step", "_mpi", "_receives")
+                 "step", "_mpi")
 
-    def __init__(self, comm: Any, parts: Sequence[tuple[Any, Any]], mtype: Any, rank: int,
-                 size: int, tag: int, pool: ScratchPool) -> None:
+    def __init__(self, comm: Any, flat: Any, wire: Any, mtype: Any, rank: int, size: int,
+                 tag: int, pool: ScratchPool) -> None:
+        counts = block_counts(flat.size, size)
+        blocks = [slice(lo, lo + c) for lo, c in zip(displacements(counts), counts)]
         right, left = (rank + 1) % size, (rank - 1) % size
-        dtype = parts[0][0].dtype
         self._comm, self._left, self._tag, self._mtype = comm, left, tag, mtype
-        self._dtype, self._wire_dtype, self._pool = dtype, parts[0][1].dtype, pool
-        layouts = []
-        for flat, _ in parts:
-            counts = block_counts(flat.size, size)
-            layouts.append([slice(lo, lo + c) for lo, c in zip(displacements(counts), counts)])
+        self._dtype, self._wire_dtype, self._pool = flat.dtype, wire.dtype, pool
         #: this rank's weight (sent right at each start) and the left neighbour's
         self._weights = np.zeros(2, np.float64)
         self._weight = self._left_weight = 1.0
@@ -127,26 +120,16 @@ class PersistentRing:
         # so MPI matches them first (messages do not overtake).
         self._weighing = [comm.Recv_init([self._weights[1:], MPI.DOUBLE], left, tag),
                           comm.Send_init([self._weights[:1], MPI.DOUBLE], right, tag)]
-        #: per step: its persistent requests, and for a reduce-scatter step the blocks the
-        #: arriving partial sums are added into, each with its byte offset in the borrowed
-        #: buffer, and that buffer's size (None and 0 for an all-gather step)
-        self._steps: list[tuple[list[Any], list[tuple[Any, int]] | None, int]] = []
-        itemsize = dtype.itemsize
+        #: per step: its persistent requests, and for a reduce-scatter step the block the
+        #: arriving partial sum is added into (None for an all-gather step)
+        self._steps: list[tuple[list[Any], Any]] = []
         for step in range(size - 1):  # reduce-scatter: block (rank - step - 1) grows
-            sends, adds, nbytes = [], [], 0
-            for (flat, wire), blocks in zip(parts, layouts):
-                out, into = blocks[(rank - step) % size], blocks[(rank - step - 1) % size]
-                sends.append(comm.Send_init([wire[out], mtype], right, tag))
-                adds.append((flat[into], nbytes))
-                nbytes += (into.stop - into.start) * itemsize
-            self._steps.append((sends, adds, nbytes))
+            out, into = blocks[(rank - step) % size], blocks[(rank - step - 1) % size]
+            self._steps.append(([comm.Send_init([wire[out], mtype], right, tag)], flat[into]))
         for step in range(size - 1):  # all-gather: pass the finished blocks on
-            requests = []
-            for (_, wire), blocks in zip(parts, layouts):
-                out, into = blocks[(rank + 1 - step) % size], blocks[(rank - step) % size]
-                requests += [comm.Recv_init([wire[into], mtype], left, tag),
-                             comm.Send_init([wire[out], mtype], right, tag)]
-            self._steps.append((requests, None, 0))
+            out, into = blocks[(rank + 1 - step) % size], blocks[(rank - step) % size]
+            self._steps.append(([comm.Recv_init([wire[into], mtype], left, tag),
+                                 comm.Send_init([wire[out], mtype], right, tag)], None))
         #: the requests of the step in flight
         self._live: list[Any] = []
         #: the borrowed buffer the step in flight receives into (None: none borrowed)
@@ -154,44 +137,36 @@ class PersistentRing:
         #: the step in flight; ``len(steps)`` when idle or done
         self.step = len(self._steps)
         self._mpi = MPI
-        #: per reduce-scatter step, per part: (byte offset, bytes) of its slice of the
-        #: step's borrowed buffer
-        self._receives = [[(off, mine.shape[0] * itemsize) for mine, off in adds or []]
-                          for _, adds, _ in self._steps]
 
     def start(self, weight: float = 1.0, left_weight: float | None = None) -> None:
         """Start the first step (the piece must be complete by now; its values are
         multiplied by ``weight`` as they join the ring, rounded to the piece's dtype).
-        ``left_weight``: the left neighbour's weight when every rank knows it (every rank
+        ``left_weight``: the left neighbour's weight where every rank knows it (every rank
         passes the same weight); None sends the weights round first. Every rank must pass
         a ``left_weight``, or none."""
         self.step = 0
         self._weight = weight = float(weight)
-        if left_weight is None:
-            self._weights[0] = weight
-            self._left_weight = -1.0  # read from the message once it arrived
-            try:
+        try:
+            if left_weight is None:
+                self._weights[0] = weight
+                self._left_weight = -1.0  # read from the message once it arrived
                 self._mpi.Prequest.Startall(self._weighing)  # the weights first
                 self._start_step(self._weighing)
-            except self._mpi.Exception as exc:
-                raise_mpi_error(exc, "all_reduce")
-            return
-        self._left_weight = float(left_weight)
-        try:
-            self._start_step([])
+            else:
+                self._left_weight = float(left_weight)
+                self._start_step([])
         except self._mpi.Exception as exc:
             raise_mpi_error(exc, "all_reduce")
 
     def _start_step(self, also: list[Any]) -> None:
         """Start step ``self.step`` (``also``: requests already started that it waits for)."""
-        requests, adds, nbytes = self._steps[self.step]
+        requests, mine = self._steps[self.step]
         live = list(also)
-        if adds is not None:  # receive the partial sums into one borrowed buffer
+        if mine is not None:  # receive the partial sum into a borrowed buffer
+            nbytes = mine.shape[0] * self._dtype.itemsize
             got = self._got = self._pool.take(nbytes)
-            irecv, left, tag, mtype = self._comm.Irecv, self._left, self._tag, self._mtype
-            wire_dtype = self._wire_dtype
-            for off, size in self._receives[self.step]:
-                live.append(irecv([got[off:off + size].view(wire_dtype), mtype], left, tag))
+            live.append(self._comm.Irecv([got[:nbytes].view(self._wire_dtype), self._mtype],
+                                         self._left, self._tag))
         self._mpi.Prequest.Startall(requests)
         self._live = live + requests
 
@@ -219,20 +194,17 @@ class PersistentRing:
 
     def _next(self) -> None:
         """The step in flight completed: add what arrived (reduce-scatter), start the next."""
-        adds = self._steps[self.step][1]
-        if adds is not None:  # the first step's blocks left their rank unweighted
+        mine = self._steps[self.step][1]
+        if mine is not None:  # the first step's block left its rank unweighted
             got, self._got = self._got, None
+            left = 1.0
             if self.step == 0:
                 left = self._left_weight
                 if left < 0:
                     left = self._left_weight = float(self._weights[1])
-            else:
-                left = 1.0
-            weight, dtype = self._weight, self._dtype
-            for mine, off in adds:
-                count = mine.shape[0]
-                weigh_and_add(mine, got[off:off + count * dtype.itemsize].view(dtype),
-                              weight, left)
+            count = mine.shape[0]
+            weigh_and_add(mine, got[:count * self._dtype.itemsize].view(self._dtype),
+                          self._weight, left)
             self._pool.give(got)
         self.step += 1
         self._live = []
@@ -241,22 +213,6 @@ class PersistentRing:
 
     def free(self) -> None:
         """Release the requests (the ring must not be in flight)."""
-        for request in self._weighing + [r for requests, _, _ in self._steps for r in requests]:
+        for request in self._weighing + [r for requests, _ in self._steps for r in requests]:
             if request != self._mpi.REQUEST_NULL:
                 request.Free()
-
-
-def unit_bounds(numel: int, itemsize: int, piece_bytes: int,
-                block_bytes: int) -> list[list[tuple[int, int]]]:
-    """The units of a persistent all-reduce on one host: the blocking ring's pieces
-    (``piece_bounds(numel, itemsize, block_bytes)``) grouped, in order, by
-    ``max(1, piece_bytes // block_bytes)`` into units of at most ``piece_bytes`` (a unit
-    of one piece when ``piece_bytes`` is smaller than ``block_bytes``: then
-    ``piece_bounds(numel, itemsize, piece_bytes)`` itself). Returns per unit its pieces
-    as ``[lo, hi)`` element ranges; concatenated they cover ``0..numel`` in order."""
-    if piece_bytes < block_bytes:
-        return [[b] for b in piece_bounds(numel, itemsize, piece_bytes)]
-    blocks = piece_bounds(numel, itemsize, block_bytes)
-    per = max(1, piece_bytes // block_bytes)
-    return [blocks[i:i + per] for i in range(0, len(blocks), per)]
-

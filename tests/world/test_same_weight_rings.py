@@ -1,10 +1,9 @@
-"""Persistent all-reduce pieces made of several of the blocking sum's pieces: on one host a
-piece of ``piece_bytes`` is the blocking weighted sum's pieces (``chunk_bytes``) grouped
-(``unit_bounds``), moved by one ring, so OVERLAPPED keeps SYNCHRONOUS's bits on any number
-of ranks; ``start(k, weight, same_weight=True)`` (a plain mean: no weights sent round)
-gives the same bits as sending them. Pure layout checks run everywhere; the rest on the
-mock world (which multiplies each piece first) and unchanged under
-``mpiexec -n K python -m pytest``.
+"""Persistent all-reduces started with ``same_weight=True`` (a plain mean: the rings send no
+weights round) sum like NumPy and, on one host where a piece asked for is capped at the
+blocking weighted sum's pieces and ringed wherever that sum rings them, bit for bit like
+the blocking weighted sum, also with several pieces and three or more ranks; OVERLAPPED
+DDP keeps SYNCHRONOUS's bits on any number of ranks. Runs on the mock world (which
+multiplies each piece first) and unchanged under ``mpiexec -n K python -m pytest``.
 """
 
 from __future__ import annotations
@@ -17,32 +16,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from axondist.backends._mpi_common import MPIOptions, piece_bounds
-from axondist.backends._mpi_rings import unit_bounds
 from axondist.backends.mpi import MPIBackend
 from axondist.bucketing import GradSyncStrategy
 from axondist.ddp import DDP
 from axondist.parameter import Parameter
 
 SYNC, OVER = GradSyncStrategy.SYNCHRONOUS, GradSyncStrategy.OVERLAPPED
-
-
-@given(numel=st.integers(0, 10**7), itemsize=st.sampled_from([2, 4, 8]),
-       block=st.integers(1, 4 << 20), times=st.floats(0.01, 9.0))
-def test_units_are_the_blocking_pieces_grouped_in_order(numel, itemsize, block, times):
-    piece = max(1, int(block * times))
-    units = unit_bounds(numel, itemsize, piece, block)
-    flat = [part for unit in units for part in unit]
-    if piece < block:
-        assert flat == piece_bounds(numel, itemsize, piece)
-        assert all(len(unit) == 1 for unit in units)
-        return
-    assert flat == piece_bounds(numel, itemsize, block)  # the same blocks: the same bits
-    per = max(1, piece // block)
-    assert all(len(unit) == per for unit in units[:-1]) and 1 <= len(units[-1]) <= per
-    for unit in units:
-        if unit[-1][1] - unit[0][0] > 1:  # a piece of one element may pass any cap
-            assert (unit[-1][1] - unit[0][0]) * itemsize <= piece
-        assert all(a[1] == b[0] for a, b in zip(unit, unit[1:]))  # contiguous
 
 
 def _backend(world: Any, chunk: int) -> Any:
@@ -85,7 +64,7 @@ def _units(world, numel, dtype, chunk, per, weights, same, seed):
        same=st.booleans(), weight=st.sampled_from([1.0, 0.5, 0.3, 1 / 3]),
        others=st.lists(st.sampled_from([1.0, 0.5, 2.0]), min_size=4, max_size=4),
        seed=st.integers(0, 2**20))
-def test_several_blocks_in_one_ring_sum_like_numpy_and_the_blocking_sum(
+def test_same_weight_rings_sum_like_numpy_and_the_blocking_sum(
         size, numel, dtype, per, same, weight, others, seed):
     size = current_size(size)
     chunk = 600_000  # above 512 KiB: every block rings
@@ -98,9 +77,8 @@ def test_several_blocks_in_one_ring_sum_like_numpy_and_the_blocking_sum(
     tol = 1e-5 * size if dtype == "float32" else 1e-12
     itemsize = np.dtype(dtype).itemsize
     for bounds, _, results in out:
-        if UNDER_MPI and size > 1:  # one host: units of the blocking sum's pieces
-            units = unit_bounds(numel, itemsize, per * chunk, chunk)
-            assert bounds == [(u[0][0], u[-1][1]) for u in units]
+        if UNDER_MPI and size > 1:  # one host: capped at the blocking sum's pieces
+            assert bounds == piece_bounds(numel, itemsize, chunk)
         for s, (_, got, blocking) in enumerate(results):
             want = sum(w * a.astype(np.float64) for w, a in zip(weights, every[s]))
             np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
@@ -130,9 +108,9 @@ def _train(world, strategy, weighted):
 @settings(max_examples=4, deadline=None)
 @given(size=world_sizes(1, 3), weighted=st.booleans())
 def test_ddp_overlapped_keeps_synchronous_bits_with_default_pieces(size, weighted):
-    """The default pieces (4 MiB: two of one host's 2 MiB blocks per ring) on any number
-    of ranks: OVERLAPPED's parameters equal SYNCHRONOUS's bit for bit, and both are
-    single-process training on the weighted mean within float32's rounding."""
+    """The default pieces (4 MiB asked, one host's 2 MiB given) on any number of ranks:
+    OVERLAPPED's parameters equal SYNCHRONOUS's bit for bit, and both are single-process
+    training on the weighted mean within float32's rounding."""
     size = current_size(size)
     over = run_world(_train, size, OVER, weighted)
     sync = run_world(_train, size, SYNC, weighted)
@@ -149,7 +127,7 @@ def test_ddp_overlapped_keeps_synchronous_bits_with_default_pieces(size, weighte
                                           for c, e in zip(counts, every))
     for (a, pieces), (b, _) in zip(over, sync):
         if UNDER_MPI and size > 1:
-            assert sum(pieces) < sum(int(np.prod(s)) for s in SHAPES) * 4 / (2 << 20)
+            assert sum(pieces) >= sum(int(np.prod(s)) for s in SHAPES) * 4 / (2 << 20)
         for x, y, ref in zip(a, b, want):
             np.testing.assert_array_equal(x, y)
             np.testing.assert_allclose(x, ref, rtol=1e-5, atol=1e-5)
