@@ -539,7 +539,7 @@ def all_gather(x: Any, group: ProcessGroup | None = None, *, sizes: Sequence[int
     else:
         if out.__class__ is not _HOST_ARRAY or not out.flags.carray:
             host = False
-            _array.check_writable(out, "all_gather")
+            _checked_gather_out(out)
         if (out.dtype is not x.dtype and out.dtype != x.dtype) or tuple(out.shape) != shape:
             raise _bad_out(out, x, shape)
     counts = rows if row_size == 1 else [r * row_size for r in rows]
@@ -561,14 +561,12 @@ def _rows_gatherer(b: Backend) -> Any:
 
 
 def _checked_gather_out(out: Any) -> None:
-    """Raise unless ``out`` is an array all_gather may write whole (writable, C-contiguous)."""
+    """Raise unless ``out`` is an array all_gather may write whole (writable, C-contiguous:
+    :func:`axondist._array.check_writable` says which it is not)."""
     if not (isinstance(out, _HOST_ARRAY) or _array.is_cupy(out)):
         raise InvalidBufferError(f"all_gather: out is a {type(out).__name__}; pass a NumPy or "
                                  "CuPy array of the result's shape and dtype, or no out")
     _array.check_writable(out, "all_gather")
-    if not out.flags.c_contiguous:
-        raise InvalidBufferError(f"all_gather: out is {_array.describe(out)}, not C-contiguous; "
-                                 "pass a C-contiguous array, or no out")
 
 
 def _bad_sizes(b: Backend, rows: list[int], x: Any) -> CollectiveMismatchError:

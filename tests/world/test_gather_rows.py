@@ -148,3 +148,17 @@ def _body_many_plans(world: ad.World, count: int) -> None:
 
 def test_more_plans_than_the_guard_keeps():
     run_world(_body_many_plans, 2, _RIDERS_LIMIT + 40)
+
+
+def _body_strided_out(world: ad.World, give_sizes: bool) -> None:
+    n = world.world_size
+    x = np.full((2, 3), float(world.rank))
+    out = np.zeros((2 * n, 6))[:, ::2]  # writable, of the result's shape, not contiguous
+    with pytest.raises(ad.InvalidBufferError, match="all_gather: .* not C-contiguous"):
+        ad.all_gather(x, sizes=[2] * n if give_sizes else None, out=out)
+    ad.barrier()
+
+
+@pytest.mark.parametrize("give_sizes", [True, False])
+def test_a_strided_out_is_refused_before_any_exchange(give_sizes):
+    run_world(_body_strided_out, 2, give_sizes)
