@@ -614,7 +614,9 @@ class GradientSynchronizer(PersistentPieces):
         if self.strategy is GradSyncStrategy.OVERLAPPED:
             if state.persistent is not None:
                 self._advance_ready(state)
-            elif state.pending == 0:
+                self._progress_pieces(slot.view.size)
+                return
+            if state.pending == 0:
                 self._launch_ready()
             self._progress(slot.view.size)
 

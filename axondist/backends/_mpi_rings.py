@@ -174,7 +174,7 @@ class PersistentRing:
         """Move the ring on without blocking; whether it finished."""
         testall = self._mpi.Request.Testall
         try:
-            while self.step < len(self._steps):
+            while self._live:  # empty when idle or done
                 if not testall(self._live):
                     return False
                 self._next()
