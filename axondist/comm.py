@@ -492,10 +492,10 @@ def all_gather(x: Any, group: ProcessGroup | None = None, *, sizes: Sequence[int
         if sizes is None:
             # The hot path without sizes: the row counts travel with the call's check
             # (in a group of two, with the rows themselves when they are small).
-            gather_rows = _rows_gatherer(b)
-            if gather_rows is not None and x.ndim and (
-                    out is None or (out.__class__ is _HOST_ARRAY and out.flags.carray)):
-                return gather_rows(x, out)
+            if x.ndim and (out is None or (out.__class__ is _HOST_ARRAY and out.flags.carray)):
+                got = b.all_gather_rows_blocking(x, out)
+                if got is not None:
+                    return got
         elif out.__class__ is _HOST_ARRAY and x.ndim == 1 and out.flags.carray:
             # The hot path: 1-D NumPy in and out, sizes given (the checks below, inlined).
             rows = list(map(int, sizes))
@@ -511,13 +511,12 @@ def all_gather(x: Any, group: ProcessGroup | None = None, *, sizes: Sequence[int
         x = _array.contiguous(_array.as_array(x))
         _checked_dtype(x, "all_gather")
     if sizes is None:
-        gather_rows = _rows_gatherer(b)
-        if gather_rows is not None:
-            # The backend allocates ``out`` once it knows the counts, or checks the one
-            # given (async_op: the call is blocking; its Work is already complete).
-            if out is not None:
-                _checked_gather_out(out)
-            got = gather_rows(x if x.ndim else x.reshape(1), out)
+        # The backend allocates ``out`` once it knows the counts, or checks the one given
+        # (async_op: the call is blocking; its Work is already complete).
+        if out is not None:
+            _checked_gather_out(out)
+        got = b.all_gather_rows_blocking(x if x.ndim else x.reshape(1), out)
+        if got is not None:
             return CompletedWork(got) if async_op else got
     if x.ndim == 1:  # the common case: no trailing shape
         trailing: tuple[int, ...] = ()
@@ -552,12 +551,6 @@ def all_gather(x: Any, group: ProcessGroup | None = None, *, sizes: Sequence[int
         return _with_result(work, out)
     work.wait()
     return out
-
-
-def _rows_gatherer(b: Backend) -> Any:
-    """``b``'s all-gather that exchanges the row counts itself (the MPI backend's
-    ``all_gather_rows_blocking``), or None where the backend has none."""
-    return getattr(b, "all_gather_rows_blocking", None)
 
 
 def _checked_gather_out(out: Any) -> None:

@@ -483,6 +483,14 @@ class Backend(abc.ABC):
         """:meth:`all_gather` with ``counts`` already checked against the group, blocking."""
         self.all_gather(send, recv, counts, signature=(("dtype", send.dtype),)).wait()
 
+    def all_gather_rows_blocking(self, send: Any, out: Any | None) -> Any | None:
+        """All-gather of ``send``'s rows (along axis 0) when no rank knows the others' row
+        counts, the backend exchanging them itself with the call (the MPI backend: in its
+        check), blocking; ``out`` is where the rows go, or None for a new array. Returns
+        the result, or None where the backend has no such call (the default): the caller
+        then exchanges the counts first."""
+        return None
+
     def reduce_scatter_blocking(self, send: Any, recv: Any, counts: list[int],
                                 op: ReduceOp) -> None:
         """:meth:`reduce_scatter` with ``counts`` already checked against the group and
