@@ -482,6 +482,8 @@ def all_gather(x: Any, group: ProcessGroup | None = None, *, sizes: Sequence[int
     size, the same list on every rank) skips the exchange of sizes. Passing
     ``out`` (writable, C-contiguous, of the result's shape and dtype) reuses
     it instead of allocating: fresh big arrays cost page faults on every call.
+    Without ``sizes`` the MPI backend exchanges the counts and the rows together,
+    blocking: ``async_op=True`` then returns a Work that is already complete.
     """
     g = current_world() if group is None else group
     b = g._backend if g.__class__ in _GROUP_TYPES else None  # _backend_of, inline
