@@ -12,6 +12,7 @@ import numpy as np
 
 from .. import _array
 from ..ops import ReduceOp
+from ._mpi_carriers import Rider
 from ._mpi_common import (
     MEAN_IN_BLOCKS_BYTES,
     MPIWork,
@@ -23,7 +24,7 @@ from ._mpi_common import (
     unsupported,
 )
 from ._mpi_core import MPIBackendBase, bind_mpi
-from ._mpi_guard import RING_DTYPES, RING_TAG, Rider
+from ._mpi_guard import RING_DTYPES, RING_TAG
 from ._mpi_rings import _CACHED, PersistentRing, ScratchPool, weigh_and_add  # noqa: F401 (tests)
 from .base import (
     Backend,

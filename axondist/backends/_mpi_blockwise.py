@@ -15,6 +15,7 @@ import numpy as np
 from .. import _array
 from ..errors import CollectiveMismatchError, InvalidBufferError
 from ..ops import ReduceOp
+from ._mpi_carriers import PairMove, RowCarrier
 from ._mpi_common import (
     MEAN_IN_BLOCKS_BYTES,
     MPIWork,
@@ -26,7 +27,7 @@ from ._mpi_common import (
     unsupported,
 )
 from ._mpi_core import MPIBackendBase, bind_mpi
-from ._mpi_guard import RING_DTYPES, RING_TAG, UFUNCS, UNPLANNED, PairMove, RowCarrier
+from ._mpi_guard import RING_DTYPES, RING_TAG, UFUNCS, UNPLANNED
 from .base import (
     CompletedWork,
     Signature,

@@ -6,13 +6,14 @@ call's name and arguments, a "disagree" flag, a size) by recursive doubling
 over point-to-point messages on a communicator of its own (in a group of two,
 one persistent send and receive, started per call); a small blocking
 all-reduce (up to ``RIDE_MAX_BYTES``) sends its data behind the header in the
-same messages (:class:`Rider`). Every blocking collective starts with it, so
-a rank in ``barrier`` meets a rank in ``all_reduce`` inside the check, ranks
-that disagree even on a message's size find out from the same messages (no
-collective ever runs with sizes that differ: MPICH aborts those), and all
-raise :class:`~axondist.errors.CollectiveMismatchError` before any data
-reaches a caller's buffer. Only then do the ranks exchange their full
-arguments (pickled) to say what differs. A non-blocking call's check is an
+same messages (their classes are in :mod:`~axondist.backends._mpi_carriers`).
+Every blocking collective starts with it, so a rank in ``barrier`` meets a
+rank in ``all_reduce`` inside the check, ranks that disagree even on a
+message's size find out from the same messages (no collective ever runs with
+sizes that differ: MPICH aborts those), and all raise
+:class:`~axondist.errors.CollectiveMismatchError` before any data reaches a
+caller's buffer. Only then do the ranks exchange their full arguments
+(pickled) to say what differs. A non-blocking call's check is an
 ``Iallreduce`` (MAX of ``[h, -h]``), settled in its ``wait()``.
 """
 
@@ -28,7 +29,8 @@ from typing import Any
 import numpy as np
 
 from ..errors import CollectiveMismatchError, CollectiveTimeoutError
-from ._mpi_common import mean_scaling, raise_mpi_error
+from ._mpi_carriers import HEADER, RIDE_MAX_BYTES, Carrier, PairMove, Rider, RowCarrier
+from ._mpi_common import raise_mpi_error
 from .base import compare_signatures
 from .recorder import CALL_FIELDS as FIELDS
 from .recorder import FlightRecorder, describe_status
@@ -36,14 +38,6 @@ from .recorder import FlightRecorder, describe_status
 _CACHE_LIMIT = 4096
 #: All-reduce plans kept at once (a rider holds a send buffer of up to ``RIDE_MAX_BYTES``).
 _RIDERS_LIMIT = 256
-
-#: Largest blocking all-reduce whose check rides in its message (:class:`Rider`). Below
-#: this a separate check costs about as much as the data's own all-reduce (both are
-#: latency bound); above it MPI's own algorithms win.
-RIDE_MAX_BYTES = 64 << 10
-
-#: A check message's header: the call's hash, a "ranks disagree" flag, the payload bytes.
-_HEADER = 24
 _TAG = 1
 
 #: NumPy's equal of each MPI reduction that a riding all-reduce applies itself (MIN and
@@ -82,98 +76,6 @@ def _schedule(rank: int, size: int) -> list[tuple[str, int]]:
     steps = [("fold_in", rank + p)] if rank + p < size else []
     steps += [("swap", rank ^ mask) for mask in (1 << k for k in range(p.bit_length() - 1))]
     return steps + ([("return", rank + p)] if rank + p < size else [])
-
-
-class Carrier:
-    """A check message that carries a small call's data in a two-rank group.
-
-    The header (the call's hash, a "disagree" flag, the call's data size)
-    leads the data this rank sends; the other rank's message lands in the
-    guard's receive buffer, whose ``theirs`` view the caller reads once
-    :meth:`CallGuard.carry` found the headers equal. ``mine`` (shaped as the
-    caller's data) is filled by the caller first. One exchange instead of a
-    check and then the data: at 4 KiB a separate check costs as much as the
-    data's own exchange. The send and receive are persistent requests, started
-    and waited on per call.
-    """
-
-    __slots__ = ("h", "nbytes", "send", "words", "mine", "theirs", "requests", "keep", "give")
-
-    def __init__(self, h: int, nbytes: int, dtype: np.dtype, mine: tuple[int, ...],
-                 theirs: tuple[int, ...], recv: np.ndarray) -> None:
-        self.h, self.nbytes = h, nbytes
-        self.send = np.zeros(_HEADER + prod(mine) * dtype.itemsize, np.uint8)
-        self.words = self.send[:_HEADER].view(np.int64).data  # memoryview: Python ints
-        self.words[0], self.words[2] = h, nbytes
-        self.mine = self.send[_HEADER:].view(dtype).reshape(mine)
-        end = _HEADER + prod(theirs) * dtype.itemsize
-        self.theirs: Any = recv[_HEADER:end].view(dtype).reshape(theirs)
-        #: The persistent [send, receive] of the swap (None: recursive doubling).
-        self.requests: list[Any] | None = None
-        #: What the caller keeps of its own buffer and where the other rank's part goes
-        #: (slices the caller sets and reads: reduce-scatter and all-gather blocks).
-        self.keep: Any = None
-        self.give: Any = None
-
-
-class Rider(Carrier):
-    """A small blocking all-reduce (or a two-rank reduce-scatter) whose check travels in
-    its own message.
-
-    Ranks send each other their data behind the header (point to point, by
-    recursive doubling, on the guard's own communicator) and combine it with
-    :data:`_UFUNCS`; a receiver compares the sender's hash and size with its
-    own, so ranks that disagree, even on the size, find out from the same
-    messages and no rank ever receives more than it expects (MPICH aborts a
-    collective whose sizes differ).
-    """
-
-    __slots__ = ("ufunc", "scale", "by")
-
-    def __init__(self, h: int, nbytes: int, dtype: np.dtype, mine: tuple[int, ...],
-                 theirs: tuple[int, ...], recv: np.ndarray, ufunc: Any, divisor: int) -> None:
-        super().__init__(h, nbytes, dtype, mine, theirs, recv)
-        self.ufunc = ufunc
-        # AVERAGE's turn from sum to mean (divisor 0: none), chosen once
-        how, self.by = mean_scaling(divisor) if divisor else ("", 1.0)
-        self.scale = {"multiply": np.multiply, "divide": np.divide}.get(how)
-
-
-class RowCarrier(Carrier):
-    """The check message of an all-gather whose row counts are not given, in a two-rank
-    group: the header's size word says this rank's rows (plus one), and its rows ride
-    behind it when they fit in ``RIDE_MAX_BYTES`` (both ranks apply the same rule to
-    the other's count, so each knows whether the other's rows came along). One swap
-    instead of a check, a row-count exchange, a second check and the data."""
-
-    __slots__ = ("rows", "row_size", "trailing", "dtype", "fits", "their_rows")
-
-    def __init__(self, h: int, dtype: np.dtype, rows: int, row_size: int,
-                 trailing: tuple[int, ...], recv: np.ndarray) -> None:
-        self.fits = rows * row_size * dtype.itemsize <= RIDE_MAX_BYTES
-        super().__init__(h, rows + 1, dtype, (rows * row_size if self.fits else 0,), (0,), recv)
-        self.rows, self.row_size, self.trailing, self.dtype = rows, row_size, trailing, dtype
-        self.their_rows = -1  # the other rank's count that ``theirs`` views
-
-
-class PairMove:
-    """The plan of a checked blocking call in a two-rank group whose data is too big to
-    ride with its check: the check's header swap, then the data point to point
-    between the callers' buffers (:meth:`CallGuard.move`).
-
-    ``view`` and ``mtype`` are how the data goes to MPI (a NumPy view dtype or None,
-    the MPI datatype); ``keep`` and ``give`` are what the caller sets and reads (a
-    broadcast's root: ``keep`` true; an all-gather: the slices of its result for its
-    own block and the other rank's).
-    """
-
-    __slots__ = ("h", "view", "mtype", "keep", "give", "requests")
-
-    def __init__(self, h: int, view: Any, mtype: Any) -> None:
-        self.h, self.view, self.mtype = h, view, mtype
-        self.keep: Any = None
-        self.give: Any = None
-        self.requests = None  # (no persistent requests of its own to free)
 
 
 class CallGuard:
@@ -225,10 +127,10 @@ class CallGuard:
         self.private = comm.Dup() if self._steps else None
         self._check_comm = self.private if checks else None
         # Every check message lands here: room for any rank's largest riding message.
-        self._recv = np.zeros(_HEADER + RIDE_MAX_BYTES, np.uint8)
-        self._seen = self._recv[:_HEADER].view(np.int64).data  # memoryview: Python ints
+        self._recv = np.zeros(HEADER + RIDE_MAX_BYTES, np.uint8)
+        self._seen = self._recv[:HEADER].view(np.int64).data  # memoryview: Python ints
         # A check without data: its header alone.
-        self._header = np.zeros(_HEADER, np.uint8)
+        self._header = np.zeros(HEADER, np.uint8)
         self._words = self._header.view(np.int64).data
         self._receive: Any = None  # the pair's persistent receive into _recv
         self._header_requests: list[Any] | None = None
@@ -356,9 +258,9 @@ class CallGuard:
         rows = seen[2] - 1
         if rows != carrier.their_rows:
             carrier.their_rows = rows
-            end = _HEADER + rows * carrier.row_size * carrier.dtype.itemsize
-            carrier.theirs = (self._recv[_HEADER:end].view(carrier.dtype).reshape(
-                (rows,) + carrier.trailing) if end - _HEADER <= RIDE_MAX_BYTES else None)
+            end = HEADER + rows * carrier.row_size * carrier.dtype.itemsize
+            carrier.theirs = (self._recv[HEADER:end].view(carrier.dtype).reshape(
+                (rows,) + carrier.trailing) if end - HEADER <= RIDE_MAX_BYTES else None)
         return rows
 
     def _pair_requests(self, carrier: Carrier) -> Carrier:
@@ -631,4 +533,4 @@ def _printable(key: tuple[Any, ...]) -> tuple[Any, ...]:
 
 
 __all__ = ["FIELDS", "RIDE_MAX_BYTES", "RING_DTYPES", "RING_TAG", "UFUNCS", "UNPLANNED",
-           "CallGuard", "Carrier", "PairMove", "Rider", "RowCarrier"]
+           "CallGuard"]
