@@ -2,10 +2,10 @@
 ``COMM_WORLD``. Every collective is recorded in the rank's flight recorder and starts with
 a check that all ranks make the same call (carried in the data of a small all-reduce, and
 of a small all-gather, reduce-scatter or broadcast in a group of two); a watchdog ends a
-job that stalls. The all-reduces live in ``_mpi_allreduce``, broadcast, all-gather and
-reduce-scatter in ``_mpi_blockwise``, what they share in ``_mpi_core``; this module adds
-the rooted calls, point to point, objects, groups and the world.
-``docs/backends.md`` explains the design (pieces, rings, fused arithmetic, half-precision
+job that stalls. The all-reduces live in ``_mpi_allreduce``, the all-gathers in
+``_mpi_gather``, broadcast and reduce-scatter in ``_mpi_blockwise``, what they share in
+``_mpi_core``; this module adds the rooted calls, point to point, objects, groups and the
+world. ``docs/backends.md`` explains the design (pieces, rings, fused arithmetic, half-precision
 and NaN handling, CuPy staging, the checks and the watchdog) and the measurements behind it.
 """
 
@@ -35,6 +35,7 @@ from ._mpi_common import (
     split_tag,
 )
 from ._mpi_core import MPIBackendBase, _load_mpi, bind_mpi
+from ._mpi_gather import GatherMixin
 from ._mpi_guard import wait_until
 from ._watchdog import Watchdog, exit_soon, print_and_flush, silence_all
 from .base import (
@@ -52,7 +53,7 @@ _IN_PLACE: Any = None
 bind_mpi(globals())
 
 
-class MPIBackend(AllReduceMixin, BlockwiseMixin, MPIBackendBase):
+class MPIBackend(AllReduceMixin, BlockwiseMixin, GatherMixin, MPIBackendBase):
     """One rank's endpoint in an MPI communicator that axondist owns.
 
     Args:
