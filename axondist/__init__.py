@@ -69,7 +69,7 @@ __version__ = "0.1.0"
 # the collectives: an MPI job's start-up pays only for what it uses.
 _LAZY = {
     "DistributedDataParallel": "ddp", "DDP": "ddp",
-    "GradSyncStrategy": "bucketing", "GradientBucket": "bucketing",
+    "GradSyncStrategy": "bucketing", "GradientBucket": "gradient_bucket",
     "GradientSynchronizer": "bucketing",
     "SGD": "optim", "Adam": "optim", "AdamW": "optim", "Optimizer": "optim",
     "FullyShardedDataParallel": "fsdp", "FSDP": "fsdp", "ShardingStrategy": "fsdp",
@@ -91,8 +91,8 @@ _LAZY = {
 }
 
 
-_SUBMODULES = {"backends", "bucketing", "checkpoint", "comm", "data", "ddp", "fsdp", "log", "zero",
-               "mesh", "optim", "pipeline", "tensor_parallel"}
+_SUBMODULES = {"backends", "bucketing", "checkpoint", "comm", "compression", "data", "ddp", "fsdp",
+               "gradient_bucket", "log", "zero", "mesh", "optim", "pipeline", "tensor_parallel"}
 
 
 def __getattr__(name: str) -> object:

@@ -1,32 +1,21 @@
-"""Gradient buckets: packing many gradients into few flat buffers for all-reduce.
-
-One all-reduce of a large flat buffer costs far less than one per gradient
-(a fixed latency per call), and a bucket that is complete can be sent while
-later gradients are still being computed. This module holds the pieces
-:class:`~axondist.ddp.DistributedDataParallel` is built from, usable on
-their own:
-
-* :func:`bucket_plan` — which gradients share a bucket (pure; no arrays).
-* :class:`GradientBucket` — one flat buffer with gradients packed in it.
-* :class:`GradientSynchronizer` — a fixed set of buckets for a model's
-  gradients: gradients are added by index, each bucket's all-reduce is
-  issued (asynchronously under :attr:`GradSyncStrategy.OVERLAPPED`) and
-  :meth:`GradientSynchronizer.finish` waits for all of them.
-
-How an average is formed: before its all-reduce each bucket is multiplied
-in place by this rank's weight (``1 / world_size``, or ``n_i / sum(n)`` for
-a sample-weighted average) and the ranks' buckets are then *summed*. The
-multiply is the one pass over the data a mean needs anyway; doing it before
-the sum keeps float16 values in range and lets the packing copy and the
-scaling be one operation when a gradient must be copied into its bucket.
+"""Gradient synchronization through buckets: :class:`GradSyncStrategy` (when buckets are
+all-reduced) and :class:`GradientSynchronizer`, a fixed set of flat buckets for a model's
+gradients (added by index, each bucket's all-reduce issued, asynchronously under
+:attr:`GradSyncStrategy.OVERLAPPED`, and awaited by :meth:`GradientSynchronizer.finish`),
+which :class:`~axondist.ddp.DistributedDataParallel` is built from. Each bucket is
+multiplied in place by this rank's weight (``1 / world_size``, or ``n_i / sum(n)`` for a
+sample-weighted average) before the ranks' buckets are *summed*: the one pass a mean needs
+anyway, which keeps float16 values in range and folds into the packing copy. The bucket
+plan and buffer (:mod:`axondist.gradient_bucket`) and the reduction hooks
+(:mod:`axondist.compression`) are importable from here too.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from math import prod
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
@@ -36,6 +25,8 @@ from ._persistent_pieces import ProgressHelper as _ProgressHelper  # noqa: F401 
 from ._validate import check_real_gradient
 from .backends.base import Backend, CompletedWork, PersistentAllReduce, Work
 from .comm import all_reduce
+from .compression import CastCompression, ReductionHook, resolve_compression, sum_hook
+from .gradient_bucket import GradientBucket, bucket_plan
 from .ops import ReduceOp
 from .parameter import Parameter
 from .process_group import ProcessGroup, resolve_group
@@ -71,266 +62,6 @@ class GradSyncStrategy(enum.Enum):
             valid = ", ".join(m.name for m in cls)
             raise ValueError(f"unknown gradient sync strategy {value!r}; use one of {valid}") \
                 from None
-
-
-# --- the plan ------------------------------------------------------------------------------
-
-def bucket_plan(sizes_bytes: Sequence[int], cap_bytes: int,
-                first_cap_bytes: int | None = None) -> list[list[int]]:
-    """Split items, in the order given, into consecutive buckets of bounded size.
-
-    Greedy: items join the current bucket while its total stays within the
-    cap; the item that would overflow it starts the next bucket. The first
-    bucket's cap is ``first_cap_bytes`` (a small first bucket lets
-    communication start early), later ones ``cap_bytes``. An item larger
-    than the cap gets a bucket of its own. Zero-size items join the current
-    bucket.
-
-    Args:
-        sizes_bytes: each item's size, in bucket order (DDP passes the
-            gradients in reverse parameter order, the order backward makes them).
-        cap_bytes: the cap of every bucket but the first; > 0.
-        first_cap_bytes: the first bucket's cap (``cap_bytes`` when None); > 0.
-
-    Returns:
-        Buckets as lists of positions into ``sizes_bytes``; concatenated they
-        are ``0, 1, ..., len - 1``. No items give no buckets.
-
-    Raises:
-        ValueError: a cap <= 0 or a negative size.
-    """
-    first = cap_bytes if first_cap_bytes is None else first_cap_bytes
-    if cap_bytes <= 0 or first <= 0:
-        raise ValueError(f"bucket_plan: caps must be > 0 bytes, got cap_bytes={cap_bytes}, "
-                         f"first_cap_bytes={first_cap_bytes}")
-    buckets: list[list[int]] = []
-    current: list[int] = []
-    used = 0
-    for i, size in enumerate(sizes_bytes):
-        if size < 0:
-            raise ValueError(f"bucket_plan: sizes_bytes[{i}] = {size} is negative")
-        cap = first if not buckets else cap_bytes
-        if current and used + size > cap:
-            buckets.append(current)
-            current, used = [], 0
-        current.append(i)
-        used += size
-    if current:
-        buckets.append(current)
-    return buckets
-
-
-# --- one bucket -----------------------------------------------------------------------------
-
-class GradientBucket:
-    """A flat buffer of ``capacity`` elements that gradients are packed into.
-
-    The buffer is allocated once, at the first :meth:`add` or
-    :meth:`reserve`, in the namespace of ``like`` (or of the first array
-    added; NumPy for a bare :meth:`reserve`) and the bucket's dtype (given,
-    else the first array's). :meth:`clear` forgets the contents, not the
-    buffer.
-
-    Args:
-        capacity: number of elements the buffer holds.
-        dtype: the buffer's dtype; the first added array's when None.
-        like: an array whose namespace (NumPy/CuPy) the buffer takes.
-    """
-
-    def __init__(self, capacity: int, dtype: Any = None, *, like: Any = None) -> None:
-        if int(capacity) < 0:
-            raise ValueError(f"GradientBucket: capacity must be >= 0, got {capacity}")
-        self.capacity = int(capacity)
-        self.dtype: np.dtype | None = None if dtype is None else np.dtype(dtype)
-        self._like = like
-        self.buffer: Any = None
-        self._entries: list[tuple[int, tuple[int, ...]]] = []
-        self.size = 0
-
-    def _allocate(self, like: Any) -> None:
-        if self.dtype is None:
-            self.dtype = np.dtype(like.dtype) if like is not None else np.dtype(np.float32)
-        source = self._like if self._like is not None else like
-        xp = _array.namespace(source) if source is not None else np
-        # Written once here, so no step pays the page faults of fresh memory.
-        self.buffer = xp.empty(self.capacity, dtype=self.dtype)
-        self.buffer[...] = 0
-
-    def reserve(self, shape: Sequence[int], *, like: Any = None) -> Any:
-        """Claim room for an array of ``shape``; return its (uninitialized) view, or None
-        when it does not fit."""
-        shape = tuple(int(d) for d in shape)
-        n = prod(shape)
-        if self.size + n > self.capacity:
-            return None
-        if self.buffer is None:
-            self._allocate(like)
-        view = self.buffer[self.size:self.size + n].reshape(shape)
-        self._entries.append((self.size, shape))
-        self.size += n
-        return view
-
-    def add(self, array: Any) -> bool:
-        """Append ``array``'s values if they fit; return whether they did.
-
-        Raises:
-            TypeError: ``array`` is not floating point, or lives in the other
-                namespace than the buffer.
-        """
-        array = _array.as_array(array)
-        if not _array.is_floating(array.dtype):
-            raise TypeError(f"GradientBucket.add: gradients must be floating point, got "
-                            f"{_array.describe(array)}")
-        if self.buffer is not None:
-            _array.namespace(self.buffer, array)  # refuses NumPy/CuPy mixes
-        view = self.reserve(array.shape, like=array)
-        if view is None:
-            return False
-        view[...] = array
-        return True
-
-    def is_full(self) -> bool:
-        """True when no room is left (``size == capacity``; a 0-capacity bucket is always full)."""
-        return self.size == self.capacity
-
-    def is_empty(self) -> bool:
-        """True while it holds no element (before a non-empty :meth:`add`, after :meth:`clear`)."""
-        return self.size == 0
-
-    @property
-    def data(self) -> Any:
-        """The used part of the buffer (1-D; empty before the first add)."""
-        if self.buffer is None:
-            return np.empty(0, dtype=self.dtype or np.float32)
-        return self.buffer[:self.size]
-
-    @property
-    def shapes(self) -> list[tuple[int, ...]]:
-        """Shapes of the arrays in the bucket, in the order they were added."""
-        return [shape for _, shape in self._entries]
-
-    def extract(self) -> list[Any]:
-        """The added arrays, with their shapes, as views of the buffer (no copies)."""
-        return [self.buffer[off:off + prod(shape)].reshape(shape) for off, shape in self._entries]
-
-    def clear(self) -> None:
-        """Forget the contents; keep the buffer for the next use."""
-        self._entries.clear()
-        self.size = 0
-
-    def __repr__(self) -> str:
-        return (f"GradientBucket({len(self._entries)} arrays, {self.size}/{self.capacity} "
-                f"elements, dtype={self.dtype})")
-
-
-# --- reduction of one bucket ------------------------------------------------------------------
-
-class ReductionHook(Protocol):
-    """Sums one flat, already-weighted bucket over the group, in place.
-
-    Called as ``hook(flat, group, async_op)``; must leave in ``flat`` the
-    element-wise sum over the group's ranks once done, and return a
-    :class:`~axondist.Work` when ``async_op`` is true (None or a Work when
-    false, having finished). Every rank calls it for the same buckets in the
-    same order.
-    """
-
-    def __call__(self, flat: Any, group: ProcessGroup, async_op: bool) -> Work | None: ...
-
-
-def sum_hook(flat: Any, group: ProcessGroup, async_op: bool) -> Work | None:
-    """The default reduction: an in-place SUM all-reduce in the bucket's own dtype."""
-    result = all_reduce(flat, ReduceOp.SUM, group, async_op=async_op)
-    return result if async_op else None
-
-
-class CastCompression:
-    """All-reduce a bucket in a narrower floating dtype, then cast back.
-
-    Halves (float16/bfloat16 from float32) or quarters (from float64) the
-    bytes sent. Accuracy: each rank's weighted gradient is rounded to the
-    narrow dtype (relative error up to 2**-11 for float16, 2**-8 for
-    bfloat16), and so is every partial sum of the reduction. float16 flushes
-    magnitudes below ~6e-8 to zero and overflows above 65504 (weighting
-    before the sum keeps each value within the largest input's magnitude);
-    bfloat16 has float32's range but fewer digits. Buckets whose dtype is no
-    wider than the narrow one are reduced as they are.
-
-    Args:
-        dtype: ``"float16"`` or ``"bfloat16"``.
-    """
-
-    def __init__(self, dtype: str) -> None:
-        self.name = str(dtype)
-        self.dtype = _array.dtype_named(self.name)
-        if not _array.is_floating(self.dtype) or self.dtype.itemsize != 2:
-            raise ValueError(f"CastCompression: dtype must be float16 or bfloat16, got {dtype!r}")
-        # id(flat) -> (flat, narrow copy). The synchronizer passes the same array
-        # object for a bucket every step, so each bucket allocates its narrow copy
-        # once; holding ``flat`` keeps its id from being reused by another array.
-        self._scratch: dict[int, tuple[Any, Any]] = {}
-
-    #: arrays remembered at most (a caller passing fresh arrays each time
-    #: would otherwise grow the cache without bound).
-    max_cached = 256
-
-    def __call__(self, flat: Any, group: ProcessGroup, async_op: bool) -> Work | None:
-        if flat.dtype.itemsize <= self.dtype.itemsize:
-            return sum_hook(flat, group, async_op)
-        entry = self._scratch.get(id(flat))
-        if entry is None or entry[0] is not flat:
-            if len(self._scratch) >= self.max_cached:
-                self._scratch.clear()  # buffers in flight stay alive through their Work
-            entry = (flat, _array.namespace(flat).empty(flat.size, self.dtype))
-            self._scratch[id(flat)] = entry
-        narrow = entry[1]
-        narrow[...] = flat
-        work = all_reduce(narrow, ReduceOp.SUM, group, async_op=async_op)
-
-        def widen() -> None:
-            flat[...] = narrow
-
-        if not async_op:
-            widen()
-            return None
-        return _ThenWork(work, widen)
-
-    def __repr__(self) -> str:
-        return f"CastCompression({self.name!r})"
-
-
-class _ThenWork(Work):
-    """A Work that runs ``then`` once, after ``inner`` completed."""
-
-    __slots__ = ("_done", "_inner", "_then")
-
-    def __init__(self, inner: Work, then: Callable[[], None]) -> None:
-        self._inner, self._then, self._done = inner, then, False
-
-    def wait(self, timeout: float | None = None) -> Any:
-        result = self._inner.wait(timeout)
-        if not self._done:
-            self._then()
-            self._done = True
-        return result
-
-    def is_completed(self) -> bool:
-        return self._done or self._inner.is_completed()
-
-
-def resolve_compression(compression: str | ReductionHook | None) -> ReductionHook:
-    """``None`` -> :func:`sum_hook`; ``"fp16"``/``"bf16"`` -> :class:`CastCompression`;
-    a callable is used as it is."""
-    if compression is None:
-        return sum_hook
-    if callable(compression):
-        return compression
-    names = {"fp16": "float16", "float16": "float16", "bf16": "bfloat16", "bfloat16": "bfloat16"}
-    try:
-        return CastCompression(names[str(compression).lower()])
-    except KeyError:
-        raise ValueError(f"compression={compression!r} is not known; use None, 'fp16', 'bf16' "
-                         "or a callable hook(flat, group, async_op)") from None
 
 
 # --- the synchronizer ------------------------------------------------------------------------

@@ -26,13 +26,13 @@ from .bucketing import (
     GradientSynchronizer,
     GradSyncStrategy,
     MiB,
-    ReductionHook,
-    bucket_plan,
     check_real_gradient,
 )
 from .comm import all_gather, all_gather_object, broadcast
+from .compression import ReductionHook
 from .errors import CollectiveMismatchError
 from .fsdp import clip as _clip
+from .gradient_bucket import bucket_plan
 from .parameter import Parameter, parameters_of
 from .process_group import ProcessGroup, resolve_group
 from .tune import DEFAULT_BUCKET_CAP_MB, tuned_sizes
@@ -123,9 +123,9 @@ class DistributedDataParallel:
         forward_fn: ``forward_fn(params, *inputs)`` used by :meth:`forward`;
             when None, ``model.forward(*inputs)``.
         compression: None, ``"fp16"``, ``"bf16"`` (all-reduce float32/64
-            buckets in 16 bits; see :class:`~axondist.bucketing.CastCompression`
+            buckets in 16 bits; see :class:`~axondist.compression.CastCompression`
             for the accuracy cost) or a
-            :class:`~axondist.bucketing.ReductionHook`.
+            :class:`~axondist.compression.ReductionHook`.
         buffers: arrays or Parameters to keep equal to rank 0's.
         missing_grad: ``"zeros"`` or ``"error"`` (above).
         init_sync: call :meth:`sync_parameters` in the constructor.
