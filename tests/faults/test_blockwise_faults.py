@@ -13,27 +13,15 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
-import os
 import re
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from axondist.launch import launched_by_mpi
+from faults.runner import LIMIT, run_case, start_all, why_no_mpi
 
-REPO = Path(__file__).resolve().parents[2]
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "blockwise_cases.py"
-MPIEXEC = Path(sys.executable).parent / "mpiexec"
-LIMIT = 30.0  # seconds a failing case may take, with AXONDIST_TIMEOUT=10
-HARD_LIMIT = 90.0  # the subprocess timeout: past it, a hang
-PARALLEL = int(os.environ.get("AXONDIST_FAULT_PARALLEL", "6"))
-ENV = {"AXONDIST_TIMEOUT": "10", "PYTHONPATH": str(REPO),
-       # waiting MPICH ranks yield their core (the machines running this are small)
-       "MPIR_CVAR_POLLS_BEFORE_YIELD": "1", "MPIR_CVAR_CH4_PROGRESS_THROTTLE": "true",
-       "MPIR_CVAR_CH4_PROGRESS_THROTTLE_NO_PROGRESS_COUNT": "1"}
 
 _DTYPE = r"all_gather: ranks disagree on dtype \(rank 0: float32, .*rank \d: float64\)"
 #: case -> (the message under MPI, the message on the mock world); None: must succeed.
@@ -69,34 +57,9 @@ CASES: dict[str, tuple[str, str] | None] = {
 RUNS = [(case, mode, n) for case in CASES for mode in ("mock", "mpi") for n in (2, 3)]
 
 
-def _why_no_mpi() -> str | None:
-    try:
-        import mpi4py  # noqa: F401
-    except ImportError:
-        return "mpi4py is not installed (pip install 'axondist[mpi]')"
-    if not MPIEXEC.exists():
-        return f"no mpiexec next to the Python interpreter ({MPIEXEC})"
-    return None
-
-
-def _run(case: str, mode: str, n: int) -> tuple[int, float, str]:
-    command = [sys.executable, str(SCRIPT), case, mode]
-    command = [str(MPIEXEC), "-n", str(n), *command] if mode == "mpi" else [*command, str(n)]
-    start = time.monotonic()
-    try:
-        proc = subprocess.run(command, cwd=REPO, env={**os.environ, **ENV}, capture_output=True,
-                              text=True, timeout=HARD_LIMIT, stdin=subprocess.DEVNULL)
-        code, output = proc.returncode, proc.stdout + proc.stderr
-    except subprocess.TimeoutExpired as exc:
-        code, output = -999, f"HUNG: killed after {HARD_LIMIT:g} s\n{exc.stdout}{exc.stderr}"
-    return code, time.monotonic() - start, output
-
-
 @functools.cache
 def _outcomes() -> dict[tuple[str, str, int], concurrent.futures.Future]:
-    runs = [r for r in RUNS if r[1] == "mock" or _why_no_mpi() is None]
-    pool = concurrent.futures.ThreadPoolExecutor(PARALLEL)
-    return {run: pool.submit(_run, *run) for run in runs}
+    return start_all(RUNS, functools.partial(run_case, SCRIPT))
 
 
 pytestmark = pytest.mark.skipif(launched_by_mpi(), reason="launches its own mpiexec jobs")
@@ -104,9 +67,10 @@ pytestmark = pytest.mark.skipif(launched_by_mpi(), reason="launches its own mpie
 
 @pytest.mark.parametrize("case,mode,n", RUNS, ids=[f"{c}-{m}{n}" for c, m, n in RUNS])
 def test_blockwise_mismatch(case: str, mode: str, n: int) -> None:
-    if mode == "mpi" and _why_no_mpi() is not None:
-        pytest.skip(_why_no_mpi() or "")
-    code, seconds, output = _outcomes()[(case, mode, n)].result()
+    if mode == "mpi" and why_no_mpi() is not None:
+        pytest.skip(why_no_mpi() or "")
+    outcome = _outcomes()[(case, mode, n)].result()
+    code, seconds, output = outcome.returncode, outcome.seconds, outcome.output
     tail = output[-6000:]
     expect = CASES[case]
     if expect is None:

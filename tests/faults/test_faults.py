@@ -10,28 +10,16 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
-import os
 import re
-import subprocess
-import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from axondist.launch import launched_by_mpi
+from faults.runner import LIMIT, Outcome, run_case, start_all, why_no_mpi
 
-REPO = Path(__file__).resolve().parents[2]
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "fault_cases.py"
-MPIEXEC = Path(sys.executable).parent / "mpiexec"
-LIMIT = 30.0  # seconds a failing case may take, with AXONDIST_TIMEOUT=10
-HARD_LIMIT = 90.0  # the subprocess timeout: past it, a hang
-PARALLEL = int(os.environ.get("AXONDIST_FAULT_PARALLEL", "6"))
-ENV = {"AXONDIST_TIMEOUT": "10", "PYTHONPATH": str(REPO),
-       # waiting MPICH ranks yield their core (the machines running this are small)
-       "MPIR_CVAR_POLLS_BEFORE_YIELD": "1", "MPIR_CVAR_CH4_PROGRESS_THROTTLE": "true",
-       "MPIR_CVAR_CH4_PROGRESS_THROTTLE_NO_PROGRESS_COUNT": "1"}
 
 
 @dataclass(frozen=True)
@@ -110,47 +98,16 @@ RUNS = ([(case, "mock", n) for case in CASES for n in (2, 3)]
         + [(case, "mpi", n) for case in [*CASES, *MPI_ONLY] for n in (2, 3)])
 
 
-@dataclass(frozen=True)
-class Outcome:
-    returncode: int
-    seconds: float
-    output: str
-
-
-def _why_no_mpi() -> str | None:
-    try:
-        import mpi4py  # noqa: F401
-    except ImportError:
-        return "mpi4py is not installed (pip install 'axondist[mpi]')"
-    if not MPIEXEC.exists():
-        return f"no mpiexec next to the Python interpreter ({MPIEXEC})"
-    return None
-
-
 def _run(case: str, mode: str, n: int) -> Outcome:
-    command = [sys.executable, str(SCRIPT), case, mode]
-    if mode == "mpi":
-        command = [str(MPIEXEC), "-n", str(n)] + command
-    else:
-        command.append(str(n))
-    env = {**os.environ, **ENV}
+    env = {}
     if case == "many_groups" and (mode, n) == ("mpi", 3):
         env["AXONDIST_FAULT_GROUPS"] = "2100"  # past MPICH's ~2,040: 3 ranks on 2 cores are slow
-    start = time.monotonic()
-    try:
-        proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
-                              timeout=HARD_LIMIT, stdin=subprocess.DEVNULL)
-        code, out = proc.returncode, proc.stdout + proc.stderr
-    except subprocess.TimeoutExpired as exc:
-        code, out = -999, f"HUNG: killed after {HARD_LIMIT:g} s\n{exc.stdout}{exc.stderr}"
-    return Outcome(code, time.monotonic() - start, out)
+    return run_case(SCRIPT, case, mode, n, env)
 
 
 @functools.cache
 def _outcomes() -> dict[tuple[str, str, int], concurrent.futures.Future]:
-    runs = [r for r in RUNS if r[1] == "mock" or _why_no_mpi() is None]
-    pool = concurrent.futures.ThreadPoolExecutor(PARALLEL)
-    return {run: pool.submit(_run, *run) for run in runs}
+    return start_all(RUNS, _run)
 
 
 pytestmark = pytest.mark.skipif(launched_by_mpi(), reason="launches its own mpiexec jobs")
@@ -158,8 +115,8 @@ pytestmark = pytest.mark.skipif(launched_by_mpi(), reason="launches its own mpie
 
 @pytest.mark.parametrize("case,mode,n", RUNS, ids=[f"{c}-{m}{n}" for c, m, n in RUNS])
 def test_fault_case(case: str, mode: str, n: int) -> None:
-    if mode == "mpi" and _why_no_mpi() is not None:
-        pytest.skip(_why_no_mpi() or "")
+    if mode == "mpi" and why_no_mpi() is not None:
+        pytest.skip(why_no_mpi() or "")
     outcome = _outcomes()[(case, mode, n)].result()
     pattern = MPI_ONLY.get(case) or getattr(CASES[case], mode)
     tail = outcome.output[-6000:]

@@ -1,0 +1,70 @@
+"""What the fault tests share: a case script run in a subprocess on the mock world or
+under ``mpiexec -n N``, each under its own ``timeout`` (a hang fails the test instead of
+freezing the suite), with ``AXONDIST_TIMEOUT=10`` and MPICH's waiting ranks yielding
+their core (the machines running the suite are small); a module's runs start together,
+a few at a time, the first time one of its tests asks for them.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+MPIEXEC = Path(sys.executable).parent / "mpiexec"
+LIMIT = 30.0  # seconds a failing case may take, with AXONDIST_TIMEOUT=10
+HARD_LIMIT = 90.0  # the subprocess timeout: past it, a hang
+PARALLEL = int(os.environ.get("AXONDIST_FAULT_PARALLEL", "6"))
+ENV = {"AXONDIST_TIMEOUT": "10", "PYTHONPATH": str(REPO),
+       "MPIR_CVAR_POLLS_BEFORE_YIELD": "1", "MPIR_CVAR_CH4_PROGRESS_THROTTLE": "true",
+       "MPIR_CVAR_CH4_PROGRESS_THROTTLE_NO_PROGRESS_COUNT": "1"}
+
+
+@dataclass(frozen=True)
+class Outcome:
+    returncode: int  # -999: killed at HARD_LIMIT
+    seconds: float
+    output: str  # stdout, then stderr
+
+
+def why_no_mpi() -> str | None:
+    """Why the MPI runs cannot happen here, or None."""
+    try:
+        import mpi4py  # noqa: F401
+    except ImportError:
+        return "mpi4py is not installed (pip install 'axondist[mpi]')"
+    if not MPIEXEC.exists():
+        return f"no mpiexec next to the Python interpreter ({MPIEXEC})"
+    return None
+
+
+def run_case(script: Path, case: str, mode: str, n: int,
+             env: dict[str, str] | None = None) -> Outcome:
+    """``python SCRIPT CASE MODE`` on ``n`` ranks: under ``mpiexec -n n`` for ``mode``
+    "mpi", else with ``n`` as the last argument (the script spawns a mock world)."""
+    command = [sys.executable, str(script), case, mode]
+    command = [str(MPIEXEC), "-n", str(n), *command] if mode == "mpi" else [*command, str(n)]
+    start = time.monotonic()
+    try:
+        proc = subprocess.run(command, cwd=REPO, env={**os.environ, **ENV, **(env or {})},
+                              capture_output=True, text=True, timeout=HARD_LIMIT,
+                              stdin=subprocess.DEVNULL)
+        code, output = proc.returncode, proc.stdout + proc.stderr
+    except subprocess.TimeoutExpired as exc:
+        code, output = -999, f"HUNG: killed after {HARD_LIMIT:g} s\n{exc.stdout}{exc.stderr}"
+    return Outcome(code, time.monotonic() - start, output)
+
+
+def start_all(runs: Sequence[tuple[Any, ...]], run: Callable[..., Outcome],
+              parallel: int = PARALLEL) -> dict[tuple[Any, ...], concurrent.futures.Future]:
+    """Start ``run(*r)`` for every ``r`` of ``runs`` (tuples whose second item is the
+    mode) on ``parallel`` threads; MPI runs are left out where MPI is missing."""
+    pool = concurrent.futures.ThreadPoolExecutor(parallel)
+    return {r: pool.submit(run, *r) for r in runs if r[1] == "mock" or why_no_mpi() is None}
