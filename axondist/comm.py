@@ -15,13 +15,13 @@ Splits along axis 0 follow :func:`numpy.array_split`: with ``L`` rows over
 from __future__ import annotations
 
 import functools
-import zlib
 from collections.abc import Sequence
 from math import prod
 from typing import Any
 
 from . import _array
 from ._validate import as_rank, positive_seconds, sequence_of
+from .backends._rows import row_fingerprint, rows_mismatch
 from .backends.base import Backend, CompletedWork, ThenWork, Work, default_timeout
 from .errors import CollectiveMismatchError, InvalidBufferError, RankError, UnsupportedDTypeError
 from .ops import ReduceOp, check_op_dtype
@@ -439,11 +439,9 @@ def _gather_counts(b: Backend, x: Any, what: str) -> list[int]:
         if all(values[k:k + 3] == prints for k in range(5, 4 * n, 4)):
             return values[0::4]
     metas = b.allgather_object((x.shape[0], trailing, str(x.dtype)))
-    for field, idx in (("dtype", 2), ("trailing shape", 1)):
-        values = [m[idx] for m in metas]
-        if any(v != values[0] for v in values):
-            detail = ", ".join(f"rank {k}: {v}" for k, v in enumerate(values))
-            raise CollectiveMismatchError(f"{what}: ranks disagree on {field} ({detail})")
+    error = rows_mismatch(what, [(dtype, shape) for _, shape, dtype in metas])
+    if error is not None:
+        raise error
     return [m[0] for m in metas]
 
 
@@ -457,15 +455,8 @@ def _row_exchange(backend: Backend, dtype: Any, trailing: tuple[int, ...],
     dtype, trailing shape and group size: the header (rows, then the fingerprint), the
     table every rank's header lands in, the counts. Reused call after call: building
     them cost more than the exchange itself."""
-    header = _array.np.array((0,) + _fingerprint(dtype, trailing), _INT64)
+    header = _array.np.array((0,) + row_fingerprint(dtype, trailing), _INT64)
     return header, _HOST_ARRAY((4 * n,), _INT64), [4] * n
-
-
-def _fingerprint(dtype: Any, trailing: tuple[int, ...]) -> tuple[int, int, int]:
-    """Three numbers that equal dtypes and trailing shapes share on every rank (a CRC
-    of their text, the number of trailing axes, the row size)."""
-    text = f"{dtype}{trailing}".encode()  # what the object exchange compares
-    return zlib.crc32(text), len(trailing), prod(trailing)
 
 
 def _as_rows(x: Any) -> Any:

@@ -6,7 +6,6 @@ its check.
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Sequence
 from math import prod
 from typing import Any
@@ -25,6 +24,7 @@ from ._mpi_common import (
 )
 from ._mpi_core import MPIBackendBase, bind_mpi
 from ._mpi_guard import UNPLANNED
+from ._rows import row_fingerprint, rows_mismatch
 from .base import (
     CompletedWork,
     Signature,
@@ -47,12 +47,6 @@ _ROWS_NOT_GIVEN = "not given"
 def _row_size(trailing: tuple[int, ...]) -> int:
     """Elements per row of a trailing shape."""
     return prod(trailing)
-
-
-def _fingerprint(dtype: Any, trailing: tuple[int, ...]) -> tuple[int, int, int]:
-    """Three numbers that equal dtypes and trailing shapes share on every rank (a CRC of
-    their text, the number of trailing axes, the row size)."""
-    return zlib.crc32(f"{dtype}{trailing}".encode()), len(trailing), prod(trailing)
 
 
 def _bad_rows_out(out: Any, send: Any, shape: tuple[int, ...]) -> InvalidBufferError:
@@ -287,7 +281,7 @@ class GatherMixin(MPIBackendBase):
         elif self._debug:
             self._agree("all_gather", (("dtype", send.dtype), ("counts", _ROWS_NOT_GIVEN),
                                        ("trailing shape", trailing)))
-        header = np.array((send.shape[0],) + _fingerprint(send.dtype, trailing), np.int64)
+        header = np.array((send.shape[0],) + row_fingerprint(send.dtype, trailing), np.int64)
         table = np.empty(4 * n, np.int64)
         try:
             self._comm.Allgather([header, MPI.INT64_T], [table, MPI.INT64_T])
@@ -313,13 +307,8 @@ class GatherMixin(MPIBackendBase):
         """The error every rank raises when the fingerprints of an unsized all-gather
         differ (every rank saw them all): the ranks' dtypes and trailing shapes, named."""
         metas = self._comm.allgather((str(send.dtype), list(trailing)))
-        for field, idx in (("dtype", 0), ("trailing shape", 1)):
-            values = [m[idx] for m in metas]
-            if any(v != values[0] for v in values):
-                detail = ", ".join(f"rank {k}: {v}" for k, v in enumerate(values))
-                return CollectiveMismatchError(f"all_gather: ranks disagree on {field} "
-                                               f"({detail})")
-        return CollectiveMismatchError(  # equal texts, different fingerprints: a bug
+        return rows_mismatch("all_gather", metas) or CollectiveMismatchError(
+            # equal texts, different fingerprints: a bug
             f"all_gather: the ranks' row headers differ although their calls match ({metas}); "
             "report this as a bug")
 

@@ -10,9 +10,8 @@ ranks disagree on; a case that must not fail prints ``CASE OK`` on every rank.
 
 from __future__ import annotations
 
-import sys
-
 import numpy as np
+from fault_cases import main  # this folder: python puts it on sys.path
 
 import axondist as ad
 
@@ -110,14 +109,5 @@ CASES = {f.__name__: f for f in (rows_dtype, rows_trailing, rows_big_dtype, rows
                                   big_mismatch_caught_then_good)}
 
 
-def main() -> None:
-    case, mode = sys.argv[1], sys.argv[2]
-    fn = CASES[case]
-    if mode == "mpi":
-        fn(ad.init("mpi"))
-    else:
-        ad.spawn(fn, int(sys.argv[3]))
-
-
 if __name__ == "__main__":
-    main()
+    main(CASES)

@@ -11,6 +11,7 @@ import os
 import signal
 import sys
 import time
+from typing import Any
 
 import numpy as np
 
@@ -230,9 +231,11 @@ def ddp_overlapped_stall(world: ad.World) -> None:
 CASES[ddp_overlapped_stall.__name__] = ddp_overlapped_stall
 
 
-def main() -> None:
+def main(cases: dict[str, Any]) -> None:
+    """Run case ``argv[1]`` of ``cases`` on the world ``argv[2]`` names: ``mpi`` (this
+    process is one rank under mpiexec) or ``mock`` with ``argv[3]`` ranks."""
     case, mode = sys.argv[1], sys.argv[2]
-    fn = CASES[case]
+    fn = cases[case]
     if mode == "mpi":
         fn(ad.init("mpi"))
     else:
@@ -240,4 +243,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(CASES)
