@@ -212,6 +212,23 @@ def check_writable(x: Any, where: str) -> None:
         )
 
 
+def layout_of(x: Any) -> tuple[str, str]:
+    """``(library, layout)`` of a NumPy or CuPy array: the :func:`library_name`, and
+    ``"ok"`` when a collective may write it in place (writable, C-contiguous),
+    ``"read-only"`` or ``"strided"`` when not (what a call's key records)."""
+    if type(x) is np.ndarray:  # the common case, kept cheap
+        flags = x.flags
+        if flags.carray:
+            return "numpy", "ok"
+        return "numpy", "read-only" if not flags.writeable else "strided"
+    library = library_name(x)
+    if not x.flags.c_contiguous:
+        return library, "strided"
+    if isinstance(x, np.ndarray) and not x.flags.writeable:
+        return library, "read-only"
+    return library, "ok"
+
+
 def contiguous(x: Any) -> Any:
     """``x`` itself when C-contiguous, else a contiguous copy (for read-only inputs)."""
     if x.flags.c_contiguous:

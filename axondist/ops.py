@@ -41,15 +41,8 @@ class ReduceOp(enum.Enum):
             raise ValueError(f"unknown reduce op {op!r}; use one of {valid}") from None
 
 
-# (op -> dtypes) that passed check_op_dtype: the per-call hot path then costs one set lookup.
-_ACCEPTED: dict[ReduceOp, set[Any]] = {op: set() for op in ReduceOp}
-
-
 def check_op_dtype(op: ReduceOp, dtype: Any, where: str) -> None:
     """Refuse combinations with no meaning (MIN on complex, AVERAGE on integers)."""
-    accepted = _ACCEPTED[op]
-    if dtype in accepted:
-        return
     dtype = _array.check_dtype(dtype, where)
     if op in (ReduceOp.MIN, ReduceOp.MAX) and dtype.kind == "c":
         raise UnsupportedDTypeError(f"{where}: {op.name} is not defined for complex dtype {dtype}")
@@ -57,7 +50,6 @@ def check_op_dtype(op: ReduceOp, dtype: Any, where: str) -> None:
         raise UnsupportedDTypeError(
             f"{where}: AVERAGE is not defined for {dtype}; use SUM and divide by the world size"
         )
-    accepted.add(dtype)
 
 
 def combine_into(out: Any, inputs: Sequence[Any], op: ReduceOp) -> Any:

@@ -11,19 +11,22 @@ holds ``(field, value)`` pairs every rank must agree on; ``async_op=True`` retur
 from __future__ import annotations
 
 import abc
-import concurrent.futures
 import math
 import os
-import time
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, TypeAlias
 
 from .._array import describe, namespace
-from ..errors import CollectiveMismatchError, CollectiveTimeoutError
+from ..errors import CollectiveMismatchError
 from ..ops import ReduceOp
+from .plan import CallKey, Plan, Signature, general_plan, validate
 from .recorder import FlightRecorder
+from .work import CompletedWork, FutureWork, MappedWork, PolledWork, ThenWork, Work, finished
 
-Signature = tuple[tuple[str, Any], ...]
+#: Plans a backend keeps at once (each key is one call shape; past this many, the cache
+#: starts again, freeing the plans it held).
+PLAN_CACHE_LIMIT = 1024
+
 
 
 def _env_flag(name: str, default: bool) -> bool:
@@ -72,175 +75,6 @@ def stall_warning_after(timeout: float) -> float:
     """Seconds before the first stall warning (``AXONDIST_STALL_WARNING``, default 60),
     never later than half of ``timeout``."""
     return min(_env_seconds("AXONDIST_STALL_WARNING", DEFAULT_STALL_WARNING), timeout / 2)
-
-
-class Work:
-    """Handle of an operation started with ``async_op=True``.
-
-    ``wait()`` blocks until the operation finished and returns its result
-    (the output array, or None); it re-raises the operation's error. Calling
-    it again returns the same result.
-    """
-
-    def wait(self, timeout: float | None = None) -> Any:
-        """Block until the operation finished; its result (the output array, or None).
-
-        Args:
-            timeout: seconds to wait at most; None waits until the
-                operation ends (the mock and NCCL backends still stop it
-                after their collective timeout).
-
-        Raises:
-            Exception: the operation's own error (a mismatch, a timeout of
-                the collective, a backend failure), re-raised here; also a
-                timeout error when ``timeout`` passes first (the operation
-                keeps running: ``wait`` may be called again).
-        """
-        raise NotImplementedError
-
-    def is_completed(self) -> bool:
-        """True once the operation finished (successfully or not); never blocks."""
-        raise NotImplementedError
-
-
-class CompletedWork(Work):
-    """A Work whose operation already finished (what blocking calls return)."""
-
-    __slots__ = ("_result",)
-
-    def __init__(self, result: Any = None) -> None:
-        self._result = result
-
-    def wait(self, timeout: float | None = None) -> Any:
-        """The result given at construction, at once (``timeout`` is ignored)."""
-        return self._result
-
-    def is_completed(self) -> bool:
-        """Always True."""
-        return True
-
-
-class FutureWork(Work):
-    """A Work backed by a ``concurrent.futures.Future``; ``then`` maps its result."""
-
-    __slots__ = ("_future", "_then", "_done", "_result", "what")
-
-    def __init__(self, future: concurrent.futures.Future, then: Callable[[Any], Any] | None = None,
-                 what: str = "the operation") -> None:
-        self._future = future
-        self._then = then
-        self.what = what
-        self._done = False
-        self._result: Any = None
-
-    def wait(self, timeout: float | None = None) -> Any:
-        """The future's result passed through ``then`` (applied once, then cached).
-
-        Raises:
-            Exception: the future's error, re-raised on every call.
-            CollectiveTimeoutError: ``timeout`` seconds passed first (the
-                operation keeps running).
-        """
-        if not self._done:
-            try:
-                value = self._future.result(timeout)
-            except concurrent.futures.TimeoutError:
-                if self._future.done():  # the operation's own timeout error: raise it as is
-                    raise
-                raise CollectiveTimeoutError(
-                    f"Work.wait: {self.what} did not complete within timeout={timeout:g} s; "
-                    "it is still running (call wait() again, or check that every rank "
-                    "issued it)") from None
-            self._result = self._then(value) if self._then else value
-            self._done = True
-        return self._result
-
-    def is_completed(self) -> bool:
-        """True once the future finished (``then`` may not have run yet)."""
-        return self._future.done()
-
-
-class ThenWork(Work):
-    """A Work that runs ``then`` once, after ``inner`` completed, and returns its value."""
-
-    __slots__ = ("_inner", "_then", "_value", "_done")
-
-    def __init__(self, inner: Work, then: Callable[[Any], Any]) -> None:
-        self._inner, self._then, self._value, self._done = inner, then, None, False
-
-    def wait(self, timeout: float | None = None) -> Any:
-        """Wait for ``inner``, then return ``then``'s value (computed once)."""
-        if not self._done:
-            self._value = self._then(self._inner.wait(timeout))
-            self._done = True
-        return self._value
-
-    def is_completed(self) -> bool:
-        """True once ``inner`` completed (``then`` runs in :meth:`wait`)."""
-        return self._done or self._inner.is_completed()
-
-
-class PolledWork(Work):
-    """A Work completed by polling: ``test()`` says, without blocking, whether the
-    operation finished; ``block()`` waits for it.
-
-    ``wait(timeout)`` polls until the deadline (sleeps growing to 1 ms);
-    ``finish`` runs once after completion. With ``record=(recorder, group,
-    seq)`` each wait is recorded in that flight recorder as call ``seq`` of
-    ``group``, so the watchdog sees which call a waiting rank is in.
-    """
-
-    __slots__ = ("_test", "_block", "_result", "what", "_finish", "_record", "_done")
-
-    def __init__(self, test: Callable[[], bool], block: Callable[[], Any], result: Any = None,
-                 what: str = "the operation", finish: Callable[[], None] | None = None,
-                 record: tuple[FlightRecorder, str, int] | None = None) -> None:
-        self._test, self._block, self._result, self.what = test, block, result, what
-        self._finish, self._record, self._done = finish, record, False
-
-    def wait(self, timeout: float | None = None) -> Any:
-        """Wait for the operation (at most ``timeout`` seconds); the result.
-
-        Raises:
-            CollectiveTimeoutError: ``timeout`` passed first (the operation keeps
-                running: call ``wait`` again).
-        """
-        if self._done:
-            return self._result
-        slot = None
-        if self._record is not None:
-            recorder, group, seq = self._record
-            slot = recorder.begin(group, seq, f"wait {self.what}", None)
-        try:
-            if timeout is None:
-                self._block()
-            else:
-                deadline, pause = time.monotonic() + timeout, 1e-5
-                while not self._test():
-                    if time.monotonic() >= deadline:
-                        raise CollectiveTimeoutError(
-                            f"Work.wait: {self.what} did not complete within timeout="
-                            f"{timeout:g} s; it is still running (call wait() again, or check "
-                            "that every rank started it)")
-                    time.sleep(pause)
-                    pause = min(pause * 2, 1e-3)
-        finally:
-            if slot is not None:
-                self._record[0].end(slot)  # type: ignore[index]
-        self._complete()
-        return self._result
-
-    def is_completed(self) -> bool:
-        """Test without blocking; runs ``finish`` when the operation just completed."""
-        if not self._done and self._test():
-            self._complete()
-        return self._done
-
-    def _complete(self) -> None:
-        if not self._done:
-            self._done = True
-            if self._finish is not None:
-                self._finish()
 
 
 class PersistentAllReduce:
@@ -413,6 +247,43 @@ class Backend(abc.ABC):
         """
         return values
 
+    # --- prepared calls -------------------------------------------------------------------
+    #: This backend's plans by key (made on first use; see :meth:`plan`).
+    _plans: dict[CallKey, Plan] | None = None
+
+    def plan(self, key: CallKey) -> Plan:
+        """The prepared call of ``key`` on this backend: validated and made by
+        :meth:`make_plan` the first time, then kept (every public collective runs
+        through here).
+
+        Raises:
+            the error naming what is wrong with the call (dtype, op, buffer, root...);
+            nothing is kept then.
+        """
+        plans = self._plans
+        if plans is None:
+            plans = self._plans = {}
+        plan = plans.get(key)
+        if plan is None:
+            validate(key, self.rank, self.world_size)
+            if len(plans) >= PLAN_CACHE_LIMIT:
+                self.free_plans()
+                plans = self._plans = {}
+            plan = plans[key] = self.make_plan(key)
+        return plan
+
+    def make_plan(self, key: CallKey) -> Plan:
+        """A new plan for a validated ``key``. The default runs the call through the general
+        methods below (see :func:`axondist.backends.plan.general_plan`); a backend with
+        algorithms to choose from overrides it."""
+        return general_plan(self, key)
+
+    def free_plans(self) -> None:
+        """Free and forget every plan this backend keeps (part of :meth:`close`)."""
+        plans, self._plans = self._plans, None
+        for plan in (plans or {}).values():
+            plan.free()
+
     # --- collectives with a default built on the ones above --------------------------------
     def reduce(self, buf: Any, op: ReduceOp, root: int, *, signature: Signature = (),
                async_op: bool = False) -> Work:
@@ -466,37 +337,6 @@ class Backend(abc.ABC):
         """A barrier that fails after ``timeout`` seconds naming the ranks that did not
         arrive. The default is :meth:`barrier` (which the watchdog still ends)."""
         self.barrier()
-
-    # --- the blocking hot path ------------------------------------------------------
-    # What axondist.comm calls for blocking calls on host arrays whose arguments it
-    # already checked: no signature tuple, no Work object. The defaults go through the
-    # general methods; a backend overrides them where that saves time per call.
-    def all_reduce_blocking(self, buf: Any, op: ReduceOp) -> None:
-        """:meth:`all_reduce` of a checked, contiguous ``buf``, blocking, returning nothing."""
-        self.all_reduce(buf, op, signature=(("dtype", buf.dtype), ("shape", buf.shape))).wait()
-
-    def broadcast_blocking(self, buf: Any, root: int) -> None:
-        """:meth:`broadcast` of a checked, contiguous ``buf``, blocking."""
-        self.broadcast(buf, root, signature=(("dtype", buf.dtype), ("shape", buf.shape))).wait()
-
-    def all_gather_blocking(self, send: Any, recv: Any, counts: list[int]) -> None:
-        """:meth:`all_gather` with ``counts`` already checked against the group, blocking."""
-        self.all_gather(send, recv, counts, signature=(("dtype", send.dtype),)).wait()
-
-    def all_gather_rows_blocking(self, send: Any, out: Any | None) -> Any | None:
-        """All-gather of ``send``'s rows (along axis 0) when no rank knows the others' row
-        counts, the backend exchanging them itself with the call (the MPI backend: in its
-        check), blocking; ``out`` is where the rows go, or None for a new array. Returns
-        the result, or None where the backend has no such call (the default): the caller
-        then exchanges the counts first."""
-        return None
-
-    def reduce_scatter_blocking(self, send: Any, recv: Any, counts: list[int],
-                                op: ReduceOp) -> None:
-        """:meth:`reduce_scatter` with ``counts`` already checked against the group and
-        the buffers, blocking (``send`` and ``recv`` arrays of one dtype)."""
-        self.reduce_scatter(send, recv, counts, op,
-                            signature=(("dtype", send.dtype), ("shape", send.shape))).wait()
 
     def scaled_sum_blocking(self, buf: Any, factor: float = 1.0) -> None:
         """``buf *= factor`` (unless 1), then a SUM all-reduce of ``buf`` in place.
@@ -620,3 +460,9 @@ def compare_signatures(op_name: str,
     name = differing[0]
     detail = ", ".join(f"rank {k}: {v}" for k, v in enumerate(fields[name]))
     return CollectiveMismatchError(f"{op_name}: ranks disagree on {name} ({detail})")
+
+
+__all__ = ["PLAN_CACHE_LIMIT", "Backend", "CallKey", "CompletedWork", "FutureWork", "MappedWork",
+           "PersistentAllReduce", "Plan", "PolledWork", "Signature", "ThenWork", "Work",
+           "checks_enabled", "compare_signatures", "debug_enabled", "default_timeout",
+           "finished", "stall_warning_after"]

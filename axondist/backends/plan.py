@@ -1,0 +1,354 @@
+"""Prepared collective calls: what a call is (:class:`CallKey`) and how a backend runs it
+(:class:`Plan`).
+
+Every public collective builds the key of its call from its arguments (a pure function of
+them), asks the group's backend for that key's plan (:meth:`Backend.plan`: a dict lookup
+after the first call, which validates the key, chooses the algorithm and allocates what it
+keeps), and runs the plan on the call's buffers. Plans live in their backend and die with
+it. The generic plans here serve every backend through its general methods; a backend with
+something to choose (MPI) makes its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from math import prod
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import numpy as np
+
+from .. import _array
+from .._validate import as_rank
+from ..errors import CollectiveMismatchError, InvalidBufferError
+from ..ops import ReduceOp, check_op_dtype
+from ._rows import row_fingerprint, rows_mismatch
+from .work import ThenWork, Work, finished
+
+if TYPE_CHECKING:  # the backend contract imports this module
+    from .base import Backend
+
+Signature = tuple[tuple[str, Any], ...]
+
+#: Collectives that write their result into the buffer they were given.
+IN_PLACE = frozenset({"all_reduce", "broadcast", "reduce"})
+#: Collectives whose key names a reduction.
+REDUCTIONS = frozenset({"all_reduce", "reduce_scatter", "reduce"})
+_HALF = frozenset(d for d in _array.SUPPORTED_DTYPES if d.itemsize == 2 and d.kind != "i")
+_FLOAT32 = np.dtype(np.float32)
+_INT64 = np.dtype(np.int64)
+_AVERAGE = ReduceOp.AVERAGE.value
+
+
+class CallKey(NamedTuple):
+    """Everything that decides how a collective call runs, and nothing else: equal keys
+    take the same plan. Every rank of a group must make its calls with equal keys (the
+    backends check it), except ``counts``' own row, which only this rank knows."""
+
+    collective: str
+    dtype: Any
+    shape: tuple[int, ...]
+    #: ``"numpy"`` or ``"cupy"``.
+    library: str
+    #: ``"ok"``, ``"read-only"`` or ``"strided"``: whether the call may write the buffer.
+    layout: str = "ok"
+    #: A :class:`ReduceOp`'s value (``"sum"``...) for reductions, else None.
+    reduce_op: str | None = None
+    #: The root (broadcast's ``src``, reduce's ``dst``...) as a group rank, else None.
+    root: int | None = None
+    #: Rows per rank (an all-gather's ``sizes``), or None where the call derives them.
+    counts: tuple[int, ...] | None = None
+    async_op: bool = False
+    #: What the call was made from when it is part of another (a widened mean).
+    variant: str = ""
+
+    @classmethod
+    def of(cls, collective: str, x: Any, *, reduce_op: ReduceOp | str | None = None,
+           root: int | None = None, counts: tuple[int, ...] | None = None,
+           async_op: bool = False) -> CallKey:
+        """The key of ``collective`` on array ``x`` (a NumPy or CuPy array)."""
+        op = None if reduce_op is None else (
+            reduce_op.value if reduce_op.__class__ is ReduceOp else ReduceOp.parse(reduce_op).value)
+        library, layout = _array.layout_of(x)
+        return cls(collective, x.dtype, x.shape, library, layout, op, root, counts,
+                   bool(async_op))
+
+    @property
+    def op(self) -> ReduceOp | None:
+        """The reduction as a :class:`ReduceOp` (None for a collective without one)."""
+        return None if self.reduce_op is None else ReduceOp(self.reduce_op)
+
+    def signature(self) -> tuple[tuple[str, Any], ...]:
+        """The ``(field, value)`` pairs every rank must agree on, as mismatch messages and
+        the flight recorder name them."""
+        fields: list[tuple[str, Any]] = [("dtype", self.dtype)]
+        if self.collective in ("all_reduce", "broadcast", "reduce_scatter", "reduce"):
+            fields.append(("shape", self.shape))
+        elif self.collective == "all_gather":
+            fields.append(("trailing shape", self.shape[1:]))
+        if self.reduce_op is not None:
+            fields.append(("reduce_op", self.reduce_op))
+        if self.root is not None:
+            fields.append(("root", self.root))
+        if self.counts is not None:
+            fields.append(("counts", self.counts))
+        if self.variant:
+            fields.append(("variant", self.variant))
+        return tuple(fields)
+
+
+class Plan:
+    """A prepared call: :meth:`run` on buffers that match :attr:`key`.
+
+    ``run(send, recv)`` returns the call's result (``send`` itself for in-place
+    collectives, else ``recv``, allocated when None), or with ``key.async_op`` a Work
+    whose ``wait()`` returns it. :meth:`free` releases what the plan keeps.
+    """
+
+    __slots__ = ("key",)
+
+    def __init__(self, key: CallKey) -> None:
+        self.key = key
+
+    def run(self, send: Any, recv: Any = None) -> Any:
+        """Run the call on ``send`` (and ``recv``); see the class docstring."""
+        raise NotImplementedError
+
+    def free(self) -> None:
+        """Release what the plan keeps (nothing by default)."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.key.collective}, {self.key.dtype}, " \
+               f"{list(self.key.shape)})"
+
+
+def validate(key: CallKey, rank: int, world_size: int) -> None:
+    """Raise the error that names what is wrong with a call of ``key`` (dtype, op,
+    buffer, root, counts), as every backend's first step before planning it."""
+    what = key.collective
+    _array.check_dtype(key.dtype, what)
+    if key.reduce_op is not None:
+        check_op_dtype(ReduceOp(key.reduce_op), key.dtype, what)
+    if key.layout != "ok" and what in IN_PLACE:
+        raise InvalidBufferError(_LAYOUT_ERRORS[key.layout].format(what=what, shape=key.shape))
+    if key.root is not None:
+        as_rank(key.root, world_size, what, "dst" if what in ("reduce", "gather") else "src")
+    if what in ("reduce_scatter", "all_gather", "gather", "scatter", "all_to_all") \
+            and not key.shape:
+        raise InvalidBufferError(f"{what}: a 0-d array has no axis to split; pass x[None]")
+    if what == "all_gather" and key.counts is not None:
+        counts = key.counts
+        if len(counts) != world_size or counts[rank] != key.shape[0]:
+            raise CollectiveMismatchError(
+                f"all_gather: sizes={list(counts)} must list {world_size} row counts with this "
+                f"rank's ({key.shape[0]}) at index {rank}")
+
+
+_LAYOUT_ERRORS = {
+    "read-only": "{what}: the array is read-only; pass a writable array (e.g. x.copy())",
+    "strided": "{what}: the array of shape {shape} is not C-contiguous, so it cannot be written "
+               "in place; pass xp.ascontiguousarray(x) and use the returned array",
+}
+
+
+def split_sizes(length: int, parts: int) -> list[int]:
+    """Rows per part when ``length`` rows split over ``parts`` (numpy.array_split rule)."""
+    base, extra = divmod(length, parts)
+    return [base + (1 if i < extra else 0) for i in range(parts)]
+
+
+def element_counts(key: CallKey, world_size: int) -> list[int]:
+    """Elements per rank of a call that splits or joins rows (``key.counts`` rows, else
+    the :func:`split_sizes` rule over ``key.shape``)."""
+    rows = key.counts if key.counts is not None else split_sizes(key.shape[0], world_size)
+    row = prod(key.shape[1:])
+    return [r * row for r in rows]
+
+
+def output_shape(key: CallKey, rank: int, world_size: int) -> tuple[int, ...]:
+    """The shape of the array a collective of ``key`` returns on ``rank``."""
+    if key.collective in IN_PLACE:
+        return key.shape
+    trailing = tuple(key.shape[1:])
+    if key.collective == "all_gather":
+        return (sum(key.counts or ()),) + trailing
+    return (split_sizes(key.shape[0], world_size)[rank],) + trailing
+
+
+def checked_out(out: Any, key: CallKey, shape: tuple[int, ...], what: str) -> Any:
+    """``out`` when a collective of ``key`` may write its result of ``shape`` there, else
+    the error naming why not."""
+    is_array = isinstance(out, np.ndarray) or _array.is_cupy(out)
+    ok = (is_array and _array.library_name(out) == key.library and tuple(out.shape) == shape
+          and out.dtype == key.dtype)
+    if ok:
+        _array.check_writable(out, what)
+    if not ok:
+        got = _array.describe(out) if is_array else f"a {type(out).__name__}"
+        raise InvalidBufferError(
+            f"{what}: out is {got} but the result is {key.dtype}{list(shape)} ({key.library}); "
+            "pass a writable, C-contiguous array of that shape, dtype and array library, "
+            "or no out")
+    return out
+
+
+# --- the generic plans ---------------------------------------------------------------------
+
+_Start = Callable[["Backend", CallKey, Any, Any, Signature], Work]
+
+#: How the generic plan starts each collective on a backend's general methods.
+_STARTS: dict[str, _Start] = {
+    "all_reduce": lambda b, k, s, r, sig: b.all_reduce(s, ReduceOp(k.reduce_op), signature=sig,
+                                                       async_op=k.async_op),
+    "broadcast": lambda b, k, s, r, sig: b.broadcast(s, k.root, signature=sig,
+                                                     async_op=k.async_op),
+    "reduce": lambda b, k, s, r, sig: b.reduce(s, ReduceOp(k.reduce_op), k.root, signature=sig,
+                                               async_op=k.async_op),
+    "all_gather": lambda b, k, s, r, sig: b.all_gather(
+        s, r, element_counts(k, b.world_size), signature=sig, async_op=k.async_op),
+    "reduce_scatter": lambda b, k, s, r, sig: b.reduce_scatter(
+        s, r, element_counts(k, b.world_size), ReduceOp(k.reduce_op), signature=sig,
+        async_op=k.async_op),
+}
+
+
+class GeneralPlan(Plan):
+    """A call run through the backend's general methods (``Backend.all_reduce``...), with
+    the signature its checks compare built once."""
+
+    __slots__ = ("_backend", "_start", "_signature", "_out_shape", "_xp")
+
+    def __init__(self, backend: Backend, key: CallKey) -> None:
+        super().__init__(key)
+        self._backend = backend
+        self._start = _STARTS[key.collective]
+        self._signature = key.signature() if backend.needs_signature else ()
+        self._out_shape = output_shape(key, backend.rank, backend.world_size)
+        self._xp = _array.module_named(key.library)
+
+    def run(self, send: Any, recv: Any = None) -> Any:
+        key = self.key
+        if key.collective in IN_PLACE:
+            result = send
+        elif recv is None:
+            result = recv = self._xp.empty(self._out_shape, dtype=key.dtype)
+        else:
+            result = checked_out(recv, key, self._out_shape, key.collective)
+        work = self._start(self._backend, key, send, recv, self._signature)
+        return finished(work, result, key.async_op)
+
+
+class WidenedMeanPlan(Plan):
+    """AVERAGE of a float16/bfloat16 buffer: each rank's values are scaled by 1/n while
+    widened to float32, summed in float32 and rounded once to the caller's dtype.
+
+    Summing in the half dtype overflows as soon as the sum passes its largest value (65504
+    for float16) even when the mean does not; dividing before a half sum underflows small
+    values instead. float32 holds the scaled values of both without loss, at twice the
+    bytes on the wire.
+    """
+
+    __slots__ = ("_wide", "_scale", "_out_shape", "_xp", "_writes")
+
+    def __init__(self, backend: Backend, key: CallKey) -> None:
+        super().__init__(key)
+        wide_key = key._replace(dtype=_FLOAT32, reduce_op=ReduceOp.SUM.value,
+                                variant=f"mean widened from {key.dtype}")
+        self._wide = backend.plan(wide_key)
+        self._scale = 1.0 / backend.world_size
+        self._out_shape = output_shape(key, backend.rank, backend.world_size)
+        self._xp = _array.module_named(key.library)
+        #: Whether this rank gets the result (a reduce's others keep their values).
+        self._writes = key.collective != "reduce" or backend.rank == key.root
+
+    def run(self, send: Any, recv: Any = None) -> Any:
+        key, xp = self.key, self._xp
+        out = send if key.collective in IN_PLACE else (
+            xp.empty(self._out_shape, dtype=key.dtype) if recv is None
+            else checked_out(recv, key, self._out_shape, key.collective))
+        wide = xp.multiply(send, self._scale, dtype=_FLOAT32)
+        result = self._wide.run(wide)
+
+        def narrow(value: Any) -> Any:
+            if self._writes:
+                out[...] = value  # one rounding, to the nearest value of out's dtype
+            return out
+
+        return ThenWork(result, narrow) if key.async_op else narrow(result)
+
+
+class UnsizedAllGatherPlan(Plan):
+    """An all-gather whose row counts no rank knows: the ranks first all-gather a small
+    header (their row count and a fingerprint of dtype and trailing shape) through the
+    backend's own plan for it, then the rows through the sized plan for those counts."""
+
+    __slots__ = ("_backend", "_header", "_headers", "_header_plan")
+
+    def __init__(self, backend: Backend, key: CallKey) -> None:
+        super().__init__(key)
+        self._backend = backend
+        n = backend.world_size
+        trailing = tuple(key.shape[1:])
+        self._header = np.array((0,) + row_fingerprint(key.dtype, trailing), _INT64)
+        self._headers = np.empty(4 * n, _INT64)
+        self._header_plan = (backend.plan(CallKey.of("all_gather", self._header,
+                                                     counts=(4,) * n))
+                             if backend.host_collectives else None)
+
+    def counts(self, rows: int) -> tuple[int, ...]:
+        """Every rank's row count, given this rank's ``rows``."""
+        return exchange_row_counts(self._backend, self.key, rows, self._header,
+                                   self._headers, self._header_plan)
+
+    def run(self, send: Any, recv: Any = None) -> Any:
+        counts = self.counts(send.shape[0])
+        sized = self._backend.plan(self.key._replace(counts=counts))
+        return sized.run(send, recv)
+
+
+def exchange_row_counts(backend: Backend, key: CallKey, rows: int, header: Any = None,
+                        headers: Any = None, header_plan: Plan | None = None
+                        ) -> tuple[int, ...]:
+    """Every rank's row count for a gather of rows described by ``key`` (its dtype and
+    trailing shape), given this rank's ``rows``: one small all-gather of each rank's count
+    and a fingerprint of dtype and trailing shape (``header``/``headers``/``header_plan``
+    reused when a plan keeps them). Where the fingerprints differ, or the backend takes no
+    host buffers (NCCL), the ranks exchange pickled descriptions instead, which name the
+    disagreement.
+
+    Raises:
+        CollectiveMismatchError: on every rank, when ranks' dtypes or trailing shapes differ.
+    """
+    trailing = tuple(key.shape[1:])
+    n = backend.world_size
+    if backend.host_collectives:
+        if header is None:
+            header = np.array((0,) + row_fingerprint(key.dtype, trailing), _INT64)
+            headers = np.empty(4 * n, _INT64)
+            header_plan = backend.plan(CallKey.of("all_gather", header, counts=(4,) * n))
+        header[0] = rows
+        values = header_plan.run(header, headers).tolist()  # type: ignore[union-attr]
+        prints = values[1:4]
+        if all(values[k:k + 3] == prints for k in range(5, 4 * n, 4)):
+            return tuple(values[0::4])
+    metas = backend.allgather_object((rows, trailing, str(key.dtype)))
+    error = rows_mismatch(key.collective, [(dtype, shape) for _, shape, dtype in metas])
+    if error is not None:
+        raise error
+    return tuple(m[0] for m in metas)
+
+
+def general_plan(backend: Backend, key: CallKey) -> Plan:
+    """The plan of ``key`` on a backend with nothing to choose: a widened mean for float16
+    and bfloat16 AVERAGEs, an exchange of row counts for an unsized all-gather, else the
+    backend's general method."""
+    if key.reduce_op == _AVERAGE and key.dtype in _HALF:
+        return WidenedMeanPlan(backend, key)
+    if key.collective == "all_gather" and key.counts is None:
+        return UnsizedAllGatherPlan(backend, key)
+    return GeneralPlan(backend, key)
+
+
+__all__ = ["CallKey", "GeneralPlan", "Plan", "Signature", "UnsizedAllGatherPlan",
+           "WidenedMeanPlan", "checked_out", "element_counts", "exchange_row_counts",
+           "general_plan", "output_shape",
+           "split_sizes", "validate"]
