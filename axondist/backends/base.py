@@ -249,7 +249,7 @@ class Backend(abc.ABC):
 
     # --- prepared calls -------------------------------------------------------------------
     #: This backend's plans by key (made on first use; see :meth:`plan`).
-    _plans: dict[CallKey, Plan] | None = None
+    _call_plans: dict[CallKey, Plan] | None = None
 
     def plan(self, key: CallKey) -> Plan:
         """The prepared call of ``key`` on this backend: validated and made by
@@ -260,15 +260,15 @@ class Backend(abc.ABC):
             the error naming what is wrong with the call (dtype, op, buffer, root...);
             nothing is kept then.
         """
-        plans = self._plans
+        plans = self._call_plans
         if plans is None:
-            plans = self._plans = {}
+            plans = self._call_plans = {}
         plan = plans.get(key)
         if plan is None:
             validate(key, self.rank, self.world_size)
             if len(plans) >= PLAN_CACHE_LIMIT:
                 self.free_plans()
-                plans = self._plans = {}
+                plans = self._call_plans = {}
             plan = plans[key] = self.make_plan(key)
         return plan
 
@@ -280,7 +280,7 @@ class Backend(abc.ABC):
 
     def free_plans(self) -> None:
         """Free and forget every plan this backend keeps (part of :meth:`close`)."""
-        plans, self._plans = self._plans, None
+        plans, self._call_plans = self._call_plans, None
         for plan in (plans or {}).values():
             plan.free()
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from math import prod
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import numpy as np
 
@@ -199,10 +199,10 @@ _Start = Callable[["Backend", CallKey, Any, Any, Signature], Work]
 _STARTS: dict[str, _Start] = {
     "all_reduce": lambda b, k, s, r, sig: b.all_reduce(s, ReduceOp(k.reduce_op), signature=sig,
                                                        async_op=k.async_op),
-    "broadcast": lambda b, k, s, r, sig: b.broadcast(s, k.root, signature=sig,
+    "broadcast": lambda b, k, s, r, sig: b.broadcast(s, cast(int, k.root), signature=sig,
                                                      async_op=k.async_op),
-    "reduce": lambda b, k, s, r, sig: b.reduce(s, ReduceOp(k.reduce_op), k.root, signature=sig,
-                                               async_op=k.async_op),
+    "reduce": lambda b, k, s, r, sig: b.reduce(s, ReduceOp(k.reduce_op), cast(int, k.root),
+                                               signature=sig, async_op=k.async_op),
     "all_gather": lambda b, k, s, r, sig: b.all_gather(
         s, r, element_counts(k, b.world_size), signature=sig, async_op=k.async_op),
     "reduce_scatter": lambda b, k, s, r, sig: b.reduce_scatter(
