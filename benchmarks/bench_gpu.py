@@ -59,9 +59,9 @@ from _common import (  # noqa: E402
 from bench_nccl import gpu_unavailable_reason  # noqa: E402
 
 import axondist as ad  # noqa: E402
-from axondist.backends._nccl_types import NCCL_DTYPES, NCCL_OPS  # noqa: E402
 from axondist.backends.base import checks_enabled  # noqa: E402
 from axondist.backends.nccl import NcclBackend  # noqa: E402
+from axondist.backends.nccl.basics import NCCL_DTYPES, NCCL_OPS  # noqa: E402
 from axondist.fsdp import FSDP, ShardingStrategy  # noqa: E402
 from axondist.launch import launched_by_mpi  # noqa: E402
 from axondist.optim import SGD  # noqa: E402

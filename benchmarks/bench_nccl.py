@@ -117,8 +117,8 @@ def run(sizes: list[int], iters: int, warmup: int,
     import cupy
 
     import axondist as ad
-    from axondist.backends._nccl_types import NCCL_DTYPES, NCCL_OPS
     from axondist.backends.nccl import NcclBackend, group_calls
+    from axondist.backends.nccl.basics import NCCL_DTYPES, NCCL_OPS
 
     backends: list[Any]
     if _launched():

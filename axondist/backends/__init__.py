@@ -14,7 +14,7 @@ __all__ = ["Backend", "CompletedWork", "FutureWork", "MockBackend", "MockWorld",
 
 def __getattr__(name: str) -> object:
     if name == "NcclBackend":  # pure Python, but keep `import axondist` light
-        from ._nccl_backend import NcclBackend
+        from .nccl import NcclBackend
 
         return NcclBackend
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -33,8 +33,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import axondist as ad
-from axondist import _array, comm
-from axondist.bucketing import GradSyncStrategy
+from axondist import GradSyncStrategy, _array, comm
 from axondist.checkpoint import (
     load_full_checkpoint,
     load_sharded_checkpoint,

@@ -21,7 +21,7 @@ from harness import why_no_gpu
 
 import axondist as ad
 from axondist import _array
-from axondist.backends import _nccl_types as nt
+from axondist.backends.nccl import basics as nt
 from axondist.errors import UnsupportedDTypeError
 from axondist.ops import ReduceOp, combine_into
 

@@ -19,7 +19,7 @@ import test_cupy_wrappers as cw
 from test_nccl_gpu import REASON
 
 import axondist as ad
-from axondist.bucketing import GradSyncStrategy
+from axondist import GradSyncStrategy
 from axondist.fsdp import CPUOffload, ShardingStrategy
 from axondist.pipeline import PipelineSchedule
 

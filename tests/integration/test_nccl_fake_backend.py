@@ -30,7 +30,6 @@ from hypothesis import strategies as st
 
 import axondist as ad
 from axondist import _array
-from axondist.backends import _nccl_types as nt
 from axondist.backends._rendezvous import (
     KeyValueClient,
     KeyValueServer,
@@ -38,6 +37,7 @@ from axondist.backends._rendezvous import (
     RendezvousError,
     exchange_from_rank0,
 )
+from axondist.backends.nccl import basics as nt
 from axondist.errors import (
     AxondistError,
     BackendUnavailableError,
@@ -1219,11 +1219,11 @@ def test_a_rank_that_left_is_named_within_seconds_not_at_the_timeout(async_op):
 
 
 def test_ranks_started_with_different_checks_settings_refuse_to_start(fake, monkeypatch):
-    from axondist.backends import _nccl_backend
+    from axondist.backends.nccl import backend as nccl_backend
     from axondist.backends.nccl import bootstrap_from_env
 
     # AXONDIST_CHECKS=0 on rank 1 only (the environment is per process; these are threads)
-    monkeypatch.setattr(_nccl_backend, "checks_enabled",
+    monkeypatch.setattr(nccl_backend, "checks_enabled",
                         lambda: threading.current_thread().name != "rank1")
     port, n = free_port(), 2
     errors: list[BaseException | None] = [None] * n

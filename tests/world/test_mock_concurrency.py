@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import axondist as ad
-from axondist.backends import mock
+from axondist.backends.mock import backend as mock
 
 pytestmark = mock_only
 
@@ -196,7 +196,7 @@ def _run_script(body: str, timeout: float = 60) -> subprocess.CompletedProcess:
     code = textwrap.dedent("""
         import numpy as np
         import axondist as ad
-        from axondist.backends import mock
+        from axondist.backends.mock import backend as mock
         mock._PART_BYTES, mock._SHARED_MIN_BYTES = 64, 0
     """) + textwrap.dedent(body)
     return subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,

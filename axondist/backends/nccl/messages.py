@@ -10,17 +10,17 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import (
+from ...errors import (
     CollectiveMismatchError,
     RankError,
 )
-from ._nccl_collectives import CollectivesMixin
-from ._nccl_runtime import (
+from .basics import (
+    NCCL_BYTE,
+)
+from .collectives import CollectivesMixin
+from .runtime import (
     Entry,
     require_no_group,
-)
-from ._nccl_types import (
-    NCCL_BYTE,
 )
 
 

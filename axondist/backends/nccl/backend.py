@@ -1,6 +1,6 @@
 """NcclBackend: one rank's NCCL communicator on one GPU (see :mod:`axondist.backends.nccl`):
 its construction, queries, sub-groups and close, on the collectives and messages of
-``_nccl_collectives`` and ``_nccl_messages`` and the launch machinery of ``_nccl_core``."""
+``collectives`` and ``messages`` and the launch machinery of ``core``."""
 
 from __future__ import annotations
 
@@ -10,14 +10,26 @@ from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
 
-from ..errors import (
+from ...errors import (
     CollectiveMismatchError,
     CollectiveTimeoutError,
     RankError,
     WorldAbortedError,
 )
-from ._nccl_messages import MessagesMixin
-from ._nccl_runtime import (
+from ..base import (
+    checks_enabled,
+    debug_enabled,
+    default_timeout,
+)
+from ..recorder import FlightRecorder
+from .basics import (
+    GroupedCallError,
+    NcclError,
+    NcclUniqueId,
+    node_info_from_hosts,
+)
+from .messages import MessagesMixin
+from .runtime import (
     NcclCall,
     RankState,
     WorldLink,
@@ -27,18 +39,6 @@ from ._nccl_runtime import (
     new_communicator,
     require_no_group,
 )
-from ._nccl_types import (
-    GroupedCallError,
-    NcclError,
-    NcclUniqueId,
-    node_info_from_hosts,
-)
-from .base import (
-    checks_enabled,
-    debug_enabled,
-    default_timeout,
-)
-from .recorder import FlightRecorder
 
 
 class NcclBackend(MessagesMixin):

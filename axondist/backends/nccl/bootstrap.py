@@ -1,12 +1,6 @@
-"""The NCCL backend: collectives between GPUs on CuPy arrays, over ``cupy.cuda.nccl``.
-
-Importing this module imports neither CuPy nor mpi4py; creating a backend does, and
-raises :class:`~axondist.errors.BackendUnavailableError` saying what to install when
-CuPy or NCCL is missing. ``axondist.init("nccl")`` calls :func:`create_world_backend`
-(rank 0's unique id shared over MPI under ``mpiexec``, else over a TCP rendezvous from
-torchrun-style variables); ``docs/backends.md`` explains streams, grouped calls, how
-each operation maps onto NCCL, and the cross-rank check, flight recorder and watchdog
-every collective runs under (``AXONDIST_CHECKS=0`` turns the check off).
+"""How a launched job's ranks start their NCCL world: rank and size from MPI or from
+torchrun-style variables, rank 0's unique id shared over MPI or the TCP rendezvous, and
+each rank's GPU chosen (``node-local rank % device count`` unless given).
 """
 
 from __future__ import annotations
@@ -14,19 +8,13 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from .._environment import launched_by_mpi
-from ..errors import BackendUnavailableError
-from ._nccl_backend import NcclBackend
-from ._nccl_runtime import NcclWork, device_count, group_calls, load_cupy
-from ._nccl_types import (
-    GroupedCallError,
-    NcclError,
-    NcclUniqueId,
-    NotOnDeviceError,
-    select_device,
-)
-from ._rendezvous import LaunchEnv, exchange_from_rank0
-from .base import default_timeout
+from ..._environment import launched_by_mpi
+from ...errors import BackendUnavailableError
+from .._rendezvous import LaunchEnv, exchange_from_rank0
+from ..base import default_timeout
+from .backend import NcclBackend
+from .basics import select_device
+from .runtime import device_count, load_cupy
 
 _UNIQUE_ID_KEY = "axondist/nccl/unique_id"
 
@@ -122,15 +110,4 @@ def use_device(device: int) -> None:
     cupy.cuda.Device(device).use()
 
 
-__all__ = [
-    "GroupedCallError",
-    "NcclBackend",
-    "NcclError",
-    "NcclUniqueId",
-    "NcclWork",
-    "NotOnDeviceError",
-    "bootstrap_from_env",
-    "create_world_backend",
-    "group_calls",
-    "use_device",
-]
+__all__ = ["bootstrap_from_env", "create_world_backend", "use_device"]

@@ -1,6 +1,6 @@
 """The shared state of an in-process world: its ranks' flight recorders, who left, the
 rounds of collectives in progress (one lock and signal each) and the mailboxes of
-point-to-point messages (one per pair of ranks and tag). :mod:`axondist.backends.mock`
+point-to-point messages (one per pair of ranks and tag). :mod:`axondist.backends.mock.backend`
 puts a backend per rank on top of it.
 """
 
@@ -12,19 +12,19 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .._validate import positive_seconds
-from ..errors import (
+from ..._validate import positive_seconds
+from ...errors import (
     CollectiveTimeoutError,
     RankExitedError,
     WorldAbortedError,
 )
-from ._watchdog import warn
-from .base import (
+from .._watchdog import warn
+from ..base import (
     Signature,
     default_timeout,
     stall_warning_after,
 )
-from .recorder import FlightRecorder, describe_call, describe_status
+from ..recorder import FlightRecorder, describe_call, describe_status
 
 # Stages of a round.
 _GATHERING, _SHARING, _DONE = range(3)

@@ -19,25 +19,25 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..errors import (
+from ...errors import (
     BackendUnavailableError,
     CollectiveMismatchError,
     CollectiveTimeoutError,
     RankExitedError,
 )
-from ._nccl_types import (
+from .._watchdog import Watchdog, print_and_flush
+from ..base import Work, compare_signatures, stall_warning_after
+from ..recorder import CALL_FIELDS, FlightRecorder, format_entries
+from .basics import (
     GroupedCallError,
     NcclError,
     NcclUniqueId,
     missing_cupy_message,
     nccl_error,
 )
-from ._watchdog import Watchdog, print_and_flush
-from .base import Work, compare_signatures, stall_warning_after
-from .recorder import CALL_FIELDS, FlightRecorder, format_entries
 
 if TYPE_CHECKING:
-    from ._nccl_core import NcclBackendBase
+    from .core import NcclBackendBase
 
 
 # --- loading CuPy --------------------------------------------------------------------

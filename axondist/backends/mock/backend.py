@@ -22,15 +22,24 @@ from typing import Any
 
 import numpy as np
 
-from .. import _array
-from .._validate import as_rank
-from ..errors import (
+from ... import _array
+from ..._validate import as_rank
+from ...errors import (
     CollectiveMismatchError,
     CollectiveTimeoutError,
     InvalidBufferError,
 )
-from ..ops import ReduceOp, combine_into
-from ._mock_world import (
+from ...ops import ReduceOp, combine_into
+from ..base import (
+    Backend,
+    CompletedWork,
+    FutureWork,
+    Signature,
+    Work,
+    compare_signatures,
+)
+from ..recorder import FlightRecorder
+from .world import (
     _DONE,
     _GATHERING,
     _SHARING,
@@ -39,15 +48,6 @@ from ._mock_world import (
     _Mailbox,
     _Round,
 )
-from .base import (
-    Backend,
-    CompletedWork,
-    FutureWork,
-    Signature,
-    Work,
-    compare_signatures,
-)
-from .recorder import FlightRecorder
 
 #: Seconds a cycle of receives must hold, with no message or round completing anywhere,
 #: before it is reported as a deadlock.

@@ -1,6 +1,6 @@
 """The NCCL backend's collectives: all-reduce, broadcast, all-gather, reduce-scatter,
 gather, scatter and barrier, each recorded, checked and launched through
-:class:`~axondist.backends._nccl_core.NcclBackendBase`.
+:class:`~axondist.backends.nccl.core.NcclBackendBase`.
 """
 
 from __future__ import annotations
@@ -8,23 +8,23 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..errors import (
+from ...errors import (
     InvalidBufferError,
 )
-from ..ops import ReduceOp
-from ._nccl_core import NcclBackendBase
-from ._nccl_runtime import (
-    NcclWork,
-    require_no_group,
+from ...ops import ReduceOp
+from ..base import (
+    Signature,
+    Work,
 )
-from ._nccl_types import (
+from .basics import (
     NCCL_BYTE,
     NCCL_DTYPES,
     NCCL_OPS,
 )
-from .base import (
-    Signature,
-    Work,
+from .core import NcclBackendBase
+from .runtime import (
+    NcclWork,
+    require_no_group,
 )
 
 

@@ -24,15 +24,15 @@ from typing import Any
 
 import numpy as np
 
-from .. import _array
-from ..errors import (
+from ... import _array
+from ...errors import (
     GroupedCallError,
     InvalidBufferError,
     NcclError,
     NotOnDeviceError,
     UnsupportedDTypeError,
 )
-from ..ops import ReduceOp, check_op_dtype
+from ...ops import ReduceOp, check_op_dtype
 
 #: ``ncclDataType_t`` by NumPy dtype name (``nccl.h``; bfloat16 since NCCL 2.10).
 NCCL_DTYPES: dict[str, int] = {

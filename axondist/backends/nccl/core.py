@@ -1,7 +1,7 @@
 """The NCCL backend's foundation (:class:`NcclBackendBase`): the state every call reads
 (communicator, stream, flight recorder, checks), the launch machinery that orders a call
 after the caller's stream, enqueues it and waits for its event, and the recording and
-cross-rank checking of each call. :mod:`axondist.backends._nccl_backend` builds
+cross-rank checking of each call. :mod:`axondist.backends.nccl.backend` builds
 :class:`~axondist.backends.nccl.NcclBackend` on it.
 """
 
@@ -16,14 +16,28 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import (
+from ...errors import (
     CollectiveMismatchError,
     CollectiveTimeoutError,
     RankError,
     WorldAbortedError,
 )
-from ..ops import ReduceOp
-from ._nccl_runtime import (
+from ...ops import ReduceOp
+from ..base import (
+    Backend,
+    Signature,
+    compare_signatures,
+)
+from ..recorder import describe_detail
+from .basics import (
+    NCCL_DTYPES,
+    NCCL_OPS,
+    ReducePlan,
+    check_device_array,
+    parse_nccl_version,
+    reduce_plan,
+)
+from .runtime import (
     GROUP_STATE,
     Entry,
     NcclCall,
@@ -36,20 +50,6 @@ from ._nccl_runtime import (
     named_signatures,
     recorded_call,
 )
-from ._nccl_types import (
-    NCCL_DTYPES,
-    NCCL_OPS,
-    ReducePlan,
-    check_device_array,
-    parse_nccl_version,
-    reduce_plan,
-)
-from .base import (
-    Backend,
-    Signature,
-    compare_signatures,
-)
-from .recorder import describe_detail
 
 #: Seconds past the timeout a wait keeps polling for the watchdog's verdict, which names the
 #: missing ranks, before it gives up on its own.
@@ -66,7 +66,7 @@ class NcclBackendBase(Backend):
     life cycle)."""
 
     _hosts: tuple[str, ...] | None  # every rank's host name, for node_info
-    #: The object all-gather the debug checks exchange signatures with (``_nccl_messages``).
+    #: The object all-gather the debug checks exchange signatures with (``messages``).
     _allgather_object_raw: Callable[[Any], list[Any]]
 
     def _setup(self, cupy: ModuleType, nccl: ModuleType, comm: Any, rank: int, world_size: int,
