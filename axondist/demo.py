@@ -7,7 +7,6 @@ runs, not the maths). Rank 0 alone prints the report and the progress."""
 
 from __future__ import annotations
 
-import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -28,12 +27,13 @@ from .optim import SGD
 from .parameter import Parameter
 from .pipeline import SCHEDULES, Pipeline, PipelineSchedule, PipelineStage
 from .process_group import ProcessGroup
+from .progress import MODES, Progress, resolve_mode
 from .tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
 STRATEGIES = ("ddp", "fsdp", "pipeline", "tp")
 
 #: How progress is shown: a bar (tqdm) on a terminal, plain lines elsewhere, or nothing.
-PROGRESS_MODES = ("auto", "bar", "lines", "off")
+PROGRESS_MODES = MODES
 
 
 # --- configuration -----------------------------------------------------------------
@@ -237,69 +237,6 @@ def train_reference(cfg: DemoConfig) -> Reference:
 
 
 # --- progress ------------------------------------------------------------------------
-
-
-class Progress:
-    """Shows training progress: ``update(step, loss)`` after each step, ``close()`` at the end.
-
-    ``"bar"``: a tqdm bar that fits the terminal's width (narrow ones too: tqdm trims the line
-    instead of wrapping it); without tqdm installed, plain lines instead. ``"lines"``: a plain
-    ``step 10/40  loss 0.12345`` line about every tenth of the run, for logs and pipes.
-    ``"off"``: nothing.
-    """
-
-    def __init__(self, total: int, stream: TextIO, mode: str) -> None:
-        self.total, self.stream = total, stream
-        self.every = max(1, total // 10)
-        self.bar: Any = _tqdm_bar(total, stream) if mode == "bar" else None
-        self.mode = "lines" if mode == "bar" and self.bar is None else mode
-
-    def update(self, step: int, loss: float) -> None:
-        """Record that ``step`` of ``total`` finished with ``loss``."""
-        if self.bar is not None:
-            self.bar.set_postfix_str(f"loss {loss:.5f}", refresh=False)
-            self.bar.update(step - self.bar.n)
-        elif self.mode == "lines" and (step % self.every == 0 or step == self.total):
-            self.stream.write(f"step {step}/{self.total}  loss {loss:.5f}\n")
-            self.stream.flush()
-
-    def close(self) -> None:
-        """End the bar (later output starts on a new line)."""
-        if self.bar is not None:
-            self.bar.close()
-
-
-def _tqdm_bar(total: int, stream: TextIO) -> Any:
-    """A tqdm bar on ``stream``, or None when tqdm is not installed (an optional extra)."""
-    try:
-        from tqdm import tqdm  # optional dependency: imported only when a bar is wanted
-    except ImportError:
-        return None
-    tty = bool(getattr(stream, "isatty", lambda: False)())
-    # On a terminal tqdm follows its width as it changes; through a pipe (mpiexec forwards
-    # rank 0's output) it cannot ask, so it takes $COLUMNS or 80.
-    width = None if tty else shutil.get_terminal_size((80, 24)).columns
-    return tqdm(total=total, file=stream, desc="train", unit="step", dynamic_ncols=tty,
-                ncols=width, mininterval=0.1, leave=True,
-                bar_format="{desc} {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt}{postfix}")
-
-
-def progress_mode(progress: bool | str | None, stream: TextIO) -> str:
-    """The mode :class:`Progress` uses: ``progress`` as given (True: ``"auto"``, False:
-    ``"off"``); ``"auto"`` and None give a bar on a terminal, plain lines elsewhere.
-
-    Raises:
-        ValueError: a mode not in :data:`PROGRESS_MODES`.
-    """
-    if progress is None or progress is True:
-        progress = "auto"
-    elif progress is False:
-        progress = "off"
-    if progress not in PROGRESS_MODES:
-        raise ValueError(f"demo: progress={progress!r} is not one of {', '.join(PROGRESS_MODES)}")
-    if progress == "auto":
-        return "bar" if getattr(stream, "isatty", lambda: False)() else "lines"
-    return str(progress)
 
 
 def _no_progress(step: int, loss: float) -> None:
@@ -536,8 +473,7 @@ def report(cfg: DemoConfig, result: RankResult, ref: Reference, where: str, seco
 
 def run_demo(world_size: int = 4, strategy: str = "ddp", steps: int = 40, *,
              backend: str = "auto", progress: bool | str | None = None,
-             out: TextIO | None = None,
-             err: TextIO | None = None, **options: Any) -> int:
+             out: TextIO | None = None, **options: Any) -> int:
     """Run the demo and return the process exit status.
 
     Args:
@@ -547,10 +483,12 @@ def run_demo(world_size: int = 4, strategy: str = "ddp", steps: int = 40, *,
         backend: ``"mock"`` (threads), ``"mpi"`` (this process is one rank of an
             ``mpiexec`` launch) or ``"auto"`` (mpi when launched by mpiexec).
         progress: one of :data:`PROGRESS_MODES` (True: ``"auto"``, False: ``"off"``):
-            how rank 0 shows progress on ``err``; ``"auto"`` (the default) draws a bar on a
+            how rank 0 shows progress on ``out``; ``"auto"`` (the default) draws a bar on a
             terminal and prints a plain line every tenth of the run elsewhere (a log, a
             pipe, mpiexec's forwarding). The other ranks stay quiet.
-        out, err: where the report and the progress go (stdout, stderr).
+        out: where the progress and then the report go (stdout when None); one stream for
+            both, since mpiexec forwards stdout and stderr through separate pipes and a bar
+            on one could end after the report's first line on the other.
         **options: other :class:`DemoConfig` fields (``batch_size``, ``lr``, ...).
 
     Returns:
@@ -562,13 +500,12 @@ def run_demo(world_size: int = 4, strategy: str = "ddp", steps: int = 40, *,
             strategy cannot run with (the message says what to change).
     """
     out = out or sys.stdout
-    err = err or sys.stderr
     if strategy not in STRATEGIES:
         raise ValueError(f"demo: unknown strategy {strategy!r}; choose one of "
                          f"{', '.join(STRATEGIES)}")
     if backend not in ("auto", "mock", "mpi"):
         raise ValueError(f"demo: backend must be auto, mock or mpi, got {backend!r}")
-    mode = progress_mode(progress, err)
+    mode = resolve_mode(progress, out, "demo")
     world = init("mpi") if backend == "mpi" or (backend == "auto" and launched_by_mpi()) else None
     if world is not None:
         world_size = world.world_size
@@ -586,15 +523,19 @@ def run_demo(world_size: int = 4, strategy: str = "ddp", steps: int = 40, *,
               f"{cfg.batch_size * world_size}", file=out)
         out.flush()
     ref = train_reference(cfg)  # every MPI rank makes its own: cheaper than sending it
-    bar = Progress(cfg.steps, err, mode if speaks else "off")
+    bar: Progress[int] = Progress(cfg.steps, stream=out, mode=mode, show=speaks)
+
+    def shown(step: int, loss: float) -> None:
+        bar.update(step, loss=loss)
+
     run = STRATEGY_FNS[strategy]
     start = time.perf_counter()
     if world is None:
-        results = spawn(lambda w: run(w, cfg, ref, bar.update if w.rank == 0 else _no_progress),
+        results = spawn(lambda w: run(w, cfg, ref, shown if w.rank == 0 else _no_progress),
                         world_size)
         result = results[0]
     else:
-        result = run(world, cfg, ref, bar.update if speaks else _no_progress)
+        result = run(world, cfg, ref, shown if speaks else _no_progress)
     seconds = time.perf_counter() - start
     bar.close()
     if not speaks:
@@ -602,4 +543,4 @@ def run_demo(world_size: int = 4, strategy: str = "ddp", steps: int = 40, *,
     return 0 if report(cfg, result, ref, where, seconds, out) else 1
 
 
-__all__ = ["PROGRESS_MODES", "STRATEGIES", "DemoConfig", "Progress", "run_demo"]
+__all__ = ["PROGRESS_MODES", "STRATEGIES", "DemoConfig", "run_demo"]

@@ -24,10 +24,10 @@ ROOT = Path(__file__).resolve().parents[2]
 _LAUNCH_PREFIXES = ("PMI_", "PMIX_", "OMPI_", "HYDI_", "HYDRA_", "MPI_LOCAL", "SLURM_")
 
 
-def run_cli(*args: str) -> tuple[int, str, str]:
-    out, err = io.StringIO(), io.StringIO()
-    status = demo.run_demo(**_kwargs(args), out=out, err=err)
-    return status, out.getvalue(), err.getvalue()
+def run_cli(*args: str) -> tuple[int, str]:
+    out = io.StringIO()
+    status = demo.run_demo(**_kwargs(args), out=out)
+    return status, out.getvalue()
 
 
 def _kwargs(args: tuple[str, ...]) -> dict:
@@ -44,9 +44,9 @@ def _kwargs(args: tuple[str, ...]) -> dict:
 @pytest.mark.parametrize("strategy", demo.STRATEGIES)
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 def test_each_strategy_matches_single_process_training(strategy, world_size):
-    status, out, err = run_cli("--strategy", strategy, "--world-size", str(world_size),
-                               "--steps", "6", "--no-progress")
-    assert status == 0, out + err
+    status, out = run_cli("--strategy", strategy, "--world-size", str(world_size),
+                          "--steps", "6", "--no-progress")
+    assert status == 0, out
     assert f"{strategy} on a mock world of {world_size} ranks" in out
     assert "max abs parameter difference" in out and ": OK" in out
     # The distributed loss column equals the single-process one to the printed digits.
@@ -68,9 +68,9 @@ def test_rank_results_agree_with_the_reference_in_float64(strategy):
 
 def test_pipeline_schedules_including_interleaved():
     for schedule in ("gpipe", "interleaved_1f1b", "zb_h1"):
-        status, out, err = run_cli("--strategy", "pipeline", "--world-size", "2", "--steps", "3",
-                                   "--schedule", schedule)
-        assert status == 0, out + err
+        status, out = run_cli("--strategy", "pipeline", "--world-size", "2", "--steps", "3",
+                              "--schedule", schedule)
+        assert status == 0, out
         assert f"pipeline schedule ({schedule}" in out
 
 
@@ -84,8 +84,8 @@ def test_a_wrong_result_fails_the_check(monkeypatch):
         return ref
 
     monkeypatch.setattr(demo, "train_reference", off_by_a_little)
-    status, out, _ = run_cli("--strategy", "tp", "--world-size", "2", "--steps", "2",
-                             "--no-progress")
+    status, out = run_cli("--strategy", "tp", "--world-size", "2", "--steps", "2",
+                          "--no-progress")
     assert status == 1
     assert "FAILED" in out
 
@@ -94,66 +94,46 @@ def test_every_strategy_is_part_of_the_library():
     assert not hasattr(demo, "StrategyUnavailable")
     assert set(demo.STRATEGY_FNS) == set(demo.STRATEGIES)
     with pytest.raises(ValueError, match="demo: unknown strategy 'moe'; choose one of ddp"):
-        demo.run_demo(strategy="moe", backend="mock", out=io.StringIO(), err=io.StringIO())
+        demo.run_demo(strategy="moe", backend="mock", out=io.StringIO())
 
 
 def test_plain_lines_when_not_a_terminal():
-    status, out, err = run_cli("--strategy", "tp", "--world-size", "2", "--steps", "20")
-    assert status == 0, out + err
-    lines = err.splitlines()
+    status, out = run_cli("--strategy", "tp", "--world-size", "2", "--steps", "20")
+    assert status == 0, out
+    lines = [line for line in out.splitlines() if re.match(r"step \d+/20", line)]
     assert [line.split()[1] for line in lines] == [f"{s}/20" for s in range(2, 21, 2)]
-    assert all(line.startswith("step ") and "  loss " in line for line in lines)
-    assert "\r" not in err
+    assert all("  loss " in line for line in lines)
+    assert "\r" not in out
+    # the progress comes first, then the report, on the one stream
+    assert out.index("step 20/20") < out.index("step   loss (distributed)")
 
 
 @pytest.mark.parametrize("world_size", [1, 3])
 def test_only_rank_0_reports_progress(world_size):
-    err = io.StringIO()
+    out = io.StringIO()
     status = demo.run_demo(world_size=world_size, strategy="ddp", steps=3, backend="mock",
-                           progress="lines", out=io.StringIO(), err=err)
-    assert status == 0 and err.getvalue().count("step 3/3") == 1
+                           progress="lines", out=out)
+    assert status == 0 and out.getvalue().count("step 3/3") == 1
 
 
 def test_no_progress_is_silent():
-    status, _, err = run_cli("--strategy", "tp", "--world-size", "2", "--steps", "2",
-                             "--no-progress")
-    assert status == 0 and err == ""
-    with pytest.raises(ValueError, match="progress='fancy' is not one of auto, bar, lines, off"):
+    status, out = run_cli("--strategy", "tp", "--world-size", "2", "--steps", "2",
+                          "--no-progress")
+    assert status == 0 and "step 2/2" not in out
+    with pytest.raises(ValueError, match="demo: progress='fancy' is not one of auto, bar, lines"):
         demo.run_demo(world_size=1, steps=1, backend="mock", progress="fancy")
-
-
-class _Terminal(io.StringIO):
-    def isatty(self) -> bool:
-        return True
-
-
-def test_auto_is_a_bar_on_a_terminal_and_lines_elsewhere():
-    assert demo.progress_mode(None, _Terminal()) == "bar"
-    assert demo.progress_mode(True, io.StringIO()) == "lines"
-    assert demo.progress_mode(False, _Terminal()) == "off"
-    assert demo.progress_mode("bar", io.StringIO()) == "bar"
 
 
 @pytest.mark.skipif(importlib.util.find_spec("tqdm") is None, reason="needs tqdm")
 def test_bar_through_a_pipe_fits_columns(monkeypatch):
     monkeypatch.setenv("COLUMNS", "40")
-    err = io.StringIO()
+    out = io.StringIO()
     status = demo.run_demo(world_size=2, strategy="tp", steps=25, backend="mock",
-                           progress="bar", out=io.StringIO(), err=err)
+                           progress="bar", out=out)
     assert status == 0
-    frames = [f for f in err.getvalue().replace("\n", "\r").split("\r") if f]
+    frames = [f for f in re.split(r"[\r\n]", out.getvalue()) if "%|" in f]
     assert frames and all(len(f) <= 40 for f in frames), frames
     assert "25/25" in frames[-1] and "loss" in frames[-1]
-
-
-def test_without_tqdm_a_bar_falls_back_to_lines(monkeypatch):
-    monkeypatch.setitem(sys.modules, "tqdm", None)  # `import tqdm` now raises ImportError
-    err = io.StringIO()
-    progress = demo.Progress(10, err, "bar")
-    for step in range(1, 11):
-        progress.update(step, 0.5)
-    progress.close()
-    assert err.getvalue() == "".join(f"step {s}/10  loss 0.50000\n" for s in range(1, 11))
 
 
 _PTY_SCRIPT = """
@@ -235,7 +215,7 @@ def test_demo_under_mpiexec_uses_the_mpi_world():
     assert "on an MPI world of 2 processes" in proc.stdout
     assert proc.stdout.count("axondist demo:") == 1  # only rank 0 prints
     assert ": OK" in proc.stdout
-    assert proc.stderr.count("step 5/5  loss") == 1  # rank 0's progress, as plain lines
+    assert proc.stdout.count("step 5/5  loss") == 1  # rank 0's progress, as plain lines
 
 
 @pytest.mark.mpi
@@ -251,6 +231,8 @@ def test_rank_0_draws_the_bar_under_mpiexec():
                            "--steps", "8", "--progress", "bar"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    frames = [f for f in re.split(r"[\r\n]", proc.stderr) if "%|" in f]
-    assert frames and all(len(f) <= 40 for f in frames), proc.stderr
-    assert proc.stderr.count("| 0/8") == 1 and "8/8" in frames[-1]  # one bar: rank 0's
+    frames = [f for f in re.split(r"[\r\n]", proc.stdout) if "%|" in f]
+    assert frames and all(len(f) <= 40 for f in frames), proc.stdout
+    assert proc.stdout.count("| 0/8") == 1 and "8/8" in frames[-1]  # one bar: rank 0's
+    # the bar's last line ends before the report starts (bar and report share stdout)
+    assert re.search(r"^step   loss \(distributed\)", proc.stdout, re.M), proc.stdout
