@@ -62,6 +62,7 @@ from .launch import init, run, spawn, spawn_on_devices
 from .ops import ReduceOp
 from .parameter import Parameter, parameters_of
 from .process_group import ProcessGroup, World, current_world
+from .progress import progress
 
 __version__ = "0.1.0"
 
@@ -155,6 +156,7 @@ __all__ = [
     "monitored_barrier",
     "namespace",
     "parameters_of",
+    "progress",
     "rank",
     "recv",
     "reduce",
