@@ -14,6 +14,7 @@ from .full import full_state_of, load_full_checkpoint, load_full_state, save_ful
 from .index import FORMAT, INDEX_FILE, VERSION
 from .layouts import optimizer_meta, optimizer_state_dict_from, optimizer_state_names
 from .reader import CheckpointReader
+from .recovery import Repaired, repair
 from .save import SaveHandle
 from .types import (
     FlatShard,
@@ -33,6 +34,7 @@ __all__ = [
     "CheckpointReader",
     "Checkpointer",
     "FlatShard",
+    "Repaired",
     "SaveHandle",
     "ShardedOptimizer",
     "ShardedState",
@@ -47,6 +49,7 @@ __all__ = [
     "optimizer_state_dict_from",
     "optimizer_state_names",
     "param_names",
+    "repair",
     "save_full_checkpoint",
     "save_sharded_checkpoint",
     "step_dir_name",

@@ -8,7 +8,7 @@ from typing import Any
 
 from ..errors import CheckpointError
 from ..process_group import ProcessGroup, resolve_group
-from .directory import read_pointer, step_of
+from .directory import committed_history, step_of
 from .layouts import layout_state, load_layout
 from .reader import CheckpointReader
 from .save import SaveHandle, start_save
@@ -207,14 +207,18 @@ class Checkpointer:
                                        strict=strict)
 
     def latest_step(self) -> int | None:
-        """The step of the latest committed checkpoint, or None when there is none."""
-        pointer = read_pointer(self.path) if os.path.isdir(self.path) else None
-        return None if pointer is None else step_of(pointer.latest)
+        """The step of the latest committed checkpoint (without a ``latest`` pointer, the
+        newest complete step on disk), or None when there is none.
+
+        Raises:
+            CheckpointError: a damaged pointer (the message names the steps on disk).
+        """
+        history = committed_history(self.path, "Checkpointer.latest_step")
+        return step_of(history[-1]) if history else None
 
     def steps(self) -> list[int]:
-        """The steps of the kept checkpoints, oldest first."""
-        pointer = read_pointer(self.path) if os.path.isdir(self.path) else None
-        return [] if pointer is None else [step_of(h) for h in pointer.history]
+        """The steps of the kept checkpoints, oldest first (see :meth:`latest_step`)."""
+        return [step_of(h) for h in committed_history(self.path, "Checkpointer.steps")]
 
 
 __all__ = ["Checkpointer", "load_sharded_checkpoint", "save_sharded_checkpoint", "write_sharded"]

@@ -3,12 +3,16 @@
 A save writes into a hidden staging directory, renames it to a fresh
 ``step-N`` name once it is complete and verified, then swaps the checksummed
 ``latest`` pointer file in one ``os.replace``: until that instant the previous
-checkpoint is what every load sees. The pointer also lists the committed
-checkpoints (``history``, oldest first), so anything else in the root that
-matches our naming (staging directories, uncommitted ``step-N`` directories,
-temporary files) is debris of an interrupted save, removed by the next save.
-The ``.lock`` file (created with ``O_EXCL``) names the host and pid of the
-writer holding the root; a lock whose process is gone is taken over.
+checkpoint is what every load sees. The pointer lists the committed
+checkpoints (``history``, oldest first); a complete ``step-N`` directory it
+does not list (a save killed between its rename and its swap, or a pointer
+the user deleted) is adopted, never deleted, and with no pointer the newest
+complete step on disk is the latest. Only a save's own supersession (a re-save
+of the step, ``keep_last``) removes a complete checkpoint, after its commit.
+Staging directories, ``step-N`` directories without an index and temporary
+files are debris of an interrupted save, removed by the next save. The
+``.lock`` file (created with ``O_EXCL``) names the host and pid of the writer
+holding the root; a lock whose process is gone is taken over.
 """
 
 from __future__ import annotations
@@ -24,14 +28,17 @@ from typing import Any
 
 from ..errors import CheckpointError
 from .files import atomic_write, fault_point, fsync_dir, remove_tree
-from .index import INDEX_FILE, canonical_json, parse_checked_json, with_checksum
+from .index import INDEX_FILE, canonical_json, parse_checked_json, validate_index, with_checksum
 
 LATEST = "latest"
 LOCK = ".lock"
 POINTER_FORMAT = "axondist-checkpoints"
 STAGING_PREFIX = ".writing-"
+RETIRING_PREFIX = ".removing-"
+REPAIR_HINT = ("axondist.checkpoint.repair(root) (or: python -m axondist checkpoint repair "
+               "ROOT)")
 _STEP_DIR = re.compile(r"^step-(\d{8,})(?:\.(\d+))?$")
-_DEBRIS = re.compile(r"^(\.writing-.*|step-\d{8,}(\.\d+)?|\..*\.tmp)$")
+_DEBRIS = re.compile(r"^(\.writing-.*|\.removing-.*|step-\d{8,}(\.\d+)?|\..*\.tmp)$")
 
 
 def step_dir_name(step: int, copy: int = 0) -> str:
@@ -47,6 +54,12 @@ def step_of(name: str) -> int:
     return int(m.group(1))
 
 
+def _step_key(name: str) -> tuple[int, int]:
+    m = _STEP_DIR.match(name)
+    assert m is not None
+    return int(m.group(1)), int(m.group(2) or 0)
+
+
 @dataclass(frozen=True)
 class Pointer:
     """The ``latest`` file: the current checkpoint and the committed ones, oldest first."""
@@ -55,26 +68,98 @@ class Pointer:
     history: tuple[str, ...]
 
 
-def read_pointer(root: str) -> Pointer | None:
-    """The root's ``latest`` pointer, or None when there is none.
-
-    Raises:
-        CheckpointError: the pointer fails its checksum or names a bad directory.
-    """
+def inspect_pointer(root: str) -> tuple[Pointer | None, str]:
+    """The root's ``latest`` pointer (None when there is none), or what is wrong with it."""
     path = os.path.join(root, LATEST)
     try:
         with open(path, "rb") as f:
             raw = f.read()
     except FileNotFoundError:
-        return None
-    body = parse_checked_json(raw, path, "load_sharded_checkpoint")
+        return None, ""
+    except OSError as exc:  # a folder named latest, no permission
+        return None, f"cannot be read ({type(exc).__name__}: {exc.strerror or exc})"
+    try:
+        body = parse_checked_json(raw, path, "checkpoint")
+    except CheckpointError as exc:
+        return None, str(exc).split(f"{path} ", 1)[-1]
     history = body.get("history")
     if (body.get("format") != POINTER_FORMAT or not isinstance(history, list) or not history
             or not all(isinstance(h, str) and _STEP_DIR.match(h) for h in history)
             or body.get("latest") != history[-1]):
-        raise CheckpointError(f"load_sharded_checkpoint: {path} field latest/history: not a "
-                              "valid checkpoint pointer; the file is corrupted")
-    return Pointer(history[-1], tuple(history))
+        return None, "field latest/history: not a valid checkpoint pointer; the file is corrupted"
+    return Pointer(history[-1], tuple(history)), ""
+
+
+def _corrupt_pointer(root: str, problem: str, what: str) -> CheckpointError:
+    """The error for a damaged pointer: what is wrong, the steps on disk, how to go on."""
+    on_disk = history_on_disk(root, None)
+    path = os.path.join(root, LATEST)
+    if not on_disk:
+        return CheckpointError(f"{what}: the {LATEST!r} pointer {path} {problem}; no complete "
+                               f"checkpoint is on disk under {root}: delete {path} and save "
+                               "again")
+    steps = sorted({step_of(n) for n in on_disk})
+    return CheckpointError(
+        f"{what}: the {LATEST!r} pointer {path} {problem}. The complete checkpoints on disk are "
+        f"steps {steps}: load one with load_sharded_checkpoint({root!r}, target, "
+        f"step={steps[-1]}), or rebuild the pointer from them with {REPAIR_HINT}")
+
+
+def read_pointer(root: str, what: str = "load_sharded_checkpoint") -> Pointer | None:
+    """The root's ``latest`` pointer, or None when there is none.
+
+    Raises:
+        CheckpointError: the pointer is damaged (fails its checksum, names a
+            bad directory, or is not a file); the message names the complete
+            steps on disk and how to load or repair them.
+    """
+    pointer, problem = inspect_pointer(root)
+    if problem:
+        raise _corrupt_pointer(root, problem, what)
+    return pointer
+
+
+def _has_valid_index(directory: str) -> bool:
+    try:
+        with open(os.path.join(directory, INDEX_FILE), "rb") as f:
+            raw = f.read()
+        validate_index(parse_checked_json(raw, directory, "checkpoint"), directory)
+    except (OSError, CheckpointError):
+        return False
+    return True
+
+
+def history_on_disk(root: str, pointer: Pointer | None) -> tuple[str, ...]:
+    """The committed checkpoints of ``root``, oldest first, the latest last.
+
+    The pointer's history plus every complete ``step-N`` directory (its index
+    passes its checksum and schema) that the pointer does not list, in step
+    order; without a pointer, the complete directories alone, so the newest
+    step on disk is the latest.
+    """
+    listed = set(pointer.history) if pointer is not None else set()
+    try:
+        names = os.listdir(root)
+    except OSError:
+        names = []
+    extra = [n for n in names if n not in listed and _STEP_DIR.match(n)
+             and _has_valid_index(os.path.join(root, n))]
+    if pointer is None:
+        return tuple(sorted(extra, key=_step_key))
+    if not extra:
+        return pointer.history
+    return (*sorted([*extra, *pointer.history[:-1]], key=_step_key), pointer.latest)
+
+
+def committed_history(root: str, what: str) -> tuple[str, ...]:
+    """:func:`history_on_disk` of ``root``'s pointer (empty for a root that does not exist).
+
+    Raises:
+        CheckpointError: a damaged pointer (see :func:`read_pointer`).
+    """
+    if not os.path.isdir(root):
+        return ()
+    return history_on_disk(root, read_pointer(root, what))
 
 
 def write_pointer(root: str, pointer: Pointer) -> None:
@@ -88,28 +173,34 @@ def write_pointer(root: str, pointer: Pointer) -> None:
 def resolve(path: str, step: int | None = None) -> str:
     """The checkpoint directory that ``path`` (a root or one checkpoint) stands for.
 
-    A root resolves to its ``latest`` checkpoint (or the committed one of
-    ``step``); a directory holding ``index.json`` is itself a checkpoint.
+    A root resolves to its latest checkpoint (the pointer's, else the newest
+    complete step on disk), or to the committed one of ``step``, which needs
+    no pointer; a directory holding ``index.json`` is itself a checkpoint.
 
     Raises:
-        CheckpointError: no checkpoint there, or no committed one of ``step``.
+        CheckpointError: no checkpoint there, no committed one of ``step``, or
+            a damaged pointer when no ``step`` is given.
     """
-    pointer = read_pointer(path)
-    if pointer is not None:
-        if step is None:
-            return os.path.join(path, pointer.latest)
-        for name in reversed(pointer.history):
+    what = "load_sharded_checkpoint"
+    pointer, problem = inspect_pointer(path) if os.path.isdir(path) else (None, "")
+    if problem and step is None:
+        raise _corrupt_pointer(path, problem, what)
+    history = history_on_disk(path, pointer) if os.path.isdir(path) else ()
+    if history and step is None:
+        return os.path.join(path, history[-1])
+    if history:
+        for name in reversed(history):
             if step_of(name) == step:
                 return os.path.join(path, name)
-        steps = sorted({step_of(n) for n in pointer.history})
-        raise CheckpointError(f"load_sharded_checkpoint: {path} holds no checkpoint of step "
-                              f"{step}; it holds steps {steps}")
+        steps = sorted({step_of(n) for n in history})
+        raise CheckpointError(f"{what}: {path} holds no checkpoint of step {step}; it holds "
+                              f"steps {steps}")
     if step is None and os.path.isfile(os.path.join(path, INDEX_FILE)):
         return path
     raise CheckpointError(
-        f"load_sharded_checkpoint: {path} holds no complete checkpoint (neither a {LATEST!r} "
-        f"pointer nor an {INDEX_FILE}); a save that was interrupted before its commit leaves "
-        "none, so save again")
+        f"{what}: {path} holds no complete checkpoint (neither a {LATEST!r} pointer nor a "
+        f"step-N directory with a valid {INDEX_FILE}); a save that was interrupted before its "
+        "commit leaves none, so save again")
 
 
 def next_free_name(root: str, step: int) -> str:
@@ -236,51 +327,68 @@ def _remove_quietly(path: str) -> None:
         pass
 
 
-def remove_debris(root: str, pointer: Pointer | None, keep: str = "") -> list[str]:
+def remove_debris(root: str, committed: tuple[str, ...], keep: str = "") -> list[str]:
     """Remove what interrupted saves left in ``root``; return the names removed.
 
-    Only names this module creates are touched (staging directories,
-    ``step-N`` directories the pointer does not list, ``.*.tmp`` files);
-    ``keep`` (this save's staging directory) is spared.
+    Only names this module creates are touched: staging and retiring
+    directories, ``.*.tmp`` files, and ``step-N`` directories that are not
+    ``committed`` and hold no ``index.json`` (one whose index is damaged is
+    left for its owner). ``keep`` (this save's staging directory) is spared.
     """
-    committed = set(pointer.history) if pointer is not None else set()
     removed = []
     for name in sorted(os.listdir(root)):
         if name in committed or name == keep or not _DEBRIS.match(name):
+            continue
+        if _STEP_DIR.match(name) and os.path.lexists(os.path.join(root, name, INDEX_FILE)):
             continue
         remove_tree(os.path.join(root, name))
         removed.append(name)
     return removed
 
 
+def retire(root: str, name: str) -> None:
+    """Remove checkpoint ``name``: renamed out of the ``step-N`` names first, so a removal cut
+    short leaves debris, never a half-deleted checkpoint that looks complete."""
+    hidden = os.path.join(root, f"{RETIRING_PREFIX}{name}.{uuid.uuid4().hex}")
+    os.rename(os.path.join(root, name), hidden)
+    remove_tree(hidden)
+
+
 def commit(root: str, staging: str, step: int, keep_last: int | None) -> str:
     """Rename complete ``staging`` to a new ``step-N`` name, swap the pointer, prune.
+
+    Only the checkpoints this save supersedes (an earlier save of ``step``,
+    and with ``keep_last`` the oldest beyond it) are removed, after the swap.
 
     Returns:
         The new checkpoint's directory name.
     """
-    pointer = read_pointer(root)
+    history = committed_history(root, "save_sharded_checkpoint")
     name = next_free_name(root, step)
     os.rename(os.path.join(root, staging), os.path.join(root, name))
     fsync_dir(root)
     fault_point("done")
-    history = [h for h in (pointer.history if pointer else ()) if step_of(h) != step] + [name]
+    kept = [h for h in history if step_of(h) != step] + [name]
     if keep_last is not None:
-        history = history[-keep_last:]
-    new = Pointer(name, tuple(history))
+        kept = kept[-keep_last:]
+    new = Pointer(name, tuple(kept))
     try:
         write_pointer(root, new)
     except BaseException:
-        if read_pointer(root) != new:  # not swapped: the save failed, the old one stands
+        if inspect_pointer(root)[0] != new:  # not swapped: the save failed, the old one stands
             raise
     try:  # committed: what is left is clean-up, which the next save redoes when this fails
-        remove_debris(root, new)
+        for old in history:
+            if old not in new.history:
+                retire(root, old)
+        remove_debris(root, new.history)
         fsync_dir(root)
     except OSError:
         pass
     return name
 
 
-__all__ = ["LATEST", "LOCK", "Lock", "Pointer", "STAGING_PREFIX", "acquire_lock", "commit",
-           "next_free_name", "read_pointer", "remove_debris", "resolve", "step_dir_name",
-           "step_of", "write_pointer"]
+__all__ = ["LATEST", "LOCK", "REPAIR_HINT", "RETIRING_PREFIX", "Lock", "Pointer",
+           "STAGING_PREFIX", "acquire_lock", "commit", "committed_history", "history_on_disk",
+           "inspect_pointer", "next_free_name", "read_pointer", "remove_debris", "resolve",
+           "retire", "step_dir_name", "step_of", "write_pointer"]

@@ -8,6 +8,7 @@ their uint16 bit patterns. ``np.load`` reads it with nothing else.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import zipfile
@@ -28,6 +29,11 @@ from .types import dtype_name, param_names, restore, storable
 FULL_FORMAT = "axondist-full"
 FULL_VERSION = 2
 _INDEX_KEY = "__index__"
+_FIXES = {errno.ENOSPC: "free space on that disk or save elsewhere",
+          errno.EDQUOT: "free space within your quota or save elsewhere",
+          errno.EROFS: "the file system is read-only: save to a writable path",
+          errno.EACCES: "no permission to write there: save to a writable path",
+          errno.EPERM: "no permission to write there: save to a writable path"}
 
 
 def _write_npz(f: Any, arrays: Mapping[str, np.ndarray]) -> None:
@@ -66,24 +72,47 @@ def save_full_checkpoint(path: str | os.PathLike, target: Any, *,
         metadata: JSON-able values stored in the file's index.
 
     Raises:
-        CheckpointError: a name that is reserved (``__index__``).
+        CheckpointError: on every rank, when the file cannot be written (a full
+            disk, a read-only file system, no permission: the message names
+            the file and the cause) or a name is reserved (``__index__``).
     """
     g = target.group if (group is None and hasattr(target, "full_state_dict")) else \
         resolve_group(group)
     state = full_state_of(target)
+    error = None
     if g.rank == 0:
-        assert state is not None
-        arrays = {name: storable(a) for name, a in state.items()}
-        if _INDEX_KEY in arrays:
-            raise CheckpointError(f"save_full_checkpoint: {_INDEX_KEY!r} is reserved")
-        index = with_checksum({
-            "format": FULL_FORMAT, "version": FULL_VERSION, "metadata": dict(metadata or {}),
-            "tensors": {name: {"shape": list(np.shape(a)), "dtype": dtype_name(a.dtype),
-                               "sha256": hashlib.sha256(arrays[name].tobytes()).hexdigest()}
-                        for name, a in state.items()}})
-        arrays[_INDEX_KEY] = np.frombuffer(canonical_json(index), dtype=np.uint8)
-        atomic_write(os.fspath(path), lambda f: _write_npz(f, arrays))
-    g.backend_for("save_full_checkpoint").barrier()
+        try:
+            error = _write_full(os.fspath(path), state, metadata)
+        except Exception as exc:  # reported on every rank, like the file errors
+            error = f"save_full_checkpoint: writing {os.fspath(path)} failed: " \
+                    f"{type(exc).__name__}: {exc}"
+    error = g.backend_for("save_full_checkpoint").broadcast_object(error, 0)
+    if error is not None:  # on every rank, so none waits for a file that will not come
+        raise CheckpointError(error)
+
+
+def _write_full(path: str, state: dict[str, Any] | None,
+                metadata: Mapping[str, Any] | None) -> str | None:
+    """Write ``state`` to ``path`` (rank 0); return None, or the error every rank raises."""
+    what = "save_full_checkpoint"
+    assert state is not None
+    arrays = {name: storable(a) for name, a in state.items()}
+    if _INDEX_KEY in arrays:
+        return f"{what}: {_INDEX_KEY!r} is reserved; rename that tensor"
+    index = with_checksum({
+        "format": FULL_FORMAT, "version": FULL_VERSION, "metadata": dict(metadata or {}),
+        "tensors": {name: {"shape": list(np.shape(a)), "dtype": dtype_name(a.dtype),
+                           "sha256": hashlib.sha256(arrays[name].tobytes()).hexdigest()}
+                    for name, a in state.items()}})
+    arrays[_INDEX_KEY] = np.frombuffer(canonical_json(index), dtype=np.uint8)
+    try:
+        atomic_write(path, lambda f: _write_npz(f, arrays))
+    except OSError as exc:
+        cause = errno.errorcode.get(exc.errno or 0, type(exc).__name__)
+        fix = _FIXES.get(exc.errno or 0, "check the path and its permissions")
+        return (f"{what}: cannot write {path}: {cause} ({exc.strerror or exc}); {fix}. "
+                "A file already at that path is left as it was")
+    return None
 
 
 def _read_npz(path: str) -> dict[str, np.ndarray]:

@@ -31,7 +31,7 @@ from .directory import (
     Lock,
     acquire_lock,
     commit,
-    read_pointer,
+    committed_history,
     remove_debris,
     step_of,
 )
@@ -122,12 +122,12 @@ class _SaveJob:
         try:
             os.makedirs(self.root, exist_ok=True)
             self.lock = acquire_lock(self.root, _WHAT, LOCK_WAIT)
-            pointer = read_pointer(self.root)
+            history = committed_history(self.root, _WHAT)
             step = self.step
             if step is None:
-                step = step_of(pointer.latest) + 1 if pointer is not None else 0
+                step = step_of(history[-1]) + 1 if history else 0
             staging = f"{STAGING_PREFIX}{uuid.uuid4().hex}"
-            remove_debris(self.root, pointer)
+            remove_debris(self.root, history)
             os.mkdir(os.path.join(self.root, staging))
             return "ok", staging, step
         except BaseException as exc:

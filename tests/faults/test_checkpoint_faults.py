@@ -6,7 +6,10 @@ of a committed checkpoint, with a fault injected on one rank at a chosen change 
 directory: SIGKILL (after a change, or with a file half-written), a full disk, a read-only
 file system, or a pause while a second job tries to save to the same root. Afterwards the
 root loads as exactly the old or exactly the new checkpoint, and the next save cleans up
-and succeeds.
+and succeeds. The same holds with the ``latest`` pointer deleted or damaged (the steps on
+disk stay loadable, and the error says how to repair the pointer), and a full ``.npz``
+save that meets a full or read-only disk fails on every rank naming the file and the cause
+(``scripts/checkpoint_full.py``, on the mock world and under ``mpiexec -n 2``).
 """
 
 from __future__ import annotations
@@ -26,10 +29,18 @@ import numpy as np
 import pytest
 
 import axondist as ad
-from axondist.checkpoint import Checkpointer, load_sharded_checkpoint, save_sharded_checkpoint
+from axondist.checkpoint import (
+    Checkpointer,
+    CheckpointError,
+    load_full_checkpoint,
+    load_sharded_checkpoint,
+    save_full_checkpoint,
+    save_sharded_checkpoint,
+)
 from axondist.checkpoint.files import RELEASE_ENV
 from axondist.launch import launched_by_mpi
 from axondist.optim import Adam
+from faults.runner import LIMIT, run_case
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "tests" / "faults" / "scripts" / "checkpoint_save.py"
@@ -87,11 +98,12 @@ def _fsdp_save(world: ad.World, root: str, seed: int, step: int) -> None:
     save_sharded_checkpoint(root, f, opt, step=step, metadata={"seed": seed})
 
 
-def loaded(root: Path) -> tuple[int, list[np.ndarray], dict]:
-    """(saved seed, parameters, optimizer state) of the root's latest checkpoint."""
+def loaded(root: Path, step: int | None = None) -> tuple[int, list[np.ndarray], dict]:
+    """(saved seed, parameters, optimizer state) of the root's latest checkpoint (or of
+    ``step``'s)."""
     params = script.dense(99)
     opt = Adam(params, lr=0.1)
-    meta = load_sharded_checkpoint(root, params, opt)
+    meta = load_sharded_checkpoint(root, params, opt, step=step)
     return meta["seed"], [p.data.copy() for p in params], opt.state_dict()["state"]
 
 
@@ -208,6 +220,113 @@ def test_a_second_job_is_refused_while_the_first_saves(tmp_path: Path, checkpoin
     assert second.stdout.count(named) == 2, second.stdout
     assert any(f"pid {p}," in second.stdout for p in pids), (pids, second.stdout)
     assert _same(loaded(root), checkpoints["values"][1])  # the first job's save, intact
+
+
+# --- a deleted or damaged `latest` pointer ---------------------------------------------------
+
+def test_latest_deleted_then_a_save_killed_after_its_first_file_keeps_step_1(
+        tmp_path: Path, checkpoints: dict) -> None:
+    root = _fresh_root(tmp_path, checkpoints)
+    (root / "latest").unlink()
+    assert Checkpointer(root).steps() == [1]  # the newest complete step on disk is the latest
+    result = mpi_save(root, 1, 2, (0, "kill:2"))  # rank 0: 1 the lock, 2 its first shard file
+    assert result.returncode != 0, result.stdout
+    assert "saved" not in result.stdout.replace("events", "")
+    assert Checkpointer(root).steps() == [1]
+    assert _same(loaded(root), checkpoints["values"][0])
+    _assert_next_save_cleans_up(root)
+    assert Checkpointer(root).steps() == [1, 3]
+
+
+def test_latest_deleted_then_a_save_keeps_every_older_step(tmp_path: Path,
+                                                           checkpoints: dict) -> None:
+    root = _fresh_root(tmp_path, checkpoints)
+    (root / "latest").unlink()
+    result = mpi_save(root, 1, 2)
+    assert result.returncode == 0 and result.stdout.count("saved") == 2, result.stdout
+    assert Checkpointer(root).steps() == [1, 2]
+    assert _same(loaded(root), checkpoints["values"][1])
+    assert _same(loaded(root, step=1), checkpoints["values"][0])
+
+
+def _damage(root: Path, how: str) -> str:
+    """Damage the pointer; return the start of what the error says about it."""
+    pointer = root / "latest"
+    if how == "folder":
+        pointer.unlink()
+        pointer.mkdir()
+        return "cannot be read (IsADirectoryError"
+    pointer.write_bytes(b"\x00garbage\xff" * 3)
+    return "is not valid JSON"
+
+
+@pytest.mark.parametrize("how", ["garbage", "folder"])
+def test_a_damaged_pointer_names_the_steps_on_disk_and_the_repair(tmp_path: Path,
+                                                                  checkpoints: dict,
+                                                                  how: str) -> None:
+    root = _fresh_root(tmp_path, checkpoints)
+    problem = _damage(root, how)
+    result = mpi_save(root, 1, 2)
+    assert result.returncode == 3, result.stdout
+    said = (re.escape(f"the 'latest' pointer {root / 'latest'} {problem}") + ".*?"
+            + re.escape(f"The complete checkpoints on disk are steps [1]: load one with "
+                        f"load_sharded_checkpoint('{root}', target, step=1), or rebuild the "
+                        "pointer from them with axondist.checkpoint.repair(root) (or: python -m "
+                        "axondist checkpoint repair ROOT)"))
+    assert len(re.findall("CheckpointError: save_sharded_checkpoint: .*?" + said,
+                          result.stdout)) == 2, result.stdout  # on both ranks
+    with pytest.raises(CheckpointError, match=said):
+        loaded(root)
+    assert _same(loaded(root, step=1), checkpoints["values"][0])  # needs no pointer
+    repair = subprocess.run([sys.executable, "-m", "axondist", "checkpoint", "repair", str(root)],
+                            env=_env(), capture_output=True, text=True, timeout=TIMEOUT)
+    assert repair.returncode == 0, repair.stdout + repair.stderr
+    assert f"moved it to {root / 'latest.corrupt'}" in repair.stdout, repair.stdout
+    assert "rewrote the pointer: steps [1], latest step 1" in repair.stdout, repair.stdout
+    assert _same(loaded(root), checkpoints["values"][0])
+    result = mpi_save(root, 1, 2)
+    assert result.returncode == 0, result.stdout
+    assert Checkpointer(root).steps() == [1, 2]
+    assert _same(loaded(root), checkpoints["values"][1])
+
+
+def test_repair_of_a_root_without_a_complete_step_fails_with_a_reason(tmp_path: Path) -> None:
+    (tmp_path / "latest").write_bytes(b"junk")
+    repair = subprocess.run([sys.executable, "-m", "axondist", "checkpoint", "repair",
+                             str(tmp_path)], env=_env(), capture_output=True, text=True,
+                            timeout=TIMEOUT)
+    assert repair.returncode == 1, repair.stdout + repair.stderr
+    assert f"checkpoint.repair: {tmp_path} holds no complete checkpoint" in repair.stdout
+    assert (tmp_path / "latest").read_bytes() == b"junk"  # nothing moved or removed
+
+
+# --- the full .npz format on a full or read-only disk ----------------------------------------
+
+FULL_SCRIPT = REPO / "tests" / "faults" / "scripts" / "checkpoint_full.py"
+FULL_CAUSES = {"enospc": "ENOSPC (No space left on device); free space on that disk",
+               "erofs": "EROFS (Read-only file system); the file system is read-only",
+               "fsync": "ENOSPC (No space left on device); free space on that disk"}
+
+
+@pytest.mark.parametrize("mode", ["mock", "mpi"])
+@pytest.mark.parametrize("case", [*FULL_CAUSES, "none"])
+def test_full_checkpoint_on_a_full_or_read_only_disk(tmp_path: Path, case: str,
+                                                     mode: str) -> None:
+    path = tmp_path / "model.npz"
+    save_full_checkpoint(path, {"w": np.zeros((3, 2)), "b": np.zeros(2)},
+                         group=ad.World.mock())  # the file a failed save must leave alone
+    out = run_case(FULL_SCRIPT, case, mode, 2, {"AXONDIST_TEST_FULL_PATH": str(path)})
+    assert out.seconds < LIMIT, out.output
+    want = 7.0 if case == "none" else 0.0
+    np.testing.assert_array_equal(load_full_checkpoint(path)["w"], np.full((3, 2), want))
+    assert os.listdir(tmp_path) == ["model.npz"], os.listdir(tmp_path)  # no temporary file
+    if case == "none":
+        assert out.returncode == 0 and out.output.count(" saved") == 2, out.output
+        return
+    assert out.returncode == 3, out.output
+    said = (rf"rank [01]: CheckpointError: save_full_checkpoint: cannot write {path}: "
+            + re.escape(FULL_CAUSES[case]))
+    assert len(re.findall(said, out.output)) == 2, out.output  # on both ranks
 
 
 # --- examples/resume.py: killed under mpiexec -n 3, resumed under mpiexec -n 2 --------------

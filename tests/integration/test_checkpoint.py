@@ -407,6 +407,43 @@ def test_corrupted_pointer_is_refused(tmp_path, world) -> None:
         load_sharded_checkpoint(tmp_path, model(1))
 
 
+def test_without_a_pointer_the_newest_complete_step_is_the_latest(tmp_path, world) -> None:
+    ckpt = ad.checkpoint.Checkpointer(tmp_path, group=world)
+    for step in (1, 2):
+        ckpt.save(model(step), step=step)
+    (tmp_path / "latest").unlink()
+    (tmp_path / "step-00000005").mkdir()  # no index: debris of nothing, not a checkpoint
+    assert ckpt.steps() == [1, 2] and ckpt.latest_step() == 2
+    _assert_holds(tmp_path, _values(model(2)))
+    save_sharded_checkpoint(tmp_path, model(3), group=world)  # step 3: after the newest on disk
+    assert ckpt.steps() == [1, 2, 3]
+    assert sorted(os.listdir(tmp_path)) == ["latest", "step-00000001", "step-00000002",
+                                            "step-00000003"]
+    (tmp_path / "latest").unlink()
+    ad.checkpoint.Checkpointer(tmp_path, keep_last=1, group=world).save(model(4), step=4)
+    assert sorted(os.listdir(tmp_path)) == ["latest", "step-00000004"]  # pruned after commit
+
+
+def test_repair_moves_a_damaged_pointer_aside_and_keeps_every_step(tmp_path, world) -> None:
+    for step in (1, 2):
+        save_sharded_checkpoint(tmp_path, model(step), group=world, step=step)
+    (tmp_path / "latest").write_text("not json")
+    with pytest.raises(CheckpointError, match=r"steps \[1, 2\]: load one with "
+                       r"load_sharded_checkpoint\(.*step=2\), or rebuild the pointer"):
+        ad.checkpoint.Checkpointer(tmp_path).steps()
+    with pytest.raises(CheckpointError, match=r"cannot start a save .*steps \[1, 2\]"):
+        save_sharded_checkpoint(tmp_path, model(3), group=world, step=3)
+    target = model(9)
+    load_sharded_checkpoint(tmp_path, target, step=1)  # an explicit step needs no pointer
+    np.testing.assert_array_equal(target[0].data, model(1)[0].data)
+    done = ad.checkpoint.repair(tmp_path)
+    assert done.steps == (1, 2) and done.rewritten and "not valid JSON" in done.problem
+    assert (tmp_path / "latest.corrupt").read_text() == "not json"
+    _assert_holds(tmp_path, _values(model(2)))
+    again = ad.checkpoint.repair(tmp_path)
+    assert not again.rewritten and again.moved_aside is None and again.steps == (1, 2)
+
+
 # --- atomic re-saves, keep_last, the lock ----------------------------------------------------
 
 def _values(params) -> list[np.ndarray]:
@@ -447,8 +484,12 @@ def test_a_failing_resave_at_any_point_leaves_the_old_checkpoint(tmp_path, world
     # the save whose fault fell after its commit (pruning) succeeded: it is the latest
     _assert_holds(tmp_path, _values(model(k)))
     save_sharded_checkpoint(tmp_path, model(100), group=world, step=3)
-    assert sorted(os.listdir(tmp_path)) == ["latest", "step-00000001", "step-00000002",
-                                            "step-00000003"]
+    # a faulted save whose step-2 was complete but uncommitted left it on disk (adopted, never
+    # deleted); the next save of step 2 took a fresh name and superseded it
+    names = sorted(os.listdir(tmp_path))
+    assert names[0] == "latest" and re.fullmatch(
+        r"step-00000001 step-00000002(\.\d+)? step-00000003", " ".join(names[1:])), names
+    assert ad.checkpoint.Checkpointer(tmp_path).steps() == [1, 2, 3]
     _assert_holds(tmp_path, _values(model(100)))
 
 
