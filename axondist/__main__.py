@@ -9,7 +9,9 @@ world and only rank 0 prints.
 ``run`` launches a script on N processes through mpiexec (see
 :mod:`axondist.launcher`); it exits with the failed rank's status. ``tune``
 measures all-reduce bandwidth per size and saves DDP's bucket size (see
-:mod:`axondist.tune`).
+:mod:`axondist.tune`). ``checkpoint repair ROOT`` rebuilds a checkpoint root's
+``latest`` pointer from the complete steps on disk (see
+:func:`axondist.checkpoint.repair`).
 
 Exit status of ``demo``: 0 when the check passed, 1 when it failed, 2 when
 the arguments are invalid.
@@ -72,6 +74,9 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("tune", add_help=False,
                    help="measure all-reduce bandwidth per size and save DDP's bucket size: "
                         "mpiexec -n N python -m axondist tune (tune --help for the options)")
+    sub.add_parser("checkpoint", add_help=False,
+                   help="checkpoint repair ROOT: rebuild a damaged or missing 'latest' pointer "
+                        "from the complete steps on disk")
     return parser
 
 
@@ -82,6 +87,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return launcher.main(argv[1:])
     if argv[:1] == ["tune"]:
         return tune.main(argv[1:])
+    if argv[:1] == ["checkpoint"]:
+        from .checkpoint import recovery
+
+        return recovery.main(argv[1:])
     args = _parser().parse_args(argv)
     if args.command == "demo":
         from .demo import run_demo
