@@ -89,11 +89,13 @@ _LAZY = {
     "print0": "log", "all_reduce_scalar": "log",
     "MockBackend": "backends", "NcclBackend": "backends",
     "ZeroRedundancyOptimizer": "zero", "ShardingSpec": "fsdp",
+    "trace_span": "trace",
 }
 
 
 _SUBMODULES = {"backends", "bucketing", "checkpoint", "comm", "compression", "data", "ddp", "fsdp",
-               "gradient_bucket", "log", "zero", "mesh", "optim", "pipeline", "tensor_parallel"}
+               "gradient_bucket", "log", "zero", "mesh", "optim", "pipeline", "tensor_parallel",
+               "trace"}
 
 
 def __getattr__(name: str) -> object:

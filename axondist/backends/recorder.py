@@ -17,6 +17,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from .trace_file import writer_from_environment
+
 _monotonic = time.monotonic
 _trace = logging.getLogger("axondist.trace")
 
@@ -128,6 +130,9 @@ class FlightRecorder:
         self.trace = _trace.isEnabledFor(logging.DEBUG)
         #: Asks peers for their status (set by a watchdog): world ranks -> status dicts.
         self.query_peers: Any = None
+        #: Called with each finished call's entry and end time (a trace writer: see
+        #: :mod:`axondist.trace`); ``AXONDIST_TRACE=DIR`` sets one from the start.
+        self.sink: Any = writer_from_environment(self, describe_detail)
 
     # --- writing (the owner's threads) --------------------------------------------------
     def begin(self, group: str, seq: int, op: str, detail: Any, blocking: bool = True) -> int:
@@ -145,6 +150,8 @@ class FlightRecorder:
         if entry[_BLOCKING]:  # type: ignore[index]  # begin() filled the slot
             # blocking calls of a group end in the order they started
             self.completed[entry[_GROUP]] = entry[_SEQ]  # type: ignore[index]
+        if self.sink is not None:
+            self.sink(entry, end)
         if self.trace:
             _trace.debug("rank %d: %s #%d on %s [%s] in %.3f ms", self.rank,
                          entry[_OP], entry[_SEQ], entry[_GROUP],  # type: ignore[index]
@@ -155,7 +162,7 @@ class FlightRecorder:
         """:meth:`end` of a blocking call ``seq`` of ``group`` (the hot path's)."""
         self._ends[slot] = _monotonic()
         self.completed[group] = seq
-        if self.trace:
+        if self.trace or self.sink is not None:
             self.end(slot)
 
     def complete(self, group: str, seq: int) -> None:

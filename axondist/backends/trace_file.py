@@ -1,0 +1,266 @@
+"""One rank's trace file: the writer the flight recorder hands each finished call to.
+
+A :class:`TraceWriter` appends one JSON object per line to
+``DIR/rank-00003.jsonl``: the rank's calls (op, group, sequence number, bytes,
+start, end, blocking or not), the user's spans and the clock exchanges, in
+batches (every ``BATCH`` records or every second, and at close), so a crash
+loses at most the last batch and a torn last line is skipped by the reader.
+The disk is bounded per rank: when the file passes half of ``max_bytes`` it
+becomes ``rank-00003.old.jsonl`` (replacing the previous one) and a new file
+starts with the rank's header, groups and clock exchanges again.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import json
+import os
+import socket
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+#: Records kept in memory before they are written (a crash loses at most these).
+BATCH = 512
+#: Seconds after which a finished call writes out the records kept so far.
+FLUSH_EVERY_S = 1.0
+#: Bytes of trace kept on disk per rank by default (``AXONDIST_TRACE_MB``).
+DEFAULT_MAX_BYTES = 64 << 20
+#: The trace format's version, in every file's header.
+FORMAT = 1
+
+# Fields of a flight-recorder ring entry (see recorder.py)
+_GROUP, _SEQ, _OP, _DETAIL, _START, _BLOCKING = range(6)
+
+_open_writers: weakref.WeakSet[TraceWriter] = weakref.WeakSet()
+
+
+def rank_file(directory: str, rank: int, old: bool = False) -> str:
+    """The path of ``rank``'s trace file in ``directory`` (``old``: its rotated one)."""
+    return os.path.join(directory, f"rank-{rank:05d}{'.old' if old else ''}.jsonl")
+
+
+def max_bytes_from_environment() -> int:
+    """``AXONDIST_TRACE_MB`` (MiB of trace per rank) in bytes, else the default."""
+    text = os.environ.get("AXONDIST_TRACE_MB", "")
+    if not text:
+        return DEFAULT_MAX_BYTES
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"AXONDIST_TRACE_MB={text!r} must be a number of MiB") from None
+    if value <= 0:
+        raise ValueError(f"AXONDIST_TRACE_MB={text!r} must be > 0")
+    return int(value * (1 << 20))
+
+
+def payload_bytes(detail: Any) -> int:
+    """The bytes a call moves, from its detail's ``dtype`` and ``shape`` (or ``counts``,
+    rows of the first dimension); 0 where the detail names neither."""
+    if not isinstance(detail, tuple):
+        return 0
+    fields = dict(item for item in detail if isinstance(item, tuple) and len(item) == 2
+                  and isinstance(item[0], str))
+    if not fields and detail:
+        # a backend's plain key: (dtype, shape, ...) as CALL_FIELDS names it
+        fields = {"dtype": detail[0], "shape": detail[1] if len(detail) > 1 else None}
+    itemsize = getattr(fields.get("dtype"), "itemsize", 0)
+    shape = fields.get("shape")
+    if isinstance(shape, tuple) and all(isinstance(n, int) for n in shape):
+        count = 1
+        for n in shape:
+            count *= n
+        return int(itemsize * count)
+    counts = fields.get("counts")
+    if isinstance(counts, tuple) and all(isinstance(n, int) for n in counts):
+        return int(itemsize * sum(counts))
+    return 0
+
+
+class TraceWriter:
+    """Appends one rank's calls, spans and clock exchanges to its file in ``directory``.
+
+    The flight recorder calls the writer with each finished call (the ring
+    entry and its end time); that costs an append to a queue, and a write of
+    the batch every ``BATCH`` records or second. Any of the rank's threads may
+    call it.
+
+    Args:
+        directory: the trace folder (made if missing).
+        recorder: the rank's flight recorder (its rank, world size, host and groups).
+        max_bytes: bytes kept on disk for this rank (two files of half each).
+        describe: a call's detail and op as text (the flight recorder's
+            ``describe_detail``); ``str(detail)`` when None.
+    """
+
+    def __init__(self, directory: str, recorder: Any, max_bytes: int | None = None,
+                 describe: Callable[[Any, str], str] | None = None) -> None:
+        if not isinstance(directory, (str, os.PathLike)) or not str(directory):
+            raise ValueError(f"trace: directory must be a folder path, got {directory!r}")
+        self.directory = os.fspath(directory)
+        os.makedirs(self.directory, exist_ok=True)
+        self.recorder = recorder
+        self.rank = recorder.rank
+        self.max_bytes = max_bytes_from_environment() if max_bytes is None else int(max_bytes)
+        if self.max_bytes < 4096:
+            raise ValueError(f"trace: max_bytes={max_bytes} is too small; give at least 4096")
+        self.path = rank_file(self.directory, self.rank)
+        self._pending: collections.deque[tuple[Any, ...]] = collections.deque()
+        self._lock = threading.Lock()
+        self._clocks: list[dict[str, Any]] = []
+        self._groups_written = -1
+        self._last_flush = time.monotonic()
+        self._file: Any = None
+        self._size = 0
+        self._detail_text: dict[Any, str] = {}
+        self._describe = describe or (lambda detail, op: "" if detail is None else str(detail))
+        for stale in (self.path, rank_file(self.directory, self.rank, old=True)):
+            if os.path.exists(stale):  # a previous run's trace of this rank
+                os.remove(stale)
+        with self._lock:
+            self._open_segment()
+        _open_writers.add(self)
+
+    # --- the hot path (the recorder's sink) -----------------------------------------------
+    def __call__(self, entry: tuple[Any, ...], end: float) -> None:
+        """Keep a finished call (a flight-recorder entry and its end time)."""
+        self._pending.append((entry, end))
+        if len(self._pending) >= BATCH or end - self._last_flush > FLUSH_EVERY_S:
+            self.flush()
+
+    def span(self, name: str, start: float, end: float) -> None:
+        """Keep a user span from ``start`` to ``end`` (``time.monotonic`` seconds)."""
+        self._pending.append(("span", name, start, end, threading.current_thread().name))
+        if len(self._pending) >= BATCH or end - self._last_flush > FLUSH_EVERY_S:
+            self.flush()
+
+    def clock(self, record: dict[str, Any]) -> None:
+        """Write a clock exchange's result now (repeated in every later segment)."""
+        with self._lock:
+            self._clocks.append(record)
+        self.write_record({"clock": record})
+
+    def write_record(self, record: dict[str, Any]) -> None:
+        """Append one record (after the calls kept so far)."""
+        self._pending.append(("record", record))
+        self.flush()
+
+    # --- writing ---------------------------------------------------------------------------
+    def flush(self) -> None:
+        """Write the kept records to the file and flush it to the operating system."""
+        with self._lock:
+            if self._file is None:
+                self._pending.clear()
+                return
+            self._last_flush = time.monotonic()
+            lines = []
+            groups = self.recorder.groups
+            if len(groups) != self._groups_written:
+                lines.append(self._groups_line())
+            pending = self._pending
+            for _ in range(len(pending)):
+                lines.append(self._line(pending.popleft()))
+            if not lines:
+                return
+            text = "".join(lines)
+            if self._size + len(text) > self.max_bytes // 2 and self._size > 0:
+                self._rotate()
+                text = "".join(line for line in lines if not line.startswith('{"groups"'))
+            self._file.write(text)
+            self._file.flush()
+            self._size += len(text)
+
+    def close(self) -> None:
+        """Write what is kept and close the file (later calls are dropped)."""
+        self.flush()
+        with self._lock:
+            if self._file is not None:
+                self._file.close()
+                self._file = None
+        _open_writers.discard(self)
+
+    def _line(self, item: tuple[Any, ...]) -> str:
+        if item[0] == "span":
+            _, name, start, end, thread = item
+            return json.dumps({"span": str(name), "start": start, "end": end,
+                               "thread": thread}) + "\n"
+        if item[0] == "record":
+            return json.dumps(item[1], default=str) + "\n"
+        entry, end = item
+        detail = entry[_DETAIL]
+        try:
+            text = self._detail_text.get(detail)
+        except TypeError:  # an unhashable detail
+            text = None
+        if text is None:
+            text = _first_of_each_field(self._describe(detail, entry[_OP]))
+            try:
+                if len(self._detail_text) < 4096:
+                    self._detail_text[detail] = text
+            except TypeError:
+                pass
+        return json.dumps({"call": entry[_OP], "group": entry[_GROUP], "seq": entry[_SEQ],
+                           "bytes": payload_bytes(detail), "start": entry[_START], "end": end,
+                           "blocking": bool(entry[_BLOCKING]), "detail": text}) + "\n"
+
+    def _groups_line(self) -> str:
+        groups = dict(self.recorder.groups)
+        self._groups_written = len(groups)
+        return json.dumps({"groups": {name: list(ranks) for name, ranks in groups.items()}}) + "\n"
+
+    def _header_lines(self) -> str:
+        rec = self.recorder
+        header = {"format": FORMAT, "rank": rec.rank, "world_size": rec.world_size,
+                  "host": rec.host or socket.gethostname(), "pid": os.getpid(),
+                  "clock": "time.monotonic", "wall_minus_clock": time.time() - time.monotonic(),
+                  "max_bytes": self.max_bytes}
+        lines = [json.dumps({"header": header}) + "\n", self._groups_line()]
+        lines += [json.dumps({"clock": c}, default=str) + "\n" for c in self._clocks]
+        return "".join(lines)
+
+    def _open_segment(self) -> None:
+        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - kept open
+        self._size = self._file.tell()
+        text = self._header_lines()
+        self._file.write(text)
+        self._file.flush()
+        self._size += len(text)
+
+    def _rotate(self) -> None:
+        self._file.close()
+        os.replace(self.path, rank_file(self.directory, self.rank, old=True))
+        self._file = None
+        self._open_segment()
+
+
+def _first_of_each_field(text: str) -> str:
+    """``dtype=f4, op=sum, op=SUM`` -> ``dtype=f4, op=sum`` (a field named twice, once by the
+    caller and once by the backend, is shown once)."""
+    seen, kept = set(), []
+    for part in text.split(", "):
+        name = part.split("=", 1)[0].lower()
+        if "=" in part and name in seen:
+            continue
+        seen.add(name)
+        kept.append(part)
+    return ", ".join(kept)
+
+
+def writer_from_environment(recorder: Any, describe: Callable[[Any, str], str] | None = None
+                            ) -> TraceWriter | None:
+    """A writer into ``AXONDIST_TRACE`` (a folder) for ``recorder``; None when unset."""
+    directory = os.environ.get("AXONDIST_TRACE", "")
+    return TraceWriter(directory, recorder, describe=describe) if directory else None
+
+
+@atexit.register
+def _close_open_writers() -> None:
+    for writer in list(_open_writers):
+        writer.close()
+
+
+__all__ = ["BATCH", "DEFAULT_MAX_BYTES", "TraceWriter", "payload_bytes", "rank_file",
+           "writer_from_environment"]
