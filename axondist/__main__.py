@@ -11,7 +11,8 @@ world and only rank 0 prints.
 measures all-reduce bandwidth per size and saves DDP's bucket size (see
 :mod:`axondist.tune`). ``checkpoint repair ROOT`` rebuilds a checkpoint root's
 ``latest`` pointer from the complete steps on disk (see
-:func:`axondist.checkpoint.repair`).
+:func:`axondist.checkpoint.repair`). ``trace DIR`` turns a trace folder into a
+Perfetto JSON, a PNG and a straggler report (see :mod:`axondist.trace`).
 
 Exit status of ``demo``: 0 when the check passed, 1 when it failed, 2 when
 the arguments are invalid.
@@ -25,6 +26,7 @@ from collections.abc import Sequence
 
 from . import launcher, tune
 from .pipeline.schedules import schedule_names
+from .trace import cli as trace_cli
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -74,6 +76,9 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("tune", add_help=False,
                    help="measure all-reduce bandwidth per size and save DDP's bucket size: "
                         "mpiexec -n N python -m axondist tune (tune --help for the options)")
+    sub.add_parser("trace", add_help=False,
+                   help="a trace folder as a Perfetto JSON, a PNG and a straggler report: "
+                        "axondist trace DIR (trace --help for the options)")
     sub.add_parser("checkpoint", add_help=False,
                    help="checkpoint repair ROOT: rebuild a damaged or missing 'latest' pointer "
                         "from the complete steps on disk")
@@ -87,6 +92,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return launcher.main(argv[1:])
     if argv[:1] == ["tune"]:
         return tune.main(argv[1:])
+    if argv[:1] == ["trace"]:
+        return trace_cli.main(argv[1:])
     if argv[:1] == ["checkpoint"]:
         from .checkpoint import recovery
 
