@@ -4,11 +4,13 @@ Each rank runs two daemon threads. A diagnostics server answers peers'
 questions over TCP (what this rank's flight recorder says; "I am leaving")
 whatever the rank's main thread is doing, since blocking MPI calls release
 the GIL. A monitor looks at this rank's running calls every ``tick``: when a
-peer the call needs has announced that it left, or when the peers it asks
-show a wait cycle through this rank, it ends the job at once; otherwise it
-warns after ``stall`` seconds (and every ``stall`` seconds after) naming the
-missing ranks and what each was last doing, and ends the job at ``timeout``.
-Requests carry a per-job token, so nothing outside the job can end it.
+peer the call needs has announced that it left, its process is gone from
+this host, the peers show a wait cycle through this rank, or no rank of a
+peer's host has answered for ``AXONDIST_CUT_OFF_TIMEOUT`` seconds, it ends
+the job at once; otherwise it warns after ``stall`` seconds (and every
+``stall`` seconds after) naming the missing ranks, and ends the job at
+``timeout``. Requests carry a per-job token, so nothing outside the job can
+end it. Settings and the server's address: docs/backends.md ("The watchdog").
 """
 
 from __future__ import annotations
@@ -23,21 +25,34 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NoReturn
 
+from ._wait_graph import find_cycle, unknown_waited_for
 from .recorder import FlightRecorder, describe_call, describe_status, format_entries
 
 log = logging.getLogger("axondist.watchdog")
 
 _QUERY_TIMEOUT = 3.0
-_GONE_FOR = 3.0  # seconds a peer's port must refuse before the peer counts as gone
+_GONE_FOR = 3.0  # seconds a peer's process must be seen gone before the job ends for it
+_EXIT_PAUSE = 0.3  # os._exit waits this long after announcing, so waiting peers can say why
 _MAX_LINE = 1 << 20
-GONE = "gone"
+#: What a query got instead of a status: the port refused, nothing came back in time, or
+#: the peer runs no server. None of these alone proves that the peer ended.
+GONE = "refused"
 NO_ANSWER = "no answer"
-_GONE_TEXT = "its diagnostics port refuses connections: its process ended"
-_NO_ANSWER_TEXT = ("its diagnostics port did not reply: its host is cut off, or it is stuck in "
-                   "code that holds the GIL")
+NO_SERVER = "no diagnostics server"
+_WHY = {GONE: "its diagnostics port refuses connections: its process ended, or a firewall "
+              "rejects the connection",
+        NO_ANSWER: "its diagnostics port did not reply: its host is cut off, or it is stuck in "
+                   "code that holds the GIL",
+        NO_SERVER: "it runs with AXONDIST_DIAGNOSTICS=off: only the timeout ends a wait for it"}
+_OFF = ("0", "off", "no", "false")
+_AUTO = ("", "1", "on", "yes", "true", "auto")
+#: Launcher variables giving (ranks on this host, ranks in the job): hydra, Open MPI, torchrun.
+_LOCAL_AND_TOTAL = (("MPI_LOCALNRANKS", "PMI_SIZE"),
+                    ("OMPI_COMM_WORLD_LOCAL_SIZE", "OMPI_COMM_WORLD_SIZE"),
+                    ("LOCAL_WORLD_SIZE", "WORLD_SIZE"))
 
 
 def host_addresses() -> list[str]:
@@ -53,14 +68,106 @@ def host_addresses() -> list[str]:
     return addresses + ["127.0.0.1"]
 
 
-def _request(address: tuple[list[str], int, str], message: dict[str, Any], host: str,
-             timeout: float, want_reply: bool) -> Any:
-    """Send one JSON line to a peer's server; its JSON reply, or GONE / NO_ANSWER."""
-    addresses, port, peer_host = address
-    order = (["127.0.0.1"] if peer_host == host else []) + [a for a in addresses
-                                                            if a != "127.0.0.1"]
+def _one_host_job(environ: Mapping[str, str]) -> bool:
+    """Whether the launcher says every rank of the job runs on this host."""
+    for local, total in _LOCAL_AND_TOTAL:
+        if environ.get(local, "").isdigit() and environ.get(local) == environ.get(total):
+            return True
+    return False
+
+
+def diagnostics_address(environ: Mapping[str, str] | None = None) -> str | None:
+    """The address the diagnostics server binds, from ``AXONDIST_DIAGNOSTICS``: None for
+    ``off``; for ``auto`` (the default) the loopback when the launcher puts every rank on
+    this host, else the first address this host's name resolves to (the one the ranks
+    reach each other on); any other value is the address itself."""
+    environ = os.environ if environ is None else environ
+    setting = environ.get("AXONDIST_DIAGNOSTICS", "auto").strip()
+    if setting.lower() in _OFF:
+        return None
+    if setting.lower() not in _AUTO:
+        return setting
+    return "127.0.0.1" if _one_host_job(environ) else host_addresses()[0]
+
+
+def diagnostics_ports(environ: Mapping[str, str] | None = None) -> range | None:
+    """The ports the server may take, from ``AXONDIST_DIAGNOSTICS_PORTS=LO-HI`` (None: any
+    free port the system gives).
+
+    Raises:
+        ValueError: a setting that is not ``LO-HI`` with 1 <= LO <= HI <= 65535.
+    """
+    environ = os.environ if environ is None else environ
+    text = environ.get("AXONDIST_DIAGNOSTICS_PORTS", "").strip()
+    if not text:
+        return None
+    lo, _, hi = text.partition("-")
+    try:
+        first, last = int(lo), int(hi or lo)
+    except ValueError:
+        first, last = 0, -1
+    if not 1 <= first <= last <= 65535:
+        raise ValueError(f"AXONDIST_DIAGNOSTICS_PORTS={text!r} must be a port range LO-HI "
+                         "(e.g. 29400-29499) within 1-65535")
+    return range(first, last + 1)
+
+
+def _listen(address: str, ports: range | None) -> socket.socket:
+    """A listening socket on ``address``, on a free port of ``ports`` (any when None)."""
+    if ports is None:
+        return socket.create_server((address, 0), backlog=64)
+    offset = os.getpid() % len(ports)  # ranks of one host start at different ports
+    for i in range(len(ports)):
+        try:
+            return socket.create_server((address, ports[(offset + i) % len(ports)]), backlog=64)
+        except OSError:
+            continue
+    raise ValueError(f"watchdog: no free port in AXONDIST_DIAGNOSTICS_PORTS="
+                     f"{ports.start}-{ports.stop - 1} on {address}; widen the range (each rank "
+                     "of a host takes one port) or set AXONDIST_DIAGNOSTICS=off")
+
+
+def cut_off_timeout(environ: Mapping[str, str] | None = None) -> float:
+    """Seconds no rank of a peer host may answer before that host counts as cut off
+    (``AXONDIST_CUT_OFF_TIMEOUT``, default 30).
+
+    Raises:
+        ValueError: not a number > 0.
+    """
+    environ = os.environ if environ is None else environ
+    text = environ.get("AXONDIST_CUT_OFF_TIMEOUT", "30")
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not value > 0:
+        raise ValueError(f"AXONDIST_CUT_OFF_TIMEOUT={text!r} must be a number of seconds > 0")
+    return value
+
+
+def _process_gone(pid: int) -> bool:
+    """Whether no process ``pid`` runs on this host."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False
+    return False
+
+
+Address = tuple[list[str], int, str, int]
+
+
+def _request(address: Address, message: dict[str, Any], timeout: float,
+             want_reply: bool) -> Any:
+    """Send one JSON line to a peer's server; its JSON reply, or GONE / NO_ANSWER /
+    NO_SERVER."""
+    addresses, port = address[0], address[1]
+    if not port:
+        return NO_SERVER
     refused = 0
-    for addr in order or addresses:
+    for addr in addresses:
         try:
             with socket.create_connection((addr, port), timeout=timeout) as conn:
                 conn.settimeout(timeout)
@@ -77,6 +184,7 @@ def _request(address: tuple[list[str], int, str], message: dict[str, Any], host:
 
 
 _RUNNING: list[Watchdog] = []
+_real_exit = os._exit
 
 
 def silence_all() -> None:
@@ -85,6 +193,15 @@ def silence_all() -> None:
     merely left."""
     for dog in _RUNNING:
         dog.stop()
+
+
+def _exit_announced(status: int) -> NoReturn:
+    """``os._exit`` while a watchdog runs: tell the peers this rank leaves, and how, first
+    (atexit hooks, which announce ``sys.exit``, never run for it), then exit."""
+    told = [dog.announce_left(f"os._exit({status})") for dog in list(_RUNNING)]
+    if any(told):
+        time.sleep(_EXIT_PAUSE)  # a launcher kills the job once a rank ends with an error
+    _real_exit(status)
 
 
 class Watchdog:
@@ -96,42 +213,58 @@ class Watchdog:
         stall: seconds before the first stall warning.
         abort: ends the whole job after printing its message (never returns).
         token: the job's secret, identical on every rank.
+        environ: where the settings are read (``AXONDIST_DIAGNOSTICS``,
+            ``AXONDIST_DIAGNOSTICS_PORTS``, ``AXONDIST_CUT_OFF_TIMEOUT``); ``os.environ``
+            when None.
     """
 
     def __init__(self, recorder: FlightRecorder, *, timeout: float, stall: float,
-                 abort: Callable[[str], None], token: str) -> None:
+                 abort: Callable[[str], None], token: str,
+                 environ: Mapping[str, str] | None = None) -> None:
         self.recorder = recorder
         self.timeout = timeout
         self.stall = stall
+        self.cut_off = cut_off_timeout(environ)
         self._abort = abort
         self._token = token
         self._tick = max(0.05, min(0.5, stall / 4))
         self._probe_after = min(2.0, stall)
-        self.peers: dict[int, tuple[list[str], int, str]] = {}
+        self.peers: dict[int, Address] = {}
         self.left: dict[int, dict[str, Any]] = {}
         self._wake = threading.Event()
         self._stopped = False
         self._state: dict[tuple[Any, ...], float] = {}  # call -> when it is next looked at
         self._gone_since: dict[int, float] = {}
+        #: peer rank -> when (time.monotonic) it last answered this rank.
+        self._heard: dict[int, float] = {}
+        self._started = time.monotonic()
         #: peer rank -> when (time.monotonic) it last asked for this rank's status.
         self.asked: dict[int, float] = {}
-        self._server = socket.create_server(("", 0), backlog=64)
+        bind = diagnostics_address(environ)
+        self._server = None if bind is None else _listen(bind, diagnostics_ports(environ))
+        self._bound = [] if bind is None else [bind]
         recorder.query_peers = self.query
-        self.port = self._server.getsockname()[1]
+        self.port = 0 if self._server is None else self._server.getsockname()[1]
 
     @property
-    def address(self) -> tuple[list[str], int, str]:
-        """What peers need to reach this rank: (addresses, port, host name)."""
-        return host_addresses(), self.port, self.recorder.host
+    def address(self) -> Address:
+        """What peers need to reach this rank: (addresses, port, host name, pid); port 0
+        when the server is off."""
+        return list(self._bound), self.port, self.recorder.host, self.recorder.pid
 
-    def start(self, peers: Sequence[tuple[list[str], int, str]]) -> None:
+    def start(self, peers: Sequence[Sequence[Any]]) -> None:
         """Begin serving and watching; ``peers[r]`` is rank r's :attr:`address`."""
-        self.peers = {r: tuple(p) for r, p in enumerate(peers)  # type: ignore[misc]
-                      if r != self.recorder.rank}
-        for target, name in ((self._serve, "server"), (self._monitor, "monitor")):
+        self.peers = {r: (list(p[0]), int(p[1]), str(p[2]), int(p[3]))
+                      for r, p in enumerate(peers) if r != self.recorder.rank}
+        self._started = time.monotonic()
+        threads = [(self._monitor, "monitor")]
+        if self._server is not None:
+            threads.append((self._serve, "server"))
+        for target, name in threads:
             threading.Thread(target=target, name=f"axondist-watchdog-{name}", daemon=True).start()
         atexit.register(self.announce_left)
         _RUNNING.append(self)
+        os._exit = _exit_announced
 
     def stop(self) -> None:
         """Stop watching (the server keeps answering until the process ends)."""
@@ -141,15 +274,19 @@ class Watchdog:
     def close(self) -> None:
         """Stop watching and serving, and forget this watchdog: for a world that ends while
         its process goes on (in-process worlds), so no thread or socket outlives it. Its
-        peers then see it as gone."""
+        peers' ports then refuse."""
         self.stop()
         atexit.unregister(self.announce_left)
         if self in _RUNNING:
             _RUNNING.remove(self)
-        self._server.close()  # the server thread's accept() fails, and it returns
+        if not _RUNNING:
+            os._exit = _real_exit
+        if self._server is not None:
+            self._server.close()  # the server thread's accept() fails, and it returns
 
     # --- the server -----------------------------------------------------------------------
     def _serve(self) -> None:
+        assert self._server is not None
         while True:
             try:
                 conn, _ = self._server.accept()
@@ -170,38 +307,46 @@ class Watchdog:
 
     def _handle(self, request: dict[str, Any]) -> dict[str, Any] | None:
         kind = request.get("kind")
+        sender = int(request.get("rank", -1))
+        self._heard[sender] = time.monotonic()
         if kind == "status":
-            self.asked[int(request.get("rank", -1))] = time.monotonic()
+            self.asked[sender] = time.monotonic()
             return self.recorder.status()
         if kind == "left":
-            self.left[int(request["rank"])] = request
+            self.left[sender] = request
             self._wake.set()
         return None
 
-    def announce_left(self) -> None:
-        """Tell every peer this rank is leaving and which calls it completed (at exit)."""
+    def announce_left(self, how: str = "") -> bool:
+        """Tell every peer this rank is leaving (``how``: ``os._exit(1)``...) and which
+        calls it completed (at exit); False when it was silenced or told them already."""
         if self._stopped:
-            return
+            return False
         self._stopped = True
         message = {"kind": "left", "token": self._token, "rank": self.recorder.rank,
-                   "host": self.recorder.host, "pid": self.recorder.pid,
+                   "host": self.recorder.host, "pid": self.recorder.pid, "how": how,
                    "completed": dict(self.recorder.completed),
                    "last": self.recorder.last_completed()}
         for address in self.peers.values():
-            _request(address, message, self.recorder.host, 0.5, want_reply=False)
+            _request(address, message, 0.5, want_reply=False)
+        return True
 
     # --- asking peers -----------------------------------------------------------------------
     def query(self, ranks: Sequence[int]) -> dict[int, Any]:
-        """Each rank's recorder status, or GONE (its port refuses: the process ended) or
-        NO_ANSWER (it did not reply in time: stuck in code that holds the GIL, or stopped)."""
+        """Each rank's recorder status, or what came instead: GONE (its port refuses),
+        NO_ANSWER (no reply in time) or NO_SERVER (it runs none)."""
         message = {"kind": "status", "token": self._token, "rank": self.recorder.rank}
         targets = [r for r in ranks if r in self.peers]
         if not targets:
             return {}
         with concurrent.futures.ThreadPoolExecutor(min(16, len(targets))) as pool:
-            replies = pool.map(lambda r: _request(self.peers[r], message, self.recorder.host,
-                                                  _QUERY_TIMEOUT, True), targets)
-            return dict(zip(targets, replies))
+            replies = dict(zip(targets, pool.map(
+                lambda r: _request(self.peers[r], message, _QUERY_TIMEOUT, True), targets)))
+        now = time.monotonic()
+        for r, reply in replies.items():
+            if isinstance(reply, dict):
+                self._heard[r] = now
+        return replies
 
     def wait_asked(self, ranks: Sequence[int], since: float, timeout: float) -> None:
         """Return once each of ``ranks`` asked for this rank's status after ``since``
@@ -241,7 +386,7 @@ class Watchdog:
                         "the job cannot finish; this rank exits\n"
                         f"last calls of rank {rank} (flight recorder, oldest first):\n"
                         + format_entries(self.recorder.entries(8)))
-        os._exit(1)
+        _real_exit(1)
 
     def _needs(self, call: dict[str, Any]) -> list[int]:
         """World ranks a running call waits for."""
@@ -274,15 +419,14 @@ class Watchdog:
         if verdict is not None or waited >= self.timeout:
             self._end(call, waited, verdict, statuses)
             return
-        if any(r in self._gone_since for r in statuses):
-            self._state[key] = waited + 1.0  # look again soon: is it really gone?
-            return
-        if waited >= self.stall:
+        if waited >= self.stall and waited >= self._state.get(("warned",), 0.0):
             rank, size = self.recorder.rank, self.recorder.world_size
             warn(self._stall_text(call, waited, statuses), f"[axondist rank {rank}/{size}] ")
-            self._state[key] = waited + self.stall
+            self._state[("warned",)] = waited + self.stall
+        if any(not isinstance(s, dict) and s != NO_SERVER for s in statuses.values()):
+            self._state[key] = waited + 1.0  # look again soon: is it gone, or cut off?
         else:
-            self._state[key] = self.stall
+            self._state[key] = max(self.stall, self._state.get(("warned",), 0.0))
 
     def _departed(self, call: dict[str, Any], needs: Sequence[int]) -> str | None:
         """Text naming the needed ranks that announced they left before this call."""
@@ -295,44 +439,110 @@ class Watchdog:
             if "peer" in call or done < call["seq"]:
                 last = note.get("last")
                 after = f" after {describe_call(last)}" if last else " before any call"
+                how = (f"it called {note['how']}" if note.get("how")
+                       else "its script ended, called sys.exit, or failed")
                 gone.append(f"rank {r} (host {note.get('host')}, pid {note.get('pid')}) "
-                            f"left{after}: its process exited (its script ended, called "
-                            "sys.exit, or failed) and will never join")
+                            f"left{after}: its process exited ({how}) and will never join")
         return "; ".join(gone) or None
 
     def _verdict(self, call: dict[str, Any], statuses: dict[int, Any]) -> str | None:
-        """Text of a certain failure the peers' statuses show (a departure or a wait cycle)."""
+        """Text of a certain failure the peers' statuses show (a departure, a host cut off,
+        different calls, or a wait cycle), or None."""
+        return (self._gone(statuses) or self._cut_off_host(statuses)
+                or self._different_calls(call, statuses) or self._wait_cycle(statuses))
+
+    def _gone(self, statuses: dict[int, Any]) -> str | None:
+        """Text naming the peers whose process is gone from this host (their port refuses
+        and no process has their pid) for a while, not just now: a job being torn down
+        (another rank's abort) must not be blamed on the ranks mpiexec killed first. A
+        refused port alone (a firewall's doing, for all it shows) proves nothing."""
         now = time.monotonic()
         for r, status in statuses.items():
-            if status == GONE:
+            _, _, host, pid = self.peers[r]
+            if status == GONE and host == self.recorder.host and _process_gone(pid):
                 self._gone_since.setdefault(r, now)
             else:
                 self._gone_since.pop(r, None)
-        # Gone for a while, not just now: a job being torn down (another rank's abort)
-        # must not be blamed on the ranks mpiexec killed first.
-        gone = [r for r, t in self._gone_since.items()
-                if r in statuses and now - t >= _GONE_FOR]
-        if gone:
-            return (f"ranks {gone} are gone: their diagnostics port refuses connections, so "
-                    "their processes ended (killed, or exited)")
-        differ = self._different_calls(call, statuses)
-        if differ:
-            return differ
-        cycle = []
-        for r, status in statuses.items():
-            if not isinstance(status, dict) or self._present(call, status):
+        gone = sorted(r for r, t in self._gone_since.items()
+                      if r in statuses and now - t >= _GONE_FOR)
+        if not gone:
+            return None
+        pids = ", ".join(f"rank {r}: pid {self.peers[r][3]}" for r in gone)
+        return (f"ranks {gone} are gone: no process has their pid on this host "
+                f"{self.recorder.host} any more ({pids}): killed, or exited without a word "
+                "(a signal, the OOM killer)")
+
+    def _last_sign_of_life(self, rank: int) -> float:
+        """When (time.monotonic) ``rank`` last answered this rank, asked it something, or
+        completed a call with it; the start of watching when never."""
+        heard = max(self._heard.get(rank, self._started), self._started)
+        now = time.monotonic()
+        for entry in reversed(self.recorder.entries()):
+            members = self.recorder.groups.get(entry["group"], ())
+            if entry["state"] == "done" and (entry.get("peer") == rank or (
+                    "peer" not in entry and rank in members)):
+                return max(heard, now - entry["started_s_ago"] + entry["duration_s"])
+        return heard
+
+    def _cut_off_host(self, statuses: dict[int, Any]) -> str | None:
+        """Text naming a peer host none of whose ranks has answered for ``cut_off`` seconds
+        since its last sign of life (a rank busy in its own code still answers: its server
+        is a thread of its own), or None."""
+        silent_hosts = {self.peers[r][2] for r, s in statuses.items()
+                        if s in (GONE, NO_ANSWER) and self.peers[r][2] != self.recorder.host}
+        for host in sorted(silent_hosts):
+            ranks = sorted(r for r, p in self.peers.items() if p[2] == host)
+            if any(isinstance(statuses.get(r), dict) or statuses.get(r) == NO_SERVER
+                   for r in ranks):
                 continue
-            waiting_on_me = [e for e in status.get("running", []) if self._waits_on_me(e)]
-            if not waiting_on_me:
-                return None  # a missing rank that may still come: no certain deadlock
-            cycle.append(f"rank {r} waits in {describe_call(waiting_on_me[0])}, which needs "
-                         f"this rank")
-        if cycle:
-            return ("deadlock: " + "; ".join(cycle) + f"; while this rank waits in "
-                    f"{describe_call(call)}, which needs them. Every rank must issue the same "
-                    "collectives on the same groups in the same order, and each receive needs "
-                    "a matching send")
+            quiet = time.monotonic() - max(self._last_sign_of_life(r) for r in ranks)
+            if quiet < self.cut_off:
+                continue
+            others = [r for r in ranks if r not in statuses]
+            if others and any(isinstance(s, dict) or s == NO_SERVER
+                              for s in self.query(others).values()):
+                continue
+            return (f"host {host} (ranks {ranks}) is cut off: none of its ranks has answered "
+                    f"this rank (host {self.recorder.host}) for {quiet:.1f} s, counted from "
+                    f"their last sign of life (AXONDIST_CUT_OFF_TIMEOUT={self.cut_off:g} s): "
+                    "its network link is down, or the host has stopped")
         return None
+
+    def _wait_cycle(self, statuses: dict[int, Any]) -> str | None:
+        """Text naming a cycle of waits through this rank, of any length, seen twice (the
+        second look rules out ranks caught between calls), or None."""
+        me = self.recorder.rank
+        known = {r: s for r, s in statuses.items() if isinstance(s, dict)}
+        known[me] = self.recorder.status()
+        groups = self.recorder.groups
+        for _ in range(self.recorder.world_size):
+            wanted = sorted(r for r in unknown_waited_for(known, groups) if r in self.peers)
+            found = {r: s for r, s in self.query(wanted).items() if isinstance(s, dict)}
+            if not found:
+                break
+            known.update(found)
+        cycle = find_cycle(me, known, groups)
+        if cycle is None:
+            return None
+        again = self.query([rank for rank, _, _ in cycle if rank != me])
+        again[me] = self.recorder.status()
+
+        def still_in(rank: int, entry: dict[str, Any]) -> bool:
+            status = again.get(rank)
+            return isinstance(status, dict) and any(
+                (e["group"], e["seq"], e["op"]) == (entry["group"], entry["seq"], entry["op"])
+                for e in status.get("running", []))
+
+        if not all(still_in(rank, entry) for rank, entry, _ in cycle):
+            return None
+        mine = describe_call(cycle[0][1])
+        steps = [f"rank {rank} waits in {describe_call(entry)}, which needs "
+                 + ("this rank" if nxt == me else f"rank {nxt}") for rank, entry, nxt in cycle[1:]]
+        ring = " -> ".join(f"rank {rank}" for rank, _, _ in cycle) + f" -> rank {me}"
+        return ("deadlock: " + "; ".join(steps) + f"; while this rank waits in {mine}, which "
+                f"needs rank {cycle[0][2]} (wait cycle {ring}). Every rank must issue the same "
+                "collectives on the same groups in the same order, and each receive needs a "
+                "matching send")
 
     def _different_calls(self, call: dict[str, Any], statuses: dict[int, Any]) -> str | None:
         """Text naming the ranks whose call of the same number differs from this rank's
@@ -374,15 +584,6 @@ class Watchdog:
             return False
         return int(status.get("issued", {}).get(call["group"], 0)) >= call["seq"]
 
-    def _waits_on_me(self, entry: dict[str, Any]) -> bool:
-        me = self.recorder.rank
-        if "peer" in entry:
-            return bool(entry["peer"] == me)
-        members = self.recorder.groups.get(entry["group"])
-        if members is None or me not in members:
-            return False
-        return self.recorder.issued.get(entry["group"], 0) < entry["seq"]
-
     def _stall_text(self, call: dict[str, Any], waited: float, statuses: dict[int, Any]) -> str:
         lines = [f"stall: rank {self.recorder.rank} has waited {waited:.1f} s in "
                  f"{describe_call(call)} (the job ends at AXONDIST_TIMEOUT={self.timeout:g} s)"]
@@ -403,8 +604,9 @@ class Watchdog:
             else:
                 missing.append(r)
                 host = self.peers[r][2] if r in self.peers else "?"
-                why = (_GONE_TEXT if status == GONE else _NO_ANSWER_TEXT)
-                lines.append(f"  rank {r} (host {host}): {status} ({why})")
+                quiet = time.monotonic() - self._last_sign_of_life(r)
+                lines.append(f"  rank {r} (host {host}): {status} ({_WHY[status]}); its last "
+                             f"sign of life was {quiet:.1f} s ago")
         if missing:
             return [f"  missing ranks: {missing}"] + lines
         # Every rank started the call, yet it does not finish: a non-blocking call's data
@@ -456,10 +658,11 @@ def print_and_flush(prefix: str, text: str) -> None:
 
 def exit_soon(code: int, after: float) -> None:
     """End the process with ``code`` after ``after`` seconds unless it ended already."""
-    timer = threading.Timer(after, os._exit, (code,))
+    timer = threading.Timer(after, _real_exit, (code,))
     timer.daemon = True
     timer.start()
 
 
-__all__ = ["GONE", "NO_ANSWER", "Watchdog", "exit_soon", "host_addresses", "print_and_flush",
-           "silence_all", "warn"]
+__all__ = ["GONE", "NO_ANSWER", "NO_SERVER", "Watchdog", "cut_off_timeout", "diagnostics_address",
+           "diagnostics_ports", "exit_soon", "host_addresses", "print_and_flush", "silence_all",
+           "warn"]

@@ -20,6 +20,7 @@ from axondist.launch import launched_by_mpi
 from faults.runner import LIMIT, Outcome, run_case, start_all, why_no_mpi
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "fault_cases.py"
+WATCHDOG_SCRIPT = SCRIPT.with_name("watchdog_cases.py")
 
 
 @dataclass(frozen=True)
@@ -98,6 +99,42 @@ RUNS = ([(case, "mock", n) for case in CASES for n in (2, 3)]
         + [(case, "mpi", n) for case in [*CASES, *MPI_ONLY] for n in (2, 3)])
 
 
+@dataclass(frozen=True)
+class WatchdogCase:
+    """A case of ``scripts/watchdog_cases.py``: what it must print on MPI and on mock (None:
+    not run there), within how many seconds, under which settings."""
+
+    mpi: str
+    mock: str | None
+    within: float = LIMIT
+    env: tuple[tuple[str, str], ...] = ()
+
+
+DEBUG = (("AXONDIST_DEBUG", "1"),)
+CYCLE = (r"recv #1 on world:p2p \(peer=\d, tag=0\) on rank \d of \d cannot complete: deadlock: "
+         r"rank \d waits in recv #1 on world:p2p .*\(wait cycle rank (\d) -> rank \d -> ")
+WATCHDOG_CASES: dict[str, WatchdogCase] = {
+    # the hang protection holds under AXONDIST_DEBUG=1 too
+    "skip_collective": WatchdogCase(LEFT_MPI, CASES["skip_collective"].mock, env=DEBUG),
+    "different_groups": WatchdogCase(*[getattr(CASES["wrong_group"], m) for m in ("mpi", "mock")],
+                                     env=DEBUG),
+    # a wait cycle through every rank is named at once, long before AXONDIST_TIMEOUT=10
+    "receive_cycle": WatchdogCase(CYCLE, r"deadlock: every rank in the cycle rank \d -> rank \d "
+                                         r"-> rank \d", within=8.0),
+    "hard_exit": WatchdogCase(r"all_reduce #2 on world .* cannot complete: rank 1 \(host .*\) left "
+                              r"after barrier #1 on world: its process exited \(it called "
+                              r"os\._exit\(1\)\)", None, within=8.0),
+    "unreceived_send": WatchdogCase(*[r"messages were sent but never received: \\d+ from rank 0 to "
+                                      r"rank 1 \(tag 0\)"] * 2),
+    "stuck_without_server": WatchdogCase(
+        r"all_reduce #1 on world .*timed out on rank \d of \d after 1\d\.\d s \(AXONDIST_TIMEOUT"
+        r"=10 s\).*rank 1 \(host .*\): no diagnostics server \(it runs with AXONDIST_DIAGNOSTICS="
+        r"off", None, env=(("AXONDIST_DIAGNOSTICS", "off"),)),
+}
+WATCHDOG_RUNS = [(case, mode, n) for case, expect in WATCHDOG_CASES.items()
+                 for mode in ("mock", "mpi") if getattr(expect, mode) is not None for n in (2, 3)]
+
+
 def _run(case: str, mode: str, n: int) -> Outcome:
     env = {}
     if case == "many_groups" and (mode, n) == ("mpi", 3):
@@ -105,9 +142,18 @@ def _run(case: str, mode: str, n: int) -> Outcome:
     return run_case(SCRIPT, case, mode, n, env)
 
 
+def _run_watchdog_case(case: str, mode: str, n: int) -> Outcome:
+    return run_case(WATCHDOG_SCRIPT, case, mode, n, dict(WATCHDOG_CASES[case].env))
+
+
 @functools.cache
 def _outcomes() -> dict[tuple[str, str, int], concurrent.futures.Future]:
     return start_all(RUNS, _run)
+
+
+@functools.cache
+def _watchdog_outcomes() -> dict[tuple[str, str, int], concurrent.futures.Future]:
+    return start_all(WATCHDOG_RUNS, _run_watchdog_case)
 
 
 pytestmark = pytest.mark.skipif(launched_by_mpi(), reason="launches its own mpiexec jobs")
@@ -129,3 +175,22 @@ def test_fault_case(case: str, mode: str, n: int) -> None:
         f"{case} must fail, ended with {outcome.returncode}:\n{tail}")
     assert outcome.seconds < LIMIT, f"{case} took {outcome.seconds:.1f} s:\n{tail}"
     assert re.search(pattern, outcome.output, re.S), f"no match for {pattern!r} in:\n{tail}"
+
+
+@pytest.mark.parametrize("case,mode,n", WATCHDOG_RUNS,
+                         ids=[f"{c}-{m}{n}" for c, m, n in WATCHDOG_RUNS])
+def test_watchdog_case(case: str, mode: str, n: int) -> None:
+    if mode == "mpi" and why_no_mpi() is not None:
+        pytest.skip(why_no_mpi() or "")
+    outcome = _watchdog_outcomes()[(case, mode, n)].result()
+    expect = WATCHDOG_CASES[case]
+    pattern = getattr(expect, mode)
+    tail = outcome.output[-6000:]
+    assert outcome.returncode not in (0, -999), (
+        f"{case} must fail, ended with {outcome.returncode}:\n{tail}")
+    assert outcome.seconds < expect.within, f"{case} took {outcome.seconds:.1f} s:\n{tail}"
+    match = re.search(pattern, outcome.output, re.S)
+    assert match, f"no match for {pattern!r} in:\n{tail}"
+    if case == "receive_cycle" and mode == "mpi":  # the cycle goes through every rank
+        ring = re.search(r"\(wait cycle ((rank \d -> )+rank \d)\)", outcome.output)
+        assert ring and len(set(ring[1].split(" -> "))) == n, tail

@@ -1,0 +1,85 @@
+"""The wait-for graph of a stalled job: which rank waits for which, and a cycle through a rank.
+
+A rank blocked in a call waits for every rank the call needs that has not joined it: the
+peer of a ``send``/``recv`` (unless that peer is in the matching ``recv``/``send``), the
+members of a collective's group that have not issued its number. A cycle of such waits
+through blocked ranks, of any length (0 -> 1 -> 0, or 0 -> 1 -> 2 -> 0), can never
+resolve: every rank in it waits for the next. Statuses are the flight recorders' (see
+:meth:`axondist.backends.recorder.FlightRecorder.status`); the functions are pure.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+Status = Mapping[str, Any]
+#: One step of a cycle: the rank, the call it is blocked in, the rank that call waits for.
+Step = tuple[int, dict[str, Any], int]
+
+_MATCHING = {"send": "recv", "recv": "send"}
+
+
+def _pairs_with(entry: Mapping[str, Any], rank: int, other: Status | None) -> bool:
+    """Whether ``other`` is blocked in the point-to-point call that completes ``entry``."""
+    if other is None:
+        return False
+    want = _MATCHING.get(str(entry["op"]))
+    return any(e.get("peer") == rank and e["op"] == want for e in other.get("running", []))
+
+
+def waits_for(status: Status, known: Mapping[int, Status],
+              groups: Mapping[str, Sequence[int]]) -> list[tuple[dict[str, Any], int]]:
+    """``(call, rank)`` for every rank that a blocked call of ``status``'s rank waits for.
+
+    A member whose status is not in ``known`` counts as waited for (ask it to find out);
+    a member known to have issued the call does not.
+    """
+    rank = int(status["rank"])
+    out: list[tuple[dict[str, Any], int]] = []
+    for entry in status.get("running", []):
+        if "peer" in entry:
+            peer = int(entry["peer"])
+            if not _pairs_with(entry, rank, known.get(peer)):
+                out.append((entry, peer))
+            continue
+        for member in groups.get(entry["group"], ()):
+            other = known.get(member)
+            if member != rank and (other is None or int(
+                    other.get("issued", {}).get(entry["group"], 0)) < int(entry["seq"])):
+                out.append((entry, member))
+    return out
+
+
+def find_cycle(me: int, known: Mapping[int, Status],
+               groups: Mapping[str, Sequence[int]]) -> list[Step] | None:
+    """The shortest cycle of waits from ``me`` back to ``me`` through blocked ranks of
+    ``known``, as its steps in order (``me``'s first), or None when the statuses show none."""
+    if me not in known:
+        return None
+    came_from: dict[int, Step] = {}
+    frontier = [me]
+    while frontier:
+        following = []
+        for rank in frontier:
+            for entry, nxt in waits_for(known[rank], known, groups):
+                if nxt == me:
+                    steps = [(rank, entry, nxt)]
+                    while steps[0][0] != me:
+                        steps.insert(0, came_from[steps[0][0]])
+                    return steps
+                if nxt not in came_from and known.get(nxt, {}).get("running"):
+                    came_from[nxt] = (rank, entry, nxt)
+                    following.append(nxt)
+        frontier = following
+    return None
+
+
+def unknown_waited_for(known: Mapping[int, Status],
+                       groups: Mapping[str, Sequence[int]]) -> set[int]:
+    """Ranks some blocked rank of ``known`` waits for whose status is not known yet."""
+    return {r for status in known.values() for _, r in waits_for(status, known, groups)
+            if r not in known}
+
+
+__all__ = ["find_cycle", "unknown_waited_for", "waits_for"]
