@@ -115,7 +115,7 @@ class TraceWriter:
         self._last_flush = time.monotonic()
         self._file: Any = None
         self._size = 0
-        self._detail_text: dict[Any, str] = {}
+        self._call_fields: dict[Any, tuple[str, str]] = {}
         self._describe = describe or (lambda detail, op: "" if detail is None else str(detail))
         for stale in (self.path, rank_file(self.directory, self.rank, old=True)):
             if os.path.exists(stale):  # a previous run's trace of this rank
@@ -190,21 +190,26 @@ class TraceWriter:
         if item[0] == "record":
             return json.dumps(item[1], default=str) + "\n"
         entry, end = item
-        detail = entry[_DETAIL]
+        # the fields a call shares with others of its kind, as JSON text made once
+        kind = (entry[_OP], entry[_GROUP], entry[_BLOCKING], entry[_DETAIL])
         try:
-            text = self._detail_text.get(detail)
+            fields = self._call_fields.get(kind)
         except TypeError:  # an unhashable detail
-            text = None
-        if text is None:
-            text = _first_of_each_field(self._describe(detail, entry[_OP]))
-            try:
-                if len(self._detail_text) < 4096:
-                    self._detail_text[detail] = text
-            except TypeError:
-                pass
-        return json.dumps({"call": entry[_OP], "group": entry[_GROUP], "seq": entry[_SEQ],
-                           "bytes": payload_bytes(detail), "start": entry[_START], "end": end,
-                           "blocking": bool(entry[_BLOCKING]), "detail": text}) + "\n"
+            kind, fields = None, None
+        if fields is None:
+            fields = self._fields_of(entry)
+            if kind is not None and len(self._call_fields) < 4096:
+                self._call_fields[kind] = fields
+        return (f'{{"call": {fields[0]}, "seq": {int(entry[_SEQ])}, '
+                f'"start": {float(entry[_START])!r}, "end": {float(end)!r}, {fields[1]}}}\n')
+
+    def _fields_of(self, entry: tuple[Any, ...]) -> tuple[str, str]:
+        """A call's op, and its group, bytes, blocking and detail, as JSON fragments."""
+        detail = entry[_DETAIL]
+        text = _first_of_each_field(self._describe(detail, entry[_OP]))
+        rest = json.dumps({"group": entry[_GROUP], "bytes": payload_bytes(detail),
+                           "blocking": bool(entry[_BLOCKING]), "detail": text})
+        return json.dumps(entry[_OP]), rest[1:-1]
 
     def _groups_line(self) -> str:
         groups = dict(self.recorder.groups)
