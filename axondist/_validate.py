@@ -132,6 +132,96 @@ def check_real_gradient(grad: Any, where: str, index: int, name: str | None = No
             "what you mean")
 
 
+def check_tag(tag: Any, what: str) -> int:
+    """``tag`` as a plain int message tag >= 0, refused the same way on every backend.
+
+    MPI reserves negative tags (``MPI_ANY_TAG`` is one), so a tag that works on
+    the mock world must also work under mpiexec.
+
+    Raises:
+        TypeError: not an integer (a bool, a float, a string).
+        ValueError: negative.
+    """
+    if tag.__class__ is int and tag >= 0:  # the common case, first
+        return tag
+    if isinstance(tag, bool) or not isinstance(tag, numbers.Integral):
+        raise TypeError(f"{what}: tag={tag!r} is not a message tag; pass an int >= 0 "
+                        f"(got {type(tag).__name__})")
+    if tag < 0:
+        raise ValueError(f"{what}: tag={int(tag)} is negative; pass an int >= 0 (MPI reserves "
+                         "negative tags, so every backend refuses them)")
+    return int(tag)
+
+
+def check_numeric_dtype(dtype: Any, what: str, arg: str) -> None:
+    """Refuse a dtype that is not a number (object, string, bytes, datetime, structured).
+
+    Booleans, integers, floats (bfloat16 included) and complex pass.
+
+    Raises:
+        UnsupportedDTypeError: naming ``arg``, the dtype and what to pass.
+    """
+    dt = np.dtype(dtype)
+    if dt.kind in "biufc" or dt.name == "bfloat16":
+        return
+    kind = {"O": "Python objects", "U": "text", "S": "bytes", "M": "dates",
+            "m": "time spans"}.get(dt.kind, "records")
+    raise UnsupportedDTypeError(
+        f"{what}: {arg} has dtype {dt} ({kind}), not numbers; pass a NumPy or CuPy array of "
+        "numbers, e.g. np.asarray(values, dtype=np.float32)")
+
+
+def positive_int(value: Any, what: str, arg: str) -> int:
+    """``value`` as a plain int >= 1 (a size, a count); ``2.5`` is refused, never truncated.
+
+    Raises:
+        TypeError: not an integer (a float, a string, a bool).
+        ValueError: below 1.
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{what}: {arg}={value!r} must be a positive int (>= 1), got "
+                        f"{type(value).__name__}" + _int_hint(value, arg))
+    if value < 1:
+        raise ValueError(f"{what}: {arg}={int(value)} must be positive (an int >= 1)")
+    return int(value)
+
+
+def _int_hint(value: Any, arg: str) -> str:
+    if not isinstance(value, float) or not math.isfinite(value):
+        return ""
+    if value.is_integer():
+        return f"; pass {arg}={int(value)}"
+    return f"; pass {arg}={math.floor(value)} or {math.ceil(value)} (it is never truncated)"
+
+
+def real_number(value: Any, what: str, arg: str, *, low: float = 0.0,
+                below: float | None = None, meaning: str = "") -> float:
+    """``value`` as a finite float >= ``low`` (and < ``below`` when given): hyper-parameters.
+
+    Raises:
+        TypeError: not a real number (a string such as ``'0.1'``, None, a bool).
+        ValueError: NaN, infinite or out of range.
+    """
+    about = f" ({meaning})" if meaning else ""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{what}: {arg}{about} must be a number, got {type(value).__name__} "
+                        f"{value!r}" + (f"; pass {arg}={value.strip()}" if isinstance(
+                            value, str) and _is_float_text(value) else ""))
+    number = float(value)
+    span = f">= {low:g}" + (f" and < {below:g}" if below is not None else "")
+    if not math.isfinite(number) or number < low or (below is not None and number >= below):
+        raise ValueError(f"{what}: {arg}={value!r}{about} must be a finite number {span}")
+    return number
+
+
+def _is_float_text(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
 MIB = 1 << 20
 
 
@@ -158,5 +248,6 @@ def mib(nbytes: float) -> str:
     return f"{nbytes / MIB:.3g} MiB"
 
 
-__all__ = ["MIB", "as_members", "as_rank", "check_real_gradient", "mib", "parse_choice",
-           "positive_number", "positive_seconds", "sequence_of"]
+__all__ = ["MIB", "as_members", "as_rank", "check_numeric_dtype", "check_real_gradient",
+           "check_tag", "mib", "parse_choice", "positive_int", "positive_number",
+           "positive_seconds", "real_number", "sequence_of"]

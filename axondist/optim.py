@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from . import _array
-from ._validate import check_real_gradient
+from ._validate import check_real_gradient, real_number
 from .parameter import Parameter, parameters_of
 
 #: state_dict format version, bumped when the layout below changes.
@@ -48,11 +48,21 @@ def _compute_dtype(dtype: Any) -> np.dtype:
     )
 
 
-def _check_nonneg(name: str, value: float, where: str) -> float:
-    value = float(value)
-    if not value >= 0.0:  # also refuses NaN
-        raise ValueError(f"{where}: {name} must be >= 0, got {value}")
-    return value
+_MEANINGS = {"lr": "the learning rate", "momentum": "the momentum factor",
+             "weight_decay": "the weight decay factor", "dampening": "the momentum dampening",
+             "eps": "the term added to Adam's denominator"}
+
+
+def _check_nonneg(name: str, value: Any, where: str) -> float:
+    """A hyper-parameter as a finite float >= 0 (a string such as '0.1', inf or NaN refused)."""
+    return real_number(value, where, name, meaning=_MEANINGS.get(name, ""))
+
+
+def _check_flag(name: str, value: Any, where: str) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{where}: {name}={value!r} must be True or False, got "
+                        f"{type(value).__name__}")
+    return bool(value)
 
 
 class Optimizer:
@@ -96,7 +106,8 @@ class Optimizer:
 
     @lr.setter
     def lr(self, value: float) -> None:
-        """Set the learning rate; raises ValueError for a negative or NaN value."""
+        """Set the learning rate; raises TypeError for a non-number (``'0.1'``) and
+        ValueError for a negative, infinite or NaN value."""
         self._lr = _check_nonneg("lr", value, type(self).__name__)
 
     # --- stepping ------------------------------------------------------------------
@@ -299,7 +310,7 @@ class SGD(Optimizer):
                  nesterov: bool = False, dampening: float = 0.0) -> None:
         self.momentum = momentum
         self.weight_decay = weight_decay
-        self.nesterov = bool(nesterov)
+        self.nesterov = nesterov
         self.dampening = dampening
         self._validate()
         super().__init__(params, lr)
@@ -308,6 +319,7 @@ class SGD(Optimizer):
         self.momentum = _check_nonneg("momentum", self.momentum, "SGD")
         self.weight_decay = _check_nonneg("weight_decay", self.weight_decay, "SGD")
         self.dampening = _check_nonneg("dampening", self.dampening, "SGD")
+        self.nesterov = _check_flag("nesterov", self.nesterov, "SGD")
         if self.nesterov and (self.momentum <= 0 or self.dampening != 0):
             raise ValueError("SGD: nesterov=True needs momentum > 0 and dampening = 0")
 
@@ -348,6 +360,9 @@ class Adam(Optimizer):
 
     def __init__(self, params: Any, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0) -> None:
+        if isinstance(betas, (str, bytes)) or not hasattr(betas, "__len__"):
+            raise TypeError(f"{type(self).__name__}: betas must be two numbers in [0, 1), such "
+                            f"as (0.9, 0.999), got {type(betas).__name__} {betas!r}")
         self.betas = tuple(betas)
         self.eps = eps
         self.weight_decay = weight_decay
@@ -356,9 +371,11 @@ class Adam(Optimizer):
 
     def _validate(self) -> None:
         name = type(self).__name__
-        if len(self.betas) != 2 or not all(0.0 <= float(b) < 1.0 for b in self.betas):
+        if len(self.betas) != 2:
             raise ValueError(f"{name}: betas must be two numbers in [0, 1), got {self.betas}")
-        self.betas = (float(self.betas[0]), float(self.betas[1]))
+        self.betas = tuple(real_number(b, name, f"betas[{i}]", below=1.0,
+                                       meaning="a moving average's decay")
+                           for i, b in enumerate(self.betas))
         self.eps = _check_nonneg("eps", self.eps, name)
         self.weight_decay = _check_nonneg("weight_decay", self.weight_decay, name)
 

@@ -6,15 +6,21 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from . import _array
+from ._validate import check_numeric_dtype
+from .errors import UnsupportedDTypeError
 
 
 class Parameter:
     """A named array of model weights and its gradient, without autograd.
 
     Args:
-        data: a NumPy or CuPy array (other frameworks' arrays come in through
-            DLPack, sharing memory where possible).
+        data: a NumPy or CuPy array of numbers (other frameworks' arrays come
+            in through DLPack, sharing memory where possible).
         name: optional name, used in error messages and checkpoints.
+
+    Raises:
+        UnsupportedDTypeError: ``data`` is None or not numbers (text, Python
+            objects, dates).
 
     Attributes:
         data: the values. Wrappers write into it in place when they can, so
@@ -26,7 +32,15 @@ class Parameter:
     __slots__ = ("data", "grad", "name")
 
     def __init__(self, data: Any, name: str | None = None) -> None:
-        self.data = _array.as_array(data)
+        what = f"Parameter({name!r})" if name else "Parameter"
+        if data is None:
+            raise UnsupportedDTypeError(f"{what}: data=None is not an array; pass a NumPy or "
+                                        "CuPy array of numbers, e.g. np.zeros((4, 3))")
+        array = _array.as_array(data)
+        shown = f"data={data!r}" if isinstance(data, (str, bytes)) else \
+            f"data ({type(data).__name__})"
+        check_numeric_dtype(array.dtype, what, shown)
+        self.data = array
         self.grad: Any = None
         self.name = name
 

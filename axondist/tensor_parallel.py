@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from . import _array
-from ._validate import positive_number
+from ._validate import positive_int, positive_number
 from .comm import all_gather, all_reduce_sum, reduce_scatter_sum, split_sizes
 from .errors import NonFiniteNormError
 from .parameter import Parameter
@@ -213,9 +213,8 @@ class _ParallelLinear:
 
     def _setup(self, in_features: int, out_features: int, group: ProcessGroup | None) -> None:
         name = type(self).__name__
-        if in_features < 1 or out_features < 1:
-            raise ValueError(f"{name}: in_features={in_features} and out_features={out_features} "
-                             "must be positive")
+        in_features = positive_int(in_features, name, "in_features")
+        out_features = positive_int(out_features, name, "out_features")
         self.group = resolve_group(group)
         self.group.backend_for(name)  # a clear error on non-members
         self.in_features, self.out_features = int(in_features), int(out_features)
@@ -546,6 +545,9 @@ class TensorParallelMLP:
     def __init__(self, in_features: int, hidden_features: int, out_features: int,
                  group: ProcessGroup | None = None, activation: str = "gelu",
                  bias: bool = True, dtype: Any = np.float32, seed: int = 0) -> None:
+        for arg, value in (("in_features", in_features), ("hidden_features", hidden_features),
+                           ("out_features", out_features)):
+            positive_int(value, "TensorParallelMLP", arg)  # 2.5 refused, never truncated
         self.activation = _activation(activation)
         s1, s2 = (int(s) for s in np.random.SeedSequence(seed).generate_state(2))
         self.fc1 = ColumnParallelLinear(in_features, hidden_features, bias, group,

@@ -24,6 +24,7 @@ import numpy as np
 from .. import _array, comm
 from .._step import GradFn, check_grad_fn, check_optimizer, loss_and_gradients, split_grad_fn
 from ..checkpoint import CheckpointReader, ShardedState, param_names
+from ..errors import UnsupportedDTypeError
 from ..parameter import Parameter, parameters_of
 from ..process_group import ProcessGroup, resolve_group
 from . import _layers
@@ -41,6 +42,18 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("axondist.fsdp")
 
+
+
+def _check_floating(params: Sequence[Parameter], names: Sequence[str]) -> None:
+    """Refuse a parameter FSDP cannot shard and train: one that is not floating point."""
+    for i, (p, name) in enumerate(zip(params, names)):
+        dt = np.dtype(p.dtype)
+        if dt.kind != "f" and dt.name != "bfloat16":
+            raise UnsupportedDTypeError(
+                f"FullyShardedDataParallel: parameter {i} ({name}) is {dt}; FSDP shards, "
+                "averages and updates floating-point parameters only (float16, bfloat16, "
+                "float32, float64). Keep integer or boolean arrays outside the model, or cast "
+                "them, e.g. Parameter(x.astype(np.float32))")
 
 class FullyShardedDataParallel(GradientSync):
     """Shard a model's parameters, gradients and optimizer state over a group.
@@ -117,6 +130,7 @@ class FullyShardedDataParallel(GradientSync):
                          "FullyShardedDataParallel", settings)
         if not self._params:
             raise ValueError("FullyShardedDataParallel: the model has no parameters")
+        _check_floating(self._params, self._names)
         self._xp = _array.namespace(*(p.data for p in self._params))
         self._on_device = _array.is_cupy(self._params[0].data)
         self._shapes = [p.shape for p in self._params]

@@ -182,7 +182,8 @@ def test_lr_settable_and_used():
     params[0].grad = np.ones(3)
     opt.step()
     np.testing.assert_allclose(params[0].data, x0 - 0.5)
-    with pytest.raises(ValueError, match="lr must be >= 0"):
+    with pytest.raises(ValueError,
+                       match=r"lr=-1.0 \(the learning rate\) must be a finite number >= 0"):
         opt.lr = -1.0
 
 
