@@ -115,12 +115,34 @@ _MEANING: Mapping[ActionKind, str] = {
     ActionKind.W: "W: weight gradient",
 }
 _INCH_PER_ACTION = 0.42  # the busiest rank's actions set the width, whatever the time unit
-_MAX_WIDTH = 24.0  # inches; beyond it labels that do not fit their bar are left out
+_MAX_WIDTH = 24.0  # inches; beyond it labels that do not fit across their bar run up it
+_LABEL_PT = 7.0  # a label's size where it fits
+_MIN_ACROSS_PT = 5.0  # below this a label runs up its bar instead of across
+_MIN_UP_PT = 4.0
+_INCH_PER_CHAR_PT = 0.0093  # a character's width per point of size (DejaVu Sans: 0.065 in at 7)
+_LINE_INCH_PER_PT = 1.25 / 72  # a line's height per point of font size
+_FILL = 0.8  # of a bar's width a label may take, leaving a margin either side
 
 
 def _shade(chunk: int, chunks: int) -> float:
     """Opacity of a chunk's bars: 1 for chunk 0, fading to 0.55 for the last."""
     return 1.0 - 0.45 * (chunk / max(1, chunks - 1))
+
+
+def _label_style(label: str, box_inches: float) -> dict[str, Any]:
+    """How a bar's label is drawn so that it never vanishes: across the bar at 7 pt, or
+    smaller down to 5 pt; on a bar narrower than that, up the bar (rotated), in a size that
+    fits its width (4 pt at least)."""
+    across = _FILL * box_inches / (_INCH_PER_CHAR_PT * len(label))  # the size that fits across
+    if across >= _MIN_ACROSS_PT:
+        return {"fontsize": min(_LABEL_PT, across), "rotation": 0}
+    up = _FILL * box_inches / _LINE_INCH_PER_PT  # one line of text up the bar
+    return {"fontsize": max(_MIN_UP_PT, min(_LABEL_PT, up)), "rotation": 90}
+
+
+def _text_colour(alpha: float) -> str:
+    """White on the dark shades, black on the pale ones (later chunks)."""
+    return "white" if alpha >= 0.75 else "black"
 
 
 def _figure_size(result: SimulationResult) -> tuple[float, float]:
@@ -140,10 +162,12 @@ def render_image(
     """Draw the timeline as a Gantt chart (one row per rank, white gaps = bubble) to ``path``.
 
     Bars are coloured by action kind; the chunks of an interleaved schedule
-    are told apart by shade (chunk 0 darkest) and by the label's chunk
-    prefix. The width follows the busiest rank's number of actions rather
-    than the time unit, so seconds, milliseconds and simulate's units give
-    the same picture. matplotlib, which axondist does not depend on, is
+    are told apart by shade (chunk 0 darkest), shown in the legend in each
+    kind's colour, and by the label's chunk prefix. Every bar is labelled:
+    across the bar where the label fits, else up it in a smaller size. The
+    width follows the busiest rank's number of actions rather than the time
+    unit, so seconds, milliseconds and simulate's units give the same
+    picture. matplotlib, which axondist does not depend on, is
     imported on the first call, and only its object API is used: pyplot's
     global state and backend are left alone.
 
@@ -162,7 +186,7 @@ def render_image(
         TypeError: ``obj`` is neither a Schedule nor a SimulationResult.
         ScheduleError: the Schedule deadlocks (from :func:`simulate`).
     """
-    figure_cls, patch_cls = _matplotlib()
+    figure_cls, patch_cls, tuple_handler = _matplotlib()
     result = _as_result(obj, costs, comm, "render_image")
     schedule = result.schedule
     p = schedule.num_ranks
@@ -171,28 +195,32 @@ def render_image(
     inch_per_unit = fig.get_figwidth() * 0.8 / max(result.makespan, 1e-12)
     for r, row in enumerate(result.timeline):
         for t in row:
+            alpha = _shade(t.action.chunk, schedule.chunks)
             ax.barh(
                 r, t.end - t.start, left=t.start, height=0.8, color=_COLORS[t.action.kind],
-                alpha=_shade(t.action.chunk, schedule.chunks), edgecolor="black", linewidth=0.5,
+                alpha=alpha, edgecolor="black", linewidth=0.5,
             )
             label = t.action.text(schedule.chunks)
-            if (t.end - t.start) * inch_per_unit >= 0.065 * len(label):  # it fits at 7 pt
-                ax.text(
-                    (t.start + t.end) / 2, r, label,
-                    ha="center", va="center", fontsize=7, color="white",
-                )
+            ax.text(
+                (t.start + t.end) / 2, r, label, ha="center", va="center",
+                color=_text_colour(alpha),
+                **_label_style(label, (t.end - t.start) * inch_per_unit),
+            )
     ax.set_yticks(range(p), [f"rank {r}" for r in range(p)])
     ax.invert_yaxis()
     ax.set_xlim(0, result.makespan)
     ax.set_xlabel("time")
     present = {t.action.kind for row in result.timeline for t in row}
     kinds = [k for k in ActionKind if k in present]
-    handles = [patch_cls(color=_COLORS[k], label=_MEANING[k]) for k in kinds]
-    if schedule.chunks > 1:
-        handles += [patch_cls(color="black", alpha=_shade(c, schedule.chunks), label=f"chunk {c}")
-                    for c in range(schedule.chunks)]
+    handles: list[Any] = [patch_cls(color=_COLORS[k], label=_MEANING[k]) for k in kinds]
+    labels = [_MEANING[k] for k in kinds]
+    if schedule.chunks > 1:  # a chunk's swatch: each kind's colour in that chunk's shade
+        for c in range(schedule.chunks):
+            alpha = _shade(c, schedule.chunks)
+            handles.append(tuple(patch_cls(color=_COLORS[k], alpha=alpha) for k in kinds))
+            labels.append(f"chunk {c}")
     ax.legend(
-        handles=handles,
+        handles, labels, handler_map={tuple: tuple_handler(ndivide=None, pad=0.0)},
         loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7,
     )
     name = schedule.kind.value if schedule.kind is not None else "custom"
@@ -205,15 +233,17 @@ def render_image(
     fig.savefig(os.fspath(path), dpi=100)
 
 
-def _matplotlib() -> tuple[Any, Any]:
-    """matplotlib's Figure and Patch classes, imported on first use (an optional dependency)."""
+def _matplotlib() -> tuple[Any, Any, Any]:
+    """matplotlib's Figure, Patch and HandlerTuple classes, imported on first use (an
+    optional dependency)."""
     try:
         from matplotlib.figure import Figure
+        from matplotlib.legend_handler import HandlerTuple
         from matplotlib.patches import Patch
     except ImportError as err:
         raise ImportError(
             "render_image needs matplotlib, which is not installed; install it with "
-            "`pip install matplotlib` (or `pip install 'axondist[examples]'`), or use "
+            "`pip install matplotlib` (or `pip install '.[examples]'` in a checkout), or use "
             "render_text, which needs nothing"
         ) from err
-    return Figure, Patch
+    return Figure, Patch, HandlerTuple
