@@ -81,9 +81,11 @@ def gpu_unavailable_reason() -> str | None:
             import cupy
             from cupy.cuda import nccl
     except Exception as exc:  # ImportError, or CUDA libraries failing to load
-        return f"CuPy is not importable ({exc}); pip install 'axondist[gpu]'"
+        return (f"CuPy is not importable ({exc}); from the checkout, pip install "
+                "'.[gpu-cuda13]' for CUDA 13 or '.[gpu]' for CUDA 12 (nvidia-smi's \"CUDA "
+                "Version\" says which)")
     if not getattr(nccl, "available", False):
-        return "CuPy cannot load NCCL; pip install nvidia-nccl-cu12"
+        return "CuPy cannot load NCCL; pip install nvidia-nccl-cu13 (CUDA 13) or -cu12 (CUDA 12)"
     try:
         count = cupy.cuda.runtime.getDeviceCount()
     except Exception as exc:

@@ -162,6 +162,11 @@ class KeyValueServer:
             self._data[key] = bytes(value)
             self._cond.notify_all()
 
+    def value(self, key: str) -> bytes:
+        """The value stored under ``key`` (KeyError when it was never set)."""
+        with self._cond:
+            return self._data[key]
+
     def keys(self) -> list[str]:
         """The keys set so far, in the order they were first set."""
         with self._cond:
@@ -378,5 +383,42 @@ def exchange_from_rank0(env: LaunchEnv, key: str, make_value: Callable[[], bytes
     return value
 
 
+def allgather_over_rendezvous(env: LaunchEnv, key: str, value: bytes,
+                              timeout: float) -> list[bytes]:
+    """Every rank's ``value`` in rank order, on every rank of ``env``, over rank 0's store.
+
+    Every rank must call it with the same ``key``. Rank 0 serves the store until every
+    other rank has read the whole list (so the port is free again when it returns).
+
+    Raises:
+        CollectiveTimeoutError: rank 0 unreachable, or a rank's value (or, on rank 0, a
+            rank's reading) missing after ``timeout``; the message names the ranks.
+        RendezvousError: rank 0 cannot listen on ``MASTER_PORT``.
+    """
+    n = env.world_size
+    if n == 1:
+        return [bytes(value)]
+    names = [f"{key}/{r}" for r in range(n)]
+    if env.rank == 0:
+        read = [f"{key}/read/{r}" for r in range(1, n)]
+        with KeyValueServer(env.master_port, "", {names[0]: bytes(value)}) as server:
+            if not server.wait_for(lambda d: all(k in d for k in names + read), timeout):
+                present = set(server.keys())
+                missing = [r for r in range(1, n)
+                           if names[r] not in present or read[r - 1] not in present]
+                raise CollectiveTimeoutError(
+                    f"nccl rendezvous at {env.endpoint}: ranks {missing} of {n} did not join "
+                    f"within {timeout:g} s; start every rank with the same MASTER_ADDR, "
+                    "MASTER_PORT and WORLD_SIZE (and distinct RANK)")
+            return [server.value(k) for k in names]
+    deadline = time.monotonic() + timeout
+    with KeyValueClient(env.master_addr, env.master_port, timeout,
+                        who=f"rank {env.rank}") as client:
+        client.set(names[env.rank], bytes(value))
+        values = [client.get(k, max(0.0, deadline - time.monotonic())) for k in names]
+        client.set(f"{key}/read/{env.rank}", b"1")
+    return values
+
+
 __all__ = ["KeyValueClient", "KeyValueServer", "LaunchEnv", "RendezvousError",
-           "exchange_from_rank0"]
+           "allgather_over_rendezvous", "exchange_from_rank0"]

@@ -56,6 +56,9 @@ class Settings:
         self.match_timeout = 20.0
         # CuPy 14 passes the unique id as 128 bytes; earlier CuPy as 128 signed chars.
         self.tuple_unique_id = False
+        #: The 16-byte UUID each device reports (device id -> bytes); by default each
+        #: device its own.
+        self.uuids: dict[int, bytes] = {}
 
 
 SETTINGS = Settings(4, 21903)
@@ -650,7 +653,15 @@ def install(monkeypatch: Any, device_count: int = 4, version_code: int = 21903) 
     def getDeviceCount() -> int:
         return SETTINGS.device_count
 
+    def getDeviceProperties(device: int) -> dict[str, Any]:
+        if not 0 <= device < SETTINGS.device_count:
+            raise FakeMisuse(f"fake cupy: getDeviceProperties of device {device}")
+        uuid = SETTINGS.uuids.get(device, bytes([0xFA, 0xCE]) + bytes(13) + bytes([device]))
+        return {"name": b"Fake GPU", "uuid": uuid, "pciDomainID": 0, "pciBusID": 0x10 + device,
+                "pciDeviceID": 0}
+
     runtime.getDeviceCount = getDeviceCount  # type: ignore[attr-defined]
+    runtime.getDeviceProperties = getDeviceProperties  # type: ignore[attr-defined]
     cuda.Device = Device  # type: ignore[attr-defined]
     cuda.Stream = _stream_factory  # type: ignore[attr-defined]
     cuda.Event = Event  # type: ignore[attr-defined]

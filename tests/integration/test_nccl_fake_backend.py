@@ -35,6 +35,7 @@ from axondist.backends._rendezvous import (
     KeyValueServer,
     LaunchEnv,
     RendezvousError,
+    allgather_over_rendezvous,
     exchange_from_rank0,
 )
 from axondist.backends.nccl import basics as nt
@@ -107,9 +108,10 @@ def test_without_cupy_every_entry_point_says_what_to_install(monkeypatch):
              nccl.create_world_backend,
              lambda: ad.init("nccl")]
     for call in calls:
-        with pytest.raises(BackendUnavailableError, match=r"pip install 'axondist\[gpu-cuda13\]' "
-                           r"\(cupy-cuda13x\) for CUDA 13, or 'axondist\[gpu\]' \(cupy-cuda12x\) "
-                           r"for CUDA 12") as e:
+        with pytest.raises(BackendUnavailableError, match=r"from the axondist checkout, pip "
+                           r"install '\.\[gpu-cuda13\]' \(cupy-cuda13x\) for CUDA 13, or pip "
+                           r"install '\.\[gpu\]' \(cupy-cuda12x\) for CUDA 12; the \"CUDA "
+                           r"Version\" that nvidia-smi prints says which") as e:
             call()
         assert isinstance(e.value, ImportError)
 
@@ -356,6 +358,108 @@ def test_rendezvous_between_processes():
     outs = [p.communicate(timeout=60) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
     assert [o[0].strip() for o in outs] == ["made-by-0", "made-by-0"]
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_rendezvous_allgather_hands_every_rank_every_value(world_size):
+    port, results, errors = free_port(), {}, {}
+
+    def rank_main(r):
+        env = LaunchEnv("127.0.0.1", port, world_size, r)
+        try:
+            results[r] = allgather_over_rendezvous(env, "places", b"rank-%d" % r, 20.0)
+        except BaseException as exc:  # noqa: BLE001 - checked below
+            errors[r] = exc
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world_size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not errors, errors
+    want = [b"rank-%d" % r for r in range(world_size)]
+    assert results == {r: want for r in range(world_size)}
+    KeyValueServer(port).close()  # the server is gone, so the port can be used again
+
+
+# --- ranks that would share a GPU ---------------------------------------------------------------
+
+def test_shared_gpu_message_names_the_ranks_the_gpu_the_host_and_what_to_run():
+    one = [nt.RankGpu("node7", "GPU-aa", 0, 1)] * 2
+    assert nt.shared_gpu_message(one) == (
+        "nccl backend: NCCL needs a GPU of its own for every rank, but ranks 0 and 1 on host "
+        "node7 chose the same GPU (device 0, GPU-aa) of the host's 1 GPU. Start at most 1 rank "
+        "per host (one rank per GPU, e.g. torchrun --nproc-per-node or mpiexec -n with one "
+        "process per GPU), give each rank its own GPU (init(\"nccl\", device=...) or "
+        "CUDA_VISIBLE_DEVICES), or use the mpi backend with CuPy arrays (init(\"mpi\")), where "
+        "ranks may share a GPU")
+    apart = [nt.RankGpu("a", "GPU-0", 0, 2), nt.RankGpu("a", "GPU-1", 1, 2),
+             nt.RankGpu("b", "GPU-0", 0, 2)]  # the same UUID text on another host is no clash
+    assert nt.shared_gpu_message(apart) is None
+    three = apart + [nt.RankGpu("a", "GPU-1", 1, 2), nt.RankGpu("a", "GPU-1", 1, 2)]
+    text = nt.shared_gpu_message(three)
+    assert "ranks 1, 3 and 4 on host a chose the same GPU (device 1, GPU-1) of the host's 2 GPUs" \
+        in text and "Start at most 2 ranks per host" in text
+
+
+_SHARED_GPU_SCRIPT = """
+import os, sys
+sys.path[:0] = [{root!r}, {here!r}]
+import nccl_fake
+fake = nccl_fake.install_for_process(device_count={count})
+fake.uuids = {uuids!r}
+import axondist as ad
+try:
+    ad.init("nccl", timeout=30)
+except ad.AxondistError as exc:
+    os.write(1, f"REFUSED {{type(exc).__name__}} {{exc}}\\n".encode())  # one write
+    sys.exit(3)
+print("STARTED")
+"""
+
+
+@pytest.mark.parametrize("count, uuids", [(1, {}), (2, {0: b"\x07" * 16, 1: b"\x07" * 16})],
+                         ids=["one-gpu", "two-devices-one-uuid"])
+def test_two_ranks_on_one_gpu_are_refused_before_nccl_starts(count, uuids):
+    script = _SHARED_GPU_SCRIPT.format(root=str(ROOT), here=str(Path(__file__).parent),
+                                       count=count, uuids=uuids)
+    port = free_port()
+    procs = [subprocess.Popen(
+        [sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, env=dict(child_env(), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                            WORLD_SIZE="2", RANK=str(r), LOCAL_RANK=str(r)))
+        for r in (0, 1)]
+    outs = [p.communicate(timeout=90) for p in procs]
+    assert [p.returncode for p in procs] == [3, 3], outs
+    device = "device 0" if count == 1 else "devices 0, 1"
+    gpu = "GPU-face0000-0000-0000-0000-000000000000" if count == 1 else \
+        "GPU-07070707-0707-0707-0707-070707070707"
+    for out, _ in outs:
+        assert out.startswith("REFUSED RankError nccl backend: NCCL needs a GPU of its own for "
+                              "every rank, but ranks 0 and 1 on host "), out
+        assert f"chose the same GPU ({device}, {gpu}) of the host's {count} GPU" in out
+        assert f"Start at most {count} rank" in out
+        assert "or use the mpi backend with CuPy arrays" in out
+
+
+@pytest.mark.mpi
+def test_two_ranks_on_one_gpu_are_refused_under_mpiexec(tmp_path):
+    mpiexec = Path(sys.executable).parent / "mpiexec"
+    if importlib.util.find_spec("mpi4py") is None or not mpiexec.exists():
+        pytest.skip("needs mpi4py and mpiexec")
+    script = tmp_path / "shared.py"
+    script.write_text(_SHARED_GPU_SCRIPT.format(root=str(ROOT), here=str(Path(__file__).parent),
+                                                count=1, uuids={}))
+    out = subprocess.run([str(mpiexec), "-n", "2", sys.executable, str(script)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120, env=child_env())
+    assert out.returncode != 0
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("REFUSED")]
+    assert len(lines) == 2, out.stdout + out.stderr
+    for line in lines:
+        assert "REFUSED RankError nccl backend: NCCL needs a GPU of its own for every rank, but " \
+            "ranks 0 and 1 on host " in line
+        assert "chose the same GPU (device 0, GPU-face0000-0000-0000-0000-000000000000) of the " \
+            "host's 1 GPU" in line
 
 
 # --- the backend on the CPU stand-in --------------------------------------------------------
@@ -916,7 +1020,7 @@ def test_bench_sizes_and_exit_without_gpu():
                          capture_output=True, text=True, timeout=120, env=child_env())
     assert out.returncode == 1
     assert "bench_nccl: cannot run without a CUDA GPU" in out.stderr
-    assert "pip install 'axondist[gpu]'" in out.stderr
+    assert "pip install '.[gpu-cuda13]' for CUDA 13 or '.[gpu]' for CUDA 12" in out.stderr
 
 
 _ON_STAND_IN = """

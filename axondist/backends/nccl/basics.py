@@ -11,7 +11,8 @@ without CuPy or a CUDA device:
   ``ncclAvg`` or as a sum followed by a division);
 * :class:`NcclUniqueId`, the 128-byte bootstrap token, and the conversions
   CuPy needs (it speaks signed chars);
-* :func:`parse_nccl_version`, :func:`node_info_from_hosts`, :func:`select_device`;
+* :func:`parse_nccl_version`, :func:`node_info_from_hosts`, :func:`select_device`,
+  :func:`shared_gpu_message` (ranks that would share a GPU);
 * the errors of this backend and :func:`check_device_array`, the test that
   refuses host (NumPy) arrays with a message saying what to do.
 """
@@ -66,8 +67,10 @@ NCCL_RESULTS: dict[int, tuple[str, str]] = {
         "an argument was invalid (a buffer on another device, a bad rank or count, an "
         "operation or dtype this NCCL version lacks)"),
     5: ("ncclInvalidUsage",
-        "the call was used wrongly, e.g. ranks issued collectives in a different order "
-        "or with different counts"),
+        "NCCL refused how it was used: two ranks of one communicator on the same GPU (at "
+        "init: give each rank its own GPU, or use the mpi backend with CuPy arrays), or "
+        "ranks whose calls differ (the cross-rank check, on unless AXONDIST_CHECKS=0, names "
+        "such a call before NCCL sees it)"),
     6: ("ncclRemoteError",
         "a peer failed or its connection dropped; look at the other ranks' errors first"),
     7: ("ncclInProgress", "a non-blocking NCCL operation is still in progress"),
@@ -82,8 +85,9 @@ UNIQUE_ID_BYTES = 128
 #: The dtype every data-movement call uses: bytes move whatever they encode.
 NCCL_BYTE = NCCL_DTYPES["uint8"]
 
-_INSTALL_HINT = ("pip install 'axondist[gpu-cuda13]' (cupy-cuda13x) for CUDA 13, or "
-                 "'axondist[gpu]' (cupy-cuda12x) for CUDA 12: nvidia-smi shows the CUDA version")
+_INSTALL_HINT = ("from the axondist checkout, pip install '.[gpu-cuda13]' (cupy-cuda13x) for "
+                 "CUDA 13, or pip install '.[gpu]' (cupy-cuda12x) for CUDA 12; the \"CUDA "
+                 "Version\" that nvidia-smi prints says which")
 
 
 # --- errors -------------------------------------------------------------------------
@@ -259,6 +263,53 @@ def select_device(local_rank: int, device_count: int) -> int:
         raise ValueError(f"select_device: local_rank must be >= 0, got {local_rank}")
     return local_rank % device_count
 
+@dataclass(frozen=True)
+class RankGpu:
+    """Where one rank runs, as the ranks exchange it before NCCL starts.
+
+    Attributes:
+        host: the host name.
+        gpu: the GPU's identity (its UUID, else its PCI bus id): the same for two ranks
+            on one GPU even when ``CUDA_VISIBLE_DEVICES`` numbers it differently.
+        device: the CUDA device id the rank chose.
+        device_count: GPUs visible to the rank.
+    """
+
+    host: str
+    gpu: str
+    device: int
+    device_count: int
+
+
+def shared_gpu_message(ranks: Sequence[RankGpu]) -> str | None:
+    """What to say when ranks (in rank order) would share a GPU, else None.
+
+    NCCL refuses two ranks of one communicator on one GPU with ``ncclInvalidUsage``
+    and no word of the cause; this names the ranks, the GPU, how many GPUs their
+    host has and what to run instead.
+    """
+    by_gpu: dict[tuple[str, str], list[int]] = {}
+    for r, place in enumerate(ranks):
+        by_gpu.setdefault((place.host, place.gpu), []).append(r)
+    shared = [(key, members) for key, members in by_gpu.items() if len(members) > 1]
+    if not shared:
+        return None
+    parts = []
+    for (host, gpu), members in shared:
+        n = ranks[members[0]].device_count
+        ids = sorted({ranks[m].device for m in members})
+        seen = f"device {ids[0]}" if len(ids) == 1 else f"devices {', '.join(map(str, ids))}"
+        parts.append(f"ranks {', '.join(map(str, members[:-1]))} and {members[-1]} on host "
+                     f"{host} chose the same GPU ({seen}, {gpu}) of the host's "
+                     f"{n} GPU{'s' if n != 1 else ''}")
+    most = min(ranks[m[0]].device_count for _, m in shared)
+    return (f"nccl backend: NCCL needs a GPU of its own for every rank, but {'; '.join(parts)}. "
+            f"Start at most {most} rank{'s' if most != 1 else ''} per host (one rank per GPU, "
+            "e.g. torchrun --nproc-per-node or mpiexec -n with one process per GPU), give "
+            "each rank its own GPU (init(\"nccl\", device=...) or CUDA_VISIBLE_DEVICES), or "
+            "use the mpi backend with CuPy arrays (init(\"mpi\")), where ranks may share a GPU")
+
+
 
 def node_info_from_hosts(hosts: Sequence[str], rank: int) -> tuple[int, int, int]:
     """``(node_id, local_rank, local_size)`` of ``rank`` given every rank's host name.
@@ -320,10 +371,12 @@ __all__ = [
     "NcclError",
     "NcclUniqueId",
     "NotOnDeviceError",
+    "RankGpu",
     "ReducePlan",
     "check_device_array",
     "node_info_from_hosts",
     "parse_nccl_version",
     "reduce_plan",
     "select_device",
+    "shared_gpu_message",
 ]

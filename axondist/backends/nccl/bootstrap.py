@@ -5,18 +5,22 @@ each rank's GPU chosen (``node-local rank % device count`` unless given).
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
+import socket
+from types import ModuleType
 from typing import Any
 
 from ..._environment import launched_by_mpi
-from ...errors import BackendUnavailableError
-from .._rendezvous import LaunchEnv, exchange_from_rank0
+from ...errors import BackendUnavailableError, RankError
+from .._rendezvous import LaunchEnv, allgather_over_rendezvous
 from ..base import default_timeout
 from .backend import NcclBackend
-from .basics import select_device
-from .runtime import device_count, load_cupy
+from .basics import NcclUniqueId, RankGpu, select_device, shared_gpu_message
+from .runtime import device_count, gpu_identity, load_cupy
 
-_UNIQUE_ID_KEY = "axondist/nccl/unique_id"
+_PLACEMENT_KEY = "axondist/nccl/placement"
 
 
 # --- the world of a launched job -------------------------------------------------------------
@@ -32,6 +36,8 @@ def create_world_backend(**options: Any) -> NcclBackend:
     environment with a TCP rendezvous at ``MASTER_ADDR:MASTER_PORT``; with
     neither, a one-rank world. The GPU is ``device`` when given, else
     ``node-local rank % device count``; it becomes the current CuPy device.
+    Before NCCL starts, the ranks exchange their host and GPU over that same
+    channel, and ranks that would share a GPU are refused.
     When the watchdog aborts this rank's communicators (a call past
     ``timeout``, a needed rank gone), the waiting call raises its report and
     the process ends itself 30 s later should that error be caught.
@@ -45,6 +51,8 @@ def create_world_backend(**options: Any) -> NcclBackend:
         BackendUnavailableError: CuPy, NCCL, a GPU or (under mpiexec) mpi4py missing.
         ValueError: a malformed torchrun environment (names the variable).
         CollectiveTimeoutError: the rendezvous found no rank 0 / not every rank.
+        RankError: two ranks on one GPU (the message names them, the GPU, how many
+            GPUs the host has and what to run instead).
     """
     unknown = sorted(set(options) - set(_OPTIONS))
     if unknown:
@@ -67,17 +75,30 @@ def create_world_backend(**options: Any) -> NcclBackend:
 
 def bootstrap_from_env(env: LaunchEnv, *, timeout: float | None = None,
                        device: int | None = None) -> NcclBackend:
-    """An NcclBackend for ``env``: the unique id from rank 0 over the TCP rendezvous.
+    """An NcclBackend for ``env``: the ranks' GPUs and rank 0's unique id exchanged over
+    the TCP rendezvous, ranks that would share a GPU refused before NCCL starts.
 
     The GPU is ``device`` when given, else ``(LOCAL_RANK or RANK) % device count``.
+
+    Raises:
+        RankError: two ranks on one GPU (the message names them, the GPU and what to
+            run instead).
     """
     cupy, _ = load_cupy()
+    count = device_count(cupy)
     if device is None:
         local = env.local_rank if env.local_rank is not None else env.rank
-        device = select_device(local, device_count(cupy))
+        device = select_device(local, count)
     wait = default_timeout() if timeout is None else float(timeout)
-    uid = exchange_from_rank0(env, _UNIQUE_ID_KEY,
-                              lambda: NcclBackend.generate_unique_id().internal, wait)
+    place = _placement(cupy, device, count)
+    mine = dataclasses.asdict(place)
+    if env.rank == 0:
+        mine["unique_id"] = NcclBackend.generate_unique_id().hex()
+    table = [json.loads(v) for v in allgather_over_rendezvous(
+        env, _PLACEMENT_KEY, json.dumps(mine).encode(), wait)]
+    uid = NcclUniqueId.from_hex(table[0]["unique_id"])
+    _refuse_shared_gpus([RankGpu(**{k: t[k] for k in mine if k != "unique_id"})
+                         for t in table])
     return NcclBackend(uid, env.rank, env.world_size, device, timeout=timeout)
 
 
@@ -88,18 +109,32 @@ def _bootstrap_mpi(timeout: float | None, device: int | None) -> NcclBackend:
     except ImportError as exc:
         raise BackendUnavailableError(
             "the nccl backend under mpiexec needs mpi4py to share NCCL's unique id: "
-            "pip install 'axondist[mpi]' (or launch with torchrun-style MASTER_ADDR/MASTER_PORT/"
-            "WORLD_SIZE/RANK instead of mpiexec)") from exc
+            "from the axondist checkout, pip install '.[mpi]' (or launch with torchrun-style "
+            "MASTER_ADDR/MASTER_PORT/WORLD_SIZE/RANK instead of mpiexec)") from exc
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
+    count = device_count(cupy)
     if device is None:
         local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
         local_rank = local.Get_rank()
         local.Free()
-        device = select_device(local_rank, device_count(cupy))
+        device = select_device(local_rank, count)
+    _refuse_shared_gpus(comm.allgather(_placement(cupy, int(device), count)))
     uid = NcclBackend.generate_unique_id() if rank == 0 else None
     uid = comm.bcast(uid, root=0)
     return NcclBackend(uid, rank, size, int(device), timeout=timeout)
+
+
+def _placement(cupy: ModuleType, device: int, count: int) -> RankGpu:
+    return RankGpu(socket.gethostname(), gpu_identity(cupy, device), int(device), count)
+
+
+def _refuse_shared_gpus(table: list[RankGpu]) -> None:
+    """Raise on every rank alike when ranks would share a GPU (NCCL would fail with a bare
+    ncclInvalidUsage)."""
+    message = shared_gpu_message(table)
+    if message is not None:
+        raise RankError(message)
 
 
 # --- one process, one thread per GPU ------------------------------------------------------------

@@ -56,9 +56,9 @@ def load_cupy() -> tuple[ModuleType, ModuleType]:
     if not getattr(nccl, "available", False) or not hasattr(nccl, "NcclCommunicator"):
         raise BackendUnavailableError(
             "the nccl backend: CuPy is installed but cannot load the NCCL library; "
-            "pip install nvidia-nccl-cu13 for CUDA 13, nvidia-nccl-cu12 for CUDA 12 (or: "
-            "python -m cupyx.tools.install_library "
-            "--library nccl --cuda 13.x)")
+            "pip install nvidia-nccl-cu13 for CUDA 13, nvidia-nccl-cu12 for CUDA 12 (the "
+            "\"CUDA Version\" that nvidia-smi prints says which; or: python -m "
+            "cupyx.tools.install_library --library nccl --cuda 13.x)")
     return cupy, nccl
 
 
@@ -82,6 +82,21 @@ def device_count(cupy: ModuleType) -> int:
         raise BackendUnavailableError(
             f"the nccl backend needs a CUDA GPU, but CUDA reports none ({exc}); check the driver "
             "with nvidia-smi and CUDA_VISIBLE_DEVICES") from exc
+
+
+def gpu_identity(cupy: ModuleType, device: int) -> str:
+    """GPU ``device``'s UUID (``GPU-...``, as nvidia-smi -L prints it), else its PCI bus id:
+    what names one physical GPU whatever ``CUDA_VISIBLE_DEVICES`` calls it."""
+    try:
+        props = cupy.cuda.runtime.getDeviceProperties(device)
+    except Exception:  # noqa: BLE001 - the placement check then compares device ids
+        return f"device {device}"
+    uuid = props.get("uuid")
+    if isinstance(uuid, (bytes, bytearray)) and any(uuid):
+        h = bytes(uuid).hex()
+        return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
+    return (f"PCI {int(props.get('pciDomainID', 0)):04x}:{int(props.get('pciBusID', 0)):02x}:"
+            f"{int(props.get('pciDeviceID', 0)):02x}.0")
 
 
 class NcclCall:
