@@ -35,6 +35,15 @@ def _env_rank() -> int:
     return -1
 
 
+def report_lost(rank: int, lost: int, how: str) -> None:
+    """Tell the launcher that rank ``lost`` left the job (``how``: what its peers saw), when
+    ``axondist run`` started this rank: a rank that ends without a word (``os._exit``, a
+    signal) cannot say so itself, and the launcher cannot tell it from the ranks killed in
+    the clean-up."""
+    if os.environ.get(RUN_DIR_VAR):
+        _report(rank, "lost", lost, " ".join(how.split()))
+
+
 def _report(rank: int, *fields: object) -> None:
     line = " ".join([MARK, str(rank), *map(str, fields)]) + "\n"
     sys.stdout.flush()
@@ -97,8 +106,8 @@ def rank_main(argv: Sequence[str] | None = None) -> None:
     tell the launcher how it ended; on failure, abort MPI so the other ranks do not hang.
 
     Args:
-        argv: the script and its arguments, or ``["-m", module, args...]`` (default:
-            ``sys.argv[1:]``).
+        argv: the script and its arguments, ``["-m", module, args...]`` or ``["-c", code,
+            args...]`` (default: ``sys.argv[1:]``).
     """
     args = list(sys.argv[1:] if argv is None else argv)
     rank = _env_rank()
@@ -112,6 +121,10 @@ def rank_main(argv: Sequence[str] | None = None) -> None:
             sys.argv = args[1:]
             sys.path[0] = os.getcwd()
             runpy.run_module(args[1], run_name="__main__", alter_sys=True)
+        elif args[:1] == ["-c"]:
+            sys.argv = ["-c", *args[2:]]
+            sys.path[0] = ""
+            exec(compile(args[1], "<string>", "exec"), {"__name__": "__main__"})  # noqa: S102
         else:
             sys.argv = args
             sys.path[0] = os.path.dirname(os.path.abspath(args[0]))
@@ -134,4 +147,4 @@ def rank_main(argv: Sequence[str] | None = None) -> None:
     _report(rank, "end", 0)
 
 
-__all__ = ["MARK", "RESTART_COUNT_VAR", "RUN_DIR_VAR", "rank_main"]
+__all__ = ["MARK", "RESTART_COUNT_VAR", "RUN_DIR_VAR", "rank_main", "report_lost"]

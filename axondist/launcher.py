@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import argparse
 import collections
+import ctypes
+import glob
 import os
 import re
 import shutil
@@ -27,6 +29,9 @@ from .errors import LaunchError
 
 _POLL_S = 0.05
 _KILL_AFTER_S = 5.0  # after asking mpiexec to stop, how long before it is killed outright
+_RUN_DIR_PREFIX = "axondist-run-"
+_PR_SET_PDEATHSIG = 1
+_PYTHON = re.compile(r"^python[0-9.]*$")
 
 
 # --- what to launch ------------------------------------------------------------------------
@@ -39,7 +44,8 @@ class RunConfig:
     nprocs: int
     """Processes (ranks) in the job."""
     target: tuple[str, ...]
-    """The script and its arguments, or ``("-m", module, args...)``."""
+    """The script and its arguments, ``("-m", module, args...)``, ``("-c", code, args...)``,
+    or (with ``no_python``) the program and its arguments."""
     nproc_per_node: int | None = None
     """Ranks per host (hydra's ``-ppn``); None lets mpiexec decide."""
     hosts: tuple[str, ...] = ()
@@ -55,6 +61,11 @@ class RunConfig:
     stop_grace: float = 5.0
     """Seconds the other ranks get to end on their own after one fails, before the job is
     stopped."""
+    python: str | None = None
+    """The interpreter the ranks run (None: the launcher's own, ``sys.executable``)."""
+    no_python: bool = False
+    """Run ``target`` as a program on every rank, without Python and without the per-rank
+    reports (as torchrun's ``--no-python``)."""
 
 
 @dataclass
@@ -66,6 +77,8 @@ class RankFailure:
     signal_number: int | None = None
     reason: str = ""
     tail: list[str] = field(default_factory=list)
+    before_traceback: bool = False
+    """The tail stops where the rank's traceback began (the traceback was shown once, live)."""
 
     def describe(self) -> str:
         """"exit code 3" or "signal 9 (SIGKILL)", plus the reason when one is known."""
@@ -141,13 +154,14 @@ _RANK_ENTRY = "from axondist._rank_entry import rank_main; rank_main()"
 
 
 def build_command(cfg: RunConfig, mpiexec: str, flavour: str, outdir: str | None,
-                  python: str = sys.executable) -> list[str]:
+                  python: str | None = None) -> list[str]:
     """The mpiexec command line of one launch (a pure function of its arguments).
 
     Under hydra each rank's stdout and stderr go to ``outdir/out.R`` and ``outdir/err.R``
     (on the launching host, even for remote ranks), which the launcher tails and tags; Open
     MPI tags lines itself (``--tag-output``). Every rank runs the target through
-    ``axondist._rank_entry``, which reports how it ended.
+    ``axondist._rank_entry``, which reports how it ended (with ``no_python``, the program
+    itself runs). ``python`` overrides ``cfg.python``.
     """
     cmd = [mpiexec, "-n", str(cfg.nprocs)]
     if flavour == "openmpi":
@@ -168,7 +182,9 @@ def build_command(cfg: RunConfig, mpiexec: str, flavour: str, outdir: str | None
         if flavour == "hydra" and outdir is not None:
             cmd += ["-outfile-pattern", os.path.join(outdir, "out.%r"),
                     "-errfile-pattern", os.path.join(outdir, "err.%r")]
-    return cmd + [python, "-c", _RANK_ENTRY, *cfg.target]
+    if cfg.no_python:
+        return cmd + list(cfg.target)
+    return cmd + [python or cfg.python or sys.executable, "-c", _RANK_ENTRY, *cfg.target]
 
 
 # Hydra's banner when a rank dies without calling MPI_Abort (a signal, a crash).
@@ -182,6 +198,20 @@ _FATAL_SIGNALS = {"Segmentation fault": 11, "Floating-point exception": 8,
                   "Floating point exception": 8, "Aborted": 6, "Bus error": 7,
                   "Illegal instruction": 4}
 _OPENMPI_TAG = re.compile(r"^\[\d+,(\d+)\]<(stdout|stderr)>:\s?(.*)$")
+# Hydra's own report of a job it was told to stop: its internals, not the user's business.
+_HYDRA_STOPPING = re.compile(r"^(\[(mpiexec|proxy)[^\]]*@[^\]]*\] |Ctrl-C caught\.\.\. )")
+
+
+def _die_with_parent() -> None:
+    """In mpiexec's process, before it starts: get SIGTERM when the launcher dies, even of
+    SIGKILL (Linux), so mpiexec stops the job instead of running on without it."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        except (OSError, AttributeError):
+            return
+        if os.getppid() == 1:  # the launcher died before the request took effect
+            os._exit(1)
 
 
 class _Job:
@@ -194,10 +224,18 @@ class _Job:
         self.tails = [collections.deque[str](maxlen=cfg.tail_lines) for _ in range(cfg.nprocs)]
         self.pids: dict[int, tuple[int, str]] = {}  # rank -> (pid, host)
         self.ended: set[int] = set()  # ranks whose script returned normally
+        #: rank -> its tail when its last traceback began (the summary quotes these lines)
+        self.before_traceback: dict[int, list[str]] = {}
         self.failure: RankFailure | None = None
+        #: (rank, how) of a rank whose peers' watchdog saw it leave (when it said nothing).
+        self.lost: tuple[int, str] | None = None
         self.banner: dict[str, int | str] = {}
+        self.stopping = False
+        # A session of its own: a terminal's Ctrl-C reaches the launcher only, which stops
+        # the job through mpiexec (without hydra's report of its own internals).
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     env=env)
+                                     env=env, start_new_session=True,
+                                     preexec_fn=_die_with_parent)
         self.readers = [threading.Thread(target=self._read_launcher, args=(s, name),
                                          daemon=True)
                         for s, name in ((self.proc.stdout, "out"), (self.proc.stderr, "err"))]
@@ -215,6 +253,8 @@ class _Job:
                 self._rank_line(int(match[1]), match[3], match[2] == "stderr")
             elif line.startswith(_MARK):
                 self._marker(None, line)
+            elif self.stopping and _HYDRA_STOPPING.match(line):
+                continue
             elif not self._banner_line(line):
                 self._emit(line, name == "err")
         stream.close()
@@ -240,6 +280,8 @@ class _Job:
             self._marker(rank, line)
             return
         if 0 <= rank < len(self.tails):
+            if line.startswith("Traceback (most recent call last):"):
+                self.before_traceback[rank] = list(self.tails[rank])
             self.tails[rank].append(line)
         self._emit(f"[rank {rank}] {line}", to_err)
 
@@ -254,6 +296,8 @@ class _Job:
             self.pids[rank] = (int(fields[2]), fields[3])
         elif fields[1] == "end":
             self.ended.add(rank)
+        elif fields[1] == "lost" and len(fields) >= 3 and fields[2].isdigit() and not self.lost:
+            self.lost = (int(fields[2]), fields[3] if len(fields) > 3 else "")
         elif fields[1] == "failed" and len(fields) >= 3 and self.failure is None:
             reason = fields[3] if len(fields) > 3 else ""
             self.failure = RankFailure(rank, exit_code=int(fields[2]), reason=reason)
@@ -314,6 +358,7 @@ class _Job:
                 stop_at = now + self.cfg.stop_grace
             if stop_at is not None and now >= stop_at and stopping_since is None:
                 stopping_since = now
+                self.stopping = True
                 self.proc.send_signal(signal.SIGINT)  # hydra passes it on to every rank
             if stopping_since is not None and now - stopping_since > _KILL_AFTER_S:
                 self.proc.kill()
@@ -326,6 +371,7 @@ class _Job:
 
     def stop(self) -> None:
         """Interrupt the job (Ctrl-C on the launcher) and wait for mpiexec to end."""
+        self.stopping = True
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGINT)
             try:
@@ -341,13 +387,18 @@ class _Job:
             failure = self._unreported_failure(code)
         if failure is not None and failure.rank is not None:
             failure.tail = list(self.tails[failure.rank])
+            shown = self.before_traceback.get(failure.rank)
+            if shown is not None and self.failure is failure and failure.exit_code != 0 \
+                    and not failure.reason.startswith("sys.exit("):
+                failure.tail, failure.before_traceback = shown, True
         return failure
 
 
     def _unreported_failure(self, code: int) -> RankFailure:
-        """A rank died without a word (SIGKILL, the OOM killer): the one rank that started
-        and did not end, or, when several did not (the others were killed in the clean-up),
-        the one hydra's banner names, which is only a best guess."""
+        """A rank died without a word (SIGKILL, the OOM killer, ``os._exit``): the one rank
+        that started and did not end; when several did not (the others were killed in the
+        clean-up), the one its peers' watchdog saw leave, else the one hydra's banner names,
+        which is only a best guess."""
         sig = self.banner.get("signal")
         number = self.banner.get("code", code)
         signum = int(sig) if sig is not None else (-code if code < 0 else None)
@@ -356,7 +407,15 @@ class _Job:
         named = [r for r in silent if self.pids[r][0] == pid]
         rank = silent[0] if len(silent) == 1 else None
         reason = ""
-        if len(silent) > 1:
+        if rank is None and self.lost is not None and self.lost[0] in silent:
+            rank = self.lost[0]
+            reason = (f"its peers saw it leave ({self.lost[1]})" if self.lost[1]
+                      else "its peers saw it leave")
+            if pid not in (None, self.pids[rank][0]):  # the banner names a rank killed after
+                signum, number = None, code
+            if m := re.search(r"_exit\((\d+)\)", self.lost[1]):
+                signum, number = None, int(m[1])
+        elif len(silent) > 1:
             guess = (f"mpiexec names rank {named[0]}, the most likely" if named
                      else "mpiexec did not say which")
             reason = f"one of ranks {', '.join(map(str, silent))}; {guess}"
@@ -379,8 +438,10 @@ def summary(failure: RankFailure, nprocs: int, seconds: float) -> list[str]:
     who = (f"rank {failure.rank} of {nprocs}" if failure.rank is not None
            else f"the job ({nprocs} ranks)")
     whose = f"rank {failure.rank}" if failure.rank is not None else "that rank"
+    before = " before its traceback" if failure.before_traceback else ""
     lines = [f"axondist run: {who} failed after {seconds:.1f} s ({failure.describe()})"
-             + (f"; {_last_lines(len(failure.tail))} of {whose}:" if failure.tail else "")]
+             + (f"; {_last_lines(len(failure.tail))} of {whose}{before}:" if failure.tail
+                else "")]
     return lines + [f"    | {line}" for line in failure.tail]
 
 
@@ -404,17 +465,44 @@ def run_job(cfg: RunConfig, out: TextIO | None = None, err: TextIO | None = None
     mpiexec = find_mpiexec(cfg.mpiexec)
     flavour = mpiexec_flavour(mpiexec)
     in_main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _interrupt) if in_main_thread else None
+    stops = (signal.SIGTERM, signal.SIGHUP) if hasattr(signal, "SIGHUP") else (signal.SIGTERM,)
+    previous = {s: signal.signal(s, _interrupt) for s in stops} if in_main_thread else {}
+    remove_stale_run_dirs()
     try:
         return _attempts(cfg, mpiexec, flavour, out, err)
     finally:
-        if in_main_thread:
-            signal.signal(signal.SIGTERM, previous)
+        for number, handler in previous.items():
+            signal.signal(number, handler)
 
 
 def _interrupt(signum: int, frame: Any) -> None:
-    """SIGTERM (a scheduler ending the launcher) stops the job as Ctrl-C does."""
+    """SIGTERM (a scheduler ending the launcher) or SIGHUP (its terminal closed) stops the
+    job as Ctrl-C does."""
     raise KeyboardInterrupt
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    return True
+
+
+def remove_stale_run_dirs(root: str | None = None) -> list[str]:
+    """Remove the run folders (``axondist-run-PID-*`` under ``root``, the temporary folder
+    by default) of launchers that no longer run: a launcher killed outright (SIGKILL) could
+    not remove its own. Returns the folders removed."""
+    removed = []
+    pattern = os.path.join(root or tempfile.gettempdir(), f"{_RUN_DIR_PREFIX}*-*")
+    for path in glob.glob(pattern):
+        owner = os.path.basename(path)[len(_RUN_DIR_PREFIX):].split("-", 1)[0]
+        if owner.isdigit() and not _pid_alive(int(owner)) and os.path.isdir(path):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
 
 
 def _attempts(cfg: RunConfig, mpiexec: str, flavour: str, out: TextIO, err: TextIO) -> int:
@@ -423,7 +511,7 @@ def _attempts(cfg: RunConfig, mpiexec: str, flavour: str, out: TextIO, err: Text
     for attempt in range(cfg.max_restarts + 1):
         env = dict(os.environ)
         env[RESTART_COUNT_VAR] = str(attempt)
-        with tempfile.TemporaryDirectory(prefix="axondist-run-") as outdir:
+        with tempfile.TemporaryDirectory(prefix=f"{_RUN_DIR_PREFIX}{os.getpid()}-") as outdir:
             cmd = build_command(cfg, mpiexec, flavour, outdir)
             env[RUN_DIR_VAR] = outdir
             start = time.monotonic()
@@ -460,7 +548,8 @@ def _parser() -> argparse.ArgumentParser:
                     "PATH). Each output line is prefixed with its rank; when a rank fails, one "
                     "summary line says which, how, and quotes its last lines. The script reads "
                     f"{RESTART_COUNT_VAR} (0, then 1, 2... after --max-restarts relaunches).",
-        usage="axondist run -n N [options] (script.py | -m module) [args ...]")
+        usage="axondist run -n N [options] (script.py | -m module | python -c code | "
+              "--no-python program) [args ...]")
     parser.add_argument("-n", "--nprocs", type=int, default=None, metavar="N",
                         help="processes in the job (default: --nproc-per-node x hosts)")
     parser.add_argument("--nproc-per-node", type=int, default=None, metavar="K",
@@ -481,6 +570,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="the mpiexec to use (default: next to python, else on PATH)")
     parser.add_argument("-m", dest="module", default=None, metavar="MODULE",
                         help="run a module, as python -m does (its arguments follow)")
+    parser.add_argument("--no-python", action="store_true",
+                        help="run the target as a program on every rank, without Python (no "
+                             "per-rank failure reports)")
     parser.add_argument("script", nargs="?", default=None, metavar="script.py",
                         help="the script; its arguments follow")
     return parser
@@ -524,6 +616,12 @@ def parse_args(argv: Sequence[str]) -> RunConfig:
     if not target:
         raise ValueError("axondist run: no script given; usage: axondist run -n N script.py "
                          "[args ...] (or -m module)")
+    python = None
+    if ns.no_python and ns.module is not None:
+        raise ValueError("axondist run: --no-python runs a program; -m runs a Python module. "
+                         "Give one of them")
+    if not ns.no_python and ns.module is None:
+        python, target = _python_target(target)
     hosts = tuple(h for h in (ns.hosts or "").split(",") if h.strip())
     if ns.hosts is not None and not hosts:
         raise ValueError(f"axondist run: --hosts {ns.hosts!r} names no host; give h1,h2")
@@ -546,7 +644,49 @@ def parse_args(argv: Sequence[str]) -> RunConfig:
         raise ValueError(f"axondist run: --stop-grace must be >= 0 seconds, got {ns.stop_grace}")
     return RunConfig(nprocs=nprocs, target=target, nproc_per_node=ns.nproc_per_node,
                      hosts=hosts, hostfile=ns.hostfile, max_restarts=ns.max_restarts,
-                     mpiexec=ns.mpiexec, tail_lines=ns.tail_lines, stop_grace=ns.stop_grace)
+                     mpiexec=ns.mpiexec, tail_lines=ns.tail_lines, stop_grace=ns.stop_grace,
+                     python=python, no_python=ns.no_python)
+
+
+def _python_target(target: tuple[str, ...]) -> tuple[str | None, tuple[str, ...]]:
+    """``(interpreter, target)`` for a target that names a Python interpreter first
+    (``python -c CODE``, ``python -m MODULE``, ``python script.py``): the ranks run that
+    interpreter, with the per-rank reports; ``(None, target)`` for a script.
+
+    Raises:
+        ValueError: the target is a program rather than a Python script (give
+            ``--no-python``), or the interpreter is followed by options of its own.
+    """
+    first, args = target[0], list(target[1:])
+    program = shutil.which(first) if not first.endswith(".py") else None
+    if program is not None and _PYTHON.match(os.path.basename(first)):
+        if len(args) >= 2 and args[0] in ("-c", "-m"):
+            return program, (args[0], *args[1:])
+        if len(args) >= 1 and args[0].startswith("-m") and len(args[0]) > 2:
+            return program, ("-m", args[0][2:], *args[1:])
+        if args and not args[0].startswith("-"):
+            return program, tuple(args)
+        given = " ".join([first, *args[:1]])
+        raise ValueError(f"axondist run: {given!r}: after the interpreter give a script, -m "
+                         "MODULE or -c CODE; for interpreter options, run it as a program with "
+                         "--no-python (the ranks then run without per-rank failure reports)")
+    if _is_program(first) or (program is not None and not os.path.exists(first)):
+        raise ValueError(f"axondist run: {first!r} is a program, not a Python script; give "
+                         f"--no-python to run it on every rank as it is (axondist run -n N "
+                         f"--no-python {first} ...), or name the script or -m module to run")
+    return None, target
+
+
+def _is_program(path: str) -> bool:
+    """Whether the file at ``path`` is a compiled program or a script of another language."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4096)
+    except OSError:
+        return False
+    if head.startswith(b"#!"):
+        return b"python" not in head.split(b"\n", 1)[0]
+    return b"\0" in head
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NoReturn
 
+from .._rank_entry import report_lost
 from ._wait_graph import find_cycle, unknown_waited_for
 from .recorder import FlightRecorder, describe_call, describe_status, format_entries
 
@@ -235,6 +236,8 @@ class Watchdog:
         self._stopped = False
         self._state: dict[tuple[Any, ...], float] = {}  # call -> when it is next looked at
         self._gone_since: dict[int, float] = {}
+        #: (rank, how) of the peers a verdict found gone: told to the launcher at the end.
+        self._lost: list[tuple[int, str]] = []
         #: peer rank -> when (time.monotonic) it last answered this rank.
         self._heard: dict[int, float] = {}
         self._started = time.monotonic()
@@ -441,6 +444,7 @@ class Watchdog:
                 after = f" after {describe_call(last)}" if last else " before any call"
                 how = (f"it called {note['how']}" if note.get("how")
                        else "its script ended, called sys.exit, or failed")
+                self._lost.append((r, how))
                 gone.append(f"rank {r} (host {note.get('host')}, pid {note.get('pid')}) "
                             f"left{after}: its process exited ({how}) and will never join")
         return "; ".join(gone) or None
@@ -467,6 +471,7 @@ class Watchdog:
                       if r in statuses and now - t >= _GONE_FOR)
         if not gone:
             return None
+        self._lost = [(r, "its process is gone") for r in gone]
         pids = ", ".join(f"rank {r}: pid {self.peers[r][3]}" for r in gone)
         return (f"ranks {gone} are gone: no process has their pid on this host "
                 f"{self.recorder.host} any more ({pids}): killed, or exited without a word "
@@ -633,6 +638,8 @@ class Watchdog:
         lines.append(format_entries(self.recorder.entries(8)))
         lines.append("ending the job on every rank")
         self._stopped = True
+        for lost, how in self._lost:
+            report_lost(rank, lost, how)
         self._abort("\n".join(lines))
 
 

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -188,9 +189,12 @@ def test_an_exception_on_one_rank_ends_the_job_with_one_summary_line(tmp_path):
     lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("axondist run:")]
     assert len(lines) == 1, proc.stderr
     assert lines[0].startswith("axondist run: rank 1 of 2 failed after")
-    assert "(exit code 1: RuntimeError: loss is nan)" in lines[0]
-    assert "    | RuntimeError: loss is nan" in proc.stderr
+    assert "(exit code 1: RuntimeError: loss is nan); last line of rank 1 before its " \
+        "traceback:" in lines[0]
     assert "    | step 1 on 1" in proc.stderr
+    # the traceback shows once, live and tagged; the summary quotes what came before it
+    assert proc.stderr.count("Traceback (most recent call last):") == 1, proc.stderr
+    assert proc.stderr.count("RuntimeError: loss is nan") == 2, proc.stderr  # its last line
     assert "[rank 1] Traceback (most recent call last):" in proc.stderr
     assert "runpy" not in proc.stderr and "_rank_entry" not in proc.stderr
     assert "BAD TERMINATION" not in proc.stdout + proc.stderr
@@ -332,6 +336,137 @@ def test_sigterm_to_the_launcher_stops_every_rank(tmp_path):
         pid = int((tmp_path / f"pid.{rank}").read_text())
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _start_and_wait_ready(path: str, n: int) -> subprocess.Popen[str]:
+    """``axondist run -n N path`` in its own session, once every rank printed "ready"."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCH_PREFIXES)}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    proc = subprocess.Popen([sys.executable, "-m", "axondist", "run", "-n", str(n), path],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    ready = 0
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        ready += line.endswith("ready\n")
+        if ready == n:
+            return proc
+    os.killpg(proc.pid, signal.SIGKILL)
+    pytest.fail(f"the job ended before every rank was ready: {proc.communicate()}")
+
+
+_SLEEPER = """
+    import os, pathlib, time
+    pathlib.Path({folder!r}, "rank." + os.environ["PMI_RANK"]).write_text(
+        f"{{os.getpid()}} {{os.environ['AXONDIST_RUN_DIR']}}")
+    print("ready", flush=True)
+    time.sleep(300)
+"""
+
+
+@launches
+def test_ctrl_c_stops_the_job_with_one_line(tmp_path):
+    path = script(tmp_path, _SLEEPER.format(folder=str(tmp_path)))
+    proc = _start_and_wait_ready(path, 2)
+    os.killpg(proc.pid, signal.SIGINT)  # a terminal's Ctrl-C reaches the foreground group
+    try:
+        out, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail("the launcher did not stop after Ctrl-C")
+    assert proc.returncode == 130, err
+    assert err.strip() == "axondist run: interrupted; the job was stopped", err
+    assert "[mpiexec@" not in out + err and "[proxy" not in out + err
+
+
+@launches
+def test_sigkill_of_the_launcher_ends_the_job_and_a_later_run_removes_its_folder(tmp_path):
+    path = script(tmp_path, _SLEEPER.format(folder=str(tmp_path)))
+    proc = _start_and_wait_ready(path, 2)
+    ranks = [(tmp_path / f"rank.{r}").read_text().split() for r in range(2)]
+    pids, run_dir = [int(pid) for pid, _ in ranks], ranks[0][1]
+    proc.kill()
+    proc.communicate()
+    killed = time.monotonic()
+    while any(map(_alive, pids)) and time.monotonic() - killed < 10:
+        time.sleep(0.1)
+    alive = [pid for pid in pids if _alive(pid)]
+    if alive:
+        os.killpg(proc.pid, signal.SIGKILL)
+    assert not alive, f"ranks {alive} still run 10 s after the launcher was killed"
+    assert Path(run_dir).is_dir()  # nobody was left to remove it...
+    assert run_dir in launcher.remove_stale_run_dirs()  # ...until the next run starts
+    assert not Path(run_dir).exists()
+
+
+def test_a_live_launchers_folder_is_kept(tmp_path):
+    mine = tmp_path / f"axondist-run-{os.getpid()}-abc"
+    dead = tmp_path / "axondist-run-999999999-abc"
+    other = tmp_path / "axondist-run-notapid"
+    for folder in (mine, dead, other):
+        folder.mkdir()
+    assert launcher.remove_stale_run_dirs(str(tmp_path)) == [str(dead)]
+    assert mine.is_dir() and other.is_dir()
+
+
+@launches
+def test_a_rank_that_ends_with_os_exit_is_named(tmp_path):
+    path = script(tmp_path, """
+        import os, numpy as np, axondist as ad
+        world = ad.init("mpi")
+        ad.barrier()
+        print("after the barrier", flush=True)
+        if world.rank == 1:
+            os._exit(3)
+        ad.all_reduce(np.ones(4))
+    """)
+    proc = axondist_run("-n", "3", path)
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("axondist run:")]
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("axondist run: rank 1 of 3 failed after"), proc.stderr
+    assert "(exit code 3: its peers saw it leave (it called os._exit(3)))" in lines[0]
+    assert "    | after the barrier" in proc.stderr
+
+
+@launches
+def test_python_c_and_no_python_run_on_every_rank(tmp_path):
+    code = "import os, sys; print('c on', os.environ['PMI_RANK'], sys.argv[1:], __name__)"
+    by_python = axondist_run("-n", "2", "python", "-c", code, "x")
+    assert by_python.returncode == 0, by_python.stdout + by_python.stderr
+    assert "[rank 1] c on 1 ['x'] __main__" in by_python.stdout
+    program = axondist_run("-n", "2", "--no-python", "sh", "-c", "echo sh on $PMI_RANK")
+    assert program.returncode == 0, program.stdout + program.stderr
+    assert sorted(program.stdout.splitlines()) == ["[rank 0] sh on 0", "[rank 1] sh on 1"]
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["-n", "2", "echo", "x"], r"'echo' is a program, not a Python script; give --no-python"),
+    (["-n", "2", sys.executable, "-u", "x.py"], r"after the interpreter give a script, -m "
+                                                r"MODULE or -c CODE"),
+    (["-n", "2", "--no-python", "-m", "pkg"], r"--no-python runs a program; -m runs a Python"),
+])
+def test_a_program_in_place_of_a_script_is_named(argv, match):
+    with pytest.raises(ValueError, match=match):
+        parse_args(argv)
+
+
+def test_python_targets_parse_to_the_rank_entrys_forms():
+    cfg = parse_args(["-n", "2", "python", "-c", "print(1)", "a"])
+    assert cfg.target == ("-c", "print(1)", "a") and cfg.python is not None
+    assert parse_args(["-n", "2", "python3", "-mpkg.x", "a"]).target == ("-m", "pkg.x", "a")
+    assert parse_args(["-n", "2", "--no-python", "echo", "a"]).target == ("echo", "a")
+    command = build_command(parse_args(["-n", "2", "--no-python", "echo", "a"]), "mpiexec",
+                            "hydra", None)
+    assert command == ["mpiexec", "-n", "2", "echo", "a"]
 
 
 @launches
