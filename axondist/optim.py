@@ -19,6 +19,7 @@ views of a parameter (e.g. a flat buffer an FSDP shard lives in) stay valid.
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any
 
 import numpy as np
@@ -371,11 +372,14 @@ class Adam(Optimizer):
 
     def _validate(self) -> None:
         name = type(self).__name__
-        if len(self.betas) != 2:
-            raise ValueError(f"{name}: betas must be two numbers in [0, 1), got {self.betas}")
-        self.betas = tuple(real_number(b, name, f"betas[{i}]", below=1.0,
-                                       meaning="a moving average's decay")
-                           for i, b in enumerate(self.betas))
+        numbers_ = [isinstance(b, numbers.Real) and not isinstance(b, (bool, np.bool_))
+                    for b in self.betas]
+        if len(self.betas) != 2 or not all(numbers_) or not all(
+                0.0 <= float(b) < 1.0 for b in self.betas):  # NaN fails too
+            kind = TypeError if not all(numbers_) else ValueError
+            raise kind(f"{name}: betas must be two numbers in [0, 1) (the decays of the moving "
+                       f"averages), such as (0.9, 0.999); got {self.betas!r}")
+        self.betas = (float(self.betas[0]), float(self.betas[1]))
         self.eps = _check_nonneg("eps", self.eps, name)
         self.weight_decay = _check_nonneg("weight_decay", self.weight_decay, name)
 

@@ -14,9 +14,65 @@ from ._validate import as_members
 from .backends.base import Backend
 from .backends.mock import MockBackend
 from .backends.registry import create_backend
-from .errors import NotAMemberError
+from .errors import AxondistError, NotAMemberError
 
 log = logging.getLogger("axondist")
+
+#: Environment variable: the most groups made by ``new_group`` that may be alive at once on
+#: a rank (unset: as many as the backend allows).
+MAX_GROUPS_ENV = "AXONDIST_MAX_GROUPS"
+
+
+class TooManyGroupsError(AxondistError, RuntimeError):
+    """``new_group`` could not make another group: too many are alive (never destroyed)."""
+
+
+class LiveGroups:
+    """How many groups made by ``new_group`` (from one world) are alive on this rank.
+
+    Shared by a world and every group made from it; a group counts from its
+    creation (on its members) to its ``destroy()``. A group dropped without
+    ``destroy()`` still holds its communicators, so it still counts.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.count = 0
+
+    def add(self, n: int) -> None:
+        with self._lock:
+            self.count += n
+
+
+def _max_groups() -> int | None:
+    raw = os.environ.get(MAX_GROUPS_ENV, "").strip()
+    if not raw:
+        return None
+    try:
+        limit = int(raw)
+    except ValueError:
+        raise ValueError(f"{MAX_GROUPS_ENV}={raw!r} must be an int >= 0 (the most groups alive "
+                         "at once), or unset") from None
+    if limit < 0:
+        raise ValueError(f"{MAX_GROUPS_ENV}={raw!r} must be an int >= 0, or unset")
+    return limit
+
+
+def _out_of_communicators(exc: BaseException) -> str:
+    """The line of a backend error saying the MPI library ran out of communicators, or ""."""
+    text = str(exc)
+    at = text.lower().find("too many communicators")
+    return "" if at < 0 else text[at:].splitlines()[0].strip()
+
+
+def too_many_groups(alive: int, why: str) -> TooManyGroupsError:
+    """The error ``new_group`` raises when no more groups can be made (``why``: the limit)."""
+    return TooManyGroupsError(
+        f"new_group: cannot make another group: {alive} groups made by new_group are alive on "
+        f"this rank and {why} (on MPI each group holds two communicators: its own and a private "
+        "duplicate for the argument checks). Free the groups you no longer need: "
+        "group.destroy() (every member calls it), or make them with `with world.new_group("
+        "ranks) as group:`; FSDP wrappers that made groups free them with fsdp.close()")
 
 
 class ProcessGroup:
@@ -47,6 +103,8 @@ class ProcessGroup:
                              f"{backend.world_size}")
         self._world_rank = world_rank
         self._destroyed = False
+        self._live = LiveGroups()  # shared with the groups made from this one
+        self._counted = False
 
     @property
     def backend(self) -> Backend | None:
@@ -101,11 +159,29 @@ class ProcessGroup:
 
         Raises:
             RankError: a rank outside this group, or a repeated rank.
+            TooManyGroupsError: the backend has run out of communicators (or
+                ``AXONDIST_MAX_GROUPS`` groups are alive): the message says how
+                many groups are alive and how to free them.
         """
         ranks = as_members(ranks, self.world_size, "new_group")
-        backend = self.backend_for("new_group").new_group(ranks)
+        parent = self.backend_for("new_group")
+        limit = _max_groups()
+        if limit is not None and self._live.count >= limit:
+            raise too_many_groups(self._live.count, f"{MAX_GROUPS_ENV}={limit} allows no more")
+        try:
+            backend = parent.new_group(ranks)
+        except Exception as exc:
+            said = _out_of_communicators(exc)
+            if not said:
+                raise
+            raise too_many_groups(self._live.count, f"the MPI library has run out of "
+                                  f"communicators ({said})") from None  # it holds MPI's line
         world_ranks = [self._ranks[r] for r in ranks]
         group = ProcessGroup(backend, world_ranks, world_rank=self._ranks[self.rank])
+        group._live = self._live
+        if backend is not None:
+            group._counted = True
+            self._live.add(1)
         log.debug("new_group: ranks %s (%s)", world_ranks,
                   "a member" if group.is_member else "not a member")
         return group
@@ -119,6 +195,9 @@ class ProcessGroup:
         backend, self._backend = self._backend, None
         if backend is not None:
             self._destroyed = True
+            if self._counted:
+                self._counted = False
+                self._live.add(-1)
             backend.close()
 
     def __enter__(self) -> ProcessGroup:
