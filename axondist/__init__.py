@@ -90,10 +90,11 @@ _LAZY = {
     "MockBackend": "backends", "NcclBackend": "backends",
     "ZeroRedundancyOptimizer": "zero", "ShardingSpec": "fsdp",
     "trace_span": "trace",
+    "LossScaler": "amp",
 }
 
 
-_SUBMODULES = {"backends", "bucketing", "checkpoint", "comm", "compression", "data", "ddp", "fsdp",
+_SUBMODULES = {"amp", "backends", "bucketing", "checkpoint", "comm", "compression", "data", "ddp", "fsdp",
                "gradient_bucket", "log", "zero", "mesh", "optim", "pipeline", "tensor_parallel",
                "trace"}
 

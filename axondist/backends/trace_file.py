@@ -191,7 +191,8 @@ class TraceWriter:
             return json.dumps(item[1], default=str) + "\n"
         entry, end = item
         # the fields a call shares with others of its kind, as JSON text made once
-        kind = (entry[_OP], entry[_GROUP], entry[_BLOCKING], entry[_DETAIL])
+        kind: tuple[Any, ...] | None = (entry[_OP], entry[_GROUP], entry[_BLOCKING],
+                                         entry[_DETAIL])
         try:
             fields = self._call_fields.get(kind)
         except TypeError:  # an unhashable detail
