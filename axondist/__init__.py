@@ -94,9 +94,9 @@ _LAZY = {
 }
 
 
-_SUBMODULES = {"amp", "backends", "bucketing", "checkpoint", "comm", "compression", "data", "ddp", "fsdp",
-               "gradient_bucket", "log", "zero", "mesh", "optim", "pipeline", "tensor_parallel",
-               "trace"}
+_SUBMODULES = {"amp", "backends", "bucketing", "checkpoint", "comm", "compression", "data", "ddp",
+               "fsdp", "gradient_bucket", "log", "zero", "mesh", "optim", "pipeline",
+               "tensor_parallel", "trace"}
 
 
 def __getattr__(name: str) -> object:
