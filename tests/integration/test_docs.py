@@ -107,6 +107,37 @@ def test_guide_skips_only_what_needs_mpi_or_a_gpu():
     assert all(("mpiexec" in c or "GPU" in c or "nccl" in c) for c in skipped)
 
 
+# --- the environment variables -----------------------------------------------------------------
+
+_VARIABLE = re.compile(r"AXONDIST_[A-Z][A-Z_]*[A-Z]")
+
+
+def variables_the_code_reads() -> dict[str, str]:
+    """``{AXONDIST_* name: a file that names it}`` over the package's source."""
+    found: dict[str, str] = {}
+    for path in sorted((ROOT / "axondist").rglob("*.py")):
+        for name in _VARIABLE.findall(path.read_text(encoding="utf-8")):
+            found.setdefault(name, str(path.relative_to(ROOT)))
+    return found
+
+
+def variables_in_the_guides_table() -> set[str]:
+    """The first column of the guide's table of environment variables."""
+    text = (DOCS / "guide.md").read_text(encoding="utf-8")
+    table = text[text.index("Environment variables:"):text.index("### The mock world")]
+    return set(re.findall(r"^\| `(AXONDIST_[A-Z_]+)", table, flags=re.MULTILINE))
+
+
+def test_every_environment_variable_the_code_reads_is_in_the_guides_table():
+    code, table = variables_the_code_reads(), variables_in_the_guides_table()
+    assert len(code) >= 15, code  # the scan found the variables at all
+    missing = {name: where for name, where in code.items() if name not in table}
+    assert not missing, (f"environment variables named in the code but not in the table of "
+                         f"docs/guide.md (\"Environment variables:\"): {missing}; add a row")
+    stale = table - set(code)
+    assert not stale, f"docs/guide.md's table lists variables no code reads: {sorted(stale)}"
+
+
 # --- links -----------------------------------------------------------------------------------
 
 _LINK = re.compile(r"\]\(([^)\s]+)\)")
