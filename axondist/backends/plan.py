@@ -36,7 +36,7 @@ REDUCTIONS = frozenset({"all_reduce", "reduce_scatter", "reduce"})
 _HALF = frozenset(d for d in _array.SUPPORTED_DTYPES if d.itemsize == 2 and d.kind != "i")
 _FLOAT32 = np.dtype(np.float32)
 _INT64 = np.dtype(np.int64)
-_AVERAGE = ReduceOp.AVERAGE.value
+_AVERAGE = ReduceOp.AVERAGE.name
 
 
 class CallKey(NamedTuple):
@@ -51,7 +51,7 @@ class CallKey(NamedTuple):
     library: str
     #: ``"ok"``, ``"read-only"`` or ``"strided"``: whether the call may write the buffer.
     layout: str = "ok"
-    #: A :class:`ReduceOp`'s value (``"sum"``...) for reductions, else None.
+    #: A :class:`ReduceOp`'s name (``"SUM"``...) for reductions, else None.
     reduce_op: str | None = None
     #: The root (broadcast's ``src``, reduce's ``dst``...) as a group rank, else None.
     root: int | None = None
@@ -67,7 +67,7 @@ class CallKey(NamedTuple):
            async_op: bool = False) -> CallKey:
         """The key of ``collective`` on array ``x`` (a NumPy or CuPy array)."""
         op = None if reduce_op is None else (
-            reduce_op.value if reduce_op.__class__ is ReduceOp else ReduceOp.parse(reduce_op).value)
+            reduce_op.name if reduce_op.__class__ is ReduceOp else ReduceOp.parse(reduce_op).name)
         library, layout = _array.layout_of(x)
         return cls(collective, x.dtype, x.shape, library, layout, op, root, counts,
                    bool(async_op))
@@ -75,7 +75,7 @@ class CallKey(NamedTuple):
     @property
     def op(self) -> ReduceOp | None:
         """The reduction as a :class:`ReduceOp` (None for a collective without one)."""
-        return None if self.reduce_op is None else ReduceOp(self.reduce_op)
+        return None if self.reduce_op is None else ReduceOp[self.reduce_op]
 
     def signature(self) -> tuple[tuple[str, Any], ...]:
         """The ``(field, value)`` pairs every rank must agree on, as mismatch messages and
@@ -127,7 +127,7 @@ def validate(key: CallKey, rank: int, world_size: int) -> None:
     what = key.collective
     _array.check_dtype(key.dtype, what)
     if key.reduce_op is not None:
-        check_op_dtype(ReduceOp(key.reduce_op), key.dtype, what)
+        check_op_dtype(ReduceOp[key.reduce_op], key.dtype, what)
     if key.layout != "ok" and what in IN_PLACE:
         raise InvalidBufferError(_LAYOUT_ERRORS[key.layout].format(what=what, shape=key.shape))
     if key.root is not None:
@@ -135,6 +135,11 @@ def validate(key: CallKey, rank: int, world_size: int) -> None:
     if what in ("reduce_scatter", "all_gather", "gather", "scatter", "all_to_all") \
             and not key.shape:
         raise InvalidBufferError(f"{what}: a 0-d array has no axis to split; pass x[None]")
+    if what == "reduce_scatter" and key.counts is not None and (
+            len(key.counts) != world_size or sum(key.counts) != key.shape[0]):
+        raise InvalidBufferError(
+            f"reduce_scatter: counts={list(key.counts)} must list {world_size} row counts "
+            f"adding up to the {key.shape[0]} rows of send")
     if what == "all_gather" and key.counts is not None:
         counts = key.counts
         if len(counts) != world_size or counts[rank] != key.shape[0]:
@@ -171,7 +176,8 @@ def output_shape(key: CallKey, rank: int, world_size: int) -> tuple[int, ...]:
     trailing = tuple(key.shape[1:])
     if key.collective == "all_gather":
         return (sum(key.counts or ()),) + trailing
-    return (split_sizes(key.shape[0], world_size)[rank],) + trailing
+    rows = key.counts if key.counts is not None else split_sizes(key.shape[0], world_size)
+    return (rows[rank],) + trailing
 
 
 def checked_out(out: Any, key: CallKey, shape: tuple[int, ...], what: str) -> Any:
@@ -195,19 +201,26 @@ def checked_out(out: Any, key: CallKey, shape: tuple[int, ...], what: str) -> An
 
 _Start = Callable[["Backend", CallKey, Any, Any, Signature], Work]
 
+def _op(key: CallKey) -> ReduceOp:
+    return ReduceOp[cast(str, key.reduce_op)]
+
+
+def _root(key: CallKey) -> int:
+    return cast(int, key.root)
+
+
 #: How the generic plan starts each collective on a backend's general methods.
 _STARTS: dict[str, _Start] = {
-    "all_reduce": lambda b, k, s, r, sig: b.all_reduce(s, ReduceOp(k.reduce_op), signature=sig,
-                                                       async_op=k.async_op),
-    "broadcast": lambda b, k, s, r, sig: b.broadcast(s, cast(int, k.root), signature=sig,
-                                                     async_op=k.async_op),
-    "reduce": lambda b, k, s, r, sig: b.reduce(s, ReduceOp(k.reduce_op), cast(int, k.root),
-                                               signature=sig, async_op=k.async_op),
+    "all_reduce": lambda b, k, s, r, sig: b.all_reduce(
+        s, _op(k), signature=sig, async_op=k.async_op),
+    "broadcast": lambda b, k, s, r, sig: b.broadcast(
+        s, _root(k), signature=sig, async_op=k.async_op),
+    "reduce": lambda b, k, s, r, sig: b.reduce(
+        s, _op(k), _root(k), signature=sig, async_op=k.async_op),
     "all_gather": lambda b, k, s, r, sig: b.all_gather(
         s, r, element_counts(k, b.world_size), signature=sig, async_op=k.async_op),
     "reduce_scatter": lambda b, k, s, r, sig: b.reduce_scatter(
-        s, r, element_counts(k, b.world_size), ReduceOp(k.reduce_op), signature=sig,
-        async_op=k.async_op),
+        s, r, element_counts(k, b.world_size), _op(k), signature=sig, async_op=k.async_op),
 }
 
 
@@ -251,7 +264,7 @@ class WidenedMeanPlan(Plan):
 
     def __init__(self, backend: Backend, key: CallKey) -> None:
         super().__init__(key)
-        wide_key = key._replace(dtype=_FLOAT32, reduce_op=ReduceOp.SUM.value,
+        wide_key = key._replace(dtype=_FLOAT32, reduce_op=ReduceOp.SUM.name,
                                 variant=f"mean widened from {key.dtype}")
         self._wide = backend.plan(wide_key)
         self._scale = 1.0 / backend.world_size

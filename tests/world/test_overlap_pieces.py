@@ -24,9 +24,8 @@ from hypothesis import strategies as st
 
 import axondist as ad
 from axondist import Parameter, tune
-from axondist.backends._mpi_common import NODE_CHUNK_BYTES
-from axondist.bucketing import GradientSynchronizer, GradSyncStrategy
-from axondist.ddp import DDP
+from axondist.backends.mpi.choose import NODE_CHUNK_BYTES
+from axondist.ddp import DDP, DEFAULT_BUCKET_CAP_MB, GradientSynchronizer, GradSyncStrategy
 from axondist.errors import CollectiveTimeoutError
 from axondist.tune import SweepPoint, TuneSettings
 
@@ -182,15 +181,18 @@ def test_ddp_overlapped_equals_synchronous_and_one_process(size, weighted):
 
 
 def _tuned(world, path):
-    made = {s: DDP([Parameter(np.zeros(4))], world, strategy=s, init_sync=False)
+    made = {s.name: DDP([Parameter(np.zeros(4))], world, strategy=s, init_sync=False)
             for s in (SYNC, OVER)}
-    return {s.name: d.bucket_cap_mb for s, d in made.items()}
+    made["OVERLAPPED tuned"] = DDP([Parameter(np.zeros(4))], world, strategy=OVER,
+                                   init_sync=False, **tune.tuned_ddp_options(world))
+    return {name: d.bucket_cap_mb for name, d in made.items()}
 
 
-def test_tunes_bucket_applies_to_overlapped_only(tmp_path: Path,
-                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    """A synchronous step only gains from fewer, bigger buckets: DDP takes the size
-    ``tune`` picked under OVERLAPPED only, and 25 MiB otherwise."""
+def test_ddp_reads_no_tune_file_and_takes_the_tuned_bucket_when_passed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """DDP reads no settings file by itself: with one present, a DDP built without
+    options keeps 25 MiB, and one given ``**tune.tuned_ddp_options(group)`` takes the size
+    ``tune`` picked."""
     size = current_size(2)
     folder = Path(mpi_world().backend.comm.bcast(str(tmp_path))) if UNDER_MPI else tmp_path
     path = folder / "tune.json"
@@ -204,7 +206,8 @@ def test_tunes_bucket_applies_to_overlapped_only(tmp_path: Path,
         mpi_world().backend.comm.Barrier()
     monkeypatch.setenv("AXONDIST_TUNE_FILE", str(path))
     for caps in run_world(_tuned, size, path):
-        assert caps == {"SYNCHRONOUS": tune.DEFAULT_BUCKET_CAP_MB, "OVERLAPPED": 2.0}
+        assert caps == {"SYNCHRONOUS": DEFAULT_BUCKET_CAP_MB, "OVERLAPPED": DEFAULT_BUCKET_CAP_MB,
+                        "OVERLAPPED tuned": 2.0}
 
 
 # --- the MPI ring ------------------------------------------------------------------------

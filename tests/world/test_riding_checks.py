@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 
 import axondist as ad
 from axondist._array import dtype_named
-from axondist.backends._mpi_guard import _RIDERS_LIMIT, RIDE_MAX_BYTES
+from axondist.backends.base import PLAN_CACHE_LIMIT as _RIDERS_LIMIT
+from axondist.backends.mpi.choose import RIDE_MAX_BYTES
 
 OPS = ["sum", "average", "max", "min", "product"]
 DTYPES = ["float32", "float64", "int32", "int64"]

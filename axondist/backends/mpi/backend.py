@@ -1,0 +1,571 @@
+"""The MPI backend: one rank's endpoint in an MPI communicator that axondist owns.
+
+Collectives run as prepared calls (:meth:`MPIBackend.make_plan`): the plan's class comes
+from the table in :mod:`~axondist.backends.mpi.choose` and lives in
+:mod:`~axondist.backends.mpi.plans` or :mod:`~axondist.backends.mpi.algorithms`. The
+rooted calls, point to point, objects and groups run here, each numbered, recorded and
+checked by the group's :class:`~axondist.backends.mpi.guard.CallGuard`.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from ... import _array
+from ..._validate import as_rank
+from ...errors import CollectiveMismatchError, InvalidBufferError
+from ...ops import ReduceOp
+from ..base import Backend, PersistentAllReduce, Signature
+from ..plan import CallKey, Plan, WidenedMeanPlan, general_plan
+from ..recorder import FlightRecorder
+from ..work import CompletedWork, MappedWork, PolledWork, Work
+from .algorithms.pair_ride import PairRidePlan
+from .algorithms.pieces import AllReducePiecesPlan, BroadcastPiecesPlan
+from .choose import Algorithm, Layout, choose
+from .guard import CallGuard, check_words, wait_until
+from .plans import (
+    AllGatherPlan,
+    AllReducePlan,
+    BroadcastPlan,
+    ReducePlan,
+    ReduceScatterPlan,
+    StagedPlan,
+    UnsizedAllGatherPlan,
+)
+from .transport import (
+    BYTES,
+    MPIOptions,
+    MPIWork,
+    TypeTable,
+    cuda_aware_from_alloc_kinds,
+    displacements,
+    load_mpi,
+    piece_bounds,
+    raise_mpi_error,
+    split_tag,
+    synchronize_device,
+    unsupported,
+)
+
+#: The plan class of each (collective, algorithm) the table can choose.
+PLANS: dict[tuple[str, Algorithm], Callable[[Any, CallKey], Plan]] = {
+    ("all_reduce", Algorithm.MPI): AllReducePlan,
+    ("all_reduce", Algorithm.PAIR_RIDE): PairRidePlan,
+    ("all_reduce", Algorithm.PIECES): AllReducePiecesPlan,
+    ("broadcast", Algorithm.MPI): BroadcastPlan,
+    ("broadcast", Algorithm.PIECES): BroadcastPiecesPlan,
+    ("all_gather", Algorithm.MPI): AllGatherPlan,
+    ("reduce_scatter", Algorithm.MPI): ReduceScatterPlan,
+    ("reduce", Algorithm.MPI): ReducePlan,
+}
+#: Bytes per persistent all-reduce piece unless ``piece_bytes`` says otherwise.
+PERSISTENT_PIECE_BYTES = 2 << 20
+
+
+def node_info(node_ids: Sequence[int], rank: int) -> tuple[int, int, int]:
+    """(node id, local rank, local size) of ``rank`` from every rank's node id; nodes are
+    numbered by their first rank, so every rank agrees."""
+    order = list(dict.fromkeys(node_ids))
+    mine = node_ids[rank]
+    local = [r for r, n in enumerate(node_ids) if n == mine]
+    return order.index(mine), local.index(rank), len(local)
+
+
+class MPIBackend(Backend):
+    """One rank's endpoint in an MPI communicator that axondist owns.
+
+    Args:
+        comm: the communicator (already a duplicate: the backend frees it on
+            :meth:`close`). Construction is collective over ``comm``.
+        options: data-movement policy (:meth:`MPIOptions.from_env` when None).
+        recorder: the rank's flight recorder (a new one when None).
+        group_name: the group's name in the recorder.
+        members: the group's members as world ranks (all of ``comm`` when None).
+        node_ids: every rank's node id (computed when None).
+        types: the world's datatype table (a new one when None).
+    """
+
+    name = "mpi"
+
+    def __init__(self, comm: Any, options: MPIOptions | None = None, *,
+                 recorder: FlightRecorder | None = None, group_name: str = "world",
+                 members: Sequence[int] | None = None, node_ids: Sequence[int] | None = None,
+                 types: TypeTable | None = None) -> None:
+        self.mpi = mpi = load_mpi()
+        self._comm = comm
+        self.options = options if options is not None else MPIOptions.from_env()
+        self.rank = comm.Get_rank()
+        self.world_size = comm.Get_size()
+        self._owns_types = types is None
+        self.types = TypeTable(mpi) if types is None else types
+        #: mock and NCCL compare signatures; MPI hashes the plan's key itself.
+        self.needs_signature = self.options.debug
+        if recorder is None:
+            world = mpi.COMM_WORLD
+            recorder = FlightRecorder(world.Get_rank(), world.Get_size(),
+                                      mpi.Get_processor_name())
+        self.guard = CallGuard(comm, mpi, recorder, group_name,
+                               range(self.world_size) if members is None else members,
+                               self.options.checks, self.options.debug)
+        self._tag_ub = int(mpi.COMM_WORLD.Get_attr(mpi.TAG_UB))
+        #: Each rank's node id (nodes numbered by their lowest rank).
+        self._nodes = self._compute_nodes() if node_ids is None else list(node_ids)
+        self._node = node_info(self._nodes, self.rank)
+        #: What the algorithm table reads about this group.
+        self.layout = Layout(self.world_size, len(set(self._nodes)), self.guard.checks
+                             and not self.options.debug, self.options.chunk_bytes)
+        self._cuda_aware: bool | None = True if self.options.host_staging == "never" else None
+        self._persistent: weakref.WeakSet[PersistentAllReduce] = weakref.WeakSet()
+        #: The rank's watchdog (the world backend of a job of several ranks only).
+        self.watchdog: Any = None
+
+    # --- properties ---------------------------------------------------------------------
+    @property
+    def recorder(self) -> FlightRecorder:  # type: ignore[override]
+        """The rank's flight recorder (shared by its groups)."""
+        return self.guard.rec
+
+    @property
+    def comm(self) -> Any:
+        """The mpi4py communicator carrying this backend's traffic (not COMM_WORLD)."""
+        return self._comm
+
+    @property
+    def cuda_aware(self) -> bool:
+        """Whether device buffers may go to MPI directly (detected once)."""
+        if self._cuda_aware is None:
+            query = getattr(self.mpi, "Query_cuda_support", None)
+            if query is not None:
+                self._cuda_aware = bool(query())
+            else:
+                info = self._comm.Get_info()
+                try:
+                    self._cuda_aware = cuda_aware_from_alloc_kinds(
+                        info.Get("mpi_memory_alloc_kinds") or "")
+                finally:
+                    info.Free()
+        return self._cuda_aware
+
+    def _compute_nodes(self) -> list[int]:
+        """Every rank's node id, from ``Split_type(COMM_TYPE_SHARED)``."""
+        local = self._comm.Split_type(self.mpi.COMM_TYPE_SHARED, key=self.rank)
+        try:
+            leader = local.bcast(self.rank, root=0)
+            return list(self._comm.allgather(leader))
+        finally:
+            local.Free()
+
+    # --- prepared calls -------------------------------------------------------------------
+    def _staged(self, key: CallKey) -> bool:
+        if self.options.host_staging == "always":
+            return True
+        return key.library != "numpy" and not self.cuda_aware
+
+    def make_plan(self, key: CallKey) -> Plan:
+        """The plan of ``key``: a widened mean for half-precision AVERAGEs, host copies
+        for device arrays MPI cannot read, else the class the table chooses."""
+        if key.reduce_op == "AVERAGE" and key.dtype.itemsize == 2 and key.dtype.kind != "i":
+            return WidenedMeanPlan(self, key)
+        if self._staged(key):
+            return StagedPlan(self, key)
+        return self.host_plan(key)
+
+    def host_plan(self, key: CallKey) -> Plan:
+        """The plan of ``key`` on buffers MPI reads directly."""
+        if key.collective == "all_gather" and key.counts is None:
+            return UnsizedAllGatherPlan(self, key)
+        if key.reduce_op is not None and key.dtype not in self.types.reduce[key.reduce_op]:
+            raise unsupported(key.collective, key.dtype, key.reduce_op)
+        made = PLANS.get((key.collective, choose(key, self.layout)))
+        return made(self, key) if made is not None else general_plan(self, key)
+
+    def _planned(self, key: CallKey, send: Any, recv: Any = None) -> Work:
+        result = self.plan(key).run(send, recv)
+        return result if key.async_op else CompletedWork(result)
+
+    # --- the contract's general methods, as plans -----------------------------------------
+    def all_reduce(self, buf: Any, op: ReduceOp, *, signature: Signature = (),
+                   async_op: bool = False) -> Work:
+        """The in-place all-reduce of ``buf`` (its plan's call)."""
+        return self._planned(CallKey.of("all_reduce", buf, reduce_op=op, async_op=async_op),
+                             buf)
+
+    def broadcast(self, buf: Any, root: int, *, signature: Signature = (),
+                  async_op: bool = False) -> Work:
+        """The broadcast of ``root``'s ``buf`` (its plan's call)."""
+        return self._planned(CallKey.of("broadcast", buf, root=root, async_op=async_op), buf)
+
+    def all_gather(self, send: Any, recv: Any, counts: Sequence[int], *,
+                   signature: Signature = (), async_op: bool = False) -> Work:
+        """The all-gather of flat ``send`` blocks of ``counts`` elements into ``recv``."""
+        flat = send.reshape(-1)
+        key = CallKey.of("all_gather", flat, counts=tuple(int(c) for c in counts),
+                         async_op=async_op)
+        work = self._planned(key, flat, recv.reshape(-1))
+        return _with(work, recv, async_op)
+
+    def reduce_scatter(self, send: Any, recv: Any, counts: Sequence[int], op: ReduceOp, *,
+                       signature: Signature = (), async_op: bool = False) -> Work:
+        """The reduce-scatter of flat ``send`` into blocks of ``counts`` elements."""
+        counts = [int(c) for c in counts]
+        if len(counts) != self.world_size or sum(counts) != send.size \
+                or recv.size != counts[self.rank]:
+            raise self._bad_counts("reduce_scatter", counts, (("send", send, sum(counts)),
+                                                              ("recv", recv, counts[self.rank])))
+        flat = send.reshape(-1)
+        key = CallKey.of("reduce_scatter", flat, reduce_op=op, counts=tuple(counts),
+                         async_op=async_op)
+        return _with(self._planned(key, flat, recv.reshape(-1)), recv, async_op)
+
+    def reduce(self, buf: Any, op: ReduceOp, root: int, *, signature: Signature = (),
+               async_op: bool = False) -> Work:
+        """The reduce into ``root``'s ``buf`` (its plan's call)."""
+        return self._planned(CallKey.of("reduce", buf, reduce_op=op, root=root,
+                                        async_op=async_op), buf)
+
+    # --- rooted and irregular calls --------------------------------------------------------
+    def _checked(self, op: str, key: tuple[tuple[str, Any], ...], run: Callable[[], Any]) -> Any:
+        """``run()`` as call ``op``: numbered, recorded, checked across ranks first."""
+        guard = self.guard
+        seq, slot = guard.begin(op, key)
+        try:
+            if guard.checks:
+                guard.agree(op, key, check_words(op, key))
+            try:
+                return run()
+            except self.mpi.Exception as exc:
+                raise_mpi_error(self.mpi, exc, op)
+        finally:
+            guard.rec.end(slot)
+
+    def _bad_counts(self, what: str, counts: list[int],
+                    sizes: Sequence[tuple[str, Any, int]]) -> Exception:
+        if len(counts) != self.world_size:
+            return CollectiveMismatchError(f"{what}: counts lists {len(counts)} ranks, the "
+                                           f"group has {self.world_size}")
+        for arg, buf, expected in sizes:
+            if buf is not None and buf.size != expected:
+                return InvalidBufferError(
+                    f"{what}: {arg} has {buf.size} elements but counts={counts} asks for "
+                    f"{expected} on rank {self.rank}")
+        return CollectiveMismatchError(f"{what}: counts={counts} do not fit")
+
+    def _rooted(self, what: str, root: int, counts: Sequence[int], mine: Any,
+                full: Any | None, mine_arg: str, full_arg: str) -> tuple[list[int], Any]:
+        as_rank(root, self.world_size, what, "root")
+        counts = [int(c) for c in counts]
+        if self.rank != root:
+            full = None
+        elif full is None:
+            raise InvalidBufferError(f"{what}: the root (rank {root}) must pass a {full_arg} "
+                                     "buffer")
+        if (len(counts) != self.world_size or mine.size != counts[self.rank]
+                or (full is not None and full.size != sum(counts))):
+            raise self._bad_counts(what, counts, ((mine_arg, mine, counts[self.rank]),
+                                                  (full_arg, full, sum(counts))))
+        return counts, full
+
+    def _host(self, *bufs: Any) -> bool:
+        """True when these buffers go through host copies; else makes device ones ready."""
+        if self.options.host_staging == "always":
+            return True
+        if not any(b is not None and _array.is_cupy(b) for b in bufs):
+            return False
+        if not self.cuda_aware:
+            return True
+        synchronize_device(*bufs)
+        return False
+
+    def _rooted_call(self, what: str, mine: Any, full: Any | None, counts: list[int],
+                     root: int, signature: Signature) -> Work:
+        """``Gatherv``/``Scatterv``: ``mine`` this rank's block, ``full`` the root's whole."""
+        if self._host(mine, full):
+            host_mine = _array.copy_to_host(mine, _array.host_staging_buffer(mine))
+            host_full = None if full is None else _array.copy_to_host(
+                full, _array.host_staging_buffer(full))
+            self._rooted_call(what, host_mine, host_full, counts, root, signature)
+            if what == "gather" and full is not None and host_full is not None:
+                _array.copy_from_host(full, host_full)
+            if what == "scatter":
+                _array.copy_from_host(mine, host_mine)
+            return CompletedWork(full if what == "gather" else mine)
+        view, mtype = self.types.transfer.get(mine.dtype, (None, None))
+        if mtype is None:
+            raise unsupported(what, mine.dtype)
+        wire_mine = [mine if view is None else mine.view(view), mtype]
+        spec = None
+        if full is not None:
+            spec = [full if view is None else full.view(view), counts, displacements(counts),
+                    mtype]
+        key = ((("dtype", str(mine.dtype)), ("counts", tuple(counts)), ("root", root))
+               + tuple(signature))
+        if what == "gather":
+            self._checked(what, key, lambda: self._comm.Gatherv(wire_mine, spec, root))
+            return CompletedWork(full)
+        self._checked(what, key, lambda: self._comm.Scatterv(spec, wire_mine, root))
+        return CompletedWork(mine)
+
+    def gather(self, send: Any, recv: Any | None, counts: Sequence[int], root: int, *,
+               signature: Signature = (), async_op: bool = False) -> Work:
+        """``Gatherv`` into ``root``'s ``recv``; the result is None elsewhere (blocking).
+
+        Raises:
+            InvalidBufferError: the root passed no ``recv``, or a buffer does not
+                hold what ``counts`` says.
+        """
+        counts, recv = self._rooted("gather", root, counts, send, recv, "send", "recv")
+        return self._rooted_call("gather", send, recv, counts, root, signature)
+
+    def scatter(self, send: Any | None, recv: Any, counts: Sequence[int], root: int, *,
+                signature: Signature = (), async_op: bool = False) -> Work:
+        """``Scatterv`` of ``root``'s ``send`` by ``counts`` (blocking).
+
+        Raises:
+            InvalidBufferError: the root passed no ``send``, or a buffer does not
+                hold what ``counts`` says.
+        """
+        counts, send = self._rooted("scatter", root, counts, recv, send, "recv", "send")
+        return self._rooted_call("scatter", recv, send, counts, root, signature)
+
+    def all_to_all(self, send: Any, recv: Any, send_counts: Sequence[int],
+                   recv_counts: Sequence[int], *, signature: Signature = (),
+                   async_op: bool = False) -> Work:
+        """``Alltoallv``: block k of ``send`` to rank k, ``recv`` gets the blocks in rank
+        order. Device arrays MPI cannot read take the contract's general path."""
+        if self._host(send, recv):
+            return super().all_to_all(send, recv, send_counts, recv_counts,
+                                      signature=signature, async_op=async_op)
+        sc, rc = [int(c) for c in send_counts], [int(c) for c in recv_counts]
+        if (len(sc) != self.world_size or len(rc) != self.world_size or send.size != sum(sc)
+                or recv.size != sum(rc)):
+            raise self._bad_counts("all_to_all", sc, (("send", send, sum(sc)),
+                                                      ("recv", recv, sum(rc))))
+        view, mtype = self.types.transfer[send.dtype]
+        s = send if view is None else send.view(view)
+        r = recv if view is None else recv.view(view)
+        self._checked("all_to_all", (("dtype", str(send.dtype)),), lambda: self._comm.Alltoallv(
+            [s, sc, displacements(sc), mtype], [r, rc, displacements(rc), mtype]))
+        return CompletedWork(recv)
+
+    def barrier(self) -> None:
+        """``Barrier`` on the backend's communicator (the watchdog ends a barrier that
+        some rank never enters)."""
+        self._checked("barrier", (), self._comm.Barrier)
+
+    def monitored_barrier(self, timeout: float) -> None:
+        """A barrier that fails after ``timeout`` seconds naming the ranks that did not
+        arrive (asked through the watchdog); the communicator is unusable afterwards."""
+        guard = self.guard
+        deadline = time.monotonic() + timeout
+        seq, slot = guard.begin("barrier", ())
+        try:
+            guard.agree_within("barrier", (), seq, deadline)
+            request = self._comm.Ibarrier()
+            wait_until(request.Test, deadline, lambda: guard.absent_error("barrier", seq))
+        finally:
+            guard.rec.end(slot)
+
+    # --- persistent all-reduces ------------------------------------------------------------
+    def persistent_all_reduce(self, buf: Any, op: ReduceOp = ReduceOp.SUM, *,
+                              piece_bytes: int | None = None) -> PersistentAllReduce:
+        """MPI-4 persistent ``Allreduce_init`` requests over pieces of ``buf``, made once
+        (the ranks check here, once, that they set up the same call) and started each
+        step: no per-call allocation, so no page faults per start. Each start is
+        numbered and recorded as an ``all_reduce``, and its Work honours
+        ``wait(timeout)``. Device buffers and debug mode take the contract's default."""
+        if type(buf) is not np.ndarray or self.options.debug \
+                or self.options.host_staging == "always":
+            return super().persistent_all_reduce(buf, op, piece_bytes=piece_bytes)
+        found = self.types.reduce[op.name].get(buf.dtype)
+        if found is None:
+            raise unsupported("all_reduce", buf.dtype, op.name)
+        view, mtype, mop, average = found
+        flat = buf.reshape(-1)
+        wire = flat if view is None else flat.view(view)
+        piece = piece_bytes or self.options.piece_bytes or PERSISTENT_PIECE_BYTES
+        bounds = piece_bounds(flat.size, flat.itemsize, piece)
+        self._checked("all_reduce", (("dtype", str(buf.dtype)), ("shape", buf.shape),
+                                     ("reduce_op", op.name), ("persistent", piece)),
+                      lambda: None)
+        try:
+            requests = [self._comm.Allreduce_init(self.mpi.IN_PLACE, [wire[lo:hi], mtype], mop)
+                        for lo, hi in bounds]
+        except self.mpi.Exception as exc:
+            raise_mpi_error(self.mpi, exc, "all_reduce")
+        guard = self.guard
+        scale = (1.0 / self.world_size) if average else None
+
+        def start(k: int) -> Work:
+            lo, hi = bounds[k]
+            request, piece_view = requests[k], flat[lo:hi]
+            seq, slot = guard.begin("all_reduce", (("dtype", str(buf.dtype)),
+                                                   ("shape", (hi - lo,)), ("persistent", k)),
+                                    blocking=False)
+            try:
+                request.Start()
+            except self.mpi.Exception as exc:
+                raise_mpi_error(self.mpi, exc, "all_reduce")
+            finally:
+                guard.rec.end(slot)
+            finish = None if scale is None else (
+                lambda: _divide(piece_view, self.world_size))
+            return PolledWork(request.Test, request.Wait, piece_view, "all_reduce", finish,
+                              (guard.rec, guard.group, seq))
+
+        def free() -> None:
+            if not self.mpi.Is_finalized():
+                for request in requests:
+                    request.Free()
+
+        handle = PersistentAllReduce(buf, bounds, start, free)
+        self._persistent.add(handle)
+        return handle
+
+    # --- point to point (arrays as bytes; headers in their own tag space) -------------------
+    def send(self, buf: Any, dst: int, tag: int = 0) -> None:
+        """``Send`` of ``buf``'s bytes; returns once MPI may reuse ``buf``. ``tag`` must be
+        in ``0 .. TAG_UB // 2`` (objects use a disjoint tag space)."""
+        as_rank(dst, self.world_size, "send", "dst")
+        data_tag, _ = split_tag(tag, self._tag_ub)
+        if self._host(buf):
+            buf = _array.copy_to_host(buf, _array.host_staging_buffer(buf))
+        guard = self.guard
+        slot = guard.begin_p2p("send", (("peer", guard.members[dst]), ("tag", tag),
+                                       ("bytes", buf.nbytes)))
+        try:
+            self._comm.Send(buf.reshape(-1).view(BYTES), dst, data_tag)
+        except self.mpi.Exception as exc:
+            raise_mpi_error(self.mpi, exc, "send")
+        finally:
+            guard.rec.end(slot)
+
+    def recv(self, buf: Any, src: int, tag: int = 0) -> None:
+        """``Recv`` of the next message from ``src`` with ``tag`` into ``buf``.
+
+        Raises:
+            CollectiveMismatchError: the message's size is not ``buf.nbytes``.
+        """
+        as_rank(src, self.world_size, "recv", "src")
+        data_tag, _ = split_tag(tag, self._tag_ub)
+        target = _array.host_staging_buffer(buf) if self._host(buf) else buf
+        status = self.mpi.Status()
+        what = f"recv from rank {src} (tag {tag}) into {_array.describe(buf)}"
+        guard = self.guard
+        slot = guard.begin_p2p("recv", (("peer", guard.members[src]), ("tag", tag),
+                                       ("bytes", target.nbytes)))
+        try:
+            self._comm.Recv(target.reshape(-1).view(BYTES), src, data_tag, status)
+        except self.mpi.Exception as exc:
+            raise_mpi_error(self.mpi, exc, what)
+        finally:
+            guard.rec.end(slot)
+        got = status.Get_count(self.mpi.BYTE)
+        if got != target.nbytes:
+            raise CollectiveMismatchError(
+                f"{what}: the message has {got} bytes but the buffer holds {target.nbytes}; "
+                "send and recv must use the same shape and dtype")
+        if target is not buf:
+            _array.copy_from_host(buf, target)
+
+    def send_object(self, obj: Any, dst: int, tag: int = 0) -> None:
+        """mpi4py's pickled ``send`` of ``obj``, in a tag space apart from the arrays'."""
+        as_rank(dst, self.world_size, "send_object", "dst")
+        _, header_tag = split_tag(tag, self._tag_ub)
+        guard = self.guard
+        slot = guard.begin_p2p("send", (("peer", guard.members[dst]), ("tag", tag)))
+        try:
+            self._comm.send(obj, dst, header_tag)
+        finally:
+            guard.rec.end(slot)
+
+    def recv_object(self, src: int, tag: int = 0) -> Any:
+        """The next object ``src`` sent with ``tag`` (mpi4py's pickled ``recv``)."""
+        as_rank(src, self.world_size, "recv_object", "src")
+        _, header_tag = split_tag(tag, self._tag_ub)
+        guard = self.guard
+        slot = guard.begin_p2p("recv", (("peer", guard.members[src]), ("tag", tag)))
+        try:
+            return self._comm.recv(None, src, header_tag)
+        finally:
+            guard.rec.end(slot)
+
+    # --- small objects ---------------------------------------------------------------------
+    def allgather_object(self, obj: Any) -> list[Any]:
+        """Copies of every rank's ``obj``, in rank order (mpi4py's pickled ``allgather``)."""
+        result: list[Any] = self._checked("allgather_object", (),
+                                          lambda: self._comm.allgather(obj))
+        return result
+
+    def broadcast_object(self, obj: Any, root: int) -> Any:
+        """``root``'s ``obj`` on every rank (mpi4py's pickled ``bcast``: a copy, also on root)."""
+        as_rank(root, self.world_size, "broadcast_object", "root")
+        return self._checked("broadcast_object", (("root", root),),
+                             lambda: self._comm.bcast(obj, root))
+
+    # --- groups and life cycle -------------------------------------------------------------
+    def new_group(self, ranks: Sequence[int]) -> MPIBackend | None:
+        """``Split`` of this communicator: members get keys in ``ranks`` order, others
+        pass ``MPI.UNDEFINED`` (and get None). The members are part of the checked
+        arguments: ranks that disagree raise before the ``Split``."""
+        ranks = tuple(int(r) for r in ranks)
+        for r in ranks:
+            as_rank(r, self.world_size, "new_group", "rank")
+        self._checked("new_group", (("ranks", ranks),), lambda: None)
+        guard = self.guard
+        name = f"{guard.group}.{guard.groups_made}"
+        guard.groups_made += 1
+        member = self.rank in ranks
+        sub = self._comm.Split(0 if member else self.mpi.UNDEFINED,
+                               ranks.index(self.rank) if member else 0)
+        if not member:
+            return None
+        sub.Set_errhandler(self.mpi.ERRORS_RETURN)
+        return MPIBackend(sub, self.options, recorder=guard.rec, group_name=name,
+                          members=[guard.members[r] for r in ranks],
+                          node_ids=[self._nodes[r] for r in ranks], types=self.types)
+
+    def node_info(self) -> tuple[int, int, int]:
+        """``(node_id, local_rank, local_size)`` from ``Split_type(COMM_TYPE_SHARED)``,
+        computed when the backend was created."""
+        return self._node
+
+    def close(self) -> None:
+        """Free the communicator, its plans and checks (collective: every rank calls it).
+
+        Idempotent, and a no-op once MPI is finalized.
+        """
+        comm, self._comm = self._comm, None
+        mpi = self.mpi
+        if comm is None or mpi.Is_finalized() or comm == mpi.COMM_NULL:
+            return
+        rec = self.guard.rec
+        rec.groups.pop(self.guard.group, None)
+        rec.groups.pop(self.guard.p2p_group, None)
+        for handle in list(self._persistent):
+            handle.free()  # collective, as close() is: every rank holds the same ones
+        self.free_plans()
+        self.guard.close()
+        if self._owns_types:
+            self.types.free()
+        comm.Free()
+
+
+def _divide(buf: Any, n: int) -> None:
+    """A sum's piece turned into its mean, in place (after MPI's SUM: its bits)."""
+    np.divide(buf, n, out=buf)
+
+
+def _with(work: Work, result: Any, async_op: bool) -> Work:
+    """``work``'s Work answering ``result`` (the caller's own buffer, not a reshaped view)."""
+    if not async_op:
+        work.wait()
+        return CompletedWork(result)
+    return MappedWork(work, result)
+
+
+__all__ = ["PLANS", "MPIBackend", "MPIWork", "node_info"]

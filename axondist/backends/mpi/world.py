@@ -1,0 +1,121 @@
+"""An MPI job's world: the backend every rank makes at ``axondist.init("mpi")``, its
+watchdog, and the hook that ends the whole job when one rank fails."""
+
+from __future__ import annotations
+
+import secrets
+import sys
+import traceback
+from typing import Any
+
+from ..._validate import positive_seconds
+from .._watchdog import Watchdog, exit_soon, print_and_flush, silence_all
+from ..base import default_timeout, stall_warning_after
+from ..recorder import FlightRecorder
+from .backend import MPIBackend
+from .transport import MPIOptions, load_mpi
+
+# --- the job: factory and abort-on-failure -------------------------------------------------
+
+_HOOK_INSTALLED = False
+
+
+def install_abort_hook() -> None:
+    """Make an uncaught exception on any rank end the whole MPI job.
+
+    The hook prints the traceback with each line prefixed by
+    ``[axondist rank R/N]`` to stderr, then calls ``COMM_WORLD.Abort(1)`` (on a
+    one-rank job it defers to the previous hook). Installed once per process.
+    """
+    global _HOOK_INSTALLED
+    if _HOOK_INSTALLED:
+        return
+    MPI = load_mpi()
+    previous = sys.excepthook
+
+    def abort_job(exc_type: type[BaseException], exc: BaseException, tb: Any) -> None:
+        silence_all()  # this rank fails: its peers must not read its exit as a departure
+        world = MPI.COMM_WORLD
+        rank, size = world.Get_rank(), world.Get_size()
+        if size == 1:
+            previous(exc_type, exc, tb)
+            return
+        prefix = f"[axondist rank {rank}/{size}] "
+        text = "".join(traceback.format_exception(exc_type, exc, tb))
+        text += f"rank {rank} failed: aborting the MPI job so the other ranks do not wait forever\n"
+        sys.stderr.write("".join(prefix + line for line in text.splitlines(True)))
+        sys.stderr.flush()
+        world.Abort(1)
+
+    sys.excepthook = abort_job
+    _HOOK_INSTALLED = True
+
+
+def create_world_backend(*, comm: Any = None, abort_on_exception: bool = True,
+                         timeout: float | None = None, **options: Any) -> MPIBackend:
+    """This process's endpoint in the world of the MPI job (``axondist.init("mpi")``).
+
+    Also starts the rank's watchdog (for more than one rank): a call that
+    waits past ``timeout`` seconds, or for a rank that left, ends the job on
+    every rank with one message naming the ranks and what each was doing.
+
+    Args:
+        comm: the mpi4py communicator whose ranks form the world
+            (``MPI.COMM_WORLD`` when None); axondist communicates on a
+            duplicate of it, never on it.
+        abort_on_exception: install :func:`install_abort_hook`.
+        timeout: seconds a call may wait for its peers (``AXONDIST_TIMEOUT``,
+            default 600); stall warnings start at ``AXONDIST_STALL_WARNING``
+            (default 60, at most half the timeout).
+        **options: fields of :class:`MPIOptions` (``chunk_bytes``,
+            ``host_staging``, ``debug``, ``checks``), overriding the environment.
+
+    Raises:
+        BackendUnavailableError: mpi4py or the MPI library is missing.
+        TypeError: an unknown option.
+        ValueError: a timeout that is not a finite number > 0, or ranks started
+            with different settings.
+    """
+    MPI = load_mpi()
+    policy = MPIOptions.from_env(**options)
+    wait = default_timeout() if timeout is None else positive_seconds(timeout, "init")
+    if abort_on_exception:
+        install_abort_hook()
+    base = MPI.COMM_WORLD if comm is None else comm
+    dup = base.Dup()
+    dup.Set_errhandler(MPI.ERRORS_RETURN)
+    rank, size = dup.Get_rank(), dup.Get_size()
+    recorder = FlightRecorder(rank, size, MPI.Get_processor_name())
+    watchdog = None
+    if size > 1:
+        watchdog = Watchdog(recorder, timeout=wait, stall=stall_warning_after(wait),
+                            abort=_abort_job, token=dup.bcast(secrets.token_hex(16), root=0))
+    settings = (policy.checks, policy.debug, policy.chunk_bytes, policy.piece_bytes, wait)
+    table = dup.allgather((settings, watchdog.address if watchdog else None))
+    if any(t[0] != settings for t in table):
+        detail = ", ".join(f"rank {k}: checks={t[0][0]}, debug={t[0][1]}, chunk_bytes={t[0][2]}, "
+                           f"piece_bytes={t[0][3]}, timeout={t[0][4]:g}"
+                           for k, t in enumerate(table))
+        dup.Free()
+        raise ValueError("init: the ranks were started with different axondist settings "
+                         f"({detail}); set AXONDIST_CHECKS, AXONDIST_DEBUG, "
+                         "AXONDIST_MPI_CHUNK_BYTES, AXONDIST_PIECE_MB and AXONDIST_TIMEOUT alike "
+                         "on every rank")
+    if watchdog is not None:
+        watchdog.start([t[1] for t in table])
+    backend = MPIBackend(dup, policy, recorder=recorder)
+    backend.watchdog = watchdog
+    return backend
+
+
+def _abort_job(message: str) -> None:
+    """Print ``message`` on this rank and end the job on every rank (the watchdog's end)."""
+    silence_all()
+    world = load_mpi().COMM_WORLD
+    rank, size = world.Get_rank(), world.Get_size()
+    print_and_flush(f"[axondist rank {rank}/{size}] ", message)
+    exit_soon(1, 5.0)  # should MPI_Abort itself hang (a launcher cut off from this host)
+    world.Abort(1)
+
+
+__all__ = ["create_world_backend", "install_abort_hook"]
