@@ -8,8 +8,9 @@ headers (the hash, a flag, the bytes of data that follow) by persistent point-to
 requests, which a small all-reduce's data may ride (:mod:`.algorithms.pair_ride`). When
 the ranks differ, they learn it from the same messages, exchange their keys (pickled)
 and raise the same :class:`~axondist.errors.CollectiveMismatchError` naming what differs,
-before any data reaches a caller's buffer. A rank in ``barrier`` meets a rank in ``all_reduce`` inside
-the check, and no collective ever runs with sizes that differ (MPICH aborts those). A
+before any data reaches a caller's buffer. A rank in ``barrier`` meets a rank in
+``all_reduce`` inside the check, and no collective ever runs with sizes that differ
+(MPICH aborts those). A
 non-blocking call's check is an ``Iallreduce`` settled in its ``wait()``. Under
 ``AXONDIST_DEBUG=1`` the check exchanges the full keys instead. The guard carries no data.
 """
