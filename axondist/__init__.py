@@ -70,8 +70,8 @@ __version__ = "0.1.0"
 # the collectives: an MPI job's start-up pays only for what it uses.
 _LAZY = {
     "DistributedDataParallel": "ddp", "DDP": "ddp",
-    "GradSyncStrategy": "bucketing", "GradientBucket": "gradient_bucket",
-    "GradientSynchronizer": "bucketing",
+    "GradSyncStrategy": "ddp", "GradientBucket": "ddp",
+    "GradientSynchronizer": "ddp",
     "SGD": "optim", "Adam": "optim", "AdamW": "optim", "Optimizer": "optim",
     "FullyShardedDataParallel": "fsdp", "FSDP": "fsdp", "ShardingStrategy": "fsdp",
     "CPUOffload": "fsdp", "MixedPrecision": "fsdp", "FSDPMemoryStats": "fsdp",
@@ -94,9 +94,8 @@ _LAZY = {
 }
 
 
-_SUBMODULES = {"amp", "backends", "bucketing", "checkpoint", "comm", "compression", "data", "ddp",
-               "fsdp", "gradient_bucket", "log", "zero", "mesh", "optim", "pipeline",
-               "tensor_parallel", "trace"}
+_SUBMODULES = {"amp", "backends", "checkpoint", "clip", "comm", "data", "ddp", "fsdp", "log",
+               "mesh", "optim", "pipeline", "tensor_parallel", "trace", "tune", "zero"}
 
 
 def __getattr__(name: str) -> object:

@@ -186,7 +186,7 @@ class HierarchicalAllReduce:
 
     def hook(self, flat: Any, group: ProcessGroup, async_op: bool) -> Work | None:
         """Sum a gradient bucket in place through the three steps: a
-        :class:`~axondist.compression.ReductionHook`, as in
+        :class:`~axondist.ddp.ReductionHook`, as in
         ``DDP(model, group, compression=hier.hook)`` (``hier`` built on the same group).
 
         Blocking: meant for :attr:`~axondist.GradSyncStrategy.SYNCHRONOUS`. Under

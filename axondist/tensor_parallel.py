@@ -22,7 +22,6 @@ feature more, so sizes need not divide the group size.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from math import prod
@@ -30,12 +29,10 @@ from typing import Any
 
 import numpy as np
 
-from . import _array
-from ._validate import positive_int, positive_number
+from . import _array, clip
+from ._validate import positive_int
 from .comm import all_gather, all_reduce_sum, reduce_scatter_sum, split_sizes
-from .errors import NonFiniteNormError
 from .parameter import Parameter
-from .pipeline import clip as _clip
 from .process_group import ProcessGroup, resolve_group
 
 Array = Any
@@ -935,18 +932,8 @@ def clip_grad_norm(layers: Sequence[Any], max_norm: float, norm_type: float = 2.
             every.append(param.grad)
             if id(param) not in replicated or group.rank == 0:
                 counted.append(param.grad)
-    norm = _clip.total_norm(counted, _clip.norm_type_of(norm_type, "clip_grad_norm"), group)
-    limit = positive_number(max_norm, "tensor_parallel.clip_grad_norm", "max_norm")
-    if error_if_nonfinite and not math.isfinite(norm):
-        raise NonFiniteNormError(
-            f"tensor_parallel.clip_grad_norm: the total norm of the gradients is {norm}; find "
-            "the NaN/inf gradient, or pass error_if_nonfinite=False to scale by it anyway")
-    coef = _clip.clip_coefficient(norm, limit)
-    if coef != 1.0:
-        with _array.quiet_nan_compare(every[0] if every else None):
-            for grad in every:
-                grad *= coef
-    return norm
+    return clip.clip_grad_norm(every, max_norm, norm_type, error_if_nonfinite, group=group,
+                               counted=counted, where="tensor_parallel.clip_grad_norm")
 
 
 __all__ = [

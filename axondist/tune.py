@@ -33,7 +33,7 @@ import numpy as np
 from . import comm
 from ._environment import launched_by_mpi
 from ._validate import positive_number
-from .bucketing import GradientSynchronizer, GradSyncStrategy
+from .ddp import DEFAULT_BUCKET_CAP_MB, GradientSynchronizer, GradSyncStrategy
 from .launch import spawn
 from .log import all_reduce_scalar
 from .process_group import ProcessGroup, init, resolve_group
@@ -311,12 +311,10 @@ def save_settings(settings: TuneSettings, path: str | os.PathLike[str] | None = 
     return target
 
 
-#: The bucket size without a matching tune file (torch DDP's).
-DEFAULT_BUCKET_CAP_MB = 25.0
-
-
-def tuned_sizes(group: ProcessGroup) -> tuple[float, int | None]:
-    """The DDP sizes of the settings file, when it was measured on this group's layout.
+def tuned_sizes(group: ProcessGroup, path: str | os.PathLike[str] | None = None
+                ) -> tuple[float, int | None]:
+    """The DDP sizes of the settings file, when it was measured on this group's layout
+    (:func:`tuned_ddp_options` gives them as DDP's keyword arguments).
 
     Collective: group rank 0 reads the file (:func:`settings_path`) and every rank gets
     the same answer. A file measured on another world size or host count, no file, or
@@ -324,16 +322,17 @@ def tuned_sizes(group: ProcessGroup) -> tuple[float, int | None]:
 
     Args:
         group: the group DDP averages over.
+        path: the settings file (:func:`settings_path` when None).
 
     Returns:
         ``(bucket_cap_mb, piece_bytes)``: the tuned bucket in MiB and OVERLAPPED piece in
-        bytes, else :data:`DEFAULT_BUCKET_CAP_MB` and None (None also for a file written
-        before tune picked a piece: keep the synchronizer's default piece).
+        bytes, else :data:`~axondist.ddp.DEFAULT_BUCKET_CAP_MB` and None (None also for a
+        file written before tune picked a piece: keep the synchronizer's default piece).
     """
     found: Any = None
     if group.rank == 0:  # one reader: every rank must pick the same sizes
         try:
-            settings = load_settings()
+            settings = load_settings(path)
             found = None if settings is None else (settings.bucket_cap_mb, settings.world_size,
                                                    settings.nodes, settings.piece_mb)
         except ValueError as exc:
@@ -347,6 +346,29 @@ def tuned_sizes(group: ProcessGroup) -> tuple[float, int | None]:
         return DEFAULT_BUCKET_CAP_MB, None
     piece = None if found[3] is None else max(1, round(found[3] * 2**20))
     return float(found[0]), piece
+
+
+def tuned_ddp_options(group: ProcessGroup, path: str | os.PathLike[str] | None = None
+                      ) -> dict[str, Any]:
+    """The settings file's sizes as keyword arguments of an OVERLAPPED DDP on ``group``:
+    ``DistributedDataParallel(model, group, strategy="overlapped",
+    **tuned_ddp_options(group))``.
+
+    DDP reads no settings file itself; this call is the one place that does, when the
+    user asks. Collective, as :func:`tuned_sizes`: every rank of ``group`` calls it and
+    gets the same sizes (the defaults when the file is missing, unreadable or measured
+    on another layout).
+
+    Args:
+        group: the group DDP averages over.
+        path: the settings file (:func:`settings_path` when None).
+
+    Returns:
+        ``{"bucket_cap_mb": MiB, "piece_bytes": bytes or None}`` (None: DDP's default
+        piece).
+    """
+    bucket_cap_mb, piece_bytes = tuned_sizes(group, path)
+    return {"bucket_cap_mb": bucket_cap_mb, "piece_bytes": piece_bytes}
 
 
 def load_settings(path: str | os.PathLike[str] | None = None) -> TuneSettings | None:
@@ -463,10 +485,13 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"{settings.fraction:g} of the bandwidth), OVERLAPPED piece "
               f"{settings.piece_mb:g} MiB (within 1/{settings.fraction:g} of the fastest "
               f"piece's time); saved to {target}")
+        print("DDP reads no settings file itself: pass the sizes with "
+              "DistributedDataParallel(model, group, strategy='overlapped', "
+              "**axondist.tune.tuned_ddp_options(group))")
     return 0
 
 
 __all__ = ["DEFAULT_FILE", "DEFAULT_PIECE_SIZES", "PIECE_SWEEP_BYTES", "SweepPoint",
            "TuneSettings", "bus_bandwidth", "fit_latency_bandwidth", "format_sweep",
            "load_settings", "main", "pick_bucket_bytes", "pick_piece_bytes", "piece_sweep",
-           "save_settings", "settings_path", "sweep", "tune", "tuned_sizes"]
+           "save_settings", "settings_path", "sweep", "tune", "tuned_ddp_options", "tuned_sizes"]

@@ -18,9 +18,9 @@ ratios paired batch by batch (``_common``). Rank 0 switches the relay's delay of
   bandwidth the links'), and :class:`axondist.HierarchicalAllReduce` vs the flat one.
 * ``python -m axondist tune``'s sweeps on the same links (all-reduce sizes, and
   OVERLAPPED's pipelined pieces), and the bucket and piece it picks (saved to a settings
-  file that the tuned DDP reads).
+  file, which the tuned DDP gets through ``tune.tuned_ddp_options``).
 * DDP on a 95 MiB model (160 arrays): gradient sync alone with 25 MiB buckets vs the
-  tuned size (no target: DDP applies the pick under OVERLAPPED only, since a sync alone
+  tuned size (no target: the pick is meant for OVERLAPPED only, since a sync alone
   can only gain from fewer, bigger buckets; the ratio shows what a pick would cost a
   SYNCHRONOUS step) and vs buckets summed by
   ``HierarchicalAllReduce.hook`` (no target); with the delay vs without it (target:
@@ -29,9 +29,9 @@ ratios paired batch by batch (``_common``). Rank 0 switches the relay's delay of
   step <= 1.25x max(compute, sync), where SYNCHRONOUS pays their sum); OVERLAPPED with
   pieces of 1 to 16 MiB and of whole 25 MiB buckets (torch DDP's default: a bucket
   reduced once all its gradients are in) vs the default 4 MiB (the sweep), and with what
-  DDP takes from the tune file (its piece and bucket) vs the sweep's best piece (target:
-  <= 1.05x), vs 16 MiB pieces, too big for these links, and vs whole 25 MiB buckets
-  (targets: <= 0.95x). The tuned step against the default one has no target: the
+  ``tuned_ddp_options`` gives from the tune file (its piece and bucket) vs the sweep's
+  best piece (target: <= 1.05x), vs 16 MiB pieces, too big for these links, and vs whole
+  25 MiB buckets (targets: <= 0.95x). The tuned step against the default one has no target: the
   default 4 MiB piece was itself chosen on these links (the sweep shows it is the best
   here, 2 MiB within noise), so a pick can at best tie it; the targets test what
   ``tune`` controls, that it finds the best piece and avoids a bad one. Last, OVERLAPPED
@@ -69,8 +69,7 @@ from cluster.simcluster import SimCluster, SlowLinks, why_no_cluster  # noqa: E4
 
 import axondist as ad  # noqa: E402
 from axondist import tune  # noqa: E402
-from axondist.bucketing import GradSyncStrategy  # noqa: E402
-from axondist.ddp import DDP  # noqa: E402
+from axondist.ddp import DDP, GradSyncStrategy  # noqa: E402
 
 RUNNER = {"quick_args": ["--repeats", "3"], "timeout": 900}
 RELAY_PID = "BENCH_RELAY_PID"  # the relay's process id, for rank 0 to signal
@@ -138,10 +137,10 @@ def all_reduce_part(world: ad.World, mpi: Any, repeats: int) -> list[dict[str, A
 
 
 def _ddp(shapes: list[tuple[int, ...]], strategy: GradSyncStrategy, bucket_mb: float,
-         grad_fn: Any, compression: Any = None) -> DDP:
+         grad_fn: Any, compression: Any = None, piece_bytes: int | None = None) -> DDP:
     params = [ad.Parameter(np.full(s, 0.01, np.float32)) for s in shapes]
-    ddp = DDP(params, strategy=strategy, bucket_cap_mb=bucket_mb, grad_fn=grad_fn,
-              init_sync=False, compression=compression)
+    ddp = DDP(params, strategy=strategy, bucket_cap_mb=bucket_mb, piece_bytes=piece_bytes,
+              grad_fn=grad_fn, init_sync=False, compression=compression)
     for p in params:
         p.grad = np.full(p.shape, ddp.process_group.rank + 1.0, np.float32)
     ddp.sync_gradients()  # packs once; every .grad becomes its bucket view
@@ -154,13 +153,14 @@ def _ddp(shapes: list[tuple[int, ...]], strategy: GradSyncStrategy, bucket_mb: f
 def _overlapped(shapes: list[tuple[int, ...]], grad_fn: Any, tune_file: str, *,
                 piece_mb: float | None = None, tuned: bool = False, helper: bool = True) -> DDP:
     """An OVERLAPPED DDP with 25 MiB buckets and ``piece_mb`` pieces (None: the default), or
-    (``tuned``) with the sizes DDP itself reads from the settings file ``tune_file``."""
-    os.environ["AXONDIST_TUNE_FILE"] = tune_file if tuned else f"{tune_file}.absent"
-    try:
-        ddp = _ddp(shapes, GradSyncStrategy.OVERLAPPED, None if tuned else DEFAULT_BUCKET_MB,
-                   grad_fn)
-    finally:
-        del os.environ["AXONDIST_TUNE_FILE"]
+    (``tuned``) with the sizes ``tune.tuned_ddp_options`` gives from the settings file
+    ``tune_file``."""
+    if tuned:
+        options = tune.tuned_ddp_options(ad.current_world(), tune_file)
+        ddp = _ddp(shapes, GradSyncStrategy.OVERLAPPED, options["bucket_cap_mb"], grad_fn,
+                   piece_bytes=options["piece_bytes"])
+    else:
+        ddp = _ddp(shapes, GradSyncStrategy.OVERLAPPED, DEFAULT_BUCKET_MB, grad_fn)
     if piece_mb is not None or not helper:
         ddp.synchronizer.close()  # the next step sets up its pieces again, as set here
         if piece_mb is not None:

@@ -82,8 +82,7 @@ from _common import (  # noqa: E402
 )
 
 import axondist as ad  # noqa: E402
-from axondist.bucketing import GradSyncStrategy, sum_hook  # noqa: E402
-from axondist.ddp import DDP  # noqa: E402
+from axondist.ddp import DDP, GradSyncStrategy, sum_hook  # noqa: E402
 
 RUNNER = {"ranks": 2, "quick_args": ["--repeats", "3"], "timeout": 900}
 

@@ -14,10 +14,9 @@ from typing import Any
 
 import numpy as np
 
-from .. import _array, comm
-from ..bucketing import check_real_gradient
+from .. import _array, clip, comm
+from .._validate import check_real_gradient
 from ..ops import ReduceOp
-from . import clip as _clip
 from ._gather import UnitState, _Unit
 from .memory import owner
 
@@ -203,10 +202,9 @@ class GradientSync(UnitState):
             TypeError: ``max_norm`` is not a number.
             ValueError: ``max_norm`` is not > 0, or ``norm_type`` is not > 0 or inf.
         """
-        limit = _clip.check_max_norm(max_norm, "FullyShardedDataParallel.clip_grad_norm")
-        p = _clip.check_norm_type(norm_type, "clip_grad_norm")
+        where = "FullyShardedDataParallel.clip_grad_norm"
         if any(st.accum is not None for st in self._units):
-            raise RuntimeError("clip_grad_norm: gradients accumulated under no_sync() are not "
+            raise RuntimeError(f"{where}: gradients accumulated under no_sync() are not "
                                "reduced yet; call sync_gradients() outside no_sync() first")
         pieces, grads = [], []
         for st in self._units:
@@ -217,13 +215,8 @@ class GradientSync(UnitState):
             lo, hi = st.flat.valid_bounds(self.shard_rank)
             pieces.append(g[lo - start:hi - start])
             grads.append(g)
-        total = _clip.global_norm(pieces, p, self.shard_group)
-        if error_if_nonfinite:
-            _clip.check_finite(total, p, "clip_grad_norm")
-        coef = _clip.clip_coefficient(total, limit)
-        if coef is not None:
-            _clip.scale(grads, coef)
-        return total
+        return clip.clip_grad_norm(grads, max_norm, norm_type, error_if_nonfinite,
+                                   group=self.shard_group, counted=pieces, where=where)
 
 
 __all__ = ["GradientSync"]

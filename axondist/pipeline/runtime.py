@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from axondist import _array, comm
+from axondist import _array, clip, comm
 from axondist._step import check_optimizer
 from axondist._validate import positive_number
 from axondist.errors import ScheduleError
@@ -38,7 +38,6 @@ from axondist.pipeline._arguments import (
     stage_list,
 )
 from axondist.pipeline._state_dict import gather_state, load_state
-from axondist.pipeline.clip import clip_gradients
 from axondist.pipeline.communication import (
     CommunicationPlan,
     check_channels,
@@ -310,8 +309,8 @@ class Pipeline:
             ValueError: a bad ``max_norm`` or ``norm_type``.
         """
         grads = [prm.grad for prm in self.parameters() if prm.grad is not None]
-        return clip_gradients(grads, max_norm, norm_type, error_if_nonfinite, self._group,
-                              "Pipeline.clip_grad_norm")
+        return clip.clip_grad_norm(grads, max_norm, norm_type, error_if_nonfinite,
+                                   group=self._group, where="Pipeline.clip_grad_norm")
 
     def schedule_text(self, **kwargs: Any) -> str:
         """:func:`~axondist.pipeline.render_text` of the schedule (``costs``, ``comm``,

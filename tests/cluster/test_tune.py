@@ -17,8 +17,7 @@ from hypothesis import strategies as st
 import axondist as ad
 from axondist import tune
 from axondist.__main__ import main as cli
-from axondist.bucketing import GradientSynchronizer, GradSyncStrategy
-from axondist.ddp import DDP
+from axondist.ddp import DDP, DEFAULT_BUCKET_CAP_MB, GradientSynchronizer, GradSyncStrategy
 from axondist.tune import SweepPoint, TuneSettings
 from cluster.simcluster import SimCluster
 
@@ -157,12 +156,17 @@ def test_settings_round_trip_and_missing_or_broken_files(tmp_path: Path,
 
 
 def _ddp_sizes(world: ad.World, seed: int) -> dict[str, object]:
-    """Per strategy: DDP's bucket cap and piece, and one step's averages against NumPy's."""
+    """Per DDP (SYNCHRONOUS and OVERLAPPED as built without options, OVERLAPPED given
+    ``**tune.tuned_ddp_options(world)``): its bucket cap and piece, and one step's averages
+    against NumPy's."""
     shapes = [(40, 3), (7,), (129,)]
     found: dict[str, object] = {}
-    for strategy in (GradSyncStrategy.SYNCHRONOUS, GradSyncStrategy.OVERLAPPED):
+    tuned = tune.tuned_ddp_options(world)
+    for name, strategy, options in (("SYNCHRONOUS", GradSyncStrategy.SYNCHRONOUS, {}),
+                                    ("OVERLAPPED", GradSyncStrategy.OVERLAPPED, {}),
+                                    ("OVERLAPPED tuned", GradSyncStrategy.OVERLAPPED, tuned)):
         params = [ad.Parameter(np.zeros(s)) for s in shapes]
-        with DDP(params, world, strategy=strategy) as ddp:
+        with DDP(params, world, strategy=strategy, **options) as ddp:
             grads = [np.random.default_rng([seed, world.rank, k]).standard_normal(s)
                      for k, s in enumerate(shapes)]
             for p, g in zip(params, grads):
@@ -172,29 +176,41 @@ def _ddp_sizes(world: ad.World, seed: int) -> dict[str, object]:
                 want = np.mean([np.random.default_rng([seed, r, k]).standard_normal(shapes[k])
                                 for r in range(world.world_size)], axis=0)
                 np.testing.assert_allclose(p.grad, want, rtol=1e-12, atol=1e-12)
-            found[strategy.name] = (ddp.bucket_cap_mb, ddp.synchronizer.piece_bytes)
+            found[name] = (ddp.bucket_cap_mb, ddp.synchronizer.piece_bytes)
     return found
 
 
 @pytest.mark.parametrize("n", [1, 2, 3])
-def test_ddp_takes_the_tuned_piece_under_overlapped_only(
+def test_ddp_takes_the_tuned_sizes_only_when_passed(
         n: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The file's piece (1 KiB here: a 1 KiB piece cuts the 3 KiB bucket in three)
-    replaces the synchronizer's under OVERLAPPED, and the averages stay right; SYNCHRONOUS
-    keeps 25 MiB and the default piece. A file without a piece (written before tune
-    picked one) gives OVERLAPPED the tuned bucket and the default piece; a file measured
-    on another layout gives the defaults."""
-    default = (tune.DEFAULT_BUCKET_CAP_MB, GradientSynchronizer.piece_bytes)
+    """DDP reads no settings file: built without options it keeps 25 MiB and the default
+    piece whatever the file says. ``tuned_ddp_options`` gives the file's sizes (1 KiB
+    piece here: it cuts the 3 KiB bucket in three), and the averages stay right. A file
+    without a piece (written before tune picked one) gives the tuned bucket and the
+    default piece; a file measured on another layout, or none, gives the defaults."""
+    default = (DEFAULT_BUCKET_CAP_MB, GradientSynchronizer.piece_bytes)
     path = tmp_path / "tune.json"
     monkeypatch.setenv("AXONDIST_TUNE_FILE", str(path))
     point = (SweepPoint(1 << 21, 0.01, 2e8),)
     cases = [(TuneSettings(2.0, n, 1, 0.9, point, 1e-4, 1e8, 2.0**-10), (2.0, 1024)),
              (TuneSettings(2.0, n, 1, 0.9, point, 1e-4, 1e8, None), (2.0, default[1])),
-             (TuneSettings(2.0, n + 1, 1, 0.9, point, 1e-4, 1e8, 0.5), default)]
-    for seed, (settings, overlapped) in enumerate(cases):
-        tune.save_settings(settings, path)
+             (TuneSettings(2.0, n + 1, 1, 0.9, point, 1e-4, 1e8, 0.5), default),
+             (None, default)]
+    for seed, (settings, tuned) in enumerate(cases):
+        if settings is None:
+            path.unlink()
+        else:
+            tune.save_settings(settings, path)
         for found in ad.spawn(lambda w, seed=seed: _ddp_sizes(w, seed), n):
-            assert found == {"SYNCHRONOUS": default, "OVERLAPPED": overlapped}, settings
+            assert found == {"SYNCHRONOUS": default, "OVERLAPPED": default,
+                             "OVERLAPPED tuned": tuned}, settings
+
+
+def test_tuned_ddp_options_are_ddp_keywords(tmp_path: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AXONDIST_TUNE_FILE", str(tmp_path / "none.json"))
+    options = ad.spawn(tune.tuned_ddp_options, 2)
+    assert options == [{"bucket_cap_mb": DEFAULT_BUCKET_CAP_MB, "piece_bytes": None}] * 2
 
 
 def test_the_command_writes_the_settings_file(tmp_path: Path,
@@ -204,6 +220,7 @@ def test_the_command_writes_the_settings_file(tmp_path: Path,
                 "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "bucket" in printed and "piece" in printed and f"saved to {out}" in printed
+    assert "**axondist.tune.tuned_ddp_options(group)" in printed
     data = json.loads(out.read_text())
     assert data["world_size"] == 2 and [p["nbytes"] for p in data["sweep"]] == [
         4096, 8192, 16384, 32768, 65536]

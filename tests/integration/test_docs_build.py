@@ -170,9 +170,9 @@ def test_roles_resolve_relative_to_the_documented_object(package: griffe.Module)
     collection = package.modules_collection
     ddp = package["ddp.DistributedDataParallel"]
     assert _griffe_roles.resolve(collection, ddp, "GradSyncStrategy") == \
-        "axondist.bucketing.GradSyncStrategy"
+        "axondist.ddp.synchronizer.GradSyncStrategy"
     assert _griffe_roles.resolve(collection, ddp, "sync_parameters") == \
-        "axondist.ddp.DistributedDataParallel.sync_parameters"
+        "axondist.ddp.wrapper.DistributedDataParallel.sync_parameters"
     assert _griffe_roles.resolve(collection, ddp, "axondist.World") == \
         "axondist.process_group.World"
     # private or unknown targets stay code spans rather than broken links

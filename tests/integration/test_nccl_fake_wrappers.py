@@ -25,14 +25,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import axondist as ad
-from axondist import _array
+from axondist import _array, clip
 from axondist.ddp import DistributedDataParallel
 from axondist.errors import CollectiveMismatchError
 from axondist.fsdp import FSDP, ShardingStrategy
 from axondist.log import all_reduce_scalar
 from axondist.optim import SGD
 from axondist.pipeline import Pipeline, PipelineStage
-from axondist.pipeline.clip import clip_gradients
 
 REUSED_FIXTURE = [HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
 TIMEOUT = 30.0
@@ -271,17 +270,16 @@ def test_pipeline_clip_with_a_rank_without_gradients_equals_mock(fake, n, bare):
 
 def clip_body(world: ad.World, to: Any, values: list[list[float]], norm_type: float
               ) -> tuple[float, list[np.ndarray]]:
-    """The clip every pipeline and tensor-parallel rank runs, some ranks without gradients."""
+    """The clip every wrapper runs (axondist.clip), some ranks without gradients."""
     grads = [to(np.array(v)) for v in values[world.rank] if v]
-    norm = clip_gradients(grads, 1.0, norm_type, False, world, "clip_grad_norm")
+    norm = clip.clip_grad_norm(grads, 1.0, norm_type, group=world)
     return norm, [host(g) for g in grads]
 
 
 @given(n=st.integers(2, 3), norm_type=st.sampled_from([2.0, 1.0, 3.0, math.inf]),
        values=st.lists(st.lists(st.floats(-10, 10), max_size=4), min_size=3, max_size=3))
 @settings(max_examples=8, deadline=None, suppress_health_check=REUSED_FIXTURE)
-def test_pipeline_clip_gradients_where_ranks_lack_gradients_equals_mock(fake, n, norm_type,
-                                                                       values):
+def test_clip_grad_norm_where_ranks_lack_gradients_equals_mock(fake, n, norm_type, values):
     got, want = both(clip_body, n, values, norm_type)
     assert_agree(got, want)
     flat = np.abs([x for v in values[:n] for x in v] or [0.0])

@@ -2,22 +2,25 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from axondist import Parameter
-from axondist.bucketing import (
+from axondist._validate import check_real_gradient
+from axondist.ddp import (
     CastCompression,
     GradientBucket,
     GradientSynchronizer,
     GradSyncStrategy,
     bucket_plan,
-    check_real_gradient,
     resolve_compression,
     sum_hook,
 )
+from axondist.ddp.synchronizer import check_gradient
 from axondist.errors import UnsupportedDTypeError
 from axondist.process_group import World
 
@@ -184,5 +187,36 @@ def test_synchronizer_refuses_a_complex_gradient_instead_of_dropping_its_imagina
                                         "parameter 1 is complex128"):
         sync.add_gradient(1, np.ones(2) * 1j)
     sync.add_gradient(1, np.ones(2))  # the slot is still free: the bad one was not taken
+    sync.add_gradient(0, np.ones(3))
+    assert [g.tolist() for g in sync.finish()] == [[1.0, 1.0, 1.0], [1.0, 1.0]]
+
+
+@given(kind=st.sampled_from(["float16", "float32", "float64", "int8", "int64", "uint16", "bool",
+                             "object", "U3", "S2", "datetime64[s]", "timedelta64[s]", "V4"]),
+       index=st.integers(0, 9), name=st.sampled_from([None, "w"]))
+def test_check_gradient_refuses_every_dtype_that_is_not_a_real_number(kind, index, name):
+    grad = np.zeros(2, dtype=kind)
+    if np.dtype(kind).kind in "biuf":
+        check_gradient(grad, "f", index, name)
+        return
+    label = re.escape(f"parameter {index}" + (f" ({name})" if name else ""))
+    dtype = re.escape(str(np.dtype(kind)))
+    with pytest.raises(UnsupportedDTypeError, match=rf"^f: the gradient of {label} has dtype "
+                                                    rf"{dtype}; a gradient must be an array of "
+                                                    r"real numbers .* np\.asarray"):
+        check_gradient(grad, "f", index, name)
+
+
+@pytest.mark.parametrize("how", ["add_gradient", "accumulate"])
+def test_synchronizer_refuses_an_object_gradient_before_touching_its_slot(how):
+    sync = GradientSynchronizer()
+    sync.prepare([(3,), (2,)], dtype=np.float64)
+    sync.start(World.mock())
+    bad = np.array([1.0, None], dtype=object)
+    with pytest.raises(UnsupportedDTypeError, match=f"GradientSynchronizer.{how}: the gradient "
+                                                    "of parameter 1 has dtype object"):
+        getattr(sync, how)(1, bad)
+    assert sync.missing() == [0, 1]  # nothing was taken
+    sync.add_gradient(1, np.ones(2))
     sync.add_gradient(0, np.ones(3))
     assert [g.tolist() for g in sync.finish()] == [[1.0, 1.0, 1.0], [1.0, 1.0]]

@@ -8,12 +8,11 @@ import math
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from axondist._array import bfloat16
 from axondist.fsdp import CPUOffload, FSDPMemoryStats, MixedPrecision, ShardingStrategy
-from axondist.fsdp import clip as fsdp_clip
 from axondist.fsdp.sharding import (
     FlatUnit,
     hybrid_groups,
@@ -228,47 +227,3 @@ def test_offload_and_strategy_parsing() -> None:
     assert ShardingStrategy.parse("FULL_SHARD") is ShardingStrategy.FULL_SHARD
     assert ShardingStrategy.HYBRID_SHARD.shards_parameters
     assert not ShardingStrategy.SHARD_GRAD_OP.shards_parameters
-
-
-# --- norm helpers -------------------------------------------------------------------------------
-
-@given(seed=st.integers(0, 1000), p=st.sampled_from([1.0, 2.0, 3.5, math.inf]),
-       parts=st.integers(1, 4))
-@settings(max_examples=30)
-def test_local_norm_terms_combine_to_the_norm(seed: int, p: float, parts: int) -> None:
-    g = np.random.default_rng(seed).standard_normal(37).astype(np.float32)
-    pieces = np.array_split(g, parts)
-    terms = [fsdp_clip.local_norm_term([x], p) for x in pieces]
-    combined = max(terms) if math.isinf(p) else sum(terms) ** (1 / p)
-    assert combined == pytest.approx(np.linalg.norm(g.astype(np.float64), ord=p), rel=1e-12)
-    assert fsdp_clip.global_norm(pieces, p, None) == pytest.approx(combined, rel=1e-12)
-
-
-def test_clip_coefficient_and_norm_type() -> None:
-    assert fsdp_clip.clip_coefficient(10.0, 1.0) == pytest.approx(1 / (10 + 1e-6))
-    assert fsdp_clip.clip_coefficient(0.5, 1.0) is None
-    with pytest.raises(ValueError, match="norm_type must be > 0 or inf"):
-        fsdp_clip.check_norm_type(0, "clip_grad_norm")
-
-
-@pytest.mark.parametrize("p", [1.0, 2.0, 3.0, math.inf])
-def test_local_norm_term_keeps_nan_and_inf(p: float) -> None:
-    """Python's max(0.5, nan) is 0.5; the norm of a NaN gradient must be NaN, for every p."""
-    nan_last = [np.array([0.5], np.float32), np.array([np.nan], np.float32)]
-    nan_first = nan_last[::-1]
-    for grads in (nan_last, nan_first):
-        assert math.isnan(fsdp_clip.local_norm_term(grads, p))
-    assert fsdp_clip.local_norm_term([np.array([1.0, -np.inf])], p) == math.inf
-    assert math.isnan(fsdp_clip.local_norm_term([np.array([np.inf, np.nan])], p))
-
-
-def test_nonfinite_norms_scale_as_torch() -> None:
-    assert math.isnan(fsdp_clip.clip_coefficient(math.nan, 1.0))
-    assert fsdp_clip.clip_coefficient(math.inf, 1.0) == 0.0
-    g = np.array([1.0, np.inf, np.nan])
-    fsdp_clip.scale([g], 0.0)  # no RuntimeWarning for inf * 0 (warnings are errors here)
-    assert g[0] == 0 and np.isnan(g[1]) and np.isnan(g[2])
-    fsdp_clip.check_finite(3.0, 2.0, "clip_grad_norm")
-    with pytest.raises(RuntimeError, match="clip_grad_norm: the total norm of order inf of the "
-                                           "gradients is nan.*error_if_nonfinite=False"):
-        fsdp_clip.check_finite(math.nan, math.inf, "clip_grad_norm")

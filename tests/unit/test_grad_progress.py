@@ -17,7 +17,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from axondist.backends.base import Work
-from axondist.bucketing import GradientSynchronizer, _ProgressHelper
+from axondist.ddp import GradientSynchronizer
+from axondist.ddp.pieces import ProgressHelper
 
 THREAD = "axondist-grad-progress"
 
@@ -61,7 +62,7 @@ def eventually(condition, seconds: float = 20.0) -> bool:
 def test_the_helper_tests_every_piece_until_done_then_idles(afters: list[int]) -> None:
     sync = GradientSynchronizer("overlapped")
     works = [CountingWork(a) for a in afters]
-    helper = _ProgressHelper(sync, 1e-4)
+    helper = ProgressHelper(sync, 1e-4)
     try:
         with sync._lock:
             sync._in_flight.extend(works)
@@ -80,7 +81,7 @@ def test_the_helper_tests_every_piece_until_done_then_idles(afters: list[int]) -
 def test_the_helper_waits_for_the_lock_the_caller_holds() -> None:
     sync = GradientSynchronizer("overlapped")
     work = CountingWork(3)
-    helper = _ProgressHelper(sync, 1e-4)
+    helper = ProgressHelper(sync, 1e-4)
     try:
         with sync._lock:
             sync._in_flight.append(work)
@@ -95,7 +96,7 @@ def test_the_helper_waits_for_the_lock_the_caller_holds() -> None:
 def test_a_failing_test_stops_the_helper_quietly_and_a_wake_restarts_it() -> None:
     sync = GradientSynchronizer("overlapped")
     bad = CountingWork(5, fail=True)
-    helper = _ProgressHelper(sync, 1e-4)
+    helper = ProgressHelper(sync, 1e-4)
     try:
         with sync._lock:
             sync._in_flight.append(bad)
@@ -114,7 +115,7 @@ def test_a_failing_test_stops_the_helper_quietly_and_a_wake_restarts_it() -> Non
 
 def test_the_helper_ends_with_a_collected_synchronizer() -> None:
     sync = GradientSynchronizer("overlapped")
-    helper = _ProgressHelper(sync, 1e-4)
+    helper = ProgressHelper(sync, 1e-4)
     thread = helper._thread
     del sync
     gc.collect()

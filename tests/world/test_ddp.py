@@ -18,8 +18,13 @@ from hypothesis import strategies as st
 
 import axondist
 from axondist import CollectiveMismatchError, Parameter
-from axondist.bucketing import GradientSynchronizer, GradSyncStrategy, sum_hook
-from axondist.ddp import DDP, DistributedDataParallel
+from axondist.ddp import (
+    DDP,
+    DistributedDataParallel,
+    GradientSynchronizer,
+    GradSyncStrategy,
+    sum_hook,
+)
 from axondist.errors import NonFiniteNormError, UnsupportedDTypeError
 from axondist.optim import SGD, Adam
 
@@ -740,7 +745,7 @@ def test_complex_gradients_are_refused_not_cast_to_real(strategy, path):
         else:
             params[0].grad = np.ones(3)
             params[1].grad = np.ones(2) * 1j
-            with pytest.raises(UnsupportedDTypeError, match="parameter 1 is complex128"):
+            with pytest.raises(UnsupportedDTypeError, match=r"parameter 1 \(p1\) is complex128"):
                 ddp.sync_gradients()
         for p in params:
             p.grad = None
@@ -749,6 +754,57 @@ def test_complex_gradients_are_refused_not_cast_to_real(strategy, path):
         return True
 
     assert all(run_world(body, 2))
+
+
+@pytest.mark.parametrize("strategy", [SYNC, OVER])
+@pytest.mark.parametrize("path", ["backward", "sync_gradients", "add_gradient"])
+def test_an_object_gradient_is_refused_by_name_before_any_communication(strategy, path):
+    """A gradient of object dtype gets an UnsupportedDTypeError naming the parameter and
+    the dtype (not NumPy's TypeError from inside the packing copy), and the step issues no
+    collective: sync_gradients checks every .grad before the step starts, the other paths
+    each gradient before it joins its bucket (parameter 1 is the first handed over; a
+    good step first sets up OVERLAPPED's persistent all-reduces, which a step's start
+    makes once)."""
+    def object_grads(arrays, x, y):
+        loss, grads = loss_and_grads(arrays, x, y)
+        return loss, [grads[0], np.array([None, 1.0], dtype=object)]
+
+    def last_seq(world):
+        return max((e["seq"] for e in axondist.flight_recorder(world)), default=0)
+
+    def body(world):
+        params = init_params([(3,), (2,)], 0, world.rank)
+        ddp = DDP(params, world, grad_fn=object_grads, strategy=strategy,
+                  bucket_cap_mb=1e-5, first_bucket_mb=1e-5)  # one bucket per parameter
+        x, y = batch([(3,), (2,)], 0, world.rank, 0, 3)
+        if path != "sync_gradients":
+            ddp.backward(tuple_grad_fn, x, y)
+            ddp.zero_grad()
+        where = {"backward": "add_gradient"}.get(path, path)
+        before = last_seq(world)
+        with pytest.raises(UnsupportedDTypeError,
+                           match=rf"^DistributedDataParallel.{where}: the gradient of parameter "
+                                 r"1 \(p1\) has dtype object; a gradient must be an array of "
+                                 "real numbers"):
+            if path == "backward":
+                ddp.backward(x, y)
+            elif path == "sync_gradients":
+                params[0].grad = np.ones(3)
+                params[1].grad = np.array([None, 1.0], dtype=object)
+                ddp.sync_gradients()
+            else:
+                ddp.start_grad_sync()
+                ddp.add_gradient(1, np.array([None, 1.0], dtype=object))
+        assert last_seq(world) == before  # nothing was communicated
+        ddp.close()  # leaves the step add_gradient refused
+        for p in params:
+            p.grad = None
+        ddp.grad_fn = tuple_grad_fn
+        ddp.backward(x, y)  # the wrapper is still usable
+        ddp.close()
+        return True
+
+    assert all(run_world(body, current_size(2)))
 
 
 @mock_only

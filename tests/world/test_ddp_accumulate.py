@@ -13,8 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from axondist import Parameter
-from axondist.bucketing import GradientSynchronizer, GradSyncStrategy
-from axondist.ddp import DDP
+from axondist.ddp import DDP, GradientSynchronizer, GradSyncStrategy
 
 SHAPES = st.lists(st.lists(st.integers(1, 9), max_size=2).map(tuple), min_size=1, max_size=5)
 

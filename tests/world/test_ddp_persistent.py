@@ -19,8 +19,7 @@ from hypothesis import strategies as st
 import axondist
 from axondist import Parameter
 from axondist.backends.base import PersistentAllReduce
-from axondist.bucketing import GradSyncStrategy
-from axondist.ddp import DDP
+from axondist.ddp import DDP, GradSyncStrategy
 from axondist.errors import CollectiveTimeoutError
 
 OVER = GradSyncStrategy.OVERLAPPED

@@ -18,8 +18,7 @@ from hypothesis import strategies as st
 from test_ddp_persistent import data, grads_of, reference, samples, start_params
 
 from axondist import Parameter
-from axondist.bucketing import GradSyncStrategy
-from axondist.ddp import DDP
+from axondist.ddp import DDP, GradSyncStrategy
 
 SHAPES = st.lists(st.lists(st.integers(1, 6), max_size=2).map(tuple), min_size=1, max_size=6)
 LR = 0.1

@@ -17,8 +17,7 @@ from hypothesis import strategies as st
 
 from axondist.backends._mpi_common import MPIOptions, piece_bounds
 from axondist.backends.mpi import MPIBackend
-from axondist.bucketing import GradSyncStrategy
-from axondist.ddp import DDP
+from axondist.ddp import DDP, GradSyncStrategy
 from axondist.parameter import Parameter
 
 SYNC, OVER = GradSyncStrategy.SYNCHRONOUS, GradSyncStrategy.OVERLAPPED

@@ -9,11 +9,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from . import _array
-from .backends.base import Work
-from .comm import all_reduce
-from .ops import ReduceOp
-from .process_group import ProcessGroup
+from .. import _array
+from ..backends.base import Work
+from ..comm import all_reduce
+from ..ops import ReduceOp
+from ..process_group import ProcessGroup
 
 
 class ReductionHook(Protocol):

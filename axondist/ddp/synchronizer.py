@@ -6,8 +6,8 @@ which :class:`~axondist.ddp.DistributedDataParallel` is built from. Each bucket 
 multiplied in place by this rank's weight (``1 / world_size``, or ``n_i / sum(n)`` for a
 sample-weighted average) before the ranks' buckets are *summed*: the one pass a mean needs
 anyway, which keeps float16 values in range and folds into the packing copy. The bucket
-plan and buffer (:mod:`axondist.gradient_bucket`) and the reduction hooks
-(:mod:`axondist.compression`) are importable from here too.
+plan and buffer live in :mod:`axondist.ddp.buckets`, the reduction hooks in
+:mod:`axondist.ddp.compression`, the persistent pieces in :mod:`axondist.ddp.pieces`.
 """
 
 from __future__ import annotations
@@ -19,19 +19,34 @@ from typing import Any
 
 import numpy as np
 
-from . import _array
-from ._persistent_pieces import PersistentPieces
-from ._persistent_pieces import ProgressHelper as _ProgressHelper  # noqa: F401 (tests)
-from ._validate import check_real_gradient
-from .backends.base import Backend, CompletedWork, PersistentAllReduce, Work
-from .comm import all_reduce
-from .compression import CastCompression, ReductionHook, resolve_compression, sum_hook
-from .gradient_bucket import GradientBucket, bucket_plan
-from .ops import ReduceOp
-from .parameter import Parameter
-from .process_group import ProcessGroup, resolve_group
+from .. import _array
+from .._validate import check_real_gradient
+from ..backends.base import Backend, CompletedWork, PersistentAllReduce, Work
+from ..comm import all_reduce
+from ..errors import UnsupportedDTypeError
+from ..ops import ReduceOp
+from ..parameter import Parameter
+from ..process_group import ProcessGroup, resolve_group
+from .buckets import GradientBucket, MiB, bucket_plan
+from .compression import ReductionHook, resolve_compression, sum_hook
+from .pieces import PersistentPieces
 
-MiB = 1 << 20
+
+def check_gradient(grad: Any, where: str, index: int, name: str | None = None) -> None:
+    """Refuse a gradient that cannot be averaged into a floating-point bucket: a complex
+    one, or one whose dtype is not a number (object, string, datetime...).
+
+    Raises:
+        UnsupportedDTypeError: naming ``where``, the parameter and the dtype.
+    """
+    dtype = np.dtype(grad.dtype)
+    check_real_gradient(grad, where, index, name)
+    if dtype.kind not in "biuf" and not _array.is_floating(dtype):
+        label = f"parameter {index}" + (f" ({name})" if name else "")
+        raise UnsupportedDTypeError(
+            f"{where}: the gradient of {label} has dtype {dtype}; a gradient must be an "
+            "array of real numbers (floating point, or integers that are cast). Convert it "
+            "first, e.g. np.asarray(grad, dtype=np.float32)")
 
 
 class GradSyncStrategy(enum.Enum):
@@ -323,7 +338,7 @@ class GradientSynchronizer(PersistentPieces):
                                " (accumulate into .grad before adding it)")
         if grad is not slot.view:
             grad = _array.as_array(grad)
-            check_real_gradient(grad, "GradientSynchronizer.add_gradient", index)
+            check_gradient(grad, "GradientSynchronizer.add_gradient", index)
             if tuple(grad.shape) != slot.view.shape:
                 raise ValueError(f"GradientSynchronizer.add_gradient: gradient {index} has shape "
                                  f"{tuple(grad.shape)}, its parameter has {slot.view.shape}")
@@ -376,7 +391,7 @@ class GradientSynchronizer(PersistentPieces):
         """
         slot = self._open_slot(index, "accumulate")
         grad = _array.as_array(grad)
-        check_real_gradient(grad, "GradientSynchronizer.accumulate", index)
+        check_gradient(grad, "GradientSynchronizer.accumulate", index)
         view = slot.view
         if tuple(grad.shape) != view.shape:
             raise ValueError(f"GradientSynchronizer.accumulate: gradient {index} has shape "
@@ -556,13 +571,4 @@ class GradientSynchronizer(PersistentPieces):
                 f"buckets of [{sizes}] elements)")
 
 
-__all__ = [
-    "CastCompression",
-    "GradSyncStrategy",
-    "GradientBucket",
-    "GradientSynchronizer",
-    "ReductionHook",
-    "bucket_plan",
-    "check_real_gradient",
-    "sum_hook",
-]
+__all__ = ["GradSyncStrategy", "GradientSynchronizer", "check_gradient"]

@@ -3,7 +3,7 @@
 Each rank computes gradients on its own part of the batch; :class:`DistributedDataParallel`
 averages them over the group, so an optimizer step on every rank applies the
 same update and the replicas stay identical. The averaging runs through
-persistent flat buckets (see :mod:`axondist.bucketing`): a few large
+persistent flat buckets (see :mod:`axondist.ddp.synchronizer`): a few large
 all-reduces instead of one per parameter, optionally overlapped with the
 computation of the remaining gradients.
 """
@@ -19,23 +19,16 @@ from typing import Any
 
 import numpy as np
 
-from . import _array
-from ._step import GradFn, check_grad_fn, check_optimizer, split_grad_fn
-from ._validate import check_state_names, mib, positive_number
-from .bucketing import (
-    GradientSynchronizer,
-    GradSyncStrategy,
-    MiB,
-    check_real_gradient,
-)
-from .comm import all_gather, all_gather_object, broadcast
+from .. import _array, clip
+from .._step import GradFn, check_grad_fn, check_optimizer, split_grad_fn
+from .._validate import check_state_names, mib, positive_number
+from ..comm import all_gather, all_gather_object, broadcast
+from ..errors import CollectiveMismatchError
+from ..parameter import Parameter, parameters_of
+from ..process_group import ProcessGroup, resolve_group
+from .buckets import DEFAULT_BUCKET_CAP_MB, MiB, bucket_plan
 from .compression import ReductionHook
-from .errors import CollectiveMismatchError
-from .fsdp import clip as _clip
-from .gradient_bucket import bucket_plan
-from .parameter import Parameter, parameters_of
-from .process_group import ProcessGroup, resolve_group
-from .tune import DEFAULT_BUCKET_CAP_MB, tuned_sizes
+from .synchronizer import GradientSynchronizer, GradSyncStrategy, check_gradient
 
 ForwardFn = Callable[..., Any]
 
@@ -105,14 +98,16 @@ class DistributedDataParallel:
     Args:
         model: the model (anything :func:`~axondist.parameters_of` accepts).
         group: the data-parallel group (the current world when None).
-        bucket_cap_mb: MiB per gradient bucket; None: 25, as torch DDP, and
-            under OVERLAPPED the size ``python -m axondist tune`` picked for this
-            world's layout (its settings file) where there is one. The pick is
-            the smallest bucket that still moves data near the links' bandwidth:
-            what overlap wants (less left to reduce after the last gradient),
-            while a synchronous step only gains from fewer, bigger buckets.
-            Under OVERLAPPED the file's piece size (``tune``'s pick) also
-            replaces ``synchronizer.piece_bytes``, whatever ``bucket_cap_mb``.
+        bucket_cap_mb: MiB per gradient bucket; None: :data:`DEFAULT_BUCKET_CAP_MB`
+            (25, as torch DDP). Under OVERLAPPED, ``python -m axondist tune`` picks
+            the smallest bucket that still moves data near the links' bandwidth
+            (less left to reduce after the last gradient); pass its pick
+            explicitly, e.g. ``**tuned_ddp_options(group)`` from
+            :mod:`axondist.tune`. A synchronous step only gains from fewer,
+            bigger buckets.
+        piece_bytes: bytes per piece of an OVERLAPPED bucket's persistent
+            all-reduce (``synchronizer.piece_bytes``); None: the synchronizer's
+            default (4 MiB). ``tune`` picks one too (see ``bucket_cap_mb``).
         first_bucket_mb: MiB of the first bucket of each dtype (1, as torch
             DDP): the first all-reduce starts after the first few gradients.
         broadcast_buffers: broadcast ``buffers`` at every synchronized step.
@@ -123,9 +118,9 @@ class DistributedDataParallel:
         forward_fn: ``forward_fn(params, *inputs)`` used by :meth:`forward`;
             when None, ``model.forward(*inputs)``.
         compression: None, ``"fp16"``, ``"bf16"`` (all-reduce float32/64
-            buckets in 16 bits; see :class:`~axondist.compression.CastCompression`
+            buckets in 16 bits; see :class:`~axondist.ddp.compression.CastCompression`
             for the accuracy cost) or a
-            :class:`~axondist.compression.ReductionHook`.
+            :class:`~axondist.ddp.compression.ReductionHook`.
         buffers: arrays or Parameters to keep equal to rank 0's.
         missing_grad: ``"zeros"`` or ``"error"`` (above).
         init_sync: call :meth:`sync_parameters` in the constructor.
@@ -137,7 +132,8 @@ class DistributedDataParallel:
     """
 
     def __init__(self, model: Any, group: ProcessGroup | None = None, *,
-                 bucket_cap_mb: float | None = None, first_bucket_mb: float = 1.0,
+                 bucket_cap_mb: float | None = None, piece_bytes: int | None = None,
+                 first_bucket_mb: float = 1.0,
                  broadcast_buffers: bool = True, gradient_as_bucket_view: bool = True,
                  strategy: GradSyncStrategy | str = GradSyncStrategy.SYNCHRONOUS,
                  grad_fn: GradFn | None = None, forward_fn: ForwardFn | None = None,
@@ -148,14 +144,14 @@ class DistributedDataParallel:
         self._params = parameters_of(model)
         self.process_group = resolve_group(group)
         strategy = GradSyncStrategy.parse(strategy)
-        # tune's sizes are for overlap: a synchronous step only gains from bigger buckets
-        tuned_mb, tuned_piece = (tuned_sizes(self.process_group)
-                                 if strategy is GradSyncStrategy.OVERLAPPED
-                                 else (DEFAULT_BUCKET_CAP_MB, None))
         if bucket_cap_mb is None:
-            bucket_cap_mb = tuned_mb
+            bucket_cap_mb = DEFAULT_BUCKET_CAP_MB
         bucket_cap_mb = positive_number(bucket_cap_mb, "DistributedDataParallel",
                                         "bucket_cap_mb (MiB per bucket, e.g. 25)")
+        if piece_bytes is not None:
+            piece_bytes = max(1, round(positive_number(
+                piece_bytes, "DistributedDataParallel",
+                "piece_bytes (bytes per OVERLAPPED piece, e.g. 4 MiB: 4194304)")))
         first_bucket_mb = positive_number(first_bucket_mb, "DistributedDataParallel",
                                           "first_bucket_mb (MiB, e.g. 1)")
         if missing_grad not in _MISSING_MODES:
@@ -182,8 +178,8 @@ class DistributedDataParallel:
             self.strategy, bucket_bytes=_mib_to_bytes(self.bucket_cap_mb),
             first_bucket_bytes=_mib_to_bytes(self.first_bucket_mb), compression=compression,
             group=self.process_group)
-        if tuned_piece is not None:  # set ddp.synchronizer.piece_bytes before a step to override
-            self.synchronizer.piece_bytes = tuned_piece
+        if piece_bytes is not None:
+            self.synchronizer.piece_bytes = piece_bytes
         self.synchronizer.prepare(self._params)
         self._unsynced = False  # .grad holds local sums made inside no_sync()
         if logger.isEnabledFor(logging.INFO):
@@ -348,7 +344,7 @@ class DistributedDataParallel:
                              f"is out of range 0..{len(self._params) - 1}")
         p = self._params[index]
         grad = _array.as_array(grad)
-        check_real_gradient(grad, "DistributedDataParallel.add_gradient", index, p.name)
+        check_gradient(grad, "DistributedDataParallel.add_gradient", index, p.name)
         if tuple(grad.shape) != p.shape:
             raise ValueError(f"DistributedDataParallel.add_gradient: gradient of parameter "
                              f"{index} ({p.name or 'unnamed'}) has shape {tuple(grad.shape)}, the "
@@ -439,8 +435,14 @@ class DistributedDataParallel:
         Raises:
             TypeError: ``num_samples`` is not None or a number (a list of
                 gradients belongs to :func:`axondist.sync_gradients`).
-            UnsupportedDTypeError: a ``.grad`` is complex.
+            UnsupportedDTypeError: a ``.grad`` is complex or not numeric (checked
+                before the step communicates anything).
         """
+        if self.syncing:  # refuse a bad .grad before the step communicates anything
+            where = "DistributedDataParallel.sync_gradients"
+            for i, p in enumerate(self._params):
+                if p.grad is not None:
+                    check_gradient(_array.as_array(p.grad), where, i, p.name)
         self.start_grad_sync(num_samples)
         if self.syncing:
             try:
@@ -550,19 +552,11 @@ class DistributedDataParallel:
             ValueError: ``max_norm`` is not > 0, or ``norm_type`` is not > 0 or inf.
         """
         where = "DistributedDataParallel.clip_grad_norm"
-        limit = _clip.check_max_norm(max_norm, where)
-        p = _clip.check_norm_type(norm_type, where)
         if self._unsynced or self._no_sync_depth:
             raise RuntimeError(f"{where}: the gradients are local sums from no_sync(), not "
                                "averaged yet; clip after the first backward() outside no_sync()")
         grads = [q.grad for q in self._params if q.grad is not None]
-        total = _clip.global_norm([g.reshape(-1) for g in grads], p, None)
-        if error_if_nonfinite:
-            _clip.check_finite(total, p, where)
-        coef = _clip.clip_coefficient(total, limit)
-        if coef is not None:
-            _clip.scale(grads, coef)
-        return total
+        return clip.clip_grad_norm(grads, max_norm, norm_type, error_if_nonfinite, where=where)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear every ``.grad`` (``None``, or zeros in place with False, keeping bucket views)."""
@@ -721,4 +715,4 @@ def _writable_like(dst: Any, src: Any) -> bool:
 #: Short alias (torch's ``DDP``).
 DDP = DistributedDataParallel
 
-__all__ = ["DDP", "DistributedDataParallel", "GradSyncStrategy"]
+__all__ = ["DDP", "DistributedDataParallel"]

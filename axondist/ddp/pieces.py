@@ -2,7 +2,7 @@
 group, cut into pieces that start, in the one order every rank follows, as soon as the
 gradients each holds are in, weighted as they leave; a small window of pieces in flight,
 moved on by tests between gradients (and, across hosts, by a helper thread).
-:class:`PersistentPieces` is the part of :class:`~axondist.bucketing.GradientSynchronizer`
+:class:`PersistentPieces` is the part of :class:`~axondist.ddp.GradientSynchronizer`
 that does this.
 """
 
@@ -15,12 +15,11 @@ from collections import deque
 from itertools import islice
 from typing import Any
 
-from . import _array
-from .backends.base import Backend, PersistentAllReduce, Work
-from .ops import ReduceOp
-from .process_group import ProcessGroup
-
-MiB = 1 << 20
+from .. import _array
+from ..backends.base import Backend, PersistentAllReduce, Work
+from ..ops import ReduceOp
+from ..process_group import ProcessGroup
+from .buckets import MiB
 
 
 class PersistentPieces:

@@ -1,6 +1,6 @@
 """Which gradients share a bucket (:func:`bucket_plan`, pure: sizes in, positions out) and
 the flat buffer they are packed into (:class:`GradientBucket`); the
-:class:`~axondist.bucketing.GradientSynchronizer` builds its buckets from both.
+:class:`~axondist.ddp.GradientSynchronizer` builds its buckets from both.
 """
 
 from __future__ import annotations
@@ -11,7 +11,11 @@ from typing import Any
 
 import numpy as np
 
-from . import _array
+from .. import _array
+
+MiB = 1 << 20
+#: MiB per DDP gradient bucket when none is given (torch DDP's 25).
+DEFAULT_BUCKET_CAP_MB = 25.0
 
 
 def bucket_plan(sizes_bytes: Sequence[int], cap_bytes: int,
@@ -160,4 +164,4 @@ class GradientBucket:
                 f"elements, dtype={self.dtype})")
 
 
-__all__ = ["GradientBucket", "bucket_plan"]
+__all__ = ["DEFAULT_BUCKET_CAP_MB", "MiB", "GradientBucket", "bucket_plan"]

@@ -1,0 +1,49 @@
+"""DDP gradients that cannot be averaged, each a small per-rank program: ``python
+ddp_cases.py CASE mock N`` runs it on an N-rank mock world, ``mpiexec -n N python
+ddp_cases.py CASE mpi`` on MPI (see ``fault_cases.main``).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from fault_cases import main  # noqa: E402
+
+import axondist as ad  # noqa: E402
+
+
+def _ddp(world: ad.World, strategy: str) -> tuple[ad.DDP, list[ad.Parameter]]:
+    params = [ad.Parameter(np.ones(4), name="w0"), ad.Parameter(np.ones(3), name="w1")]
+    return ad.DDP(params, world, strategy=strategy, bucket_cap_mb=1e-5,
+                  first_bucket_mb=1e-5), params
+
+
+def object_grad_every_rank(world: ad.World) -> None:
+    """Every rank sets an object-dtype ``.grad`` and syncs (OVERLAPPED, a bucket per array)."""
+    ddp, params = _ddp(world, "overlapped")
+    params[0].grad = np.ones(4)
+    params[1].grad = np.array([1.0, None, 2.0], dtype=object)
+    ddp.sync_gradients()
+
+
+def object_grad_one_rank(world: ad.World) -> None:
+    """Only the last rank's grad_fn returns an object-dtype gradient; the others step."""
+    ddp, params = _ddp(world, "synchronous")
+
+    def grad_fn(arrays: list[np.ndarray]) -> tuple[float, list[np.ndarray]]:
+        last = world.rank == world.world_size - 1
+        bad = np.array([1.0, None, 2.0], dtype=object) if last else np.ones(3)
+        return 0.0, [np.ones(4), bad]
+
+    ddp.backward(grad_fn)
+
+
+CASES = {f.__name__: f for f in (object_grad_every_rank, object_grad_one_rank)}
+
+if __name__ == "__main__":
+    main(CASES)
