@@ -133,7 +133,8 @@ class LossScaler:
         wide = grad.astype(np.promote_types(grad.dtype, np.float32)) * self._scale
         dtype = getattr(like, "dtype", None)
         target = dtype if dtype is not None and _array.is_floating(dtype) else grad.dtype
-        return wide.astype(target, copy=False)
+        with np.errstate(over="ignore"):  # an inf here is the overflow the scaler looks for
+            return wide.astype(target, copy=False)
 
     def scale_loss_fn(self, loss_fn: LossFn) -> LossFn:
         """``loss_fn`` whose ``grad_y`` is multiplied by the scale in force when it runs (the
