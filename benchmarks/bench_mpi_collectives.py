@@ -13,18 +13,17 @@ were on (run once with ``AXONDIST_CHECKS=0`` to time the calls without them).
 
 Rows (raw mpi4py on ``COMM_WORLD``, with the buffers axondist gets):
 
-* ``all_reduce``: ``all_reduce(buf)`` vs ``Allreduce(IN_PLACE, buf, SUM)``.
+* ``all_reduce``: ``all_reduce(buf)`` vs ``Allreduce(IN_PLACE, buf, SUM)``; column
+  ``prepared`` is the same call prepared once (``ad.prepare``), without finding its plan.
 * ``all_reduce_mean``: ``all_reduce_mean(buf)`` vs the raw SUM, and vs the raw
   SUM followed by ``np.divide(buf, n, out=buf)`` (column ``sum+divide``).
 * ``scaled_sum``: the world backend's ``scaled_sum_blocking(buf, 1/n)``
   (DDP's weighted gradient sum) vs the raw SUM and vs ``sum+divide``.
 * ``reduce_scatter``: ``reduce_scatter(buf, out=mine)`` vs ``Reduce_scatter_block``
-  into the same preallocated result; column ``backend`` is the backend's
-  ``reduce_scatter_blocking`` with that result (what the public call costs
-  without its argument checks).
+  into the same preallocated result; column ``prepared`` is the call prepared once.
 * ``all_gather``: ``all_gather(buf, sizes=..., out=out)`` vs ``Allgather``;
-  column ``no sizes`` is ``all_gather(buf, out=out)``, whose row counts travel
-  with the call's check (with the rows too, up to 64 KiB, in a group of two).
+  column ``no sizes`` is ``all_gather(buf, out=out)``, which exchanges the row
+  counts first.
 * ``broadcast``: ``broadcast(buf, src=0)`` vs ``Bcast(buf, 0)``.
 
 gloo (``all_reduce``, ``broadcast``, ``all_gather``) is skipped, and named as
@@ -72,10 +71,10 @@ OPS = ("all_reduce", "all_reduce_mean", "scaled_sum", "reduce_scatter", "all_gat
        "broadcast")
 #: op -> the (numerator, denominator) ratios its table shows.
 RATIOS: dict[str, list[tuple[str, str]]] = {
-    "all_reduce": [("axondist", "mpi4py"), ("gloo", "axondist")],
+    "all_reduce": [("axondist", "mpi4py"), ("prepared", "mpi4py"), ("gloo", "axondist")],
     "all_reduce_mean": [("axondist", "mpi4py"), ("axondist", "sum+divide")],
     "scaled_sum": [("axondist", "mpi4py"), ("axondist", "sum+divide")],
-    "reduce_scatter": [("axondist", "mpi4py"), ("backend", "mpi4py")],
+    "reduce_scatter": [("axondist", "mpi4py"), ("prepared", "mpi4py")],
     "all_gather": [("axondist", "mpi4py"), ("no sizes", "mpi4py"), ("gloo", "axondist")],
     "broadcast": [("axondist", "mpi4py"), ("gloo", "axondist")],
 }
@@ -94,8 +93,10 @@ def _variants(op: str, nbytes: int, comm: Any, mpi: Any,
 
     fns: dict[str, Callable[[], Any]] = {}
     if op == "all_reduce":
+        prepared_sum = ad.prepare("all_reduce", buf)
         fns["axondist"] = lambda: ad.all_reduce(buf)
         fns["mpi4py"] = raw_sum
+        fns["prepared"] = lambda: prepared_sum(buf)
     elif op == "all_reduce_mean":
         fns["axondist"] = lambda: ad.all_reduce_mean(buf)
         fns["mpi4py"] = raw_sum
@@ -107,11 +108,10 @@ def _variants(op: str, nbytes: int, comm: Any, mpi: Any,
     elif op == "reduce_scatter":
         buf = np.zeros(max(n, nbytes // 4 // n * n), np.float32)  # splits evenly
         mine = np.zeros(buf.size // n, np.float32)
-        counts = [mine.size] * n
+        prepared_block = ad.prepare("reduce_scatter", buf)
         fns["axondist"] = lambda: ad.reduce_scatter(buf, out=mine)
         fns["mpi4py"] = lambda: comm.Reduce_scatter_block(buf, mine, mpi.SUM)
-        fns["backend"] = lambda: backend.reduce_scatter_blocking(buf, mine, counts,
-                                                                 ad.ReduceOp.SUM)
+        fns["prepared"] = lambda: prepared_block(buf, mine)
     elif op == "all_gather":
         out = np.zeros(buf.size * n, np.float32)
         sizes = [buf.size] * n

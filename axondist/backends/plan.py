@@ -66,8 +66,9 @@ class CallKey(NamedTuple):
            root: int | None = None, counts: tuple[int, ...] | None = None,
            async_op: bool = False) -> CallKey:
         """The key of ``collective`` on array ``x`` (a NumPy or CuPy array)."""
-        op = None if reduce_op is None else (
-            reduce_op.name if reduce_op.__class__ is ReduceOp else ReduceOp.parse(reduce_op).name)
+        op = None if reduce_op is None else (  # _name_: the enum's plain attribute, no property
+            reduce_op._name_ if reduce_op.__class__ is ReduceOp
+            else ReduceOp.parse(reduce_op)._name_)
         library, layout = _array.layout_of(x)
         return cls(collective, x.dtype, x.shape, library, layout, op, root, counts,
                    bool(async_op))

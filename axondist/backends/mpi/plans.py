@@ -124,8 +124,10 @@ class AllReducePlan(_Reduction):
     __slots__ = ()
 
     def _move(self, send: Any, recv: Any) -> Any:
-        self._comm.Allreduce(self._mpi.IN_PLACE, [self._wire(send), self._mtype], self._mop)
-        self._finish(send)
+        wire = send if self._view is None else send.view(self._view)
+        self._comm.Allreduce(self._mpi.IN_PLACE, [wire, self._mtype], self._mop)
+        if self._average is not None:
+            self._finish(send)
         return send
 
     def _start(self, send: Any, recv: Any) -> tuple[list[Any], Any, Any]:
