@@ -37,6 +37,7 @@ log = logging.getLogger("axondist.watchdog")
 _QUERY_TIMEOUT = 3.0
 _GONE_FOR = 3.0  # seconds a peer's process must be seen gone before the job ends for it
 _EXIT_PAUSE = 0.3  # os._exit waits this long after announcing, so waiting peers can say why
+_ORPHAN_GRACE = 5.0  # an orphaned rank waits at most this long for the other hosts' ranks to end
 _MAX_LINE = 1 << 20
 #: What a query got instead of a status: the port refused, nothing came back in time, or
 #: the peer runs no server. None of these alone proves that the peer ended.
@@ -232,6 +233,8 @@ class Watchdog:
         self._probe_after = min(2.0, stall)
         self.peers: dict[int, Address] = {}
         self.left: dict[int, dict[str, Any]] = {}
+        #: peer rank -> its note that its launcher died.
+        self.orphans: dict[int, dict[str, Any]] = {}
         self._wake = threading.Event()
         self._stopped = False
         self._state: dict[tuple[Any, ...], float] = {}  # call -> when it is next looked at
@@ -318,6 +321,9 @@ class Watchdog:
         if kind == "left":
             self.left[sender] = request
             self._wake.set()
+        if kind == "orphaned":
+            self.orphans[sender] = request
+            self._wake.set()
         return None
 
     def announce_left(self, how: str = "") -> bool:
@@ -380,7 +386,9 @@ class Watchdog:
     def _orphaned(self, parent: int) -> None:
         """The launcher that started this rank (mpiexec's proxy, pid ``parent``) is gone: the
         job cannot finish and nothing else would end this rank. MPI_Abort needs that
-        launcher, so the rank prints and exits by itself."""
+        launcher, so the rank tells its peers (whose launchers end the job, with a message,
+        before their MPI library meets this rank's closed connections), waits briefly for
+        the peers of other hosts to go, and exits by itself."""
         rank, size = self.recorder.rank, self.recorder.world_size
         self._stopped = True
         print_and_flush(f"[axondist rank {rank}/{size}] ",
@@ -389,7 +397,28 @@ class Watchdog:
                         "the job cannot finish; this rank exits\n"
                         f"last calls of rank {rank} (flight recorder, oldest first):\n"
                         + format_entries(self.recorder.entries(8)))
+        message = {"kind": "orphaned", "token": self._token, "rank": rank,
+                   "host": self.recorder.host, "pid": self.recorder.pid, "launcher": parent}
+        for address in self.peers.values():
+            _request(address, message, 0.5, want_reply=False)
+        remote = [r for r, p in self.peers.items() if p[2] != self.recorder.host]
+        give_up = time.monotonic() + _ORPHAN_GRACE
+        while remote and time.monotonic() < give_up:
+            answering = [r for r, s in self.query(remote).items() if isinstance(s, dict)]
+            if not answering:
+                break
+            time.sleep(0.2)
         _real_exit(1)
+
+    def _orphans_text(self) -> str | None:
+        """Text naming the peers that reported their launcher dead, or None."""
+        if not self.orphans:
+            return None
+        named = "; ".join(f"rank {r} (host {n.get('host')}, pid {n.get('pid')})"
+                          for r, n in sorted(self.orphans.items()))
+        hosts = sorted({str(n.get("host")) for n in self.orphans.values()})
+        return (f"{named} lost the launcher that started them (mpiexec's process manager on "
+                f"host {', '.join(hosts)} died, or was killed), so the job cannot finish")
 
     def _needs(self, call: dict[str, Any]) -> list[int]:
         """World ranks a running call waits for."""
@@ -400,6 +429,12 @@ class Watchdog:
 
     def _inspect(self) -> None:
         running = self.recorder.running()
+        orphans = self._orphans_text()
+        if orphans is not None:
+            self._lost = [(r, "its launcher died") for r in sorted(self.orphans)]
+            self._end(max(running, key=lambda e: e["started_s_ago"]) if running else None,
+                      0.0, orphans, None)
+            return
         if not running:
             self._state.clear()
             return
@@ -625,15 +660,17 @@ class Watchdog:
                  "every rank waits for it or makes other calls)"]
                 + ["  " + describe_status(statuses[r]) for r in busy])
 
-    def _end(self, call: dict[str, Any], waited: float, reason: str | None,
+    def _end(self, call: dict[str, Any] | None, waited: float, reason: str | None,
              statuses: dict[int, Any] | None) -> None:
         rank, size = self.recorder.rank, self.recorder.world_size
-        if reason is None:
+        if call is None:
+            head = f"rank {rank} of {size} ends the job: {reason}"
+        elif reason is None:
             head = (f"{describe_call(call)} timed out on rank {rank} of {size} after "
                     f"{waited:.1f} s (AXONDIST_TIMEOUT={self.timeout:g} s)")
         else:
             head = f"{describe_call(call)} on rank {rank} of {size} cannot complete: {reason}"
-        lines = [head] + self._peer_lines(call, statuses)
+        lines = [head] + (self._peer_lines(call, statuses) if call is not None else [])
         lines.append(f"last calls of rank {rank} (flight recorder, oldest first):")
         lines.append(format_entries(self.recorder.entries(8)))
         lines.append("ending the job on every rank")
@@ -658,9 +695,13 @@ def warn(text: str, prefix: str) -> None:
 
 
 def print_and_flush(prefix: str, text: str) -> None:
-    """Write ``text`` to stderr with ``prefix`` before every line."""
-    sys.stderr.write("".join(prefix + line for line in (text + "\n").splitlines(True)))
-    sys.stderr.flush()
+    """Write ``text`` to stderr with ``prefix`` before every line; nothing when stderr is
+    gone (a launcher that died took the pipe with it: what follows must still run)."""
+    try:
+        sys.stderr.write("".join(prefix + line for line in (text + "\n").splitlines(True)))
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        pass
 
 
 def exit_soon(code: int, after: float) -> None:

@@ -3,6 +3,12 @@ talking over loopback."""
 
 from __future__ import annotations
 
+import os
+import re
+import socket
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 
@@ -148,6 +154,182 @@ def test_a_joined_call_that_does_not_finish_names_the_ranks_busy_in_their_own_co
         rec1.begin("world", 2, "barrier", None)  # now rank 1 waits in a call too
         lines = dogs[0]._peer_lines(call, dogs[0].query([1]))
         assert lines == ["  every rank has joined this call"]
+    finally:
+        for d in dogs:
+            d.close()
+
+
+def _ring(n: int, hosts: list[str] | None = None, **settings: str) -> tuple[list[Watchdog],
+                                                                           list[str]]:
+    """n ranks' watchdogs (rank r on ``hosts[r]``); their abort messages land in a list."""
+    ended: list[str] = []
+    dogs = []
+    for rank in range(n):
+        rec = FlightRecorder(rank, n, (hosts or [f"host{r}" for r in range(n)])[rank])
+        rec.groups["world"] = tuple(range(n))
+        rec.groups["world:p2p"] = tuple(range(n))
+        dogs.append(Watchdog(rec, timeout=30.0, stall=20.0, abort=ended.append, token="t",
+                             environ={"AXONDIST_DIAGNOSTICS": "127.0.0.1", **settings}))
+    addresses = [d.address for d in dogs]
+    for d in dogs:
+        d.start(addresses)
+    return dogs, ended
+
+
+def test_a_receive_cycle_through_three_ranks_is_a_deadlock_at_once():
+    dogs, ended = _ring(3)
+    try:
+        for r, d in enumerate(dogs):  # 0 <- 1 <- 2 <- 0
+            d.recorder.begin("world:p2p", 1, "recv", (("peer", (r + 1) % 3), ("tag", 0)))
+        _wait_for(lambda: ended, 15)
+        assert "cannot complete: deadlock: rank" in ended[0], ended[0]
+        ring = re.search(r"\(wait cycle ((rank \d -> )+rank \d)\)", ended[0])
+        assert ring and sorted(set(ring[1].split(" -> "))) == ["rank 0", "rank 1", "rank 2"]
+    finally:
+        for d in dogs:
+            d.close()
+
+
+def test_a_send_meeting_its_receive_is_no_cycle():
+    dogs, ended = _ring(2)
+    try:  # a big message still moving: both calls run, and they match
+        dogs[0].recorder.begin("world:p2p", 1, "send", (("peer", 1), ("tag", 0)))
+        dogs[1].recorder.begin("world:p2p", 1, "recv", (("peer", 0), ("tag", 0)))
+        assert dogs[0]._wait_cycle(dogs[0].query([1])) is None
+        assert dogs[1]._wait_cycle(dogs[1].query([0])) is None
+    finally:
+        for d in dogs:
+            d.close()
+    assert ended == []
+
+
+def test_a_refused_port_is_no_proof_that_a_peer_ended():
+    dogs, ended = _ring(2, ["same", "same"])
+    try:
+        dogs[1].close()  # its port refuses, but its process (this one) still runs
+        _wait_for(lambda: dogs[0].query([1])[1] == GONE)
+        dogs[0]._gone(dogs[0].query([1]))
+        _watchdog_gone_for(dogs[0], 1)
+        assert dogs[0]._gone(dogs[0].query([1])) is None
+        dead = subprocess.Popen([sys.executable, "-c", "pass"])
+        dead.wait()
+        dogs[0].peers[1] = (*dogs[0].peers[1][:3], dead.pid)  # now no process has its pid
+        dogs[0]._gone(dogs[0].query([1]))
+        _watchdog_gone_for(dogs[0], 1)
+        text = dogs[0]._gone(dogs[0].query([1]))
+        assert text and f"ranks [1] are gone: no process has their pid on this host same " \
+            f"any more (rank 1: pid {dead.pid})" in text
+    finally:
+        for d in dogs:
+            d.close()
+    assert ended == []
+
+
+def _watchdog_gone_for(dog: Watchdog, rank: int) -> None:
+    """Pretend ``rank`` was first seen refusing long ago."""
+    for r in list(dog._gone_since):
+        dog._gone_since[r] -= 10.0
+
+
+def test_a_host_that_stops_answering_is_cut_off_after_the_setting():
+    silent = socket.create_server(("127.0.0.1", 0))  # accepts, never replies
+    try:
+        dogs, ended = _ring(3, ["a", "b", "b"], AXONDIST_CUT_OFF_TIMEOUT="1.5")
+        try:
+            dogs[2].close()
+            for r in (1, 2):
+                dogs[0].peers[r] = (["127.0.0.1"], silent.getsockname()[1], "b", os.getpid())
+            dogs[0].recorder.begin("world", 1, "all_reduce", None)
+            _wait_for(lambda: ended, 30)
+            assert re.search(r"all_reduce #1 on world on rank 0 of 3 cannot complete: host b "
+                             r"\(ranks \[1, 2\]\) is cut off: none of its ranks has answered "
+                             r"this rank \(host a\) for \d+\.\d s, counted from their last sign "
+                             r"of life \(AXONDIST_CUT_OFF_TIMEOUT=1.5 s\)", ended[0]), ended[0]
+            assert "its last sign of life was" in ended[0]
+        finally:
+            for d in dogs:
+                d.close()
+    finally:
+        silent.close()
+
+
+def test_the_server_binds_where_the_ranks_reach_each_other():
+    one_host = {"MPI_LOCALNRANKS": "2", "PMI_SIZE": "2"}
+    assert _watchdog.diagnostics_address(one_host) == "127.0.0.1"
+    assert _watchdog.diagnostics_address({"LOCAL_WORLD_SIZE": "4", "WORLD_SIZE": "4"}) \
+        == "127.0.0.1"
+    assert _watchdog.diagnostics_address({"MPI_LOCALNRANKS": "2", "PMI_SIZE": "4"}) \
+        == _watchdog.host_addresses()[0]
+    assert _watchdog.diagnostics_address({**one_host, "AXONDIST_DIAGNOSTICS": "off"}) is None
+    assert _watchdog.diagnostics_address({"AXONDIST_DIAGNOSTICS": "10.1.2.3"}) == "10.1.2.3"
+    rec = FlightRecorder(0, 2, "h")
+    dog = Watchdog(rec, timeout=5, stall=2, abort=print, token="t", environ=one_host)
+    try:
+        assert dog.address[0] == ["127.0.0.1"]
+        assert dog._server is not None and dog._server.getsockname()[0] == "127.0.0.1"
+    finally:
+        dog.close()
+
+
+def test_a_port_range_is_kept_and_checked():
+    probe = socket.create_server(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+    probe.close()
+    rec = FlightRecorder(0, 2, "h")
+    dog = Watchdog(rec, timeout=5, stall=2, abort=print, token="t",
+                   environ={"AXONDIST_DIAGNOSTICS": "127.0.0.1",
+                            "AXONDIST_DIAGNOSTICS_PORTS": f"{port}-{port}"})
+    try:
+        assert dog.port == port
+        with pytest.raises(ValueError, match="no free port in AXONDIST_DIAGNOSTICS_PORTS"):
+            Watchdog(rec, timeout=5, stall=2, abort=print, token="t",
+                     environ={"AXONDIST_DIAGNOSTICS": "127.0.0.1",
+                              "AXONDIST_DIAGNOSTICS_PORTS": f"{port}-{port}"})
+    finally:
+        dog.close()
+    for bad in ("x", "9-3", "0-5", "70000"):
+        with pytest.raises(ValueError, match="must be a port range LO-HI"):
+            _watchdog.diagnostics_ports({"AXONDIST_DIAGNOSTICS_PORTS": bad})
+    with pytest.raises(ValueError, match="AXONDIST_CUT_OFF_TIMEOUT='0' must be a number"):
+        _watchdog.cut_off_timeout({"AXONDIST_CUT_OFF_TIMEOUT": "0"})
+
+
+def test_without_a_server_a_peer_is_left_to_the_timeout():
+    dogs, ended = _ring(2, AXONDIST_DIAGNOSTICS="off")
+    try:
+        assert dogs[0].address[1] == 0 and dogs[0].query([1]) == {1: _watchdog.NO_SERVER}
+        dogs[1].announce_left()  # nobody hears it
+        dogs[0].recorder.begin("world", 1, "all_reduce", None)
+        time.sleep(0.6)
+        assert ended == [] and dogs[0]._verdict(dogs[0].recorder.running()[0],
+                                                dogs[0].query([1])) is None
+    finally:
+        for d in dogs:
+            d.close()
+
+
+def test_os_exit_tells_the_peers_how_the_rank_left():
+    code = textwrap.dedent("""
+        import os, sys
+        from axondist.backends._watchdog import Watchdog
+        from axondist.backends.recorder import FlightRecorder
+        rec = FlightRecorder(1, 2, "host1")
+        dog = Watchdog(rec, timeout=30, stall=20, abort=print, token="t",
+                       environ={"AXONDIST_DIAGNOSTICS": "127.0.0.1"})
+        dog.start([(["127.0.0.1"], int(sys.argv[1]), "host0", 1), dog.address])
+        os._exit(7)
+    """)
+    dogs, ended = _ring(1)
+    try:
+        dogs[0].recorder.world_size = 2
+        dogs[0].recorder.groups["world"] = (0, 1)
+        proc = subprocess.run([sys.executable, "-c", code, str(dogs[0].port)], timeout=60)
+        assert proc.returncode == 7
+        _wait_for(lambda: 1 in dogs[0].left)
+        assert dogs[0].left[1]["how"] == "os._exit(7)"
+        dogs[0].recorder.begin("world", 1, "all_reduce", None)
+        _wait_for(lambda: ended)
+        assert "rank 1 (host host1" in ended[0] and "(it called os._exit(7))" in ended[0]
     finally:
         for d in dogs:
             d.close()
