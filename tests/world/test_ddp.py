@@ -700,6 +700,11 @@ def test_bad_arguments_are_named_with_what_came_and_what_to_pass():
             DDP(params, world, bucket_cap_mb="25")
         with pytest.raises(ValueError, match="first_bucket_mb .* must be a finite number > 0"):
             DDP(params, world, first_bucket_mb=0)
+        with pytest.raises(ValueError, match=r"DistributedDataParallel: piece_bytes \(bytes per "
+                                             r"OVERLAPPED piece, e.g. 4 MiB: 4194304\)=-1 must "
+                                             "be a finite number > 0"):
+            DDP(params, world, piece_bytes=-1)
+        assert DDP(params, world, piece_bytes=1000.4).synchronizer.piece_bytes == 1000
         with pytest.raises(TypeError, match="grad_fn must be a callable"):
             DDP(params, world, grad_fn=3)
         ddp = DDP(params, world)
