@@ -1,7 +1,7 @@
 """Gradients from ``jax.grad``, averaged by DistributedDataParallel, weights kept in NumPy.
 
     python examples/jax_grad.py                   # 4 ranks of the in-process mock world
-    mpiexec -n 2 python examples/jax_grad.py      # the MPI world
+    axondist run -n 2 examples/jax_grad.py        # 2 processes (or mpiexec -n 2 python ...)
 
 The weights live in axondist Parameters (NumPy arrays the optimizer updates
 in place). Each step JAX reads them through DLPack (``jnp.from_dlpack``: no
@@ -40,7 +40,6 @@ except ImportError:  # run from a checkout without installing
 
 from axondist.data import DistributedSampler
 from axondist.ddp import DistributedDataParallel
-from axondist.launch import launched_by_mpi
 from axondist.optim import Adam
 
 SAMPLES, BATCH_PER_RANK, STEPS, LR = 512, 16, 30, 0.02
@@ -114,19 +113,21 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--world-size", type=int, default=4, help="mock world ranks")
     args = parser.parse_args(argv)
-    if launched_by_mpi():
-        world = ad.init()
-        params, world_size, rank = train(world), world.world_size, world.rank
-    else:
-        world_size, rank = args.world_size, 0
-        params = ad.spawn(train, world_size)[0]
-    reference = train_single_process(world_size)
+    # python jax_grad.py: --world-size threads; axondist run -n K: this process's rank of K
+    return ad.run(check, args.world_size)[0]
+
+
+def check(world: ad.World) -> int:
+    """Train on every rank; rank 0 compares with single-process training. The exit status."""
+    params = train(world)
+    if world.rank != 0:
+        return 0
+    reference = train_single_process(world.world_size)
     diff = max(float(np.max(np.abs(p - r))) for p, r in zip(params, reference))
-    if rank == 0:
-        print(f"jax {jax.__version__}: {world_size} ranks, {STEPS} Adam steps on gradients from "
-              "jax.value_and_grad")
-        print(f"max |parameter - single-process parameter| = {diff:.2e} "
-              f"({'OK' if diff <= TOLERANCE else 'FAILED'})")
+    print(f"jax {jax.__version__}: {world.world_size} ranks, {STEPS} Adam steps on gradients "
+          "from jax.value_and_grad")
+    print(f"max |parameter - single-process parameter| = {diff:.2e} "
+          f"({'OK' if diff <= TOLERANCE else 'FAILED'})")
     return 0 if diff <= TOLERANCE else 1
 
 

@@ -2,7 +2,7 @@
 
     python examples/numpy_mlp.py                      # 4 ranks of the in-process mock world
     python examples/numpy_mlp.py --world-size 3 --epochs 5
-    mpiexec -n 2 python examples/numpy_mlp.py         # the MPI world
+    axondist run -n 2 examples/numpy_mlp.py           # 2 processes (or mpiexec -n 2 python ...)
 
 A two-layer ReLU network classifies points from three Gaussian blobs
 (softmax cross-entropy). Every rank holds the whole model; a
@@ -33,7 +33,6 @@ except ImportError:  # run from a checkout without installing
 
 from axondist.data import DistributedSampler
 from axondist.ddp import DistributedDataParallel
-from axondist.launch import launched_by_mpi
 from axondist.optim import SGD
 
 IN, HIDDEN, CLASSES = 2, 32, 3
@@ -151,23 +150,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--strategy", choices=("synchronous", "overlapped"), default="overlapped")
     args = parser.parse_args(argv)
+    # python numpy_mlp.py: --world-size threads; axondist run -n K: this process's rank of K
+    return ad.run(check, args.world_size, args)[0]
 
-    if launched_by_mpi():  # mpiexec -n K: this process is one rank
-        world = ad.init()
-        result = train(world, args.epochs, args.strategy)
-        world_size, rank = world.world_size, world.rank
-    else:  # the mock world: ranks are threads of this process
-        world_size, rank = args.world_size, 0
-        result = ad.spawn(train, world_size, args.epochs, args.strategy)[0]
 
-    reference = train_single_process(world_size, args.epochs)
+def check(world: ad.World, args: argparse.Namespace) -> int:
+    """Train on every rank; rank 0 compares with single-process training. The exit status."""
+    result = train(world, args.epochs, args.strategy)
+    if world.rank != 0:
+        return 0
+    reference = train_single_process(world.world_size, args.epochs)
     diff = max(float(np.max(np.abs(p - r))) for p, r in zip(result["params"], reference))
-    if rank == 0:
-        losses = result["losses"]
-        print(f"{world_size} ranks, {len(losses)} steps: loss {losses[0]:.4f} -> {losses[-1]:.4f}, "
-              f"training accuracy {result['accuracy']:.1%}")
-        print(f"max |parameter - single-process parameter| = {diff:.2e} "
-              f"({'OK' if diff <= TOLERANCE else 'FAILED'})")
+    losses = result["losses"]
+    print(f"{world.world_size} ranks, {len(losses)} steps: loss {losses[0]:.4f} -> "
+          f"{losses[-1]:.4f}, training accuracy {result['accuracy']:.1%}")
+    print(f"max |parameter - single-process parameter| = {diff:.2e} "
+          f"({'OK' if diff <= TOLERANCE else 'FAILED'})")
     return 0 if diff <= TOLERANCE else 1
 
 

@@ -10,7 +10,7 @@
 An MLP (64 -> 32 -> 10, ReLU, softmax cross-entropy) with hand-written NumPy
 gradients classifies the 8x8 digits of scikit-learn's ``load_digits`` (a
 seeded synthetic set of the same shape when scikit-learn is missing:
-``pip install 'axondist[examples]'``). The training loop is the same for
+``pip install '.[examples]'`` in a checkout). The training loop is the same for
 every strategy: ``model.backward(x, y)``, ``model.clip_grad_norm(...)``,
 ``opt.step()``; the result is ``model.state_dict()`` (the whole model on
 every rank, under every strategy), which the evaluation reads. Only

@@ -1,7 +1,7 @@
 """PyTorch autograd computes the gradients, axondist averages them in place, without copies.
 
     python examples/torch_autograd.py                 # 4 ranks of the in-process mock world
-    mpiexec -n 2 python examples/torch_autograd.py    # the MPI world
+    axondist run -n 2 examples/torch_autograd.py      # 2 processes (or mpiexec -n 2 python ...)
 
 axondist never imports torch: it reads a CPU tensor through DLPack.
 ``axondist.as_array(p.grad)`` is a NumPy array *sharing the tensor's memory*,
@@ -38,7 +38,6 @@ except ImportError:  # run from a checkout without installing
     import axondist as ad
 
 from axondist.data import DistributedSampler
-from axondist.launch import launched_by_mpi
 
 SAMPLES, BATCH_PER_RANK, STEPS, LR = 512, 16, 30, 0.1
 TOLERANCE = 1e-5
@@ -120,20 +119,22 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--world-size", type=int, default=4, help="mock world ranks")
     args = parser.parse_args(argv)
-    if launched_by_mpi():
-        world = ad.init()
-        params, world_size, rank = train(world), world.world_size, world.rank
-    else:
-        world_size, rank = args.world_size, 0
-        params = ad.spawn(train, world_size)[0]
-    reference = train_single_process(world_size)
+    # python torch_autograd.py: --world-size threads; axondist run -n K: this process's rank
+    return ad.run(check, args.world_size)[0]
+
+
+def check(world: ad.World) -> int:
+    """Train on every rank; rank 0 compares with single-process training. The exit status."""
+    params = train(world)
+    if world.rank != 0:
+        return 0
+    reference = train_single_process(world.world_size)
     diff = max(float(np.max(np.abs(p - r))) for p, r in zip(params, reference))
     ok = diff <= TOLERANCE and zero_copy_check()
-    if rank == 0:
-        print(f"torch {torch.__version__}: {world_size} ranks, {STEPS} steps; gradients averaged "
-              f"in place through DLPack (zero copy: {zero_copy_check()})")
-        print(f"max |parameter - single-process parameter| = {diff:.2e} "
-              f"({'OK' if ok else 'FAILED'})")
+    print(f"torch {torch.__version__}: {world.world_size} ranks, {STEPS} steps; gradients "
+          f"averaged in place through DLPack (zero copy: {zero_copy_check()})")
+    print(f"max |parameter - single-process parameter| = {diff:.2e} "
+          f"({'OK' if ok else 'FAILED'})")
     return 0 if ok else 1
 
 

@@ -2,7 +2,7 @@
 
     python examples/tp_mlp.py                    # 4 ranks of the in-process mock world, tp=2
     python examples/tp_mlp.py --world-size 6 --tp 3
-    mpiexec -n 4 python examples/tp_mlp.py --tp 2   # the MPI world (tp must divide it)
+    axondist run -n 4 examples/tp_mlp.py --tp 2     # 4 processes (tp must divide them)
 
 Each tensor-parallel group holds one copy of the model, split across its
 ranks (the hidden layer's features); the data-parallel groups average the
@@ -27,7 +27,6 @@ except ImportError:  # run from a checkout without installing
 
 from axondist import comm
 from axondist.ddp import DistributedDataParallel
-from axondist.launch import launched_by_mpi
 from axondist.mesh import make_mesh
 from axondist.optim import SGD
 from axondist.tensor_parallel import TensorParallelMLP
@@ -96,17 +95,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tp", type=int, default=2, help="ranks per tensor-parallel group")
     parser.add_argument("--steps", type=int, default=10)
     args = parser.parse_args(argv)
+    # python tp_mlp.py: --world-size threads; axondist run -n K: this process's rank of K
+    return ad.run(check, args.world_size, args)[0]
 
-    if launched_by_mpi():
-        world = ad.init("mpi")
-        results = [train(world, args.tp, args.steps)]
-        size, show = world.world_size, world.rank == 0
-    else:
-        results = ad.spawn(train, args.world_size, args.tp, args.steps)
-        size, show = args.world_size, True
-    rows = results[0]
-    worst = max(r[3] for res in results for r in res)
-    if show:
+
+def check(world: ad.World, args: argparse.Namespace) -> int:
+    """Train on every rank; every rank's distance from dense training, the worst on rank 0,
+    which prints the table. The exit status."""
+    rows = train(world, args.tp, args.steps)
+    worst = ad.all_reduce_scalar(max(r[3] for r in rows), "max", group=world)
+    size = world.world_size
+    if world.rank == 0:
         print(f"TensorParallelMLP {IN}->{HIDDEN}->{OUT} on {size} ranks: "
               f"tp={args.tp}, dp={size // args.tp}")
         print(f"{'step':>4} {'tp x dp loss':>14} {'dense loss':>14} {'max |W - W_dense|':>18}")
