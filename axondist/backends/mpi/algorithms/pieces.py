@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ...plan import CallKey
+from ..choose import NODE_CHUNK_BYTES
 from ..plans import AllReducePlan, BroadcastPlan
 from ..transport import piece_bounds
 
@@ -19,11 +20,12 @@ if TYPE_CHECKING:
 
 
 def _bounds(backend: MPIBackend, key: CallKey) -> list[tuple[int, int]]:
-    """The pieces of a call of ``key``: at most the backend's chunk size each."""
+    """The pieces of a call of ``key``: at most the backend's chunk size each (the one-node
+    default where the layout has none, for a plan made outside the table's choice)."""
     numel = 1
     for d in key.shape:
         numel *= d
-    return piece_bounds(numel, key.dtype.itemsize, backend.layout.chunk)
+    return piece_bounds(numel, key.dtype.itemsize, backend.layout.chunk or NODE_CHUNK_BYTES)
 
 
 class AllReducePiecesPlan(AllReducePlan):
