@@ -124,7 +124,7 @@ WATCHDOG_CASES: dict[str, WatchdogCase] = {
     "hard_exit": WatchdogCase(r"all_reduce #2 on world .* cannot complete: rank 1 \(host .*\) left "
                               r"after barrier #1 on world: its process exited \(it called "
                               r"os\._exit\(1\)\)", None, within=8.0),
-    "unreceived_send": WatchdogCase(*[r"messages were sent but never received: \\d+ from rank 0 to "
+    "unreceived_send": WatchdogCase(*[r"messages were sent but never received: \d+ from rank 0 to "
                                       r"rank 1 \(tag 0\)"] * 2),
     "stuck_without_server": WatchdogCase(
         r"all_reduce #1 on world .*timed out on rank \d of \d after 1\d\.\d s \(AXONDIST_TIMEOUT"
