@@ -1,6 +1,6 @@
-"""The MPI backend's fused pieces and lean reduce-scatter, without a multi-rank job.
+"""The MPI backend's pieces, means and reduce-scatters, without a multi-rank job.
 
-Pure helpers (the piece size a group picks, how a sum becomes a mean, the
+Pure helpers (the chunk a group's layout picks, how a sum becomes a mean, the
 ``AXONDIST_PIECE_MB`` setting) need no MPI; the rest runs the backend on a
 one-rank MPI world (``COMM_SELF``) with a spy on the communicator that
 records which MPI calls each collective makes. Several ranks: see
@@ -9,7 +9,6 @@ records which MPI calls each collective makes. Several ranks: see
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 import numpy as np
@@ -19,40 +18,10 @@ from hypothesis import strategies as st
 
 import axondist as ad
 from axondist import ReduceOp, _array
-from axondist.backends._mpi_common import (
-    NODE_CHUNK_BYTES,
-    MPIOptions,
-    block_counts,
-    chunk_for,
-    mean_scaling,
-    piece_bounds,
-    piece_bytes_from_env,
-    piece_size,
-)
+from axondist.backends.mpi.choose import NODE_CHUNK_BYTES, Layout
+from axondist.backends.mpi.transport import MPIOptions, mean_scaling, piece_bytes_from_env
 
 # --- pure helpers -------------------------------------------------------------------------
-
-
-@given(option=st.none() | st.integers(1, 1 << 30), chunk=st.integers(0, 1 << 30))
-def test_piece_size_is_the_option_at_most_the_chunk(option, chunk):
-    limit = chunk or sys.maxsize
-    got = piece_size(option, chunk)
-    assert 1 <= got <= limit
-    assert got == (limit if option is None else min(option, limit))
-
-
-def test_a_95_mib_model_takes_few_round_trips_unless_asked_for_small_pieces():
-    nbytes = 95 << 20
-    assert len(piece_bounds(nbytes // 4, 4, piece_size(None, 16 << 20))) == 6
-    assert len(piece_bounds(nbytes // 4, 4, piece_size(512 << 10, 16 << 20))) == 190
-
-
-@given(numel=st.integers(0, 10_000), n=st.integers(1, 64))
-def test_block_counts_split_like_array_split_and_never_overlap_the_first(numel, n):
-    counts = block_counts(numel, n)
-    assert counts == [len(b) for b in np.array_split(np.arange(numel), n)]
-    starts = np.cumsum([0] + counts[:-1])
-    assert all(start >= counts[0] for start in starts[1:])  # the scaled move never overlaps
 
 
 @given(n=st.integers(1, 64))
@@ -121,10 +90,22 @@ def MPI() -> Any:
     return pytest.importorskip("mpi4py.MPI")
 
 
-def _backend(MPI: Any, **options: Any) -> Any:
+@pytest.fixture
+def make(MPI: Any) -> Any:
+    """``make(**options)``: a one-rank backend, closed after the test whatever happens."""
     from axondist.backends.mpi import MPIBackend
 
-    return MPIBackend(MPI.COMM_SELF.Dup(), MPIOptions(**options))
+    made: list[Any] = []
+
+    def new(**options: Any) -> Any:
+        made.append(MPIBackend(MPI.COMM_SELF.Dup(), MPIOptions(**options)))
+        return made[-1]
+
+    yield new
+    for b in made:
+        if isinstance(b._comm, _Calls):
+            b._comm = b._comm.comm
+        b.close()
 
 
 class _Calls:
@@ -147,66 +128,50 @@ class _Calls:
         return call
 
 
-@pytest.mark.parametrize("piece, chunk", [(64, 0), (64, 1 << 20), (1 << 20, 64), (None, 0)])
-def test_weighted_sums_run_in_pieces_of_the_piece_size_at_most_the_chunk(MPI, piece, chunk):
-    b = _backend(MPI, piece_bytes=piece, chunk_bytes=chunk)
+def test_one_rank_averages_with_one_all_reduce(make):
+    b = make()
     spy = b._comm = _Calls(b._comm)
-    x = np.arange(101, dtype=np.float64)  # 808 bytes
-    b.scaled_sum_blocking(x, 0.5)
-    size = piece_size(piece, chunk)
-    assert [c[0] for c in spy.calls] == ["Allreduce"] * len(piece_bounds(101, 8, size))
-    assert all(c[1] <= size for c in spy.calls)
-    np.testing.assert_array_equal(x, np.arange(101.0) / 2)
-    spy.comm.Free()
-
-
-def test_one_rank_averages_with_one_all_reduce_whatever_the_size(MPI):
-    b = _backend(MPI)
-    spy = b._comm = _Calls(b._comm)
-    x = np.arange(300_001, dtype=np.float32)  # above the size where n > 1 ranks use blocks
+    x = np.arange(300_001, dtype=np.float32)  # 1.2 MB: a mean is the sum, then one division
     b.all_reduce(x, ReduceOp.AVERAGE)
     assert [c[0] for c in spy.calls] == ["Allreduce"]
     np.testing.assert_array_equal(x, np.arange(300_001, dtype=np.float32))
-    spy.comm.Free()
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "complex64"])
-def test_scaled_sum_weights_every_piece_once(MPI, dtype):
-    b = _backend(MPI, piece_bytes=16)
+def test_scaled_sum_weights_once_then_sums(make, dtype):
+    b = make()
     spy = b._comm = _Calls(b._comm)
     dt = _array.dtype_named(dtype)
     x = np.arange(37).astype(dt)
     b.scaled_sum_blocking(x, 0.25)
     np.testing.assert_array_equal(x, np.multiply(np.arange(37).astype(dt), 0.25,
                                                  casting="unsafe").astype(dt))
-    assert len(spy.calls) == len(piece_bounds(37, dt.itemsize, 16))
-    spy.comm.Free()
+    assert [c[0] for c in spy.calls] == ["Allreduce"]
 
 
-def test_equal_counts_take_reduce_scatter_block(MPI):
-    b = _backend(MPI)
+def test_equal_counts_take_reduce_scatter_block(make):
+    b = make()
     spy = b._comm = _Calls(b._comm)
     x, out = np.arange(6.0), np.zeros(6)
-    b.reduce_scatter_blocking(x, out, [6], ReduceOp.AVERAGE)
-    assert b.reduce_scatter(x, out, [6], ReduceOp.SUM).wait() is out
-    assert [c[0] for c in spy.calls] == ["Reduce_scatter_block"] * 2
+    assert b.reduce_scatter(x, out, [6], ReduceOp.AVERAGE).wait() is out
+    assert b.reduce_scatter(x, out, [6], ReduceOp.SUM, async_op=True).wait() is out
+    assert [c[0] for c in spy.calls] == ["Reduce_scatter_block", "Ireduce_scatter_block"]
     np.testing.assert_array_equal(out, x)
-    spy.comm.Free()
 
 
-def test_reduce_scatter_refuses_a_result_of_another_dtype(MPI):
-    b = _backend(MPI)
-    with pytest.raises(ad.InvalidBufferError, match="reduce_scatter: recv has dtype float32 "
-                                                    "but send has float64; pass a recv of"):
-        b.reduce_scatter_blocking(np.zeros(4), np.zeros(4, np.float32), [4], ReduceOp.SUM)
-    with pytest.raises(ad.UnsupportedDTypeError, match="AVERAGE is not defined for dtype int32"):
+def test_reduce_scatter_refuses_a_result_of_another_dtype(make):
+    b = make()
+    with pytest.raises(ad.InvalidBufferError, match=r"reduce_scatter: out is float32\[4\] "
+                                                    r"\(numpy\) but the result is float64\[4\]"):
+        b.reduce_scatter(np.zeros(4), np.zeros(4, np.float32), [4], ReduceOp.SUM)
+    with pytest.raises(ad.UnsupportedDTypeError, match="AVERAGE is not defined for int32"):
         b.reduce_scatter(np.zeros(4, np.int32), np.zeros(4, np.int32), [4], ReduceOp.AVERAGE)
-    b.close()
 
 
-@given(option=st.one_of(st.none(), st.integers(0, 1 << 30)), nodes=st.integers(1, 64))
-def test_big_messages_go_in_pieces_on_one_node_and_whole_across_nodes(option, nodes):
-    chunk = chunk_for(option, nodes)
+@given(option=st.one_of(st.none(), st.integers(0, 1 << 30)), nodes=st.integers(1, 64),
+       size=st.integers(1, 64))
+def test_big_messages_go_in_pieces_on_one_node_and_whole_across_nodes(option, nodes, size):
+    chunk = Layout(size, nodes, chunk_bytes=option).chunk
     if option is not None:
         assert chunk == option  # a set size holds for every group
     else:

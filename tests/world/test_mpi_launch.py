@@ -343,7 +343,7 @@ def _backend() -> None:
 
     import axondist as ad
     from axondist.backends import mpi
-    from axondist.backends._mpi_common import MPIOptions
+    from axondist.backends.mpi import MPIOptions
 
     world = ad.init()  # auto-detected from the launcher's environment
     n, rank = world.world_size, world.rank
