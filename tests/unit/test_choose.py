@@ -1,0 +1,261 @@
+"""The MPI backend's algorithm table, read without MPI.
+
+Keys are built by hand (collective, dtype, shape, array library, reduce op, async) and
+layouts too (ranks, nodes, checks, chunk size); hypothesis draws sizes on and around
+every threshold. Each rule applies exactly where its boundaries say, the table is total
+(its last row matches every call), and every algorithm it can choose for a collective
+has a plan class in :data:`axondist.backends.mpi.backend.PLANS`. Nothing here starts
+MPI: a test in a fresh interpreter proves that reading the table imports no mpi4py.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from axondist import _array
+from axondist.backends.mpi import guard
+from axondist.backends.mpi.backend import PLANS
+from axondist.backends.mpi.choose import (
+    NODE_CHUNK_BYTES,
+    PIECES_FROM_BYTES,
+    RIDE_DTYPES,
+    RIDE_MAX_BYTES,
+    RIDE_OPS,
+    TABLE,
+    Algorithm,
+    Layout,
+    choose,
+    nbytes,
+)
+from axondist.backends.plan import CallKey
+
+#: The collectives that run as prepared calls (every one builds a CallKey).
+PLANNED = ("all_reduce", "broadcast", "all_gather", "reduce_scatter", "reduce")
+#: Those and names the table has never heard of: the last row still takes them.
+COLLECTIVES = PLANNED + ("gather", "scatter", "all_to_all", "barrier")
+OPS = ("SUM", "AVERAGE", "MIN", "MAX", "PRODUCT")
+DTYPES = tuple(_array.SUPPORTED_DTYPES)
+
+
+def _near(limit: int) -> st.SearchStrategy[int]:
+    """Byte counts on and a little around ``limit``."""
+    return st.integers(max(0, limit - 64), limit + 64)
+
+
+@st.composite
+def layouts(draw: st.DrawFn) -> Layout:
+    world_size = draw(st.integers(1, 64))
+    nodes = draw(st.integers(1, min(world_size, 8)))
+    chunk = draw(st.none() | st.just(0) | st.sampled_from([NODE_CHUNK_BYTES, 4 << 20, 8 << 20])
+                 | st.integers(1, 64 << 20))
+    return Layout(world_size, nodes, draw(st.booleans()), chunk)
+
+
+@st.composite
+def keys(draw: st.DrawFn, layout: Layout | None = None) -> CallKey:
+    """A call's key, its size drawn log-uniformly or on a threshold (of ``layout``'s too)."""
+    collective = draw(st.sampled_from(COLLECTIVES))
+    dtype = draw(st.sampled_from(DTYPES))
+    limits = [RIDE_MAX_BYTES, PIECES_FROM_BYTES]
+    if layout is not None and layout.chunk:
+        limits.append(2 * layout.chunk)
+    target = draw(st.one_of(st.integers(0, 40).map(lambda e: int(2 ** (e * 0.7)) - 1),
+                            st.sampled_from(limits).flatmap(_near)))
+    numel = max(0, target // dtype.itemsize + draw(st.integers(-1, 1)))
+    shape: tuple[int, ...] = (numel,)
+    if numel == 1 and draw(st.booleans()):
+        shape = ()
+    elif numel % 4 == 0 and numel and draw(st.booleans()):
+        shape = (numel // 4, 2, 2)
+    reduction = collective in ("all_reduce", "reduce_scatter", "reduce")
+    op = draw(st.sampled_from(OPS)) if reduction else None
+    root = draw(st.integers(0, 3)) if collective in ("broadcast", "reduce") else None
+    return CallKey(collective, dtype, shape, draw(st.sampled_from(["numpy", "cupy"])),
+                   reduce_op=op, root=root, async_op=draw(st.booleans()))
+
+
+def _rides(key: CallKey, layout: Layout) -> bool:
+    """The riding rule, spelled out: two ranks, checks on, blocking NumPy all-reduce of
+    at most RIDE_MAX_BYTES in a ride dtype and op."""
+    return (key.collective == "all_reduce" and layout.world_size == 2 and layout.checks
+            and not key.async_op and key.library == "numpy" and key.dtype in RIDE_DTYPES
+            and key.reduce_op in RIDE_OPS and nbytes(key) <= RIDE_MAX_BYTES)
+
+
+def _in_pieces(key: CallKey, layout: Layout) -> bool:
+    """The pieces rule: blocking all-reduce or broadcast of at least PIECES_FROM_BYTES and
+    twice the chunk, where the layout cuts pieces at all."""
+    return (key.collective in ("all_reduce", "broadcast") and not key.async_op
+            and layout.chunk > 0 and nbytes(key) >= max(PIECES_FROM_BYTES, 2 * layout.chunk))
+
+
+def _expected(key: CallKey, layout: Layout) -> Algorithm:
+    if _rides(key, layout):
+        return Algorithm.PAIR_RIDE
+    if _in_pieces(key, layout):
+        return Algorithm.PIECES
+    return Algorithm.MPI
+
+
+@given(data=st.data(), layout=layouts())
+def test_each_call_takes_the_first_rule_whose_boundaries_it_meets(data, layout):
+    key = data.draw(keys(layout))
+    assert choose(key, layout) is _expected(key, layout), (key, layout, nbytes(key))
+
+
+@given(data=st.data(), layout=layouts())
+def test_the_table_is_total_its_last_row_takes_every_call(data, layout):
+    key = data.draw(keys(layout))
+    last = TABLE[-1]
+    assert last.algorithm is Algorithm.MPI and last.applies(key, layout)
+    assert choose(key, layout) in set(Algorithm)
+
+
+@given(data=st.data(), layout=layouts())
+def test_every_choice_for_a_planned_collective_has_a_plan_class(data, layout):
+    key = data.draw(keys(layout).filter(lambda k: k.collective in PLANNED))
+    assert (key.collective, choose(key, layout)) in PLANS
+
+
+def test_every_rules_algorithm_has_a_plan_for_the_collectives_it_applies_to():
+    """Each rule, tried on every planned collective at sizes on its thresholds: wherever
+    it applies, the backend has that collective's plan class for its algorithm."""
+    layout = Layout(2)
+    applied = set()
+    for rule in TABLE:
+        for collective in PLANNED:
+            for size in (4, RIDE_MAX_BYTES, PIECES_FROM_BYTES, 2 * PIECES_FROM_BYTES):
+                key = CallKey(collective, np.dtype(np.float32), (size // 4,), "numpy",
+                              reduce_op="SUM" if collective in ("all_reduce", "reduce_scatter",
+                                                                "reduce") else None,
+                              root=0 if collective in ("broadcast", "reduce") else None)
+                if rule.applies(key, layout):
+                    applied.add((collective, rule.algorithm))
+    assert applied == {("all_reduce", Algorithm.PAIR_RIDE), ("all_reduce", Algorithm.PIECES),
+                       ("broadcast", Algorithm.PIECES)} | {(c, Algorithm.MPI) for c in PLANNED}
+    assert applied <= set(PLANS)
+    assert {algorithm for _, algorithm in PLANS} == set(Algorithm)  # no algorithm unplanned
+
+
+# --- each rule's boundaries, one at a time -------------------------------------------------
+
+def _all_reduce(dtype: str, numel: int, **fields) -> CallKey:
+    return CallKey("all_reduce", np.dtype(dtype), (numel,), "numpy", reduce_op="SUM")._replace(
+        **fields)
+
+
+@pytest.mark.parametrize("dtype", sorted(str(d) for d in RIDE_DTYPES))
+def test_riding_ends_at_ride_max_bytes(dtype):
+    numel = RIDE_MAX_BYTES // np.dtype(dtype).itemsize
+    pair = Layout(2)
+    assert choose(_all_reduce(dtype, numel), pair) is Algorithm.PAIR_RIDE
+    assert choose(_all_reduce(dtype, numel + 1), pair) is Algorithm.MPI
+    assert choose(_all_reduce(dtype, 0), pair) is Algorithm.PAIR_RIDE
+    assert choose(_all_reduce(dtype, 1)._replace(shape=()), pair) is Algorithm.PAIR_RIDE
+
+
+@pytest.mark.parametrize("change, why", [
+    ({"world_size": 1}, "one rank"), ({"world_size": 3}, "three ranks"),
+    ({"checks": False}, "no check to ride"), ({"nodes": 2, "world_size": 2}, None),
+])
+def test_riding_needs_two_ranks_and_the_check(change, why):
+    layout = Layout(**{"world_size": 2, **change})
+    key = _all_reduce("float32", 8)
+    want = Algorithm.PAIR_RIDE if why is None else Algorithm.MPI  # two hosts ride too
+    assert choose(key, layout) is want
+
+
+@pytest.mark.parametrize("field, value", [
+    ("async_op", True), ("library", "cupy"), ("collective", "reduce"),
+    ("collective", "broadcast"), ("collective", "reduce_scatter"), ("collective", "all_gather"),
+])
+def test_riding_is_only_for_blocking_numpy_all_reduces(field, value):
+    assert choose(_all_reduce("float32", 8)._replace(**{field: value}), Layout(2)) \
+        is Algorithm.MPI
+
+
+def test_riding_dtypes_and_ops_are_those_numpy_combines_as_mpi_does():
+    pair = Layout(2)
+    for dtype in DTYPES:
+        for op in OPS:
+            key = CallKey("all_reduce", dtype, (4,), "numpy", reduce_op=op)
+            rides = dtype in RIDE_DTYPES and op in RIDE_OPS
+            assert (choose(key, pair) is Algorithm.PAIR_RIDE) == rides, (dtype, op)
+    assert RIDE_DTYPES == {np.dtype(t) for t in ("float32", "float64", "int32", "int64")}
+    assert RIDE_OPS == set(OPS)
+
+
+def test_a_riding_message_fits_the_checks_receive_buffer():
+    assert guard.RIDE_ROOM >= RIDE_MAX_BYTES
+
+
+@pytest.mark.parametrize("collective", ["all_reduce", "broadcast"])
+@pytest.mark.parametrize("chunk, limit", [
+    (None, PIECES_FROM_BYTES), (1 << 20, PIECES_FROM_BYTES),
+    (PIECES_FROM_BYTES, 2 * PIECES_FROM_BYTES), (6 << 20, 12 << 20),
+])
+def test_pieces_start_at_pieces_from_bytes_and_twice_the_chunk(collective, chunk, limit):
+    layout = Layout(3, 1, True, chunk)
+    for dtype in ("float32", "float64", "int8", "float16"):
+        numel = limit // np.dtype(dtype).itemsize
+        key = CallKey(collective, np.dtype(dtype), (numel,), "numpy",
+                      reduce_op="SUM" if collective == "all_reduce" else None,
+                      root=0 if collective == "broadcast" else None)
+        assert choose(key, layout) is Algorithm.PIECES
+        assert choose(key._replace(shape=(numel - 1,)), layout) is Algorithm.MPI
+        assert choose(key._replace(async_op=True), layout) is Algorithm.MPI
+
+
+def test_pieces_on_one_node_only_unless_a_chunk_is_set():
+    key = _all_reduce("float32", PIECES_FROM_BYTES)
+    assert choose(key, Layout(4, nodes=1)) is Algorithm.PIECES
+    assert choose(key, Layout(4, nodes=2)) is Algorithm.MPI  # whole across nodes
+    assert choose(key, Layout(4, nodes=1, chunk_bytes=0)) is Algorithm.MPI  # 0: never
+    assert choose(key, Layout(4, nodes=2, chunk_bytes=1 << 20)) is Algorithm.PIECES
+    assert Layout(4, nodes=1).chunk == NODE_CHUNK_BYTES and Layout(4, nodes=3).chunk == 0
+
+
+def test_big_two_rank_all_reduces_go_in_pieces_not_riding():
+    key = _all_reduce("float64", PIECES_FROM_BYTES // 8)
+    assert choose(key, Layout(2)) is Algorithm.PIECES
+    assert choose(key, Layout(2, checks=False)) is Algorithm.PIECES
+
+
+@pytest.mark.parametrize("collective", ["all_gather", "reduce_scatter", "reduce"])
+def test_other_collectives_are_mpis_at_every_size(collective):
+    for size in (0, 8, RIDE_MAX_BYTES, PIECES_FROM_BYTES, 4 * PIECES_FROM_BYTES):
+        key = CallKey(collective, np.dtype(np.float32), (size // 4,), "numpy",
+                      reduce_op=None if collective == "all_gather" else "SUM",
+                      root=0 if collective == "reduce" else None)
+        for layout in (Layout(1), Layout(2), Layout(5)):
+            assert choose(key, layout) is Algorithm.MPI
+
+
+def test_the_rows_state_the_thresholds_they_use():
+    """A reader of one row's reason sees the sizes the code uses."""
+    ride, pieces, last = TABLE
+    assert ride.algorithm is Algorithm.PAIR_RIDE and f"<= {RIDE_MAX_BYTES >> 10} KiB" in ride.why
+    assert pieces.algorithm is Algorithm.PIECES
+    assert f">= {PIECES_FROM_BYTES >> 20} MiB" in pieces.why
+    assert f"{NODE_CHUNK_BYTES >> 20} MiB pieces" in pieces.why
+    assert last.algorithm is Algorithm.MPI
+
+
+def test_reading_the_table_imports_no_mpi4py():
+    code = ("import sys\n"
+            "from axondist.backends.mpi.backend import PLANS\n"
+            "from axondist.backends.mpi.choose import Layout, choose\n"
+            "from axondist.backends.plan import CallKey\n"
+            "import numpy as np\n"
+            "key = CallKey('all_reduce', np.dtype('float32'), (4,), 'numpy', reduce_op='SUM')\n"
+            "assert (key.collective, choose(key, Layout(2))) in PLANS\n"
+            "assert 'mpi4py' not in sys.modules, sorted(m for m in sys.modules if 'mpi' in m)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
