@@ -286,5 +286,5 @@ def test_host_staging_mode_is_the_one_asked_for():
     backend = mpi_world().backend
     asked = os.environ.get("AXONDIST_MPI_HOST_STAGING", "auto").lower()
     assert backend.options.host_staging == asked
-    staged = backend._needs_host(device(np.zeros(2, np.float32)))
+    staged = backend._host(device(np.zeros(2, np.float32)))
     assert staged == (asked == "always" or not backend.cuda_aware)

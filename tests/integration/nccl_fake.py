@@ -59,10 +59,23 @@ class Settings:
         #: The 16-byte UUID each device reports (device id -> bytes); by default each
         #: device its own.
         self.uuids: dict[int, bytes] = {}
+        #: What the backend asked of CUDA: "device enter" (a ``with Device(...)``),
+        #: "event record", "stream query" (``Stream.done``), "event query" (``Event.done``).
+        self.counts: collections.Counter[str] = collections.Counter()
 
 
 SETTINGS = Settings(4, 21903)
 _local = threading.local()
+
+
+def _count(what: str) -> None:
+    SETTINGS.counts[what] += 1
+    _local.__dict__.setdefault("counts", collections.Counter())[what] += 1
+
+
+def thread_counts() -> collections.Counter[str]:
+    """:attr:`Settings.counts` of the calling thread alone (a copy)."""
+    return collections.Counter(getattr(_local, "counts", ()))
 _ptr_counter = itertools.count(0x1000)
 
 
@@ -80,6 +93,7 @@ class Device:
             raise FakeMisuse(f"fake cupy: no device {self.id}")
 
     def __enter__(self) -> Device:
+        _count("device enter")
         _local.__dict__.setdefault("devices", []).append(self.id)
         return self
 
@@ -107,6 +121,12 @@ class Stream:
 
     def synchronize(self) -> None:
         _stream_order(self)
+
+    @property
+    def done(self) -> bool:
+        """Whether the NCCL calls launched on this stream so far have all run."""
+        _count("stream query")
+        return not SETTINGS.hang_events and not _pending_on(self.ptr)
 
     def wait_event(self, event: Event) -> None:
         if not isinstance(event, Event):
@@ -159,10 +179,12 @@ class Event:
         self.ops: list[Any] = []
 
     def record(self, stream: Stream | None = None) -> None:
+        _count("event record")
         self.ops = _pending_on((stream or get_current_stream()).ptr)
 
     @property
     def done(self) -> bool:
+        _count("event query")
         return not SETTINGS.hang_events and all(o.done.is_set() for o in self.ops)
 
     def synchronize(self) -> None:
@@ -183,7 +205,7 @@ class FakeArray(np.ndarray):
 
     @property
     def data(self) -> Any:  # type: ignore[override]
-        return types.SimpleNamespace(ptr=self.ctypes.data)
+        return types.SimpleNamespace(ptr=self.ctypes.data, device_id=self._dev)
 
     @property
     def device(self) -> Device:  # type: ignore[override]

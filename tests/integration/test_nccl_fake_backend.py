@@ -603,6 +603,50 @@ def test_new_group_with_a_fresh_unique_id(fake):
     assert all(spawn(_groups_body, 3))
 
 
+def _what_one_blocking_call_does(world, counts, nccl_calls):
+    x, y = dev(np.ones(8, np.float32)), dev(np.zeros(3, np.int64))
+    calls = {"all_reduce": lambda: ad.all_reduce(x), "broadcast": lambda: ad.broadcast(y)}
+    for call in calls.values():
+        call()  # the first call of a key prepares it (its check buffer goes to the GPU)
+    mine = world.backend.rank
+    spent = {}
+    for name, call in calls.items():
+        for stream in ("the caller's", "the backend's"):
+            before, issued = counts(), len([c for c in nccl_calls if c[1] == mine])
+            if stream == "the caller's":
+                call()
+            else:
+                with world.backend.stream:
+                    call()
+            after = counts()
+            after.subtract(before)
+            issued = [c[0] for c in nccl_calls if c[1] == mine][issued:]
+            spent[name, stream] = (after["device enter"], after["event record"],
+                                   after["event query"], issued)
+    assert_close(x.get(), np.full(8, float(world.world_size ** 3), np.float32))
+    return spent, world.backend.recorder.running()
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_one_blocking_call_enters_the_device_once_and_records_at_most_one_event(fake,
+                                                                                world_size):
+    """The per-call cost the GPU showed (the device entered twice, two events recorded and
+    a sweep of finished work per call), counted on the stand-in: a blocking call from the
+    caller's stream makes the GPU current once and records one event (ordering after
+    that stream); from the backend's own stream none; and it polls no event. The
+    cross-rank check (two ranks) and the flight recorder stay on."""
+    results = spawn(_what_one_blocking_call_does, world_size, fake.module.thread_counts,
+                    fake.calls)
+    checked = ["allReduce"] if world_size > 1 else []
+    for spent, running in results:
+        assert spent == {
+            ("all_reduce", "the caller's"): (1, 1, 0, checked + ["allReduce"]),
+            ("all_reduce", "the backend's"): (1, 0, 0, checked + ["allReduce"]),
+            ("broadcast", "the caller's"): (1, 1, 0, checked + ["broadcast"]),
+            ("broadcast", "the backend's"): (1, 0, 0, checked + ["broadcast"])}
+        assert running == []  # every call's recorder entry was stamped done
+
+
 def test_async_work_handles(fake):
     issued = threading.Event()
 

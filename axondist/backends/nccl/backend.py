@@ -21,6 +21,7 @@ from ..base import (
     debug_enabled,
     default_timeout,
 )
+from ..plan import CallKey, Plan
 from ..recorder import FlightRecorder
 from .basics import (
     GroupedCallError,
@@ -29,6 +30,7 @@ from .basics import (
     node_info_from_hosts,
 )
 from .messages import MessagesMixin
+from .plans import prepared
 from .runtime import (
     NcclCall,
     RankState,
@@ -175,6 +177,13 @@ class NcclBackend(MessagesMixin):
                 dog.start([d.address for d in dogs])
         return backends
 
+    # --- prepared calls -------------------------------------------------------------------
+    def make_plan(self, key: CallKey) -> Plan:
+        """In-place all-reduces and broadcasts of CuPy arrays get a plan that resolves the
+        NCCL arguments and the check's buffer once (:mod:`.plans`); other calls the
+        generic plans over this backend's collectives."""
+        return prepared(self, key) or super().make_plan(key)
+
     # --- queries --------------------------------------------------------------------------
     def nccl_version(self) -> tuple[int, int, int]:
         """The NCCL library's ``(major, minor, patch)``."""
@@ -277,6 +286,7 @@ class NcclBackend(MessagesMixin):
                 abort = True
         self._closed = True
         self._inflight.clear()
+        self.free_plans()
         state.recorder.groups.pop(self._group, None)
         state.recorder.groups.pop(self._p2p_group, None)
         if self._comm in state.comms:

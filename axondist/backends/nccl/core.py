@@ -34,6 +34,7 @@ from .basics import (
     NCCL_OPS,
     ReducePlan,
     check_device_array,
+    nccl_error,
     parse_nccl_version,
     reduce_plan,
 )
@@ -58,6 +59,8 @@ _VERDICT_GRACE = 10.0
 _CHECK_CACHE = 4096
 #: Seconds a mismatch report keeps asking peers that did not answer for their call.
 _MISMATCH_PATIENCE = 5.0
+#: Async calls kept for their completion before the completed ones are looked for.
+_TRACKED = 64
 
 
 class NcclBackendBase(Backend):
@@ -74,6 +77,9 @@ class NcclBackendBase(Backend):
                group: str, members: Sequence[int], *, is_world: bool) -> None:
         self._cupy, self._nccl, self._comm = cupy, nccl, comm
         self.rank, self.world_size, self.device = rank, world_size, device
+        self._here = f"rank {rank} of {world_size} (GPU {device})"  # for messages
+        #: What CuPy raises when an NCCL call fails (nothing to catch where it has none).
+        self._nccl_errors: Any = getattr(nccl, "NcclError", ())
         self.timeout = state.timeout
         self._hosts = hosts
         self._link = link
@@ -103,7 +109,7 @@ class NcclBackendBase(Backend):
 
     # --- the launch machinery -------------------------------------------------------------
     def _where(self) -> str:
-        return f"rank {self.rank} of {self.world_size} (GPU {self.device})"
+        return self._here
 
     def _call(self, op: str) -> NcclCall:
         return NcclCall(self._nccl, op, self._where())
@@ -121,38 +127,77 @@ class NcclBackendBase(Backend):
     def _launch(self, op: str, issue: Callable[[], None], *, result: Any, keep: tuple[Any, ...],
                 async_op: bool, post: Callable[[], Any] | None = None,
                 entry: Entry | None = None, follow_caller: bool = True) -> NcclWork:
-        """Order after the caller's stream (unless ``follow_caller`` is false), enqueue
-        ``issue()``, then finish or defer to a group; ``entry`` is stamped on completion."""
+        """:meth:`_enqueue` with this backend's GPU made current (for calls outside
+        :meth:`_collective`, which enters it itself)."""
         self._usable(op)
-        cupy = self._cupy
-        with cupy.cuda.Device(self.device):
-            current = cupy.cuda.get_current_stream()
-            if follow_caller and current.ptr != self._stream.ptr:
+        with self._cupy.cuda.Device(self.device):
+            return self._enqueue(op, issue, result, keep, async_op, post, entry, follow_caller)
+
+    def _enqueue(self, op: str, issue: Callable[[], None], result: Any, keep: tuple[Any, ...],
+                 async_op: bool, post: Callable[[], Any] | None, entry: Entry | None,
+                 follow_caller: bool = True) -> NcclWork:
+        """Order after the caller's stream (unless ``follow_caller`` is false), enqueue
+        ``issue()``, then wait (blocking) or record the completion event (async); inside a
+        group, defer both to its end. The backend's GPU is current.
+
+        A blocking call records no event of its own: the host polls the stream, which is
+        done once this call and everything enqueued before it are. The caller's stream
+        costs an event only when it is not this backend's stream.
+        """
+        stream = self._stream
+        if follow_caller:
+            current = self._cupy.cuda.get_current_stream()
+            if current.ptr != stream.ptr:
                 self._ready.record(current)
-                self._stream.wait_event(self._ready)
-            with self._call(op):
-                issue()
-            work = NcclWork(self, op, result, keep, entry)
-            if GROUP_STATE.depth:
-                GROUP_STATE.pending.append(PendingCall(self, work, post, not async_op))
-                return work
-            self._start(work, post)
-        if not async_op:
-            work.wait()
+                stream.wait_event(self._ready)
+        try:
+            issue()
+        except self._nccl_errors as exc:
+            raise nccl_error(op, exc, self._here) from exc
+        work = NcclWork(self, op, result, keep, entry)
+        if GROUP_STATE.depth:
+            GROUP_STATE.pending.append(PendingCall(self, work, post, not async_op))
+            return work
+        if post is not None:
+            with stream:
+                post()
+        if async_op:
+            work._event = event = self._cupy.cuda.Event(disable_timing=True)
+            event.record(stream)
+            self._track(work)
+            return work
+        self._wait_event(stream, op, None)
+        work._finish()
+        if self._inflight:
+            self._stream_drained()
         return work
 
     def _start(self, work: NcclWork, post: Callable[[], Any] | None) -> None:
-        """After the kernels are enqueued: run ``post`` on the stream, record the event."""
-        cupy = self._cupy
-        with cupy.cuda.Device(self.device):
+        """A grouped call, once its group's kernels are enqueued: run ``post`` on the
+        stream, record the completion event."""
+        with self._cupy.cuda.Device(self.device):
             if post is not None:
                 with self._stream:
                     post()
-            event = cupy.cuda.Event(disable_timing=True)
+            event = self._cupy.cuda.Event(disable_timing=True)
             event.record(self._stream)
         work._event = event
-        self._sweep()
-        self._inflight.append(work)
+        self._track(work)
+
+    def _track(self, work: NcclWork) -> None:
+        """Keep an async call until it is known complete (its recorder entry is stamped
+        then); past :data:`_TRACKED` calls, forget the leading ones that completed."""
+        inflight = self._inflight
+        inflight.append(work)
+        if len(inflight) > _TRACKED:
+            self._sweep()
+
+    def _stream_drained(self) -> None:
+        """The stream is idle (a blocking call was waited for): every call enqueued on it
+        before completed, so stamp them without asking the GPU."""
+        inflight, self._inflight = self._inflight, collections.deque()
+        for work in inflight:
+            work._record_end()
 
     def _sweep(self) -> None:
         """Forget (and stamp in the recorder) the leading in-flight calls that completed."""
@@ -160,8 +205,8 @@ class NcclBackendBase(Backend):
             self._inflight.popleft()
 
     def _wait_event(self, event: Any, op: str, timeout: float | None) -> None:
-        """Poll ``event`` until done; time out, notice aborts, the watchdog's verdict and
-        NCCL's async errors.
+        """Poll ``event`` (an Event, or a Stream: done when idle) until done; time out,
+        notice aborts, the watchdog's verdict and NCCL's async errors.
 
         With ``timeout`` None the backend's timeout applies and the watchdog
         (when there is one) decides first; an explicit ``timeout`` leaves the
@@ -216,16 +261,17 @@ class NcclBackendBase(Backend):
     # --- recording and checking ----------------------------------------------------------
     def _begin_call(self, op: str, key: tuple[Any, ...], signature: Signature = (),
                     blocking: bool = True) -> Entry:
-        """Number and record collective ``op``; for a blocking call (outside groups) then
-        the cross-rank check, settled before anything else is enqueued."""
+        """Number and record ``op`` (an object exchange); for a blocking call (outside
+        groups) then the cross-rank check, settled before anything else is enqueued."""
         self._usable(op)
         entry = self._state.begin(self._group, next(self._seqs), op, key, blocking)
         if self._checked and not GROUP_STATE.depth and (blocking or self._state.debug):
             try:
-                if self._state.debug:
-                    self._agree_by_name(op, key, signature)
-                else:
-                    self._agree(op, key, entry)
+                with self._cupy.cuda.Device(self.device):
+                    if self._state.debug:
+                        self._agree_by_name(op, key, signature)
+                    else:
+                        self._agree(op, key, entry, self._check_pair(op, key))
             except BaseException:
                 self._state.finish(entry)
                 raise
@@ -233,56 +279,67 @@ class NcclBackendBase(Backend):
 
     def _collective(self, op: str, key: tuple[Any, ...], signature: Signature,
                     issue: Callable[[], None], *, result: Any, keep: tuple[Any, ...],
-                    async_op: bool, post: Callable[[], Any] | None = None) -> NcclWork:
-        """:meth:`_launch` of collective ``op`` whose arguments are ``key``, recorded, checked.
+                    async_op: bool, post: Callable[[], Any] | None = None,
+                    pair: Any = None) -> NcclWork:
+        """Collective ``op`` whose arguments are ``key``: numbered, recorded, checked and
+        enqueued (:meth:`_enqueue`), the GPU made current once for all of it.
 
-        An async call's check is enqueued just before it and settled in
-        ``wait()``, before its data is waited for: the host does not wait for
-        the peers when issuing it.
+        A blocking call's check is settled before its data call is enqueued. An async
+        call's check is enqueued just before it and settled in ``wait()``, before its data
+        is waited for: the host does not wait for the peers when issuing it. ``pair`` is
+        the check's device buffer when the caller keeps it (a prepared call).
         """
-        entry = self._begin_call(op, key, signature, not async_op)
+        self._usable(op)
+        state = self._state
+        entry = state.begin(self._group, next(self._seqs), op, key, not async_op)
+        check = None
         try:
-            check = None
-            if async_op and self._checked and not GROUP_STATE.depth and not self._state.debug:
-                check = self._check_later(op, key, entry)
-            work = self._launch(op, issue, result=result, keep=keep, async_op=async_op,
-                                post=post, entry=entry)
+            with self._cupy.cuda.Device(self.device):
+                if self._checked and not GROUP_STATE.depth:
+                    if state.debug:
+                        self._agree_by_name(op, key, signature)
+                    else:
+                        if pair is None:
+                            pair = self._check_pair(op, key)
+                        if async_op:
+                            check = self._check_later(op, key, entry, pair)
+                        else:
+                            self._agree(op, key, entry, pair)
+                work = self._enqueue(op, issue, result, keep, async_op, post, entry)
         except BaseException:
-            self._state.finish(entry)
+            state.finish(entry)
             raise
         work._check = check
         return work
 
-    def _issue_check(self, op: str, key: tuple[Any, ...], out: Any, async_op: bool) -> NcclWork:
-        """Enqueue the check's MAX all-reduce of ``[h, -h]`` into ``out``; it follows this
-        backend's earlier calls, not the caller's stream."""
-        pair = self._pairs.get((op, key))
-        if pair is None:
-            pair = self._device_pair(op, key)
-        stream = self._stream.ptr
+    def _issue_check(self, op: str, pair: Any, out: Any, async_op: bool) -> NcclWork:
+        """Enqueue the check's MAX all-reduce of ``pair`` (``[h, -h]``) into ``out``; it
+        follows this backend's earlier calls, not the caller's stream."""
+        stream, comm = self._stream.ptr, self._comm
 
         def issue() -> None:
-            self._comm.allReduce(pair.data.ptr, out.data.ptr, 2, NCCL_DTYPES["int64"],
-                                 NCCL_OPS["max"], stream)
+            comm.allReduce(pair.data.ptr, out.data.ptr, 2, NCCL_DTYPES["int64"],
+                           NCCL_OPS["max"], stream)
 
-        return self._launch(op, issue, result=None, keep=(pair, out), async_op=async_op,
-                            follow_caller=False)
+        return self._enqueue(op, issue, None, (pair, out), async_op, None, None,
+                             follow_caller=False)
 
-    def _agree(self, op: str, key: tuple[Any, ...], entry: Entry) -> None:
-        """Return when every rank calls ``op`` with ``key``, else raise the mismatch on all."""
+    def _agree(self, op: str, key: tuple[Any, ...], entry: Entry, pair: Any) -> None:
+        """Return when every rank calls ``op`` with ``key``, else raise the mismatch on all
+        (the GPU is current)."""
         since = time.monotonic()
-        self._issue_check(op, key, self._check_out, False)
-        got = self._host(self._check_out)
+        self._issue_check(op, pair, self._check_out, False)
+        got = self._check_out.get(stream=self._stream)  # the stream is idle: no wait
         if got[0] != -got[1]:
             raise self._mismatch(op, key, entry.group, entry.seq, True, since)
 
-    def _check_later(self, op: str, key: tuple[Any, ...],
-                     entry: Entry) -> Callable[[float | None], None]:
-        """Enqueue an async call's check; what verifies it (``wait(timeout)`` calls it)."""
-        with self._cupy.cuda.Device(self.device):
-            out = self._cupy.empty(2, dtype=np.int64)  # its own: later checks may run first
+    def _check_later(self, op: str, key: tuple[Any, ...], entry: Entry,
+                     pair: Any) -> Callable[[float | None], None]:
+        """Enqueue an async call's check; what verifies it (``wait(timeout)`` calls it).
+        The GPU is current."""
+        out = self._cupy.empty(2, dtype=np.int64)  # its own: later checks may run first
         since = time.monotonic()
-        work = self._issue_check(op, key, out, True)
+        work = self._issue_check(op, pair, out, True)
         group, seq = entry.group, entry.seq
 
         def settle(timeout: float | None) -> None:
@@ -294,12 +351,23 @@ class NcclBackendBase(Backend):
 
         return settle
 
-    def _device_pair(self, op: str, key: tuple[Any, ...]) -> Any:
-        if len(self._pairs) >= _CHECK_CACHE:
-            self._pairs.clear()
-        with self._cupy.cuda.Device(self.device), self._stream:
-            pair = self._pairs[(op, key)] = self._cupy.asarray(check_pair(op, key))
+    def _check_pair(self, op: str, key: tuple[Any, ...]) -> Any:
+        """The device buffer ``[h, -h]`` of call ``(op, key)``'s hash, made once per
+        distinct call (up to :data:`_CHECK_CACHE` of them). The GPU is current."""
+        pair = self._pairs.get((op, key))
+        if pair is None:
+            if len(self._pairs) >= _CHECK_CACHE:
+                self._pairs.clear()
+            with self._stream:
+                pair = self._pairs[(op, key)] = self._cupy.asarray(check_pair(op, key))
         return pair
+
+    def _prepared_pair(self, op: str, key: tuple[Any, ...]) -> Any:
+        """The check buffer a prepared call keeps (None when calls are not checked by hash)."""
+        if not self._checked or self._state.debug:
+            return None
+        with self._cupy.cuda.Device(self.device):
+            return self._check_pair(op, key)
 
     def _mismatch(self, op: str, key: tuple[Any, ...], group: str, seq: int,
                   blocking: bool, since: float) -> CollectiveMismatchError:

@@ -187,10 +187,12 @@ def require_no_group(what: str) -> None:
 # --- handles ------------------------------------------------------------------------------
 
 class NcclWork(Work):
-    """Handle of one NCCL operation: an event recorded after it on the backend's stream.
+    """Handle of one NCCL operation: for an async call, an event recorded after it on the
+    backend's stream; a blocking call's handle is complete when returned.
 
-    Its flight-recorder entry is stamped done once the event is seen complete
-    (in :meth:`wait`, :meth:`is_completed`, or when later calls sweep it).
+    Its flight-recorder entry is stamped done once the operation is seen complete
+    (in :meth:`wait`, :meth:`is_completed`, when a later blocking call finds the stream
+    idle, or when the backend's recorder is read).
     """
 
     __slots__ = ("_backend", "_op", "_result", "_keep", "_event", "_done", "_error", "_entry",
@@ -208,6 +210,11 @@ class NcclWork(Work):
         self._entry = entry
         #: Settles the cross-rank check of an async call (raises on a mismatch).
         self._check: Callable[[float | None], None] | None = None
+
+    def _finish(self) -> None:
+        """Completed (a blocking call whose stream the host saw idle): keep the result only."""
+        self._done, self._keep = True, None
+        self._record_end()
 
     def _fail(self, error: BaseException) -> None:
         self._error = error
@@ -260,8 +267,7 @@ class NcclWork(Work):
         finally:
             if waiting is not None:
                 state.finish(waiting)
-        self._done, self._keep = True, None
-        self._record_end()
+        self._finish()
         return self._result
 
     def is_completed(self) -> bool:
@@ -281,6 +287,8 @@ class NcclWork(Work):
         if self._error is not None:
             raise self._error
         if self._event is None:
+            if self._done:
+                return  # a blocking call: complete on the GPU before it returned
             raise GroupedCallError(f"{self._op}: wait_stream() before the grouped() block ended")
         cupy = self._backend._cupy
         with cupy.cuda.Device(self._backend.device):
