@@ -39,9 +39,11 @@ def check_gradient(grad: Any, where: str, index: int, name: str | None = None) -
     Raises:
         UnsupportedDTypeError: naming ``where``, the parameter and the dtype.
     """
+    if grad.dtype.kind in "fiub":  # the common case, checked once per gradient and step
+        return
     dtype = np.dtype(grad.dtype)
     check_real_gradient(grad, where, index, name)
-    if dtype.kind not in "biuf" and not _array.is_floating(dtype):
+    if not _array.is_floating(dtype):
         label = f"parameter {index}" + (f" ({name})" if name else "")
         raise UnsupportedDTypeError(
             f"{where}: the gradient of {label} has dtype {dtype}; a gradient must be an "

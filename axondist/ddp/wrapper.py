@@ -441,8 +441,10 @@ class DistributedDataParallel:
         if self.syncing:  # refuse a bad .grad before the step communicates anything
             where = "DistributedDataParallel.sync_gradients"
             for i, p in enumerate(self._params):
-                if p.grad is not None:
-                    check_gradient(_array.as_array(p.grad), where, i, p.name)
+                g = p.grad
+                if g is not None:
+                    check_gradient(g if type(g) is np.ndarray else _array.as_array(g), where, i,
+                                   p.name)
         self.start_grad_sync(num_samples)
         if self.syncing:
             try:
