@@ -1,15 +1,15 @@
 """OVERLAPPED pieces: each piece of a bucket starts once its gradients are in, and under
-MPI big pieces are rings of persistent point-to-point requests.
+MPI each piece is a persistent all-reduce (``Allreduce_init``) started again every step.
 
 Checked against NumPy: the synchronizer's averages for any gradient shapes, piece size,
 order of arrival, sample weights and missing gradients (some gradients handed over as
 their own bucket views, unweighted, others copied in and weighted); that no piece starts
 before its gradients are in and that a backward pass in bucket order starts each piece
-as soon as it is filled; the persistent ring against NumPy's sum and, bit for bit,
-against the blocking weighted ring; DDP under OVERLAPPED against SYNCHRONOUS (bit for
-bit on two ranks, where a sum of two values does not depend on the blocks) and against
-single-process training; a ring piece's ``wait(timeout)`` while a peer has not started
-it. Runs on the mock world and unchanged under ``mpiexec -n K python -m pytest``.
+as soon as it is filled; the persistent pieces against NumPy's sum and, bit for bit on
+two ranks, against the blocking weighted sum; DDP under OVERLAPPED against SYNCHRONOUS
+(bit for bit on two ranks, where a sum of two values does not depend on the pieces) and
+against single-process training; a piece's ``wait(timeout)`` while a peer has not
+started it. Runs on the mock world and unchanged under ``mpiexec -n K python -m pytest``.
 """
 
 from __future__ import annotations
@@ -138,7 +138,7 @@ def test_in_backward_order_each_piece_starts_as_soon_as_it_is_filled():
 
 # --- DDP --------------------------------------------------------------------------------
 
-BIG = [(300, 257), (70_001,), (2, 40_000)]  # 0.6-0.64 MB each: ring-sized pieces
+BIG = [(300, 257), (70_001,), (2, 40_000)]  # 0.6-0.64 MB each: a piece each
 
 
 def _train(world, strategy, steps, weighted):
@@ -153,9 +153,8 @@ def _train(world, strategy, steps, weighted):
         ddp.sync_gradients(num_samples=(1 + world.rank) if weighted else None)
         for p in params:
             p.data -= 0.1 * p.grad
-    rings = getattr(ddp.process_group.backend_for("test"), "_ring_pieces", None)
     ddp.close()
-    return [p.data.copy() for p in params], rings
+    return [p.data.copy() for p in params]
 
 
 @settings(max_examples=4, deadline=None)
@@ -171,9 +170,7 @@ def test_ddp_overlapped_equals_synchronous_and_one_process(size, weighted):
             want[i] = want[i] - 0.1 * sum(c / sum(counts) * g[i] for c, g in zip(counts, every))
     over = run_world(_train, size, OVER, 2, weighted)
     sync = run_world(_train, size, SYNC, 2, weighted)
-    for (a, rings), (b, _) in zip(over, sync):
-        if UNDER_MPI and size > 1:
-            assert rings  # OVERLAPPED's big pieces went round rings
+    for a, b in zip(over, sync):
         for x, y, ref in zip(a, b, want):
             np.testing.assert_allclose(x, ref, rtol=1e-12, atol=1e-12)
             if size <= 2:
@@ -210,15 +207,13 @@ def test_ddp_reads_no_tune_file_and_takes_the_tuned_bucket_when_passed(
                         "OVERLAPPED tuned": 2.0}
 
 
-# --- the MPI ring ------------------------------------------------------------------------
+# --- the persistent pieces ---------------------------------------------------------------
 
-def _ring_sum(world, numel, dtype, piece_bytes, factor, seed):
+def _persistent_sum(world, numel, dtype, piece_bytes, factor, seed):
     backend = world.backend
     rng = np.random.default_rng([seed, world.rank])
     x = rng.standard_normal(numel).astype(dtype)
-    before = getattr(backend, "_ring_pieces", 0)
     handle = backend.persistent_all_reduce(x, piece_bytes=piece_bytes)
-    rings = getattr(backend, "_ring_pieces", 0) - before
     results = []
     for step in range(2):  # the same requests, started again
         x[...] = rng.standard_normal(numel).astype(dtype) * (step + 1)
@@ -236,41 +231,39 @@ def _ring_sum(world, numel, dtype, piece_bytes, factor, seed):
             blocking = None
         results.append((mine, x.copy(), blocking))
     handle.free()
-    return rings, len(handle.bounds), results
+    return len(handle.bounds), results
 
 
 @settings(max_examples=8, deadline=None)
 @given(size=world_sizes(1, 4), numel=st.sampled_from([131_073, 300_001, 600_000]),
        dtype=st.sampled_from(["float32", "float64"]), factor=st.sampled_from([1.0, 0.3]),
        seed=st.integers(0, 2**20))
-def test_persistent_ring_sums_like_numpy(size, numel, dtype, factor, seed):
+def test_persistent_pieces_sum_like_numpy(size, numel, dtype, factor, seed):
     size = current_size(size)
     piece = NODE_CHUNK_BYTES  # one node's chunk: the blocking sum's pieces too
-    out = run_world(_ring_sum, size, numel, dtype, piece, factor, seed)
+    out = run_world(_persistent_sum, size, numel, dtype, piece, factor, seed)
     if UNDER_MPI:
-        mine = [r[2][s][0] for r in out for s in range(2)]
+        mine = [r[1][s][0] for r in out for s in range(2)]
         every = [mpi_world().backend.comm.allgather(m) for m in mine]
     else:
-        every = [[r[2][s][0] for r in out] for s in range(2)]
+        every = [[r[1][s][0] for r in out] for s in range(2)]
     tol = 1e-5 * size if dtype == "float32" else 1e-12
-    for rings, pieces, results in out:
-        nbytes = numel * np.dtype(dtype).itemsize
-        if UNDER_MPI and size > 1:
-            assert rings == pieces and nbytes > 512 << 10  # every piece went round a ring
+    nbytes = numel * np.dtype(dtype).itemsize
+    for pieces, results in out:
+        assert pieces == -(-nbytes // piece)  # the fewest pieces of at most `piece` bytes
         for s, (_, got, blocking) in enumerate(results):
             want = sum(factor * a.astype(np.float64) for a in every[s])
             np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
-            # the blocking ring's bits; across hosts the blocking sum is MPICH's own
-            if blocking is not None and UNDER_MPI and mpi_world().backend._blocking_rings:
+            if blocking is not None and size <= 2:  # a sum of two: the same bits any way
                 np.testing.assert_array_equal(got, blocking)
             elif blocking is not None:
                 np.testing.assert_allclose(blocking, want, rtol=tol, atol=tol)
 
 
-def _ring_timeout(world):
-    """wait(timeout) on a ring piece times out while the peer has not started it, then
+def _piece_timeout(world):
+    """wait(timeout) on a persistent piece times out while the peer has not started it, then
     completes once it has."""
-    x = np.full(200_000, float(world.rank + 1))  # 1.6 MB: a ring under MPI
+    x = np.full(200_000, float(world.rank + 1))  # 1.6 MB: one persistent piece
     handle = world.backend.persistent_all_reduce(x, piece_bytes=2 << 20)
     timed_out = True
     if world.rank == 0:
@@ -291,10 +284,10 @@ def _ring_timeout(world):
 
 
 @mpi_only
-def test_a_ring_piece_waits_with_a_timeout_for_a_late_peer():
+def test_a_persistent_piece_waits_with_a_timeout_for_a_late_peer():
     size = current_size(2)
     if size < 2:
         pytest.skip("needs two ranks")
-    for timed_out, x in run_world(_ring_timeout, size):
+    for timed_out, x in run_world(_piece_timeout, size):
         assert timed_out
         np.testing.assert_array_equal(x, np.full(200_000, size * (size + 1) / 2))
