@@ -87,30 +87,22 @@ class PersistentAllReduce:
     collectives on the group, and may change a piece's values only until it
     starts it. ``start(k, weight)`` sums ``weight * piece`` over the ranks (each rank
     its own weight, the products rounded to the buffer's dtype): the handle multiplies
-    the piece just before it starts, or, where the backend fuses the weighting
-    (:attr:`fuses_weight`: the MPI rings weight values as they join the ring, in cache),
-    passes the weight on. Made by :meth:`Backend.persistent_all_reduce`.
+    the piece just before it starts. Made by :meth:`Backend.persistent_all_reduce`.
 
     Args:
         buf: the contiguous buffer reduced in place.
         bounds: the pieces as element ranges of ``buf.reshape(-1)``, in start order.
-        start: ``start(k)`` starts piece ``k`` and returns its Work; with
-            ``fuses_weight``, ``start(k, weight, same_weight)``.
+        start: ``start(k)`` starts piece ``k`` and returns its Work.
         free: releases what the backend set up (None: nothing to release).
-        fuses_weight: ``start`` takes the weight and applies it itself, bit for bit as
-            multiplying the piece first would.
     """
 
-    __slots__ = ("buf", "bounds", "fuses_weight", "_start", "_free", "_works", "__weakref__")
+    __slots__ = ("buf", "bounds", "_start", "_free", "_works", "__weakref__")
 
     def __init__(self, buf: Any, bounds: Sequence[tuple[int, int]],
-                 start: Callable[..., Work], free: Callable[[], None] | None = None, *,
-                 fuses_weight: bool = False) -> None:
+                 start: Callable[[int], Work], free: Callable[[], None] | None = None) -> None:
         self.buf = buf
         self.bounds = [(int(lo), int(hi)) for lo, hi in bounds]
-        #: ``start`` applies the weight itself (else :meth:`start` multiplies first).
-        self.fuses_weight = fuses_weight
-        self._start: Callable[..., Work] | None = start
+        self._start: Callable[[int], Work] | None = start
         self._free = free
         self._works: list[Work | None] = [None] * len(self.bounds)
 
@@ -124,11 +116,9 @@ class PersistentAllReduce:
         lo, hi = self.bounds[k]
         return self.buf.reshape(-1)[lo:hi]
 
-    def start(self, k: int, weight: float = 1.0, *, same_weight: bool = False) -> Work:
+    def start(self, k: int, weight: float = 1.0) -> Work:
         """Start piece ``k``'s reduction, this rank's values multiplied by ``weight``; its
-        Work's ``wait()`` returns once it is done. ``same_weight``: every rank passes this
-        same ``weight`` (a plain mean), so a backend that fuses the weighting need not send
-        the weights round; every rank must pass the same flag.
+        Work's ``wait()`` returns once it is done.
 
         Raises:
             RuntimeError: the handle was freed, or piece ``k``'s previous start
@@ -141,9 +131,6 @@ class PersistentAllReduce:
         if previous is not None and not previous.is_completed():
             raise RuntimeError(f"PersistentAllReduce.start: piece {k} is still being reduced; "
                                "wait() for its Work before starting it again")
-        if self.fuses_weight:
-            work = self._works[k] = self._start(k, float(weight), same_weight)
-            return work
         if weight != 1.0:
             piece = self.piece(k)
             namespace(piece).multiply(piece, weight, out=piece, casting="unsafe")

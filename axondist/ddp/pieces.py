@@ -38,7 +38,7 @@ class PersistentPieces:
     _num_samples: float | None
 
     #: Pieces of persistent all-reduces in flight at once (more starts wait for the
-    #: oldest). Each piece is weighted as it starts (under MPI as it joins the ring); with
+    #: oldest). Each piece is weighted just before it starts; with
     #: small pieces (``AXONDIST_PIECE_MB=0.5`` under MPI) and few in flight, MPI copies it
     #: while it is still in cache.
     PIPELINE_WINDOW = 2
@@ -55,10 +55,7 @@ class PersistentPieces:
     #: hook). A piece starts once every gradient it holds was added, so when the backward
     #: pass hands over its last gradient at most about one piece is left to start: the
     #: exposed end of the step. Smaller pieces leave less, but each pays the group's latency
-    #: and Python's costs once (under MPI a big piece is a ring of ``2 (world_size - 1)``
-    #: steps per rank). None: the backend's choice (under MPI ``chunk_bytes``: 2 MiB on one
-    #: host, whole buckets across hosts). On one host MPI caps the pieces at ``chunk_bytes``
-    #: (the blocking sum's pieces: the same bits).
+    #: and Python's costs once. None: the backend's choice (under MPI 2 MiB).
     piece_bytes: int | None = 4 * MiB
     def _init_pieces(self) -> None:
         #: pieces waiting to start, in the one order every rank starts them
@@ -126,13 +123,12 @@ class PersistentPieces:
     def _start_piece(self, state: Any, k: int, lo: int, hi: int) -> Work:
         """Start piece ``k`` (``[lo, hi)``) of ``state``'s persistent all-reduce, weighted.
         Where no slot in the piece holds weighted values yet, the weight goes with the
-        start (the MPI rings apply it as the values join the ring, in cache; a plain mean
-        tells them every rank's weight is the same, so none is sent round); otherwise the
+        start (the handle multiplies the whole piece just before it starts); otherwise the
         slots not yet weighted are weighted here first (:meth:`_weigh_piece`). The same
         values either way, bit for bit."""
         handle = state.persistent
         if not self._holds_weighted(state, lo, hi):
-            return handle.start(k, self._weight(), same_weight=self._num_samples is None)
+            return handle.start(k, self._weight())
         self._weigh_piece(state, lo, hi)
         return handle.start(k)
 
@@ -180,7 +176,7 @@ class PersistentPieces:
         elements as the gradient had (at least one piece, of those whose gradients are
         all in), so communication keeps pace with the backward pass; with none to start,
         test each piece in flight once (MPI moves a non-blocking operation only inside
-        MPI calls, and a ring takes its next step only when tested) and drop the finished
+        MPI calls) and drop the finished
         ones from the front (under MPI on one host each test is what moves the data: MPI
         copies a big message through shared memory a part per call)."""
         queue = self._queue
@@ -242,7 +238,7 @@ def _scale(flat: Any, lo: int, hi: int, factor: float) -> None:
 
 class ProgressHelper:
     """A daemon thread that, once woken, tests a synchronizer's pieces in flight every
-    ``interval`` seconds (each test moves its own ring on) until none is left, then
+    ``interval`` seconds (each test moves MPI's progress on) until none is left, then
     sleeps until woken again. It holds the synchronizer only weakly and ends with it or
     at :meth:`stop`; the synchronizer's lock keeps its tests apart from the caller's
     starts and waits (MPI forbids two threads completing one request). A test that fails
@@ -278,7 +274,7 @@ class ProgressHelper:
             if sync is None or self._stopped:
                 return
             with sync._lock:
-                try:  # every piece in flight: each test moves its own ring on
+                try:  # every piece in flight: each test moves MPI's progress on
                     busy = [work.is_completed() for work in sync._in_flight].count(False) > 0
                 except Exception:  # noqa: BLE001 - the caller's wait raises it, with context
                     busy = False

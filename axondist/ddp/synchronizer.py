@@ -59,9 +59,8 @@ class GradSyncStrategy(enum.Enum):
     #: a bucket's all-reduce is issued as soon as all its gradients were added,
     #: overlapping communication with the computation of the remaining gradients;
     #: finish() waits for every bucket. With the default hook each bucket's
-    #: all-reduce is persistent (set up on the first step; under MPI rings of
-    #: persistent point-to-point requests, or MPI-4 persistent collectives for small
-    #: pieces) and cut into pieces (GradientSynchronizer.piece_bytes), each started,
+    #: all-reduce is persistent (set up on the first step; under MPI, MPI-4 persistent
+    #: collectives) and cut into pieces (GradientSynchronizer.piece_bytes), each started,
     #: in bucket order, once its own gradients are in and weighted just before it leaves.
     OVERLAPPED = "overlapped"
     #: no communication: gradients stay local (e.g. to accumulate over several
