@@ -21,7 +21,6 @@ import json
 import logging
 import math
 import os
-import socket
 import sys
 import threading
 import time
@@ -29,6 +28,20 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NoReturn
 
 from .._rank_entry import report_lost
+from ._diagnostics import (
+    GONE,
+    MAX_LINE,
+    NO_ANSWER,
+    NO_SERVER,
+    Address,
+    cut_off_timeout,
+    diagnostics_address,
+    diagnostics_ports,
+    host_addresses,
+    listen,
+    process_gone,
+    send_to_peer,
+)
 from ._wait_graph import find_cycle, unknown_waited_for
 from .recorder import FlightRecorder, describe_call, describe_status, format_entries
 
@@ -38,151 +51,11 @@ _QUERY_TIMEOUT = 3.0
 _GONE_FOR = 3.0  # seconds a peer's process must be seen gone before the job ends for it
 _EXIT_PAUSE = 0.3  # os._exit waits this long after announcing, so waiting peers can say why
 _ORPHAN_GRACE = 5.0  # an orphaned rank waits at most this long for the other hosts' ranks to end
-_MAX_LINE = 1 << 20
-#: What a query got instead of a status: the port refused, nothing came back in time, or
-#: the peer runs no server. None of these alone proves that the peer ended.
-GONE = "refused"
-NO_ANSWER = "no answer"
-NO_SERVER = "no diagnostics server"
 _WHY = {GONE: "its diagnostics port refuses connections: its process ended, or a firewall "
               "rejects the connection",
         NO_ANSWER: "its diagnostics port did not reply: its host is cut off, or it is stuck in "
                    "code that holds the GIL",
         NO_SERVER: "it runs with AXONDIST_DIAGNOSTICS=off: only the timeout ends a wait for it"}
-_OFF = ("0", "off", "no", "false")
-_AUTO = ("", "1", "on", "yes", "true", "auto")
-#: Launcher variables giving (ranks on this host, ranks in the job): hydra, Open MPI, torchrun.
-_LOCAL_AND_TOTAL = (("MPI_LOCALNRANKS", "PMI_SIZE"),
-                    ("OMPI_COMM_WORLD_LOCAL_SIZE", "OMPI_COMM_WORLD_SIZE"),
-                    ("LOCAL_WORLD_SIZE", "WORLD_SIZE"))
-
-
-def host_addresses() -> list[str]:
-    """Addresses peers may reach this host at (the loopback last: only for the same host)."""
-    addresses: list[str] = []
-    try:
-        for info in socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET):
-            address = str(info[4][0])
-            if address not in addresses and not address.startswith("127."):
-                addresses.append(address)
-    except OSError:
-        pass
-    return addresses + ["127.0.0.1"]
-
-
-def _one_host_job(environ: Mapping[str, str]) -> bool:
-    """Whether the launcher says every rank of the job runs on this host."""
-    for local, total in _LOCAL_AND_TOTAL:
-        if environ.get(local, "").isdigit() and environ.get(local) == environ.get(total):
-            return True
-    return False
-
-
-def diagnostics_address(environ: Mapping[str, str] | None = None) -> str | None:
-    """The address the diagnostics server binds, from ``AXONDIST_DIAGNOSTICS``: None for
-    ``off``; for ``auto`` (the default) the loopback when the launcher puts every rank on
-    this host, else the first address this host's name resolves to (the one the ranks
-    reach each other on); any other value is the address itself."""
-    environ = os.environ if environ is None else environ
-    setting = environ.get("AXONDIST_DIAGNOSTICS", "auto").strip()
-    if setting.lower() in _OFF:
-        return None
-    if setting.lower() not in _AUTO:
-        return setting
-    return "127.0.0.1" if _one_host_job(environ) else host_addresses()[0]
-
-
-def diagnostics_ports(environ: Mapping[str, str] | None = None) -> range | None:
-    """The ports the server may take, from ``AXONDIST_DIAGNOSTICS_PORTS=LO-HI`` (None: any
-    free port the system gives).
-
-    Raises:
-        ValueError: a setting that is not ``LO-HI`` with 1 <= LO <= HI <= 65535.
-    """
-    environ = os.environ if environ is None else environ
-    text = environ.get("AXONDIST_DIAGNOSTICS_PORTS", "").strip()
-    if not text:
-        return None
-    lo, _, hi = text.partition("-")
-    try:
-        first, last = int(lo), int(hi or lo)
-    except ValueError:
-        first, last = 0, -1
-    if not 1 <= first <= last <= 65535:
-        raise ValueError(f"AXONDIST_DIAGNOSTICS_PORTS={text!r} must be a port range LO-HI "
-                         "(e.g. 29400-29499) within 1-65535")
-    return range(first, last + 1)
-
-
-def _listen(address: str, ports: range | None) -> socket.socket:
-    """A listening socket on ``address``, on a free port of ``ports`` (any when None)."""
-    if ports is None:
-        return socket.create_server((address, 0), backlog=64)
-    offset = os.getpid() % len(ports)  # ranks of one host start at different ports
-    for i in range(len(ports)):
-        try:
-            return socket.create_server((address, ports[(offset + i) % len(ports)]), backlog=64)
-        except OSError:
-            continue
-    raise ValueError(f"watchdog: no free port in AXONDIST_DIAGNOSTICS_PORTS="
-                     f"{ports.start}-{ports.stop - 1} on {address}; widen the range (each rank "
-                     "of a host takes one port) or set AXONDIST_DIAGNOSTICS=off")
-
-
-def cut_off_timeout(environ: Mapping[str, str] | None = None) -> float:
-    """Seconds no rank of a peer host may answer before that host counts as cut off
-    (``AXONDIST_CUT_OFF_TIMEOUT``, default 30).
-
-    Raises:
-        ValueError: not a number > 0.
-    """
-    environ = os.environ if environ is None else environ
-    text = environ.get("AXONDIST_CUT_OFF_TIMEOUT", "30")
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not value > 0:
-        raise ValueError(f"AXONDIST_CUT_OFF_TIMEOUT={text!r} must be a number of seconds > 0")
-    return value
-
-
-def _process_gone(pid: int) -> bool:
-    """Whether no process ``pid`` runs on this host."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except OSError:
-        return False
-    return False
-
-
-Address = tuple[list[str], int, str, int]
-
-
-def _request(address: Address, message: dict[str, Any], timeout: float,
-             want_reply: bool) -> Any:
-    """Send one JSON line to a peer's server; its JSON reply, or GONE / NO_ANSWER /
-    NO_SERVER."""
-    addresses, port = address[0], address[1]
-    if not port:
-        return NO_SERVER
-    refused = 0
-    for addr in addresses:
-        try:
-            with socket.create_connection((addr, port), timeout=timeout) as conn:
-                conn.settimeout(timeout)
-                conn.sendall(json.dumps(message).encode() + b"\n")
-                if not want_reply:
-                    return None
-                reply = conn.makefile("rb").readline(_MAX_LINE)
-                return json.loads(reply) if reply else NO_ANSWER
-        except ConnectionRefusedError:
-            refused += 1
-        except (OSError, ValueError):
-            continue
-    return GONE if refused else NO_ANSWER
 
 
 _RUNNING: list[Watchdog] = []
@@ -247,8 +120,10 @@ class Watchdog:
         #: peer rank -> when (time.monotonic) it last asked for this rank's status.
         self.asked: dict[int, float] = {}
         bind = diagnostics_address(environ)
-        self._server = None if bind is None else _listen(bind, diagnostics_ports(environ))
+        self._server = None if bind is None else listen(bind, diagnostics_ports(environ))
         self._bound = [] if bind is None else [bind]
+        #: hosts of which some rank has answered this rank: only their silence counts.
+        self._answered_hosts: set[str] = set()
         recorder.query_peers = self.query
         self.port = 0 if self._server is None else self._server.getsockname()[1]
 
@@ -301,7 +176,7 @@ class Watchdog:
             try:
                 with conn:
                     conn.settimeout(_QUERY_TIMEOUT)
-                    line = conn.makefile("rb").readline(_MAX_LINE)
+                    line = conn.makefile("rb").readline(MAX_LINE)
                     request = json.loads(line) if line else {}
                     if request.get("token") != self._token:
                         continue
@@ -337,7 +212,7 @@ class Watchdog:
                    "completed": dict(self.recorder.completed),
                    "last": self.recorder.last_completed()}
         for address in self.peers.values():
-            _request(address, message, 0.5, want_reply=False)
+            send_to_peer(address, message, 0.5, want_reply=False)
         return True
 
     # --- asking peers -----------------------------------------------------------------------
@@ -350,11 +225,14 @@ class Watchdog:
             return {}
         with concurrent.futures.ThreadPoolExecutor(min(16, len(targets))) as pool:
             replies = dict(zip(targets, pool.map(
-                lambda r: _request(self.peers[r], message, _QUERY_TIMEOUT, True), targets)))
+                lambda r: send_to_peer(self.peers[r], message, _QUERY_TIMEOUT, True), targets)))
         now = time.monotonic()
-        for r, reply in replies.items():
-            if isinstance(reply, dict):
+        for r, reply in list(replies.items()):
+            if isinstance(reply, dict) and reply.get("rank") != r:
+                replies[r] = NO_ANSWER  # another process on that port: not the rank asked
+            elif isinstance(reply, dict):
                 self._heard[r] = now
+                self._answered_hosts.add(self.peers[r][2])
         return replies
 
     def wait_asked(self, ranks: Sequence[int], since: float, timeout: float) -> None:
@@ -370,6 +248,11 @@ class Watchdog:
     # --- the monitor --------------------------------------------------------------------------
     def _monitor(self) -> None:
         parent = os.getppid()
+        first = {}  # one rank of each other host: is the side channel open to it?
+        for r, p in sorted(self.peers.items(), reverse=True):
+            if p[2] != self.recorder.host:
+                first[p[2]] = r
+        self.query(sorted(first.values()))
         while not self._stopped:
             self._wake.wait(self._tick)
             self._wake.clear()
@@ -400,7 +283,7 @@ class Watchdog:
         message = {"kind": "orphaned", "token": self._token, "rank": rank,
                    "host": self.recorder.host, "pid": self.recorder.pid, "launcher": parent}
         for address in self.peers.values():
-            _request(address, message, 0.5, want_reply=False)
+            send_to_peer(address, message, 0.5, want_reply=False)
         remote = [r for r, p in self.peers.items() if p[2] != self.recorder.host]
         give_up = time.monotonic() + _ORPHAN_GRACE
         while remote and time.monotonic() < give_up:
@@ -498,7 +381,7 @@ class Watchdog:
         now = time.monotonic()
         for r, status in statuses.items():
             _, _, host, pid = self.peers[r]
-            if status == GONE and host == self.recorder.host and _process_gone(pid):
+            if status == GONE and host == self.recorder.host and process_gone(pid):
                 self._gone_since.setdefault(r, now)
             else:
                 self._gone_since.pop(r, None)
@@ -530,7 +413,7 @@ class Watchdog:
         is a thread of its own), or None."""
         silent_hosts = {self.peers[r][2] for r, s in statuses.items()
                         if s in (GONE, NO_ANSWER) and self.peers[r][2] != self.recorder.host}
-        for host in sorted(silent_hosts):
+        for host in sorted(silent_hosts & self._answered_hosts):
             ranks = sorted(r for r, p in self.peers.items() if p[2] == host)
             if any(isinstance(statuses.get(r), dict) or statuses.get(r) == NO_SERVER
                    for r in ranks):
@@ -645,8 +528,12 @@ class Watchdog:
                 missing.append(r)
                 host = self.peers[r][2] if r in self.peers else "?"
                 quiet = time.monotonic() - self._last_sign_of_life(r)
+                never = ("" if host in self._answered_hosts or status == NO_SERVER else
+                         f"; no rank of host {host} has ever answered this rank: the address "
+                         "its server listens on may not be reachable from here (set "
+                         "AXONDIST_DIAGNOSTICS), so only the timeout ends this wait")
                 lines.append(f"  rank {r} (host {host}): {status} ({_WHY[status]}); its last "
-                             f"sign of life was {quiet:.1f} s ago")
+                             f"sign of life was {quiet:.1f} s ago{never}")
         if missing:
             return [f"  missing ranks: {missing}"] + lines
         # Every rank started the call, yet it does not finish: a non-blocking call's data

@@ -294,6 +294,30 @@ def test_a_port_range_is_kept_and_checked():
         _watchdog.cut_off_timeout({"AXONDIST_CUT_OFF_TIMEOUT": "0"})
 
 
+def test_a_host_never_reached_is_left_to_the_timeout():
+    silent = socket.create_server(("127.0.0.1", 0))  # accepts, never replies
+    try:
+        dogs, ended = _ring(2, ["a", "b"], AXONDIST_CUT_OFF_TIMEOUT="0.5")
+        try:
+            _wait_for(lambda: "b" in dogs[0]._answered_hosts)  # the first look is over
+            dogs[0].peers[1] = (["127.0.0.1"], silent.getsockname()[1], "b", os.getpid())
+            dogs[0]._answered_hosts.clear()  # as if host b's address was wrong from the start
+            dogs[0].recorder.begin("world", 1, "all_reduce", None)
+            call = dogs[0].recorder.running()[0]
+            statuses = dogs[0].query([1])
+            assert statuses == {1: _watchdog.NO_ANSWER}
+            time.sleep(0.6)
+            assert dogs[0]._verdict(call, statuses) is None
+            lines = "\n".join(dogs[0]._peer_lines(call, statuses))
+            assert "no rank of host b has ever answered this rank" in lines, lines
+        finally:
+            for d in dogs:
+                d.close()
+    finally:
+        silent.close()
+    assert ended == []
+
+
 def test_without_a_server_a_peer_is_left_to_the_timeout():
     dogs, ended = _ring(2, AXONDIST_DIAGNOSTICS="off")
     try:

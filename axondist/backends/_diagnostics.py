@@ -1,0 +1,160 @@
+"""The watchdog's side channel: where each rank's diagnostics server listens, its settings
+(``AXONDIST_DIAGNOSTICS``, ``AXONDIST_DIAGNOSTICS_PORTS``, ``AXONDIST_CUT_OFF_TIMEOUT``),
+and one request to a peer's server (a JSON line out, a JSON line back). See
+docs/backends.md ("The watchdog")."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+from collections.abc import Mapping
+from typing import Any
+
+#: The longest line a server or a client reads.
+MAX_LINE = 1 << 20
+#: What a query got instead of a status: the port refused, nothing came back in time, or
+#: the peer runs no server. None of these alone proves that the peer ended.
+GONE = "refused"
+NO_ANSWER = "no answer"
+NO_SERVER = "no diagnostics server"
+_OFF = ("0", "off", "no", "false")
+_AUTO = ("", "1", "on", "yes", "true", "auto")
+#: Launcher variables giving (ranks on this host, ranks in the job): hydra, Open MPI, torchrun.
+_LOCAL_AND_TOTAL = (("MPI_LOCALNRANKS", "PMI_SIZE"),
+                    ("OMPI_COMM_WORLD_LOCAL_SIZE", "OMPI_COMM_WORLD_SIZE"),
+                    ("LOCAL_WORLD_SIZE", "WORLD_SIZE"))
+
+
+def host_addresses() -> list[str]:
+    """Addresses peers may reach this host at (the loopback last: only for the same host)."""
+    addresses: list[str] = []
+    try:
+        for info in socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET):
+            address = str(info[4][0])
+            if address not in addresses and not address.startswith("127."):
+                addresses.append(address)
+    except OSError:
+        pass
+    return addresses + ["127.0.0.1"]
+
+
+def _one_host_job(environ: Mapping[str, str]) -> bool:
+    """Whether the launcher says every rank of the job runs on this host."""
+    for local, total in _LOCAL_AND_TOTAL:
+        if environ.get(local, "").isdigit() and environ.get(local) == environ.get(total):
+            return True
+    return False
+
+
+def diagnostics_address(environ: Mapping[str, str] | None = None) -> str | None:
+    """The address the diagnostics server binds, from ``AXONDIST_DIAGNOSTICS``: None for
+    ``off``; for ``auto`` (the default) the loopback when the launcher puts every rank on
+    this host, else the first address this host's name resolves to (the one the ranks
+    reach each other on); any other value is the address itself."""
+    environ = os.environ if environ is None else environ
+    setting = environ.get("AXONDIST_DIAGNOSTICS", "auto").strip()
+    if setting.lower() in _OFF:
+        return None
+    if setting.lower() not in _AUTO:
+        return setting
+    return "127.0.0.1" if _one_host_job(environ) else host_addresses()[0]
+
+
+def diagnostics_ports(environ: Mapping[str, str] | None = None) -> range | None:
+    """The ports the server may take, from ``AXONDIST_DIAGNOSTICS_PORTS=LO-HI`` (None: any
+    free port the system gives).
+
+    Raises:
+        ValueError: a setting that is not ``LO-HI`` with 1 <= LO <= HI <= 65535.
+    """
+    environ = os.environ if environ is None else environ
+    text = environ.get("AXONDIST_DIAGNOSTICS_PORTS", "").strip()
+    if not text:
+        return None
+    lo, _, hi = text.partition("-")
+    try:
+        first, last = int(lo), int(hi or lo)
+    except ValueError:
+        first, last = 0, -1
+    if not 1 <= first <= last <= 65535:
+        raise ValueError(f"AXONDIST_DIAGNOSTICS_PORTS={text!r} must be a port range LO-HI "
+                         "(e.g. 29400-29499) within 1-65535")
+    return range(first, last + 1)
+
+
+def listen(address: str, ports: range | None) -> socket.socket:
+    """A listening socket on ``address``, on a free port of ``ports`` (any when None)."""
+    if ports is None:
+        return socket.create_server((address, 0), backlog=64)
+    offset = os.getpid() % len(ports)  # ranks of one host start at different ports
+    for i in range(len(ports)):
+        try:
+            return socket.create_server((address, ports[(offset + i) % len(ports)]), backlog=64)
+        except OSError:
+            continue
+    raise ValueError(f"watchdog: no free port in AXONDIST_DIAGNOSTICS_PORTS="
+                     f"{ports.start}-{ports.stop - 1} on {address}; widen the range (each rank "
+                     "of a host takes one port) or set AXONDIST_DIAGNOSTICS=off")
+
+
+def cut_off_timeout(environ: Mapping[str, str] | None = None) -> float:
+    """Seconds no rank of a peer host may answer before that host counts as cut off
+    (``AXONDIST_CUT_OFF_TIMEOUT``, default 30).
+
+    Raises:
+        ValueError: not a number > 0.
+    """
+    environ = os.environ if environ is None else environ
+    text = environ.get("AXONDIST_CUT_OFF_TIMEOUT", "30")
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not value > 0:
+        raise ValueError(f"AXONDIST_CUT_OFF_TIMEOUT={text!r} must be a number of seconds > 0")
+    return value
+
+
+def process_gone(pid: int) -> bool:
+    """Whether no process ``pid`` runs on this host."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False
+    return False
+
+
+Address = tuple[list[str], int, str, int]
+
+
+def send_to_peer(address: Address, message: dict[str, Any], timeout: float,
+             want_reply: bool) -> Any:
+    """Send one JSON line to a peer's server; its JSON reply, or GONE / NO_ANSWER /
+    NO_SERVER."""
+    addresses, port = address[0], address[1]
+    if not port:
+        return NO_SERVER
+    refused = 0
+    for addr in addresses:
+        try:
+            with socket.create_connection((addr, port), timeout=timeout) as conn:
+                conn.settimeout(timeout)
+                conn.sendall(json.dumps(message).encode() + b"\n")
+                if not want_reply:
+                    return None
+                reply = conn.makefile("rb").readline(MAX_LINE)
+                return json.loads(reply) if reply else NO_ANSWER
+        except ConnectionRefusedError:
+            refused += 1
+        except (OSError, ValueError):
+            continue
+    return GONE if refused else NO_ANSWER
+
+
+__all__ = ["GONE", "MAX_LINE", "NO_ANSWER", "NO_SERVER", "Address", "cut_off_timeout",
+           "diagnostics_address", "diagnostics_ports", "host_addresses", "listen", "process_gone",
+           "send_to_peer"]
