@@ -159,6 +159,21 @@ def test_world_tests_pass_under_mpiexec(mpi_ready: None, tmp_path: Path, n: int)
     assert len(counts) == 1, f"ranks ran different tests: {summaries}"
 
 
+@pytest.mark.parametrize("n", [4, 5])
+def test_mpi_bits_hold_at_four_and_five_ranks(mpi_ready: None, tmp_path: Path, n: int) -> None:
+    """tests/world/test_mpi_bits.py (which the world tests above run at 2 and 3 ranks) at
+    4 and 5, on a few examples: sums and means keep MPI's own Allreduce's bits."""
+    args = ["-m", "mpi4py", __file__, "pytest", "tests/world/test_mpi_bits.py", "-q", "-p",
+            "no:cacheprovider", "-x", "-rs"]
+    run = launch(tmp_path, n, args, {"AXONDIST_TEST_EXAMPLES": "4"}, timeout=300)
+    summaries = [_pytest_summary(text) for text in run.ranks]
+    for r, summary in enumerate(summaries):
+        assert summary is not None and "passed" in summary and "failed" not in summary \
+            and "error" not in summary, f"rank {r}: {summary}\n{run.tail()}"
+        assert summary.startswith("5 passed"), f"rank {r} skipped a bit test: {summary}"
+    assert run.returncode == 0, f"mpiexec exited with {run.returncode}\n{run.tail()}"
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("n, staging", [(2, "auto"), (4, "auto"), (2, "always")])
 def test_gpu_world_tests_pass_under_mpiexec(mpi_ready: None, tmp_path: Path, n: int,
