@@ -7,8 +7,9 @@ attached (``AXONDIST_TRACE``) and without, paired batch by batch.
 The step: every gradient of a DDP model (``--layers`` x 4 float32 arrays, 650K
 values per layer) written, then ``DDP.sync_gradients()`` over buckets of
 ``--bucket-mb`` MiB (several all-reduces per step). Both variants run on every
-rank, in alternating timed batches (``_common.alternate``), each batch timed on
-the slowest rank under MPI; the traced variant writes its files (batches of
+rank, in alternating timed batches (``_common.alternate``) of one step by
+default (a shared machine's load changes within seconds: many short pairs), each
+timed on the slowest rank under MPI; the traced variant writes its files (batches of
 records, every second at least) into a temporary folder. Reported: each
 variant's step time and the paired ratio traced/plain, median (min-max) over
 the batches. Target: the median ratio <= 1.02.
@@ -41,7 +42,7 @@ import axondist as ad  # noqa: E402
 from axondist.backends.recorder import FlightRecorder, describe_detail  # noqa: E402
 from axondist.backends.trace_file import TraceWriter  # noqa: E402
 
-RUNNER = {"ranks": 2, "quick_args": ["--repeats", "3"], "timeout": 600}
+RUNNER = {"ranks": 2, "quick_args": ["--repeats", "20"], "timeout": 600}
 
 LIMIT = 1.02
 
@@ -80,8 +81,10 @@ def measure(world: ad.World, layers: int, bucket_mb: float, repeats: int, batch:
         step()
 
     try:
+        # one step per timed batch, the variants alternating (a shared machine's load
+        # changes within seconds): many short pairs, their ratios' median
         return alternate({"plain": plain, "traced": traced}, batch=batch, repeats=repeats,
-                         sync=world.backend_for("bench_trace").barrier, comm=comm)
+                         sync=world.backend_for("bench_trace").barrier, comm=comm, prime=False)
     finally:
         recorder.sink = None
         writer.close()
@@ -148,8 +151,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--world-size", type=int, default=2, help="mock ranks (default 2)")
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--bucket-mb", type=float, default=2.0)
-    parser.add_argument("--repeats", type=int, default=15)
-    parser.add_argument("--batch", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=200, help="timed steps per variant")
+    parser.add_argument("--batch", type=int, default=1, help="steps per timed batch")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     backend = args.backend

@@ -3,8 +3,9 @@
 A :class:`TraceWriter` appends one JSON object per line to
 ``DIR/rank-00003.jsonl``: the rank's calls (op, group, sequence number, bytes,
 start, end, blocking or not), the user's spans and the clock exchanges, in
-batches (every ``BATCH`` records or every second, and at close), so a crash
-loses at most the last batch and a torn last line is skipped by the reader.
+batches written by a thread of its own (every ``BATCH`` records or every
+second, and at close), so a crash loses at most the last second's records and
+a torn last line is skipped by the reader.
 The disk is bounded per rank: when the file passes half of ``max_bytes`` it
 becomes ``rank-00003.old.jsonl`` (replacing the previous one) and a new file
 starts with the rank's header, groups and clock exchanges again.
@@ -16,7 +17,6 @@ import atexit
 import collections
 import json
 import os
-import socket
 import threading
 import time
 import weakref
@@ -25,7 +25,7 @@ from typing import Any
 
 #: Records kept in memory before they are written (a crash loses at most these).
 BATCH = 512
-#: Seconds after which a finished call writes out the records kept so far.
+#: Seconds between two writes of the records kept so far, at the longest.
 FLUSH_EVERY_S = 1.0
 #: Bytes of trace kept on disk per rank by default (``AXONDIST_TRACE_MB``).
 DEFAULT_MAX_BYTES = 64 << 20
@@ -84,9 +84,9 @@ class TraceWriter:
     """Appends one rank's calls, spans and clock exchanges to its file in ``directory``.
 
     The flight recorder calls the writer with each finished call (the ring
-    entry and its end time); that costs an append to a queue, and a write of
-    the batch every ``BATCH`` records or second. Any of the rank's threads may
-    call it.
+    entry and its end time): that costs an append to a queue. A thread of the
+    writer's own formats and writes the queue every ``BATCH`` records or
+    second. Any of the rank's threads may call it.
 
     Args:
         directory: the trace folder (made if missing).
@@ -111,8 +111,10 @@ class TraceWriter:
         self._pending: collections.deque[tuple[Any, ...]] = collections.deque()
         self._lock = threading.Lock()
         self._clocks: list[dict[str, Any]] = []
-        self._groups_written = -1
-        self._last_flush = time.monotonic()
+        #: group name -> its members' world ranks, as each group was first seen in a call
+        #: (a group may be gone from the recorder by the time its calls are written)
+        self._members: dict[str, tuple[int, ...]] = {}
+        self._members_written = -1
         self._file: Any = None
         self._size = 0
         self._call_fields: dict[Any, tuple[str, str]] = {}
@@ -123,19 +125,34 @@ class TraceWriter:
         with self._lock:
             self._open_segment()
         _open_writers.add(self)
+        # formatting and writing happen on this thread: a slow disk never holds up a call
+        self._wake = threading.Event()
+        self._closing = False
+        self._thread = threading.Thread(target=self._write_loop, daemon=True,
+                                        name=f"axondist-trace-r{self.rank}")
+        self._thread.start()
+
+    def _write_loop(self) -> None:
+        """Write the kept records every ``BATCH`` records or ``FLUSH_EVERY_S``, until closed."""
+        while not self._closing:
+            self._wake.wait(FLUSH_EVERY_S)
+            self._wake.clear()
+            self.flush()
 
     # --- the hot path (the recorder's sink) -----------------------------------------------
     def __call__(self, entry: tuple[Any, ...], end: float) -> None:
         """Keep a finished call (a flight-recorder entry and its end time)."""
+        if entry[_GROUP] not in self._members:
+            self._members[entry[_GROUP]] = self.recorder.groups.get(entry[_GROUP], ())
         self._pending.append((entry, end))
-        if len(self._pending) >= BATCH or end - self._last_flush > FLUSH_EVERY_S:
-            self.flush()
+        if len(self._pending) >= BATCH:
+            self._wake.set()
 
     def span(self, name: str, start: float, end: float) -> None:
         """Keep a user span from ``start`` to ``end`` (``time.monotonic`` seconds)."""
         self._pending.append(("span", name, start, end, threading.current_thread().name))
-        if len(self._pending) >= BATCH or end - self._last_flush > FLUSH_EVERY_S:
-            self.flush()
+        if len(self._pending) >= BATCH:
+            self._wake.set()
 
     def clock(self, record: dict[str, Any]) -> None:
         """Write a clock exchange's result now (repeated in every later segment)."""
@@ -155,10 +172,8 @@ class TraceWriter:
             if self._file is None:
                 self._pending.clear()
                 return
-            self._last_flush = time.monotonic()
             lines = []
-            groups = self.recorder.groups
-            if len(groups) != self._groups_written:
+            if len(self._members) != self._members_written:
                 lines.append(self._groups_line())
             pending = self._pending
             for _ in range(len(pending)):
@@ -175,6 +190,10 @@ class TraceWriter:
 
     def close(self) -> None:
         """Write what is kept and close the file (later calls are dropped)."""
+        self._closing = True
+        self._wake.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join()
         self.flush()
         with self._lock:
             if self._file is not None:
@@ -213,14 +232,17 @@ class TraceWriter:
         return json.dumps(entry[_OP]), rest[1:-1]
 
     def _groups_line(self) -> str:
-        groups = dict(self.recorder.groups)
-        self._groups_written = len(groups)
-        return json.dumps({"groups": {name: list(ranks) for name, ranks in groups.items()}}) + "\n"
+        for name, ranks in list(self.recorder.groups.items()):
+            if not self._members.get(name):
+                self._members[name] = tuple(ranks)
+        self._members_written = len(self._members)
+        return json.dumps({"groups": {name: list(ranks) for name, ranks
+                                      in list(self._members.items()) if ranks}}) + "\n"
 
     def _header_lines(self) -> str:
         rec = self.recorder
         header = {"format": FORMAT, "rank": rec.rank, "world_size": rec.world_size,
-                  "host": rec.host or socket.gethostname(), "pid": os.getpid(),
+                  "host": rec.host or os.uname().nodename, "pid": os.getpid(),
                   "clock": "time.monotonic", "wall_minus_clock": time.time() - time.monotonic(),
                   "max_bytes": self.max_bytes}
         lines = [json.dumps({"header": header}) + "\n", self._groups_line()]

@@ -20,6 +20,8 @@ from ..backends.recorder import describe_detail
 from ..backends.trace_file import TraceWriter
 from ..process_group import ProcessGroup, peek_world, resolve_group
 from . import clock
+from .report import format_report, straggler_report
+from .timeline import read_timeline
 
 
 def _recorder(group: ProcessGroup | None, what: str) -> tuple[Any, Any]:
@@ -33,10 +35,12 @@ def _recorder(group: ProcessGroup | None, what: str) -> tuple[Any, Any]:
 
 
 def _sync_clock(backend: Any, recorder: Any, writer: TraceWriter, phase: str) -> None:
-    """Measure the clock offset with the writer detached (the pings are not traced)."""
+    """Measure the clock offset with the writer detached (the pings are not traced); the
+    ranks leave together (rank 0 answers them in turn: the first would start ahead)."""
     recorder.sink = None
     try:
         writer.clock(clock.exchange(backend).as_record(phase))
+        backend.barrier()
     finally:
         recorder.sink = writer if phase == "start" else None
 
@@ -129,4 +133,5 @@ def trace_span(name: str) -> Iterator[None]:
         writer.span(name, begin, time.monotonic())
 
 
-__all__ = ["is_tracing", "start", "stop", "trace_span"]
+__all__ = ["format_report", "is_tracing", "read_timeline", "start", "stop", "straggler_report",
+           "trace_span"]

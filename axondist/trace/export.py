@@ -78,6 +78,19 @@ def write_perfetto(timeline: Timeline, path: str) -> None:
         json.dump(perfetto_trace(timeline), f, separators=(",", ":"))
 
 
+def _span_depths(spans: list[Any]) -> list[int]:
+    """Each span's nesting depth among its rank's spans (0: outermost)."""
+    order = sorted(range(len(spans)), key=lambda i: (spans[i].start, -spans[i].end))
+    depths = [0] * len(spans)
+    open_ends: list[float] = []
+    for i in order:
+        while open_ends and open_ends[-1] <= spans[i].start:
+            open_ends.pop()
+        depths[i] = len(open_ends)
+        open_ends.append(spans[i].end)
+    return depths
+
+
 def write_png(timeline: Timeline, path: str, title: str = "") -> None:
     """Draw the timeline: per rank a row of calls (coloured by op, the time spent waiting
     for the last rank hatched in red) and a row of spans.
@@ -101,13 +114,19 @@ def write_png(timeline: Timeline, path: str, title: str = "") -> None:
     cmap = plt.get_cmap("tab10")
     colour = {op: cmap(i % 10) for i, op in enumerate(ops)}
     span_names = sorted({s.name for s in timeline.spans})
-    span_colour = {n: plt.get_cmap("Pastel1")(i % 9) for i, n in enumerate(span_names)}
+    span_colour = {n: plt.get_cmap("tab20")(i % 20) for i, n in enumerate(span_names)}
     fig, ax = plt.subplots(figsize=(12, 1.2 + 0.9 * len(ranks)))
     for row, rank in enumerate(ranks):
         base = (len(ranks) - 1 - row) * 2
         trace = timeline.ranks[rank]
-        for s in trace.spans:
-            ax.broken_barh([(s.start - t0, s.end - s.start)], (base + 1.05, 0.8),
+        depths = _span_depths(trace.spans)
+        levels = min(max(depths, default=0) + 1, 3)
+        height = 0.8 / levels
+        for s, depth in zip(trace.spans, depths):
+            if depth >= levels:
+                continue
+            ax.broken_barh([(s.start - t0, s.end - s.start)],
+                           (base + 1.05 + (levels - 1 - depth) * height, height),
                            color=span_colour[s.name], edgecolor="grey", linewidth=0.3)
         for c in trace.calls:
             ax.broken_barh([(c.start - t0, c.end - c.start)], (base + 0.1, 0.8),
@@ -119,6 +138,7 @@ def write_png(timeline: Timeline, path: str, title: str = "") -> None:
     ax.set_yticks([(len(ranks) - 1 - row) * 2 + off for row in range(len(ranks))
                    for off in (0.5, 1.45)])
     ax.set_yticklabels([f"rank {r} {kind}" for r in ranks for kind in ("calls", "spans")])
+    ax.set_ylim(-0.1, 2 * len(ranks))
     ax.set_xlabel("seconds (rank 0's clock)")
     handles = [plt.Rectangle((0, 0), 1, 1, color=colour[op]) for op in ops]
     handles += [plt.Rectangle((0, 0), 1, 1, color=span_colour[n]) for n in span_names]

@@ -87,8 +87,9 @@ def _seconds(value: float) -> str:
     return f"{value * 1e3:.1f} ms" if value < 1 else f"{value:.2f} s"
 
 
-def format_report(report: StragglerReport) -> str:
-    """The report as text: one line per rank (worst first), per call, and the worst calls."""
+def format_report(report: StragglerReport, calls: int = 8) -> str:
+    """The report as text: one line per rank (worst first), the ``calls`` kinds of call that
+    held the job longest, and the longest single waits."""
     lines = [f"straggler report: {report.collectives:,} collectives matched across ranks"
              + (f" ({report.partial:,} recorded by only some of their ranks, left out)"
                 if report.partial else ""), report.clock_note]
@@ -105,11 +106,18 @@ def format_report(report: StragglerReport) -> str:
             text += f", {100 * held / d.held_s:.0f}% of it before {label}"
         lines.append(text)
     lines.append("per call:")
-    for label, k in sorted(report.calls.items(), key=lambda kv: -kv[1].held_s):
+    kinds = sorted(report.calls.items(), key=lambda kv: -kv[1].held_s)
+    if len(kinds) > calls:
+        rest = sum(k.held_s for _, k in kinds[calls:])
+        kinds = kinds[:calls]
+    for label, k in kinds:
         share = 100 * k.held_s / total if total > 0 else 0.0
         who = ", ".join(f"rank {r} x{n}" for r, n in k.last_ranks.most_common(3))
         lines.append(f"  {label}: {k.calls:,} calls held {_seconds(k.held_s)} ({share:.0f}%); "
                      f"last to arrive: {who}")
+    if len(report.calls) > calls:
+        lines.append(f"  ({len(report.calls) - calls} more kinds of call held "
+                     f"{_seconds(rest)} together)")
     lines.append("longest waits:")
     for c in report.worst:
         lines.append(f"  {c.label} #{c.seq} on {c.group}: rank {c.last_rank} arrived "

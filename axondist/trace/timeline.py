@@ -129,19 +129,22 @@ class Timeline:
     def collectives(self) -> tuple[list[Collective], int]:
         """The collectives every member rank recorded, by the last arrival; and how many
         were recorded by only some of their ranks (rotated out, or a rank stopped)."""
-        members = self.groups()
-        seen: dict[tuple[str, int], dict[int, Call]] = {}
+        # a group's name is not unique across ranks (each rank names its own groups of one,
+        # say): a collective is its group's name, its members as the rank saw them, and seq
+        seen: dict[tuple[str, tuple[int, ...] | None, int], dict[int, Call]] = {}
         for trace in self.ranks.values():
             for call in trace.calls:
                 if call.group.endswith(":p2p") or call.op.startswith("wait "):
                     continue  # point to point and waits on async calls pair up differently
-                seen.setdefault((call.group, call.seq), {})[trace.rank] = call
+                members = trace.groups.get(call.group)
+                seen.setdefault((call.group, members, call.seq), {})[trace.rank] = call
         matched, partial = [], 0
-        for (group, seq), by_rank in seen.items():
-            wanted = members.get(group)
-            if wanted is not None and set(wanted) - set(by_rank):
+        for (group, members, seq), by_rank in seen.items():
+            if members is not None and set(members) - set(by_rank):
                 partial += 1
                 continue
+            if len(by_rank) < 2:
+                continue  # a group of one: nobody waits
             first = next(iter(by_rank.values()))
             matched.append(Collective(group, seq, first.label,
                                       {r: c.start for r, c in by_rank.items()},

@@ -104,6 +104,23 @@ def test_clock_offsets_move_each_rank_onto_rank_0s_clock(tmp_path: Path) -> None
     assert "ping exchanges on 2 of 2 ranks" in timeline.clock_note()
 
 
+def test_groups_of_one_with_one_name_are_not_matched(tmp_path: Path) -> None:
+    # every rank names its own group of one "world.1": they are not one collective
+    writers = []
+    for rank in range(2):
+        rec = _recorder(rank)
+        rec.groups["world.1"] = (rank,)
+        writers.append(TraceWriter(str(tmp_path), rec))
+        _call(writers[-1], 1, 1.0 + rank, 2.0 + rank, group="world.1")
+        _call(writers[-1], 1, 5.0 + rank, 6.0, group="world")
+        del rec.groups["world.1"]  # destroyed before the trace is written
+    for w in writers:
+        w.close()
+    collectives, partial = read_timeline(str(tmp_path)).collectives()
+    assert [(c.group, c.last_rank, c.held_s) for c in collectives] == [("world", 1, 1.0)]
+    assert partial == 0
+
+
 def _synthetic_run(directory: Path, slow: int, sleep_s: float, steps: int = 20,
                    world_size: int = 3) -> float:
     """Rank ``slow`` arrives ``sleep_s`` late at every third step's all-reduce; the others
