@@ -37,6 +37,7 @@ _HALF = frozenset(d for d in _array.SUPPORTED_DTYPES if d.itemsize == 2 and d.ki
 _FLOAT32 = np.dtype(np.float32)
 _INT64 = np.dtype(np.int64)
 _AVERAGE = ReduceOp.AVERAGE.name
+_new_tuple = tuple.__new__
 
 
 class CallKey(NamedTuple):
@@ -70,8 +71,9 @@ class CallKey(NamedTuple):
             reduce_op._name_ if reduce_op.__class__ is ReduceOp
             else ReduceOp.parse(reduce_op)._name_)
         library, layout = _array.layout_of(x)
-        return cls(collective, x.dtype, x.shape, library, layout, op, root, counts,
-                   bool(async_op))
+        # tuple.__new__ straight: the generated NamedTuple.__new__ is a Python frame more
+        return _new_tuple(cls, (collective, x.dtype, x.shape, library, layout, op, root,
+                                counts, bool(async_op), ""))
 
     @property
     def op(self) -> ReduceOp | None:
