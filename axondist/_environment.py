@@ -37,6 +37,30 @@ def launched_by_mpi(env: Mapping[str, str] | None = None) -> bool:
     return "SLURM_PROCID" in env and _as_int(env.get("SLURM_NTASKS")) not in (None, 0, 1)
 
 
+#: Launcher variables giving (ranks on this host, ranks in the job): hydra, Open MPI, torchrun.
+_LOCAL_AND_TOTAL = (("MPI_LOCALNRANKS", "PMI_SIZE"),
+                    ("OMPI_COMM_WORLD_LOCAL_SIZE", "OMPI_COMM_WORLD_SIZE"),
+                    ("LOCAL_WORLD_SIZE", "WORLD_SIZE"))
+
+
+def launched_on_one_host(env: Mapping[str, str] | None = None) -> bool:
+    """True when the launcher says every rank of the job runs on this host.
+
+    Args:
+        env: the environment to read (``os.environ`` when None).
+
+    Returns:
+        Whether the launcher's count of ranks on this host (hydra's ``MPI_LOCALNRANKS``,
+        Open MPI's ``OMPI_COMM_WORLD_LOCAL_SIZE``, torchrun's ``LOCAL_WORLD_SIZE``) equals
+        its count of ranks in the job; False when it gives neither.
+    """
+    env = os.environ if env is None else env
+    for local, total in _LOCAL_AND_TOTAL:
+        if env.get(local, "").isdigit() and env.get(local) == env.get(total):
+            return True
+    return False
+
+
 def _as_int(text: str | None) -> int | None:
     try:
         return int(text) if text is not None else None
@@ -107,4 +131,5 @@ def check_env_launch(backend_name: str, env: Mapping[str, str] | None = None) ->
         "shell, unset them.")
 
 
-__all__ = ["ENV_CAPABLE_BACKENDS", "check_env_launch", "env_launch_size", "launched_by_mpi"]
+__all__ = ["ENV_CAPABLE_BACKENDS", "check_env_launch", "env_launch_size", "launched_by_mpi",
+           "launched_on_one_host"]

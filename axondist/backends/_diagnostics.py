@@ -12,6 +12,8 @@ import socket
 from collections.abc import Mapping
 from typing import Any
 
+from .._environment import launched_on_one_host
+
 #: The longest line a server or a client reads.
 MAX_LINE = 1 << 20
 #: What a query got instead of a status: the port refused, nothing came back in time, or
@@ -21,10 +23,6 @@ NO_ANSWER = "no answer"
 NO_SERVER = "no diagnostics server"
 _OFF = ("0", "off", "no", "false")
 _AUTO = ("", "1", "on", "yes", "true", "auto")
-#: Launcher variables giving (ranks on this host, ranks in the job): hydra, Open MPI, torchrun.
-_LOCAL_AND_TOTAL = (("MPI_LOCALNRANKS", "PMI_SIZE"),
-                    ("OMPI_COMM_WORLD_LOCAL_SIZE", "OMPI_COMM_WORLD_SIZE"),
-                    ("LOCAL_WORLD_SIZE", "WORLD_SIZE"))
 
 
 def host_addresses() -> list[str]:
@@ -40,14 +38,6 @@ def host_addresses() -> list[str]:
     return addresses + ["127.0.0.1"]
 
 
-def _one_host_job(environ: Mapping[str, str]) -> bool:
-    """Whether the launcher says every rank of the job runs on this host."""
-    for local, total in _LOCAL_AND_TOTAL:
-        if environ.get(local, "").isdigit() and environ.get(local) == environ.get(total):
-            return True
-    return False
-
-
 def diagnostics_address(environ: Mapping[str, str] | None = None) -> str | None:
     """The address the diagnostics server binds, from ``AXONDIST_DIAGNOSTICS``: None for
     ``off``; for ``auto`` (the default) the loopback when the launcher puts every rank on
@@ -59,7 +49,7 @@ def diagnostics_address(environ: Mapping[str, str] | None = None) -> str | None:
         return None
     if setting.lower() not in _AUTO:
         return setting
-    return "127.0.0.1" if _one_host_job(environ) else host_addresses()[0]
+    return "127.0.0.1" if launched_on_one_host(environ) else host_addresses()[0]
 
 
 def diagnostics_ports(environ: Mapping[str, str] | None = None) -> range | None:
