@@ -4,6 +4,7 @@
     mpiexec -n 2 python examples/char_lm.py          # the MPI world
     python examples/char_lm.py --grads jax           # gradients from jax.vjp
     python examples/char_lm.py --steps 300 --plot docs/img/char_lm_loss.png   # the longer run
+    python examples/char_lm.py --device gpu --world-size 1   # CuPy arrays on a GPU (NCCL)
 
 The corpus is the standard library's own ``.py`` files (every Python has
 them: a fixed, sorted subset of the files next to ``os.py``), read as
@@ -24,8 +25,14 @@ parallel on a mesh (``make_mesh``: attention heads split by
 :class:`~axondist.tensor_parallel.TensorParallelAttention`, MLPs by
 :class:`~axondist.tensor_parallel.TensorParallelMLP`; tp = 2 when the
 world size is even). Each strategy's loss at every step must equal the
-single-process run's to 1e-9; the script prints the curves and tokens/s
-and exits with status 1 when one differs.
+single-process run's to 1e-9; the script prints the curves, tokens/s and
+the time a step takes, and exits with status 1 when one differs.
+
+``--device gpu`` trains on CuPy arrays instead (the single-process reference
+too): over NCCL when every rank has a GPU of its own (in one process: one
+thread per GPU; under ``mpiexec``: no more ranks per host than GPUs), else
+over the MPI backend (under ``mpiexec``) or the in-process world with CuPy
+arrays. Without CuPy or a GPU it says so and exits with status 2.
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 # Tiny matrices, several ranks per machine: one BLAS thread per rank is fastest (as torchrun does).
@@ -77,6 +85,12 @@ class Config:
     lr: float = 3e-3
     seed: int = 0
     grads: str = "numpy"  # "jax": the pieces' backward from jax.vjp instead of by hand
+    device: str = "cpu"  # "gpu": CuPy arrays
+
+
+def array_module(cfg: Config) -> ModuleType:
+    """NumPy, or CuPy for ``--device gpu``."""
+    return importlib.import_module("cupy") if cfg.device == "gpu" else np
 
 
 # --- data -------------------------------------------------------------------------------
@@ -101,7 +115,8 @@ def batch_at(corpus: np.ndarray, step: int, cfg: Config) -> tuple[np.ndarray, np
     starts = np.random.default_rng([cfg.seed, step]).integers(0, len(corpus) - cfg.context - 1,
                                                                cfg.batch)
     windows = corpus[starts[:, None] + np.arange(cfg.context + 1)]
-    return windows[:, :-1], windows[:, 1:]
+    xp = array_module(cfg)
+    return xp.asarray(windows[:, :-1]), xp.asarray(windows[:, 1:])
 
 
 # --- the model: 8 pieces, each a forward and a hand-written backward --------------------
@@ -127,14 +142,14 @@ def init_piece(kind: str, cfg: Config, rng: np.random.Generator) -> list[np.ndar
 
 
 def init_model(cfg: Config) -> list[list[np.ndarray]]:
-    """Every piece's arrays, the same on every rank."""
-    rng = np.random.default_rng(cfg.seed)
-    return [init_piece(kind, cfg, rng) for kind in piece_kinds(cfg)]
+    """Every piece's arrays, the same on every rank (drawn on the host, then on the device)."""
+    rng, xp = np.random.default_rng(cfg.seed), array_module(cfg)
+    return [[xp.asarray(a) for a in init_piece(kind, cfg, rng)] for kind in piece_kinds(cfg)]
 
 
 def layer_norm(x: np.ndarray, g: np.ndarray, b: np.ndarray, eps: float = 1e-5) -> tuple:
     mu = x.mean(axis=-1, keepdims=True)
-    inv = 1.0 / np.sqrt(((x - mu) ** 2).mean(axis=-1, keepdims=True) + eps)
+    inv = 1.0 / ad.namespace(x).sqrt(((x - mu) ** 2).mean(axis=-1, keepdims=True) + eps)
     xhat = (x - mu) * inv
     return g * xhat + b, (xhat, inv)
 
@@ -173,7 +188,8 @@ def piece_forward(kind: str, w: list[np.ndarray], x: np.ndarray, cfg: Config) ->
         return w[0][x] + w[1][:x.shape[-1]], x
     h, ln = layer_norm(x, w[0], w[1])
     if kind == "attn":
-        q, k, v = (_heads(a, cfg.heads) for a in np.split(h @ w[2].T + w[3], 3, axis=-1))
+        qkv = h @ w[2].T + w[3]
+        q, k, v = (_heads(a, cfg.heads) for a in ad.namespace(qkv).split(qkv, 3, axis=-1))
         o, p = tp.scaled_dot_product_attention(q, k, v, causal=True)
         merged = _merge(o)
         return x + merged @ w[4].T + w[5], (ln, h, q, k, v, p, merged)
@@ -189,10 +205,13 @@ def piece_backward(kind: str, w: list[np.ndarray], cache: tuple, gy: np.ndarray,
     """``(grad_x, grads)`` of one piece (``grad_x`` None for the embedding)."""
     if cfg.grads == "jax":
         return jax_piece_backward(kind, cache, gy)
+    xp = ad.namespace(gy)
     if kind == "embed":
-        grad_tok = np.zeros_like(w[0])
-        np.add.at(grad_tok, cache, gy)
-        grad_pos = np.zeros_like(w[1])
+        # each token's rows of gy summed: a one-hot matmul (no scatter-add, whose order on
+        # a GPU would vary from run to run)
+        hot = cache.reshape(-1)[:, None] == xp.arange(w[0].shape[0])
+        grad_tok = hot.T.astype(gy.dtype) @ gy.reshape(-1, gy.shape[-1])
+        grad_pos = xp.zeros_like(w[1])
         grad_pos[:gy.shape[-2]] = gy.reshape(-1, *gy.shape[-2:]).sum(axis=0)
         return None, [grad_tok, grad_pos]
     ln, h = cache[0], cache[1]
@@ -200,7 +219,7 @@ def piece_backward(kind: str, w: list[np.ndarray], cache: tuple, gy: np.ndarray,
         q, k, v, p, merged = cache[2:]
         grads_o = tp.scaled_dot_product_attention_backward(
             q, k, v, p, _heads(gy @ w[4], cfg.heads))
-        grad_qkv = np.concatenate([_merge(g) for g in grads_o], axis=-1)
+        grad_qkv = xp.concatenate([_merge(g) for g in grads_o], axis=-1)
         rest = [_outer(grad_qkv, h), _sum_rows(grad_qkv), _outer(gy, merged), _sum_rows(gy)]
         grad_h = grad_qkv @ w[2]
     elif kind == "mlp":
@@ -294,13 +313,15 @@ def jax_piece_backward(kind: str, cache: tuple, gy: np.ndarray) -> tuple:
 
 def cross_entropy(logits: np.ndarray, targets: np.ndarray) -> tuple[float, np.ndarray]:
     """Mean next-character loss over every position, and its gradient for the logits."""
+    xp = ad.namespace(logits)
     z = logits - logits.max(axis=-1, keepdims=True)
-    p = np.exp(z)
+    p = xp.exp(z)
     p /= p.sum(axis=-1, keepdims=True)
-    picked = np.take_along_axis(p, targets[..., None], axis=-1)
+    rows, cols = xp.arange(targets.size), targets.reshape(-1)
+    picked = p.reshape(-1, p.shape[-1])[rows, cols]
     grad = p.copy()
-    np.put_along_axis(grad, targets[..., None], picked - 1.0, axis=-1)
-    return -float(np.mean(np.log(picked))), grad / targets.size
+    grad.reshape(-1, p.shape[-1])[rows, cols] = picked - 1.0  # a view of grad's rows
+    return -float(xp.mean(xp.log(picked))), grad / targets.size
 
 
 def stage_callables(kinds: list[str], cfg: Config) -> tuple[Callable, Callable]:
@@ -363,9 +384,9 @@ def run_fsdp(world: ad.World, cfg: Config, corpus: np.ndarray, steps: int) -> tu
     def step(s: int) -> float:
         x, y = batch_at(corpus, s, cfg)
         loss = fsdp.step(grad_fn, x[mine], y[mine], optimizer=opt)
-        return float(comm.all_reduce_mean(np.array([loss]), world)[0])
+        return float(comm.all_reduce_mean(array_module(cfg).asarray([loss]), world)[0])
 
-    return timed(world, step, steps), f"FULL_SHARD over {world.world_size} ranks"
+    return timed(world, step, steps, array_module(cfg)), f"FULL_SHARD over {world.world_size} ranks"
 
 
 def pipeline_ranks(world_size: int) -> int:
@@ -406,9 +427,9 @@ def run_pipeline(world: ad.World, cfg: Config, corpus: np.ndarray, steps: int,
         ddp.sync_gradients()
         opt.step()
         opt.zero_grad()
-        return float(comm.all_reduce_mean(np.array([loss]), dp_group)[0])
+        return float(comm.all_reduce_mean(array_module(cfg).asarray([loss]), dp_group)[0])
 
-    curve = timed(world, step, steps)
+    curve = timed(world, step, steps, array_module(cfg))
     pipe.close()
     where = (f"{ranks} ranks x {chunks} chunk(s), dp {dp_group.world_size}" if distributed
              else f"{ranks} ranks x {chunks} chunk(s) in each process, dp {dp_group.world_size}")
@@ -484,18 +505,19 @@ def run_tp(world: ad.World, cfg: Config, corpus: np.ndarray, steps: int) -> tupl
         ddp.sync_gradients()
         opt.step()
         opt.zero_grad()
-        return float(comm.all_reduce_mean(np.array([loss]), dp_group)[0])
+        return float(comm.all_reduce_mean(array_module(cfg).asarray([loss]), dp_group)[0])
 
-    return timed(world, step, steps), f"tp {size} x dp {dp_group.world_size}"
+    return timed(world, step, steps, array_module(cfg)), f"tp {size} x dp {dp_group.world_size}"
 
 
-def timed(world: ad.World, step: Callable[[int], float], steps: int) -> tuple[list, float]:
+def timed(world: ad.World, step: Callable[[int], float], steps: int,
+          xp: ModuleType) -> tuple[list, float]:
     """The loss curve, and the seconds steps 2.. took on the slowest rank (step 1 warms up)."""
     losses = [step(0)]
     comm.barrier(world)
     start = time.perf_counter()
-    losses += [step(s) for s in range(1, steps)]
-    seconds = np.array([time.perf_counter() - start])
+    losses += [step(s) for s in range(1, steps)]  # each step reads its loss: the GPU is done
+    seconds = xp.asarray([time.perf_counter() - start])
     return losses, float(comm.all_reduce_max(seconds, world)[0])
 
 
@@ -534,6 +556,49 @@ def train_single_process(cfg: Config, steps: int) -> tuple[list[float], float]:
     return losses, time.perf_counter() - start
 
 
+# --- where the ranks run ----------------------------------------------------------------
+
+def gpus_or_exit(script: str) -> int:
+    """How many GPUs CuPy sees, or exit (status 2) saying what is missing."""
+    try:
+        cupy = importlib.import_module("cupy")
+        count = int(cupy.cuda.runtime.getDeviceCount())
+    except Exception as exc:  # ImportError, or CUDA without a driver or a GPU
+        count, reason = 0, f"{type(exc).__name__}: {exc}"
+    else:
+        reason = "CUDA reports no GPU"
+    if count < 1:
+        print(f"{script}: --device gpu needs CuPy and a CUDA GPU, and this machine has "
+              f"none usable ({reason}). Install CuPy from the checkout with pip install "
+              "'.[gpu-cuda13]' (CUDA 13) or '.[gpu]' (CUDA 12): the \"CUDA Version\" that "
+              "nvidia-smi prints says which; or run with --device cpu.", file=sys.stderr)
+        sys.exit(2)
+    return count
+
+
+def run_ranks(device: str, world_size: int, fn: Callable, *args: Any) -> list:
+    """``fn(world, *args)`` on every rank; this process's results.
+
+    ``--device cpu``: :func:`axondist.run` (the MPI world under mpiexec, else the
+    mock world). ``--device gpu``: NCCL when each rank has a GPU of its own (under
+    mpiexec, at most as many ranks per host as GPUs; in one process, one thread per
+    GPU), else the MPI backend (under mpiexec) or the mock world, on CuPy arrays.
+    """
+    if device == "cpu":
+        return ad.run(fn, world_size, *args)
+    gpus = gpus_or_exit(Path(__file__).name)
+    if launched_by_mpi():
+        from mpi4py import MPI
+
+        host = MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED)
+        per_host = host.Get_size()
+        host.Free()
+        return [fn(ad.init("nccl" if per_host <= gpus else "mpi"), *args)]
+    if world_size <= gpus:
+        return ad.spawn_on_devices(fn, list(range(world_size)), *args)
+    return ad.spawn(fn, world_size, *args)
+
+
 # --- report -----------------------------------------------------------------------------
 
 def report(results: dict, ref: tuple[list[float], float], cfg: Config, steps: int,
@@ -542,15 +607,15 @@ def report(results: dict, ref: tuple[list[float], float], cfg: Config, steps: in
     print(f"char LM: {cfg.blocks} blocks, width {cfg.width}, {cfg.heads} heads, context "
           f"{cfg.context}, batch {cfg.batch}; {steps} steps on {size} ranks")
     print(f"{'strategy':<21} {'first loss':>10} {'last loss':>10} {'max |dloss|':>11} "
-          f"{'tokens/s':>9}  layout")
+          f"{'tokens/s':>9} {'ms/step':>8}  layout")
     ok = True
     print(f"{'1 process':<21} {ref[0][0]:>10.5f} {ref[0][-1]:>10.5f} {'':>11} "
-          f"{tokens / ref[1]:>9.0f}")
+          f"{tokens / ref[1]:>9.0f} {1e3 * ref[1] / (steps - 1):>8.2f}  {cfg.device}")
     for name, ((losses, seconds), layout) in results.items():
         worst = max(abs(a - b) for a, b in zip(losses, ref[0]))
         ok = ok and worst <= TOLERANCE
         print(f"{name:<21} {losses[0]:>10.5f} {losses[-1]:>10.5f} {worst:>11.1e} "
-              f"{tokens / seconds:>9.0f}  {layout}")
+              f"{tokens / seconds:>9.0f} {1e3 * seconds / (steps - 1):>8.2f}  {layout}")
     print("loss curves equal single-process training at every step:", "yes" if ok else "NO")
     return ok
 
@@ -594,14 +659,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--grads", choices=["numpy", "jax"], default="numpy",
                         help="each piece's backward: written by hand, or from jax.vjp (the "
                              "tensor-parallel attention and MLP layers are always by hand)")
+    parser.add_argument("--device", choices=["cpu", "gpu"], default="cpu",
+                        help="NumPy arrays, or CuPy arrays on GPUs (NCCL when each rank has "
+                             "a GPU of its own)")
     args = parser.parse_args(argv)
     if args.steps < 2:
         parser.error(f"--steps {args.steps}: pass at least 2 (the first step is not timed)")
-    cfg = Config(batch=args.batch, grads=args.grads)
+    if args.device == "gpu" and args.grads == "jax":
+        parser.error("--grads jax computes on the host: use it with --device cpu")
+    cfg = Config(batch=args.batch, grads=args.grads, device=args.device)
     if cfg.grads == "jax":
         _jax()  # fail early, on every rank, when JAX is missing
 
-    results = ad.run(train, args.world_size, cfg, args.steps, args.strategies)[0]
+    results = run_ranks(cfg.device, args.world_size, train, cfg, args.steps, args.strategies)[0]
     world = ad.current_world() if launched_by_mpi() else None
     size = world.world_size if world is not None else args.world_size
     ok = True

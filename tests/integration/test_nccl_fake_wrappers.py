@@ -414,3 +414,63 @@ def sweep_body(world: ad.World, to: Any) -> list[tuple[int, bool]]:
 def test_the_tune_sweep_runs_on_nccl(fake):
     got, want = both(sweep_body, 2)
     assert got == want == [[(4, True), (4096, True)]] * 2
+
+
+# --- the real-data examples with --device gpu -------------------------------------------------
+
+_EXAMPLE_ON_STAND_IN = """
+import runpy, sys
+sys.path[:0] = [{root!r}, {here!r}]
+import nccl_fake
+nccl_fake.install_for_process(device_count={gpus})
+sys.argv = {argv!r}
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+_EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+_NO_LAUNCHER = ("PMI_", "PMIX_", "HYDI_", "HYDRA_", "MPI_", "OMPI_", "SLURM_")
+
+
+def _example_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith(_NO_LAUNCHER)}
+
+
+@pytest.mark.parametrize("script, args, verdict", [
+    ("char_lm.py", ["--steps", "3"], "loss curves equal single-process training at every "
+                                     "step: yes"),
+    ("digits_ddp_fsdp.py", ["--epochs", "2"], "matches single-process training: yes"),
+])
+@pytest.mark.parametrize("gpus, ranks", [(2, 2), (2, 3)], ids=["nccl", "mock-world-on-cupy"])
+def test_real_data_examples_train_on_cupy_arrays_on_the_stand_in(script, args, verdict, gpus,
+                                                                 ranks):
+    """``--device gpu`` on two stand-in GPUs: two ranks run on NCCL (which refuses NumPy
+    arrays, so every exchanged array was a device array), three on the in-process world
+    with CuPy arrays; either way the example's own check against one process passes."""
+    if script.startswith("digits"):
+        pytest.importorskip("sklearn")
+    argv = [str(_EXAMPLES / script), "--device", "gpu", "--world-size", str(ranks), *args]
+    code = _EXAMPLE_ON_STAND_IN.format(root=str(_EXAMPLES.parent), here=str(Path(__file__).parent),
+                                       gpus=gpus, argv=argv)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300, env=_example_env())
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert verdict in out.stdout, out.stdout
+    if script == "char_lm.py":
+        assert re.search(r"^1 process .* gpu$", out.stdout, re.MULTILINE), out.stdout
+
+
+@pytest.mark.parametrize("script", ["char_lm.py", "digits_ddp_fsdp.py"])
+def test_real_data_examples_say_what_a_gpu_run_lacks(script):
+    if script.startswith("digits"):
+        pytest.importorskip("sklearn")
+    code = ("import runpy, sys; sys.modules['cupy'] = None; "  # as where CuPy is missing
+            f"sys.argv = [{str(_EXAMPLES / script)!r}, '--device', 'gpu']; "
+            "runpy.run_path(sys.argv[0], run_name='__main__')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, env=_example_env())
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert f"{script}: --device gpu needs CuPy and a CUDA GPU, and this machine has none " \
+        "usable (ModuleNotFoundError: import of cupy halted; None in sys.modules). Install " \
+        "CuPy from the checkout with pip install '.[gpu-cuda13]' (CUDA 13) or '.[gpu]' " \
+        "(CUDA 12): the \"CUDA Version\" that nvidia-smi prints says which; or run with " \
+        "--device cpu." \
+        in out.stderr, out.stderr
