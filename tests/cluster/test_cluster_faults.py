@@ -9,6 +9,7 @@ running on any host ``LIMIT`` seconds after it struck.
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import os
 import re
@@ -75,13 +76,31 @@ def _launcher_pid(cluster: SimCluster, host: int) -> int:
     raise AssertionError(f"no hydra_pmi_proxy on host {host}")
 
 
+#: Every fault run the tests look at: (fault, hard limit, settings, settle seconds).
+RUNS = [("link_down", HARD_LIMIT, "defaults", 60.0),  # the longest first
+        ("link_down", HARD_LIMIT, "timeout 10", LIMIT),
+        ("launcher_killed", LIMIT + 5, "timeout 10", LIMIT),  # a hang costs 35 s
+        ("rank_killed", HARD_LIMIT, "timeout 10", LIMIT)]
+
+
 @functools.cache
+def _started() -> dict[tuple[str, float, str, float], concurrent.futures.Future[FaultRun]]:
+    """Every run of ``RUNS``, two at a time on their own clusters, started when a test
+    first asks for one."""
+    pool = concurrent.futures.ThreadPoolExecutor(2)
+    return {run: pool.submit(_fault_run, *run) for run in RUNS}
+
+
 def fault_run(fault: str, hard_limit: float = HARD_LIMIT, settings: str = "timeout 10",
               settle: float = LIMIT) -> FaultRun:
+    """The run of ``fault`` (one of ``RUNS``): see :func:`_fault_run`."""
+    return _started()[(fault, hard_limit, settings, settle)].result()
+
+
+def _fault_run(fault: str, hard_limit: float, settings: str, settle: float) -> FaultRun:
     """Start ranks all-reducing on a fresh cluster, strike ``fault`` once all run, and
-    watch the job end, then up to ``settle`` seconds for its processes to go (cached:
-    several tests look at one run). ``settings``: ``"timeout 10"`` (AXONDIST_TIMEOUT=10)
-    or ``"defaults"``."""
+    watch the job end, then up to ``settle`` seconds for its processes to go.
+    ``settings``: ``"timeout 10"`` (AXONDIST_TIMEOUT=10) or ``"defaults"``."""
     env = {"AXONDIST_TIMEOUT": "10"} if settings == "timeout 10" else {}
     with SimCluster(hosts=2) as cluster:
         started = time.monotonic()
@@ -121,7 +140,7 @@ def test_a_fault_ends_the_job_in_time_and_leaves_nothing_running(
 
 
 def test_a_killed_remote_launcher_ends_the_job_and_its_ranks(cluster_ready: None) -> None:
-    run = fault_run("launcher_killed", LIMIT + 5)  # a hang costs 35 s, not HARD_LIMIT
+    run = fault_run("launcher_killed", LIMIT + 5)
     assert not run.launch.timed_out, f"the job hung\n{run.launch.tail()}"
     assert run.launch.returncode != 0, run.launch.tail()
     assert run.ended_after < LIMIT, f"ended {run.ended_after:.1f} s after the fault"
