@@ -19,7 +19,7 @@ import numpy as np
 from . import _array
 from .comm import all_reduce
 from .parameter import Parameter
-from .process_group import ProcessGroup
+from .process_group import ProcessGroup, resolve_group
 
 #: ``loss_fn(y, target) -> (loss, grad_y)``: the seed of a wrapper's backward pass.
 LossFn = Callable[[Any, Any], tuple[Any, Any]]
@@ -193,10 +193,15 @@ class LossScaler:
         return found
 
     def _agree(self, found: bool, group: ProcessGroup | None) -> bool:
-        """Every rank's verdict: one all-reduce (max) of a one-value flag."""
-        flag = np.array([1.0 if found else 0.0], dtype=np.float32)
-        all_reduce(flag, op="max", group=group)
-        return bool(flag[0] > 0)
+        """Every rank's verdict: one all-reduce (max) of a one-value flag (in the buffer the
+        backend's collectives take: device memory on NCCL)."""
+        g = resolve_group(group)
+        if g.world_size == 1:
+            return found
+        flag = g.backend_for("LossScaler.unscale_").metadata_buffer(
+            np.array([1.0 if found else 0.0], dtype=np.float32))
+        all_reduce(flag, op="max", group=g)
+        return bool(_array.to_host(flag)[0] > 0)
 
     @property
     def found_inf(self) -> bool | None:
