@@ -288,12 +288,18 @@ class MPIBackend(Backend):
             host_mine = _array.copy_to_host(mine, _array.host_staging_buffer(mine))
             host_full = None if full is None else _array.copy_to_host(
                 full, _array.host_staging_buffer(full))
-            self._rooted_call(what, host_mine, host_full, counts, root, signature)
+            self._rooted_mpi(what, host_mine, host_full, counts, root, signature)
             if what == "gather" and full is not None and host_full is not None:
                 _array.copy_from_host(full, host_full)
             if what == "scatter":
                 _array.copy_from_host(mine, host_mine)
-            return CompletedWork(full if what == "gather" else mine)
+        else:
+            self._rooted_mpi(what, mine, full, counts, root, signature)
+        return CompletedWork(full if what == "gather" else mine)
+
+    def _rooted_mpi(self, what: str, mine: Any, full: Any | None, counts: list[int],
+                    root: int, signature: Signature) -> None:
+        """``Gatherv``/``Scatterv`` on buffers MPI reads directly."""
         view, mtype = self.types.transfer.get(mine.dtype, (None, None))
         if mtype is None:
             raise unsupported(what, mine.dtype)
@@ -306,9 +312,8 @@ class MPIBackend(Backend):
                + tuple(signature))
         if what == "gather":
             self._checked(what, key, lambda: self._comm.Gatherv(wire_mine, spec, root))
-            return CompletedWork(full)
-        self._checked(what, key, lambda: self._comm.Scatterv(spec, wire_mine, root))
-        return CompletedWork(mine)
+        else:
+            self._checked(what, key, lambda: self._comm.Scatterv(spec, wire_mine, root))
 
     def gather(self, send: Any, recv: Any | None, counts: Sequence[int], root: int, *,
                signature: Signature = (), async_op: bool = False) -> Work:
