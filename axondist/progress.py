@@ -4,7 +4,6 @@ under mpiexec (which forwards a rank's output through a pipe), nothing on the ot
 from __future__ import annotations
 
 import os
-import shutil
 import sys
 from collections.abc import Iterable, Iterator
 from types import TracebackType
@@ -67,6 +66,8 @@ def stream_width(stream: TextIO) -> int:
             columns = 0
         if columns > 0:
             return columns
+    import shutil  # here, not at the top: shutil loads bz2 and lzma, and every job imports us
+
     return shutil.get_terminal_size((_FALLBACK_COLUMNS, 24)).columns or _FALLBACK_COLUMNS
 
 

@@ -13,9 +13,11 @@ Times whole launches, alternating (axondist, mpi4py, numpy+mpi4py, ...):
 Reports milliseconds per launch and paired ratios against both baselines,
 each as median (min-max) over the repeats; a launch's time is its slowest
 rank's, since it ends when every rank has exited (target, on the median:
-axondist/mpi4py <= 1.5). Runs from the repository root,
+axondist/numpy+mpi4py <= 1.2). Runs from the repository root,
 so the checkout's axondist is the one imported; mpiexec is the one next to
-the Python interpreter.
+the Python interpreter. A warm start is measured: the launches may write
+bytecode (``PYTHONDONTWRITEBYTECODE`` is dropped for them), so the warm-up
+launch compiles what a source change left stale and the timed ones do not.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ def _launcher(ranks: int, program: str) -> Callable[[], None]:
     cmd = [mpiexec, "-n", str(ranks), sys.executable, "-c", program]
     env = {**os.environ, "PYTHONPATH": str(_HERE.parent)}
     env.pop("AXONDIST_BACKEND", None)
+    env.pop("PYTHONDONTWRITEBYTECODE", None)  # compiling every launch is not start-up
 
     def launch() -> None:
         subprocess.run(cmd, check=True, cwd=_HERE.parent, env=env,
@@ -62,8 +65,9 @@ def _launcher(ranks: int, program: str) -> Callable[[], None]:
     return launch
 
 
-TARGET = 1.5
-"""axondist/mpi4py start-up ratio that must not be exceeded (median)."""
+TARGET = 1.2
+"""axondist/numpy+mpi4py start-up ratio that must not be exceeded (median): axondist cannot
+start without NumPy, so that is its floor."""
 
 
 def run(ranks: int, repeats: int) -> dict[str, Any]:
@@ -77,8 +81,8 @@ def run(ranks: int, repeats: int) -> dict[str, Any]:
         "repeats": repeats,
         "launches": [{"program": k, "time_ms": spread(v, 1e3)} for k, v in times.items()],
         "ratios": [{"ratio": k, "value": v} for k, v in ratios.items()],
-        "targets": {f"axondist/mpi4py <= {TARGET}":
-                    ratios["axondist/mpi4py"]["median"] <= TARGET},
+        "targets": {f"axondist/numpy+mpi4py <= {TARGET}":
+                    ratios["axondist/numpy+mpi4py"]["median"] <= TARGET},
     }
 
 
