@@ -94,6 +94,8 @@ class CallKey(NamedTuple):
             fields.append(("root", self.root))
         if self.counts is not None:
             fields.append(("counts", self.counts))
+        elif self.collective == "all_gather":
+            fields.append(("counts", "not given"))
         if self.variant:
             fields.append(("variant", self.variant))
         return tuple(fields)
