@@ -12,6 +12,7 @@ for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
+from tiers import MPI_ONLY, is_slow, place  # noqa: E402
 
 settings.register_profile(
     "default",
@@ -40,66 +41,8 @@ def pytest_configure(config: pytest.Config) -> None:
         config.option.basetemp = tempfile.mkdtemp(prefix=f"axondist-rank{rank}-")
 
 
-# --- the quick tier --------------------------------------------------------------------------
-# `pytest -m "not slow"` runs every module's core properties on the mock world and one
-# `mpiexec -n 2` launch (QUICK_LAUNCH). `slow` marks, by place, what costs seconds to minutes
-# each: the cases below, and every other test that launches mpiexec (the `mpi` marker).
-
-#: Folders whose every test is slow: each failure case runs under its own timeout, on the mock
-#: world and under mpiexec -n 2/3; the simulated hosts start several launches per test.
-SLOW_FOLDERS = ("tests/faults/", "tests/cluster/")
-
-#: Files whose every test is slow: the docs site build, the examples (each trains a model
-#: twice), the benchmark runner's runs.
-SLOW_FILES = frozenset({
-    "tests/integration/test_docs_build.py",
-    "tests/integration/test_examples.py",
-    "tests/integration/test_benchmarks_runner.py",
-})
-
-#: Single tests (any parameters) that launch processes, run an example-sized training, rerun
-#: other test files or type-check the package (mypy: half a minute; ruff stays quick).
-SLOW_TESTS = frozenset({
-    "tests/integration/test_lint.py::test_mypy_is_clean",
-    "tests/world/test_one_loop.py::test_the_script_agrees_for_every_strategy",
-    "tests/world/test_one_loop.py::test_the_script_exits_non_zero_when_it_disagrees",
-    "tests/world/test_one_loop.py::test_the_script_under_mpiexec_matches_threads",
-    "tests/world/test_one_loop.py::test_the_script_under_axondist_run",
-    "tests/world/test_fsdp.py::test_hybrid_shard_built_and_closed_many_times",
-    "tests/integration/test_nccl_fake_backend.py::test_the_gpu_test_file_passes_on_the_cpu_stand_in",
-    "tests/integration/test_nccl_fake_backend.py::"
-    "test_the_cupy_world_test_files_pass_on_the_cpu_stand_in",
-})
-
-#: The one mpiexec launch of the quick tier: the MPI backend's own checks on two processes.
-QUICK_LAUNCH = "tests/world/test_mpi_launch.py::test_mpi_backend_checks[2]"
-
-#: Properties of the MPI backend's own machinery (its plan cache): on the mock world they check
-#: only what other tests check, at 5-20 s each, so they run under mpiexec alone
-#: (tests/world/test_mpi_launch.py reruns the world tests there).
-MPI_ONLY = frozenset({
-    "tests/world/test_riding_checks.py::test_more_shapes_than_the_plan_cache_holds",
-})
-
-
-def _place(item: pytest.Item) -> tuple[str, str]:
-    """``(file, file::test)`` of an item, relative to the repository, without parameters."""
-    path = item.nodeid.split("::")[0]
-    name = getattr(item, "originalname", None) or item.name.split("[")[0]
-    return path, f"{path}::{name}"
-
-
-def is_slow(item: pytest.Item) -> bool:
-    """Whether ``item`` belongs to the slow tier (see the tables above)."""
-    path, test = _place(item)
-    if item.nodeid == QUICK_LAUNCH:
-        return False
-    return (path.startswith(SLOW_FOLDERS) or path in SLOW_FILES or test in SLOW_TESTS
-            or item.get_closest_marker("mpi") is not None)
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Mark the slow tier; skip the MPI-only properties outside mpiexec. Then
+    """Mark the slow tier (tests/tiers.py); skip the MPI-only properties outside mpiexec. Then
     ``AXONDIST_TEST_EXAMPLES`` caps every hypothesis test, also those that pin their own
     ``max_examples`` (the mpiexec relaunch runs every world test on a few examples)."""
     from axondist._environment import launched_by_mpi
@@ -108,7 +51,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if is_slow(item):
             item.add_marker(pytest.mark.slow)
-        if not under_mpi and _place(item)[1] in MPI_ONLY:
+        if not under_mpi and place(item)[1] in MPI_ONLY:
             item.add_marker(pytest.mark.skip(
                 reason="a property of the MPI backend's own machinery: runs under mpiexec "
                        "(tests/world/test_mpi_launch.py), not on the mock world"))

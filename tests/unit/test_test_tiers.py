@@ -1,4 +1,4 @@
-"""The quick tier's tables (tests/conftest.py) name tests that exist: a renamed test would
+"""The quick tier's tables (tests/tiers.py) name tests that exist: a renamed test would
 otherwise leave the tier silently, or stay in it after it became slow."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-import conftest
 import pytest
+import tiers
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -19,17 +19,17 @@ def _defines(place: str) -> bool:
     return re.search(rf"^def {re.escape(name)}\(", text, flags=re.MULTILINE) is not None
 
 
-@pytest.mark.parametrize("place", sorted(conftest.SLOW_TESTS | conftest.MPI_ONLY
-                                         | {conftest.QUICK_LAUNCH}))
+@pytest.mark.parametrize("place", sorted(tiers.SLOW_TESTS | tiers.MPI_ONLY
+                                         | {tiers.QUICK_LAUNCH}))
 def test_every_named_test_exists(place):
-    assert _defines(place), f"tests/conftest.py names {place}, which is not defined there"
+    assert _defines(place), f"tests/tiers.py names {place}, which is not defined there"
 
 
 def test_every_named_folder_and_file_exists():
-    missing = [p for p in (*conftest.SLOW_FOLDERS, *conftest.SLOW_FILES) if not (ROOT / p).exists()]
-    assert not missing, f"tests/conftest.py names missing paths {missing}"
+    missing = [p for p in (*tiers.SLOW_FOLDERS, *tiers.SLOW_FILES) if not (ROOT / p).exists()]
+    assert not missing, f"tests/tiers.py names missing paths {missing}"
 
 
 def test_the_quick_launch_runs_two_processes():
-    assert conftest.QUICK_LAUNCH.endswith("[2]")
-    assert not any(conftest.QUICK_LAUNCH.startswith(f) for f in conftest.SLOW_FOLDERS)
+    assert tiers.QUICK_LAUNCH.endswith("[2]")
+    assert not any(tiers.QUICK_LAUNCH.startswith(f) for f in tiers.SLOW_FOLDERS)
