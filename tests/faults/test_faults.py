@@ -138,10 +138,7 @@ WATCHDOG_RUNS = [(case, mode, n) for case, expect in WATCHDOG_CASES.items()
 
 
 def _run(case: str, mode: str, n: int) -> Outcome:
-    env = {}
-    if case == "many_groups" and (mode, n) == ("mpi", 3):
-        env["AXONDIST_FAULT_GROUPS"] = "2100"  # past MPICH's ~2,040: 3 ranks on 2 cores are slow
-    return run_case(SCRIPT, case, mode, n, env)
+    return run_case(SCRIPT, case, mode, n)
 
 
 def _run_watchdog_case(case: str, mode: str, n: int) -> Outcome:

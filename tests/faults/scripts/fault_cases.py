@@ -187,10 +187,12 @@ def recv_wrong_out_then_good(world: ad.World) -> None:
 
 
 def many_groups(world: ad.World) -> None:
-    """Must not fail: groups created and destroyed 10,000 times (``AXONDIST_FAULT_GROUPS``;
-    MPICH runs out of communicators after ~2,040 that are never freed)."""
+    """Must not fail: groups created and destroyed 2,100 times (``AXONDIST_FAULT_GROUPS``):
+    past MPICH's 2,048 communicators even at one per group (a group holds two, so ~1,020
+    groups never freed exhaust them). A bound on the work, not on the time: under load
+    each creation takes longer, not more of them are needed."""
     members = list(range(world.world_size))
-    for _ in range(int(os.environ.get("AXONDIST_FAULT_GROUPS", "10000"))):
+    for _ in range(int(os.environ.get("AXONDIST_FAULT_GROUPS", "2100"))):
         with world.new_group(members) as group:
             pass
         assert not group.is_member
