@@ -50,3 +50,30 @@ def test_nccl_calls_are_traced(fake_nccl: Any, tmp_path: Path) -> None:
         assert {c.bytes for c in trace.calls if c.op == "all_reduce"} == {1024}
         assert [s.name for s in trace.spans] == ["step"] * 3
         assert [c["phase"] for c in trace.clocks] == ["start", "stop"]
+
+
+@pytest.mark.skipif(UNDER_MPI, reason="shifts the clock of one thread of a mock world")
+def test_clock_exchange_finds_a_rank_whose_clock_is_off(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+    import time
+    import types
+
+    from axondist.trace import clock
+
+    skew = {"axondist-rank1": 0.005, "axondist-rank2": -0.003}  # seconds ahead of rank 0
+
+    def monotonic() -> float:
+        return time.monotonic() + skew.get(threading.current_thread().name, 0.0)
+
+    monkeypatch.setattr(clock, "time", types.SimpleNamespace(monotonic=monotonic))
+
+    def body(world: ad.World) -> Any:
+        return clock.exchange(world.backend_for("test"))
+
+    samples = ad.spawn(body, 3)
+    assert samples[0].offset_s == 0.0
+    for rank, sample in enumerate(samples[1:], start=1):
+        expected = -skew[f"axondist-rank{rank}"]  # add it to this rank's clock to get rank 0's
+        assert abs(sample.offset_s - expected) <= sample.rtt_s / 2 + 1e-6, (rank, sample)
+        assert sample.rtt_s < 0.2  # the shortest of 8 round trips between threads
