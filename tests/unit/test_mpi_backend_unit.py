@@ -227,10 +227,6 @@ def test_without_staging_numpy_buffers_go_to_mpi_as_they_are(make):
     assert len(spy.buffers) == 2 and all(np.shares_memory(buf, x) for buf in spy.buffers)
 
 
-@pytest.mark.xfail(strict=True, raises=RuntimeError, reason=(
-    "StagedPlan takes its input's and its result's host buffers from one HostStaging keyed "
-    "by (shape, dtype): an all-gather or reduce-scatter whose result is shaped like its "
-    "input gets one buffer for both, and MPI refuses aliased buffers (mpi4py.MPI.Exception)"))
 @pytest.mark.parametrize("async_op", [False, True])
 def test_staged_collectives_return_the_callers_arrays(make, async_op):
     b = make(host_staging="always", chunk_bytes=16)

@@ -288,12 +288,13 @@ class StagedPlan(Plan):
     call, the result copied back (in ``wait()`` when non-blocking). The host buffers are
     the plan's, reused call after call."""
 
-    __slots__ = ("_host", "_staging", "_out_shape", "_xp")
+    __slots__ = ("_host", "_inputs", "_results", "_out_shape", "_xp")
 
     def __init__(self, backend: MPIBackend, key: CallKey) -> None:
         super().__init__(key)
         self._host = backend.host_plan(key._replace(library="numpy"))
-        self._staging = HostStaging()
+        # apart: an input and a result of one shape must not share a buffer (MPI refuses)
+        self._inputs, self._results = HostStaging(), HostStaging()
         self._out_shape = output_shape(key, backend.rank, backend.world_size)
         self._xp = _array.module_named(key.library)
 
@@ -308,8 +309,8 @@ class StagedPlan(Plan):
                    else checked_out(recv, key, shape, key.collective))
         else:
             out = recv  # an unsized all-gather: its shape comes with the counts
-        host_send = self._staging.to_host(send)
-        host_recv = None if in_place or out is None else self._staging.buffer(out)
+        host_send = self._inputs.to_host(send)
+        host_recv = None if in_place or out is None else self._results.buffer(out)
         result = self._host.run(host_send, host_recv)
 
         def back(value: Any) -> Any:
@@ -322,7 +323,8 @@ class StagedPlan(Plan):
         return ThenWork(result, back) if key.async_op else back(result)
 
     def free(self) -> None:
-        self._staging.free()
+        self._inputs.free()
+        self._results.free()
 
 
 __all__ = ["AllGatherPlan", "AllReducePlan", "BroadcastPlan", "MPIPlan", "ReducePlan",

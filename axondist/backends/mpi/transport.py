@@ -205,7 +205,13 @@ class TypeTable:
                 self._add_half(mpi, dtype)
 
     def _user_op(self, mpi: Any, dtype: np.dtype, ufunc: Any) -> Any:
-        op = mpi.Op.Create(numpy_reducer(dtype, ufunc), commute=True)
+        try:
+            op = mpi.Op.Create(numpy_reducer(dtype, ufunc), commute=True)
+        except RuntimeError as exc:  # mpi4py's cap on user-defined ops per process
+            raise RuntimeError(
+                f"mpi backend: no more user-defined reduction ops ({exc}); each MPIBackend "
+                "made without types= holds 12: close() the ones no longer used, or pass "
+                "types=world.backend.types to share the world's") from exc
         self._user_ops.append(op)
         return op
 
