@@ -22,7 +22,7 @@ from harness import why_no_gpu
 import axondist as ad
 from axondist import _array
 from axondist.backends.nccl import basics as nt
-from axondist.errors import UnsupportedDTypeError
+from axondist.errors import RankError, UnsupportedDTypeError
 from axondist.ops import ReduceOp, combine_into
 
 REASON = why_no_gpu(need_nccl=True)
@@ -168,6 +168,43 @@ def test_backend_basics_and_tables_match_cupy(world):
     for name, code in nt.NCCL_OPS.items():
         const = getattr(nccl, f"NCCL_{name.upper()}", None)
         assert const is None or const == code
+
+
+def test_two_ranks_on_one_gpu_are_refused_naming_the_gpu():
+    """Two ranks that chose GPU 0 are refused before NCCL starts (NCCL would fail with a
+    bare ncclInvalidUsage), the GPU named by the UUID CUDA reports."""
+    import socket
+    import threading
+
+    import cupy
+
+    from axondist.backends._rendezvous import LaunchEnv
+    from axondist.backends.nccl import bootstrap_from_env
+    from axondist.backends.nccl.runtime import gpu_identity
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    errors: list[BaseException | None] = [None, None]
+
+    def rank_main(r: int) -> None:
+        try:
+            bootstrap_from_env(LaunchEnv("127.0.0.1", port, 2, r, r), timeout=30.0, device=0)
+        except BaseException as exc:  # noqa: BLE001 - checked below
+            errors[r] = exc
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    gpu = gpu_identity(cupy, 0)
+    assert gpu.startswith(("GPU-", "PCI ")), gpu
+    count = _device_count()
+    for exc in errors:
+        assert isinstance(exc, RankError), errors
+        assert f"ranks 0 and 1 on host {socket.gethostname()} chose the same GPU (device 0, " \
+            f"{gpu}) of the host's {count} GPU" in str(exc)
 
 
 def test_work_waits_for_the_callers_stream_and_hands_back_to_another(world):
