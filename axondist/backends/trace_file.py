@@ -25,6 +25,8 @@ from typing import Any
 
 #: Records kept in memory before they are written (a crash loses at most these).
 BATCH = 512
+#: Records kept at most: past it a call writes them itself (memory stays bounded).
+_MAX_KEPT = 16 * BATCH
 #: Seconds between two writes of the records kept so far, at the longest.
 FLUSH_EVERY_S = 1.0
 #: Bytes of trace kept on disk per rank by default (``AXONDIST_TRACE_MB``).
@@ -147,6 +149,8 @@ class TraceWriter:
         self._pending.append((entry, end))
         if len(self._pending) >= BATCH:
             self._wake.set()
+            if len(self._pending) >= _MAX_KEPT:  # the writer's thread fell behind
+                self.flush()
 
     def span(self, name: str, start: float, end: float) -> None:
         """Keep a user span from ``start`` to ``end`` (``time.monotonic`` seconds)."""
@@ -172,21 +176,29 @@ class TraceWriter:
             if self._file is None:
                 self._pending.clear()
                 return
-            lines = []
-            if len(self._members) != self._members_written:
-                lines.append(self._groups_line())
             pending = self._pending
-            for _ in range(len(pending)):
-                lines.append(self._line(pending.popleft()))
-            if not lines:
-                return
-            text = "".join(lines)
-            if self._size + len(text) > self.max_bytes // 2 and self._size > 0:
-                self._rotate()
-                text = "".join(line for line in lines if not line.startswith('{"groups"'))
-            self._file.write(text)
+            left = len(pending)
+            while True:  # a batch at a time: the file rotates between batches
+                lines = []
+                if len(self._members) != self._members_written:
+                    lines.append(self._groups_line())
+                for _ in range(min(left, BATCH)):
+                    lines.append(self._line(pending.popleft()))
+                left -= BATCH
+                if lines:
+                    self._write("".join(lines))
+                if left <= 0:
+                    break
             self._file.flush()
-            self._size += len(text)
+
+    def _write(self, text: str) -> None:
+        """Append ``text``, first starting a new file when this one would pass its half."""
+        if self._size + len(text) > self.max_bytes // 2 and self._size > 0:
+            self._rotate()  # the new file starts with the header and groups
+            if text.startswith('{"groups"'):
+                text = text[text.index("\n") + 1:]
+        self._file.write(text)
+        self._size += len(text)
 
     def close(self) -> None:
         """Write what is kept and close the file (later calls are dropped)."""

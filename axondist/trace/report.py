@@ -47,6 +47,8 @@ class StragglerReport:
     calls: dict[str, CallDelay]
     worst: list[Collective]
     clock_note: str
+    steps: int = 0
+    """Spans named ``step`` on the rank with the most (0: the run marked none)."""
 
     def held_s(self, rank: int) -> float:
         """Seconds ``rank`` kept the others waiting."""
@@ -79,8 +81,10 @@ def straggler_report(timeline: Timeline, worst: int = 5) -> StragglerReport:
         kind.held_s += c.held_s
         kind.last_ranks[last] += 1
     top = sorted(collectives, key=lambda c: c.held_s, reverse=True)[:worst]
+    steps = max((sum(1 for s in t.spans if s.name.lower() == "step")
+                 for t in timeline.ranks.values()), default=0)
     return StragglerReport(len(collectives), partial, ranks, dict(calls), top,
-                           timeline.clock_note())
+                           timeline.clock_note(), steps)
 
 
 def _seconds(value: float) -> str:
@@ -97,9 +101,11 @@ def format_report(report: StragglerReport, calls: int = 8) -> str:
         return "\n".join(lines + ["no collective was recorded by all of its ranks"])
     total = sum(d.held_s for d in report.ranks.values())
     lines.append("per rank (time the others waited for it as the last to arrive):")
+    over = (f"{report.steps:,} steps ({report.collectives:,} collectives)" if report.steps
+            else f"{report.collectives:,} collectives")
     for rank, d in sorted(report.ranks.items(), key=lambda kv: -kv[1].held_s):
         text = (f"  rank {rank} kept the others waiting {_seconds(d.held_s)} over "
-                f"{report.collectives:,} collectives (last to arrive at {d.times_last:,}; "
+                f"{over} (last to arrive at {d.times_last:,}; "
                 f"{_seconds(d.waited_rank_s)} of waiting added over the ranks)")
         if d.by_call and d.held_s > 0:
             label, held = max(d.by_call.items(), key=lambda kv: kv[1])
