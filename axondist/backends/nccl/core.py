@@ -329,7 +329,8 @@ class NcclBackendBase(Backend):
         (the GPU is current)."""
         since = time.monotonic()
         self._issue_check(op, pair, self._check_out, False)
-        got = self._check_out.get(stream=self._stream)  # the stream is idle: no wait
+        got = self._check_out.get(stream=self._stream)
+        self._stream.synchronize()  # idle already; CuPy < 11 copies async when given a stream
         if got[0] != -got[1]:
             raise self._mismatch(op, key, entry.group, entry.seq, True, since)
 
@@ -346,6 +347,7 @@ class NcclBackendBase(Backend):
             work.wait(timeout)
             with self._cupy.cuda.Device(self.device):
                 got = out.get(stream=self._read_stream)  # the main stream may be stuck
+                self._read_stream.synchronize()
             if got[0] != -got[1]:
                 raise self._mismatch(op, key, group, seq, False, since)
 
