@@ -71,8 +71,16 @@ def stuck_without_server(world: ad.World) -> None:
     ad.all_reduce(np.ones(4, np.float32))
 
 
+def all_reduce_forever(world: ad.World) -> None:
+    """All-reduce until stopped, after printing ``RANK r PID p`` (a test kills a launcher)."""
+    print(f"RANK {world.rank} PID {os.getpid()}", flush=True)
+    while True:
+        ad.all_reduce(np.ones(1024, np.float32))
+        time.sleep(0.01)
+
+
 CASES = {fn.__name__: fn for fn in (skip_collective, different_groups, receive_cycle, hard_exit,
-                                    unreceived_send, stuck_without_server)}
+                                    unreceived_send, stuck_without_server, all_reduce_forever)}
 
 if __name__ == "__main__":
     main(CASES)
