@@ -50,7 +50,7 @@ def test_a_peer_answers_with_its_flight_recorder():
         assert status["completed"] == {"world": 1} and status["running"] == []
     finally:
         for d in dogs:
-            d.stop()
+            d.close()
 
 
 def test_a_wrong_token_gets_no_answer_and_cannot_end_the_job():
@@ -60,7 +60,7 @@ def test_a_wrong_token_gets_no_answer_and_cannot_end_the_job():
         assert dogs[0].query([1])[1] != GONE and not isinstance(dogs[0].query([1])[1], dict)
     finally:
         for d in dogs:
-            d.stop()
+            d.close()
     assert ended == []
 
 
@@ -74,7 +74,7 @@ def test_a_rank_that_left_before_the_call_ends_the_job_at_once():
             ended[0] and "left before any call" in ended[0]
     finally:
         for d in dogs:
-            d.stop()
+            d.close()
 
 
 def test_a_rank_that_left_after_the_call_is_no_failure():
@@ -89,7 +89,7 @@ def test_a_rank_that_left_after_the_call_is_no_failure():
         assert ended == []
     finally:
         for d in dogs:
-            d.stop()
+            d.close()
 
 
 def test_a_wait_cycle_through_this_rank_is_a_deadlock():
@@ -105,7 +105,7 @@ def test_a_wait_cycle_through_this_rank_is_a_deadlock():
                 in ended[0]), ended[0]
     finally:
         for d in dogs:
-            d.stop()
+            d.close()
 
 
 @pytest.mark.parametrize("stall", [0.5])
@@ -121,7 +121,7 @@ def test_a_stalled_call_warns_then_times_out_naming_the_missing_rank(stall, caps
         assert "stall: rank 0 has waited" in capsys.readouterr().err + caplog.text
     finally:
         for d in dogs:
-            d.stop()
+            d.close()
 
 
 def test_a_closed_watchdog_leaves_no_thread_or_port_and_peers_see_it_gone():
@@ -231,7 +231,8 @@ def _watchdog_gone_for(dog: Watchdog, rank: int) -> None:
         dog._gone_since[r] -= 10.0
 
 
-def test_a_host_that_stops_answering_is_cut_off_after_the_setting():
+def test_a_host_that_stops_answering_is_cut_off_after_the_setting(monkeypatch):
+    monkeypatch.setattr(_watchdog, "_QUERY_TIMEOUT", 0.5)  # a silent peer costs 0.5 s a look
     silent = socket.create_server(("127.0.0.1", 0))  # accepts, never replies
     try:
         dogs, ended = _ring(3, ["a", "b", "b"], AXONDIST_CUT_OFF_TIMEOUT="1.5")
@@ -294,7 +295,8 @@ def test_a_port_range_is_kept_and_checked():
         _watchdog.cut_off_timeout({"AXONDIST_CUT_OFF_TIMEOUT": "0"})
 
 
-def test_a_host_never_reached_is_left_to_the_timeout():
+def test_a_host_never_reached_is_left_to_the_timeout(monkeypatch):
+    monkeypatch.setattr(_watchdog, "_QUERY_TIMEOUT", 0.5)
     silent = socket.create_server(("127.0.0.1", 0))  # accepts, never replies
     try:
         dogs, ended = _ring(2, ["a", "b"], AXONDIST_CUT_OFF_TIMEOUT="0.5")
