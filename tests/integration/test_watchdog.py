@@ -359,3 +359,17 @@ def test_os_exit_tells_the_peers_how_the_rank_left():
     finally:
         for d in dogs:
             d.close()
+
+
+def test_a_busy_rank_on_another_host_keeps_the_timeout():
+    dogs, ended = _ring(2, ["a", "b"], AXONDIST_CUT_OFF_TIMEOUT="0.5")
+    try:  # rank 1 computes (in no call); its server answers, so host b is not cut off
+        dogs[0].recorder.begin("world", 1, "all_reduce", None)
+        time.sleep(1.0)
+        call = dogs[0].recorder.running()[0]
+        statuses = dogs[0].query([1])
+        assert isinstance(statuses[1], dict) and dogs[0]._verdict(call, statuses) is None
+        assert ended == []
+    finally:
+        for d in dogs:
+            d.close()
