@@ -22,7 +22,7 @@ from math import prod
 from typing import Any
 
 from . import _array
-from ._validate import as_rank, positive_seconds, sequence_of
+from ._validate import as_rank, check_tag, positive_seconds, sequence_of
 from .backends.base import Backend, default_timeout
 from .backends.plan import CallKey, exchange_row_counts, split_sizes
 from .backends.work import finished
@@ -299,6 +299,7 @@ def send(x: Any, dst: int, group: ProcessGroup | None = None, tag: int = 0) -> N
     """Send ``x`` (any shape; shape and dtype travel with it) to group rank ``dst``."""
     g, b = _member(group, "send")
     dst = as_rank(dst, g.world_size, "send", "dst")
+    tag = check_tag(tag, "send")
     if dst == g.rank:
         raise RankError(f"send: dst={dst} is this rank; a rank cannot send to itself")
     x = _array.contiguous(_array.as_array(x))
@@ -317,6 +318,7 @@ def recv(src: int, group: ProcessGroup | None = None, tag: int = 0, *, out: Any 
     """
     g, b = _member(group, "recv")
     src = as_rank(src, g.world_size, "recv", "src")
+    tag = check_tag(tag, "recv")
     if src == g.rank:
         raise RankError(f"recv: src={src} is this rank; a rank cannot receive from itself")
     shape, dtype, lib = b.recv_object(src, tag)
