@@ -156,3 +156,18 @@ def test_real_number_names_what_the_value_means() -> None:
         real_number(-1, "f", "x", meaning="a size")
     with pytest.raises(ValueError, match=r"must be a finite number >= 0 and < 1$"):
         real_number(1.0, "f", "x", below=1.0)
+
+
+@pytest.mark.parametrize("tag", [-1, 1.5, "0", True])
+def test_send_and_recv_refuse_a_bad_tag_on_the_mock_world_as_on_mpi(tag) -> None:
+    def body(world: ad.World) -> list[str]:
+        errors = []
+        for call in (lambda: ad.send(np.ones(2), dst=1 - world.rank, tag=tag),
+                     lambda: ad.recv(src=1 - world.rank, tag=tag)):
+            with pytest.raises((TypeError, ValueError)) as info:
+                call()
+            errors.append(str(info.value))
+        return errors
+
+    for errors in ad.spawn(body, 2):
+        assert errors[0].startswith("send: tag=") and errors[1].startswith("recv: tag=")
