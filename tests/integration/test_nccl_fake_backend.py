@@ -604,8 +604,12 @@ def test_new_group_with_a_fresh_unique_id(fake):
 
 
 def _what_one_blocking_call_does(world, counts, nccl_calls):
+    n = world.world_size
     x, y = dev(np.ones(8, np.float32)), dev(np.zeros(3, np.int64))
-    calls = {"all_reduce": lambda: ad.all_reduce(x), "broadcast": lambda: ad.broadcast(y)}
+    rows, out = dev(np.full((2, 3), world.rank, np.float64)), dev(np.zeros((2 * n, 3)))
+    calls = {"all_reduce": lambda: ad.all_reduce(x), "broadcast": lambda: ad.broadcast(y),
+             "all_gather": lambda: ad.all_gather(rows, sizes=[2] * n, out=out),
+             "reduce_scatter": lambda: ad.reduce_scatter(out)}
     for call in calls.values():
         call()  # the first call of a key prepares it (its check buffer goes to the GPU)
     mine = world.backend.rank
@@ -623,7 +627,8 @@ def _what_one_blocking_call_does(world, counts, nccl_calls):
             issued = [c[0] for c in nccl_calls if c[1] == mine][issued:]
             spent[name, stream] = (after["device enter"], after["event record"],
                                    after["event query"], issued)
-    assert_close(x.get(), np.full(8, float(world.world_size ** 3), np.float32))
+    assert_close(x.get(), np.full(8, float(n ** 3), np.float32))
+    assert_close(out.get(), np.repeat(np.arange(n, dtype=np.float64), 2)[:, None] * np.ones(3))
     return spent, world.backend.recorder.running()
 
 
@@ -631,19 +636,20 @@ def _what_one_blocking_call_does(world, counts, nccl_calls):
 def test_one_blocking_call_enters_the_device_once_and_records_at_most_one_event(fake,
                                                                                 world_size):
     """The per-call cost the GPU showed (the device entered twice, two events recorded and
-    a sweep of finished work per call), counted on the stand-in: a blocking call from the
-    caller's stream makes the GPU current once and records one event (ordering after
-    that stream); from the backend's own stream none; and it polls no event. The
-    cross-rank check (two ranks) and the flight recorder stay on."""
+    a sweep of finished work per call), counted on the stand-in: a blocking all-reduce,
+    broadcast, all-gather or reduce-scatter from the caller's stream makes the GPU current
+    once and records one event (ordering after that stream); from the backend's own
+    stream none; and it polls no event. The cross-rank check (two ranks) and the flight
+    recorder stay on."""
     results = spawn(_what_one_blocking_call_does, world_size, fake.module.thread_counts,
                     fake.calls)
     checked = ["allReduce"] if world_size > 1 else []
+    nccl_names = {"all_reduce": "allReduce", "broadcast": "broadcast",
+                  "all_gather": "allGather", "reduce_scatter": "reduceScatter"}
     for spent, running in results:
         assert spent == {
-            ("all_reduce", "the caller's"): (1, 1, 0, checked + ["allReduce"]),
-            ("all_reduce", "the backend's"): (1, 0, 0, checked + ["allReduce"]),
-            ("broadcast", "the caller's"): (1, 1, 0, checked + ["broadcast"]),
-            ("broadcast", "the backend's"): (1, 0, 0, checked + ["broadcast"])}
+            (op, stream): (1, 1 if stream == "the caller's" else 0, 0, checked + [name])
+            for op, name in nccl_names.items() for stream in ("the caller's", "the backend's")}
         assert running == []  # every call's recorder entry was stamped done
 
 
