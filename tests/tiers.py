@@ -33,6 +33,11 @@ SLOW_TESTS = frozenset({
     "tests/integration/test_nccl_fake_backend.py::test_the_gpu_test_file_passes_on_the_cpu_stand_in",
     "tests/integration/test_nccl_fake_backend.py::"
     "test_the_cupy_world_test_files_pass_on_the_cpu_stand_in",
+    "tests/integration/test_nccl_fake_wrappers.py::"
+    "test_real_data_examples_train_on_cupy_arrays_on_the_stand_in",
+    "tests/integration/test_nccl_fake_wrappers.py::test_real_data_examples_say_what_a_gpu_run_lacks",
+    "tests/integration/test_watchdog.py::test_a_host_that_stops_answering_is_cut_off_after_the_setting",
+    "tests/integration/test_watchdog.py::test_a_host_never_reached_is_left_to_the_timeout",
 })
 
 #: The one mpiexec launch of the quick tier: the MPI backend's own checks on two processes.

@@ -138,6 +138,29 @@ def test_every_environment_variable_the_code_reads_is_in_the_guides_table():
     assert not stale, f"docs/guide.md's table lists variables no code reads: {sorted(stale)}"
 
 
+# --- the README's commands ------------------------------------------------------------------
+
+
+def _readme_commands() -> list[str]:
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    return [line.strip() for block in re.findall(r"^```bash\n(.*?)^```", text,
+                                                 flags=re.DOTALL | re.MULTILINE)
+            for line in block.splitlines() if line.strip()]
+
+
+def test_ci_runs_the_readmes_test_command_exactly():
+    tests = [c for c in _readme_commands() if "pip install" in c and "pytest" in c]
+    assert len(tests) == 1, tests
+    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8").splitlines()
+    assert tests[0] in [line.strip() for line in ci], (tests[0], ci)
+
+
+def test_the_quick_tier_the_readme_names_is_a_registered_marker():
+    assert '.venv/bin/python -m pytest -m "not slow"' in _readme_commands()
+    config = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
+    assert re.search(r'^\s+"slow: ', config, flags=re.MULTILINE), "no slow marker in pyproject"
+
+
 # --- links -----------------------------------------------------------------------------------
 
 _LINK = re.compile(r"\]\(([^)\s]+)\)")
