@@ -3,8 +3,11 @@ watchdog, and the hook that ends the whole job when one rank fails."""
 
 from __future__ import annotations
 
+import atexit
+import os
 import secrets
 import sys
+import time
 import traceback
 from typing import Any
 
@@ -105,7 +108,50 @@ def create_world_backend(*, comm: Any = None, abort_on_exception: bool = True,
         watchdog.start([t[1] for t in table])
     backend = MPIBackend(dup, policy, recorder=recorder)
     backend.watchdog = watchdog
+    if size > 1:
+        atexit.register(report_unreceived, backend)
     return backend
+
+
+def unreceived(backend: MPIBackend, settle: float = 0.05) -> dict[tuple[int, int], int]:
+    """Messages of :func:`axondist.send` that reached this rank and were never received,
+    as ``{(source rank, user tag): messages}``; drained, so MPI can finalize. Looks for
+    ``settle`` seconds (an eager message still in flight lands meanwhile)."""
+    comm = backend.comm
+    if comm is None:
+        return {}
+    mpi = backend.mpi
+    status = mpi.Status()
+    found: dict[tuple[int, int], int] = {}
+    deadline = time.monotonic() + settle
+    while True:
+        if comm.Iprobe(mpi.ANY_SOURCE, mpi.ANY_TAG, status):
+            source, tag = status.Get_source(), status.Get_tag()
+            comm.Recv(bytearray(status.Get_count(mpi.BYTE)), source, tag)
+            key = (source, tag // 2)  # the data's and the header's tags share a user tag
+            found[key] = found.get(key, 0) + 1
+        elif time.monotonic() >= deadline:
+            return found
+        else:
+            time.sleep(1e-3)
+
+
+def report_unreceived(backend: MPIBackend) -> None:
+    """At a clean exit: name the messages sent to this rank that it never received, and
+    end with status 1 (a send without its receive is a bug the mock world reports too)."""
+    if backend.comm is None or backend.mpi.Is_finalized():
+        return
+    found = unreceived(backend)
+    if not found:
+        return
+    silence_all()  # this rank ends the job: its peers must not read it as a departure
+    rank, size = backend.rank, backend.world_size
+    detail = "; ".join(f"{count} from rank {source} to rank {rank} (tag {tag})"
+                       for (source, tag), count in sorted(found.items()))
+    print_and_flush(f"[axondist rank {rank}/{size}] ",
+                    f"messages were sent but never received: {detail}; every send needs a "
+                    "matching recv (with the same tag) on its destination")
+    os._exit(1)
 
 
 def _abort_job(message: str) -> None:
