@@ -27,6 +27,10 @@ class NotAMemberError(AxondistError, RuntimeError):
     """This process tried to communicate on a group it does not belong to."""
 
 
+class TooManyGroupsError(AxondistError, RuntimeError):
+    """``new_group`` could not make another group: too many are alive (never destroyed)."""
+
+
 class InvalidBufferError(AxondistError, ValueError):
     """A buffer that must be written is read-only, non-contiguous or of the wrong size."""
 
@@ -141,6 +145,7 @@ __all__ = [
     "NotAMemberError",
     "RankError",
     "RankExitedError",
+    "TooManyGroupsError",
     "UnsupportedDTypeError",
     "WorldAbortedError",
 ]

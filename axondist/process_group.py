@@ -14,17 +14,13 @@ from ._validate import as_members
 from .backends.base import Backend
 from .backends.mock import MockBackend
 from .backends.registry import create_backend
-from .errors import AxondistError, NotAMemberError
+from .errors import NotAMemberError, TooManyGroupsError
 
 log = logging.getLogger("axondist")
 
 #: Environment variable: the most groups made by ``new_group`` that may be alive at once on
 #: a rank (unset: as many as the backend allows).
 MAX_GROUPS_ENV = "AXONDIST_MAX_GROUPS"
-
-
-class TooManyGroupsError(AxondistError, RuntimeError):
-    """``new_group`` could not make another group: too many are alive (never destroyed)."""
 
 
 class LiveGroups:

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 import axondist as ad
-from axondist.process_group import MAX_GROUPS_ENV, TooManyGroupsError
+from axondist.errors import TooManyGroupsError
+from axondist.process_group import MAX_GROUPS_ENV
 
 
 def test_groups_count_from_creation_to_destroy(monkeypatch) -> None:

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fault_cases import main  # noqa: E402
 
 import axondist as ad  # noqa: E402
-from axondist.process_group import TooManyGroupsError  # noqa: E402
+from axondist.errors import TooManyGroupsError  # noqa: E402
 
 BOUND = int(os.environ.get("AXONDIST_TEST_GROUPS", "1200"))
 
