@@ -52,10 +52,10 @@ from .errors import (
     InvalidBufferError,
     NonFiniteNormError,
     NotAMemberError,
-    TooManyGroupsError,
     RankError,
     RankExitedError,
     ScheduleError,
+    TooManyGroupsError,
     UnsupportedDTypeError,
     WorldAbortedError,
 )
