@@ -227,6 +227,21 @@ def test_without_staging_numpy_buffers_go_to_mpi_as_they_are(make):
     assert len(spy.buffers) == 2 and all(np.shares_memory(buf, x) for buf in spy.buffers)
 
 
+def test_staged_calls_in_flight_at_once_keep_their_own_host_buffers(make):
+    """Two non-blocking staged calls of one shape started before either is waited for (FSDP's
+    micro-batches do this) each get their own values back, whatever order they finish in."""
+    b = make(host_staging="always")
+    xs = [np.full(8, float(k + 1), np.float32) for k in range(3)]
+    works = [b.all_reduce(x, ReduceOp.SUM, async_op=True) for x in xs]
+    outs = [np.zeros(8, np.float32) for _ in xs]
+    gathers = [b.all_gather(x, out, [8], async_op=True) for x, out in zip(xs, outs)]
+    for k in (2, 0, 1):
+        works[k].wait()
+        gathers[k].wait()
+        np.testing.assert_array_equal(xs[k], k + 1)
+        np.testing.assert_array_equal(outs[k], k + 1)
+
+
 @pytest.mark.parametrize("async_op", [False, True])
 def test_staged_collectives_return_the_callers_arrays(make, async_op):
     b = make(host_staging="always", chunk_bytes=16)

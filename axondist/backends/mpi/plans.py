@@ -285,8 +285,8 @@ class UnsizedAllGatherPlan(_Transfer):
 class StagedPlan(Plan):
     """A device array's call run on page-locked host copies (MPI is not CUDA-aware, or
     ``host_staging="always"``): the input copied to the host, the host plan of the same
-    call, the result copied back (in ``wait()`` when non-blocking). The host buffers are
-    the plan's, reused call after call."""
+    call, the result copied back (in ``wait()`` when non-blocking). A blocking call's host
+    buffers are the plan's, reused call after call; a non-blocking call takes its own."""
 
     __slots__ = ("_host", "_inputs", "_results", "_out_shape", "_xp")
 
@@ -309,8 +309,12 @@ class StagedPlan(Plan):
                    else checked_out(recv, key, shape, key.collective))
         else:
             out = recv  # an unsized all-gather: its shape comes with the counts
-        host_send = self._inputs.to_host(send)
-        host_recv = None if in_place or out is None else self._results.buffer(out)
+        # A blocking call is done with the plan's buffers when it returns; calls in flight
+        # at once need their own (the memory pool hands the same blocks back).
+        inputs, results = ((self._inputs, self._results) if not key.async_op
+                           else (HostStaging(), HostStaging()))
+        host_send = inputs.to_host(send)
+        host_recv = None if in_place or out is None else results.buffer(out)
         result = self._host.run(host_send, host_recv)
 
         def back(value: Any) -> Any:
