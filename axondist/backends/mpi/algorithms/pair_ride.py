@@ -30,7 +30,7 @@ class PairRidePlan(Plan):
     """The riding all-reduce of one key (see the module docstring)."""
 
     __slots__ = ("_guard", "_check_key", "_h", "_nbytes", "_mine", "_theirs", "_requests",
-                 "_ufunc", "_scale")
+                 "_ufunc", "_scale", "_nan_quiet")
 
     def __init__(self, backend: MPIBackend, key: CallKey) -> None:
         super().__init__(key)
@@ -48,6 +48,8 @@ class PairRidePlan(Plan):
         self._requests = [guard.comm.Send_init(message, guard.peer, PAIR_TAG), guard.receive]
         self._ufunc = _UFUNCS[key.reduce_op]  # type: ignore[index]
         self._scale = mean_scaling(2)[1] if key.reduce_op == "AVERAGE" else None
+        #: MIN and MAX meet NaN on purpose (they propagate it): no warning for that.
+        self._nan_quiet = key.reduce_op in ("MIN", "MAX")
 
     def run(self, send: Any, recv: Any = None) -> Any:
         guard = self._guard
@@ -57,7 +59,10 @@ class PairRidePlan(Plan):
             mine[...] = send
             if guard.swap(self._requests, self._h, self._nbytes):
                 guard.disagree("all_reduce", self._check_key)
-            with np.errstate(invalid="ignore"):
+            if self._nan_quiet:
+                with np.errstate(invalid="ignore"):
+                    self._ufunc(mine, self._theirs, out=send)
+            else:
                 self._ufunc(mine, self._theirs, out=send)
             if self._scale is not None:
                 np.multiply(send, self._scale, out=send)
