@@ -130,7 +130,9 @@ def summarize(times: dict[str, list[float]], call_times: dict[str, list[float]],
 
 def report(summary: dict[str, Any]) -> str:
     rows = [[name, format_spread(stat)] for name, stat in summary["step_ms"].items()]
-    rows.append(["traced/plain (paired)", format_spread(summary["traced/plain"])])
+    ratio = summary["traced/plain"]
+    rows.append(["traced/plain (paired)", format_spread(ratio)])
+    rows.append(["traced/plain quartiles", f"{ratio['q1']:.3g}-{ratio['q3']:.3g}"])
     rows += [[f"one recorded call, {name} (us)", format_spread(stat)]
              for name, stat in summary["call_us"].items()]
     rows.append(["added per call (us)", format_spread(summary["added_us_per_call"])])
