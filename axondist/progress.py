@@ -11,7 +11,7 @@ from typing import Any, Generic, TextIO, TypeVar
 
 from .process_group import ProcessGroup, resolve_group
 
-__all__ = ["MODES", "Progress", "progress", "resolve_mode"]
+__all__ = ["MODES", "Progress", "progress", "resolve_mode", "stream_size", "stream_width"]
 
 T = TypeVar("T")
 
@@ -23,6 +23,7 @@ MIN_BAR_WIDTH = 20
 """Columns below which a bar shows too little to be worth drawing: plain lines instead."""
 
 _FALLBACK_COLUMNS = 80  # what a terminal that reports no width, or a pipe, is taken to be
+_FALLBACK_LINES = 24
 
 
 def resolve_mode(mode: bool | str | None, stream: TextIO, what: str = "progress") -> str:
@@ -52,23 +53,32 @@ def _is_terminal(stream: TextIO) -> bool:
     return bool(getattr(stream, "isatty", lambda: False)())
 
 
-def stream_width(stream: TextIO) -> int:
-    """Columns available on ``stream``: a terminal's own width, else ``$COLUMNS``, else 80.
+def stream_size(stream: TextIO) -> tuple[int, int]:
+    """Columns and lines available on ``stream``: a terminal's own size, else ``$COLUMNS``
+    and ``$LINES``, else 80 x 24.
 
-    A terminal that reports zero columns (some pseudo-terminals do before they are sized)
-    counts as unknown, like a pipe: mpiexec forwards rank 0's output through one, and the
-    terminal at its far end is not there to ask.
+    A terminal that reports zero (some pseudo-terminals do before they are sized) counts as
+    unknown, like a pipe: mpiexec forwards rank 0's output through one, and the terminal at
+    its far end is not there to ask.
     """
+    columns = lines = 0
     if _is_terminal(stream):
         try:
-            columns = os.get_terminal_size(stream.fileno()).columns
+            columns, lines = os.get_terminal_size(stream.fileno())
         except (AttributeError, OSError, ValueError):
-            columns = 0
-        if columns > 0:
-            return columns
-    import shutil  # here, not at the top: shutil loads bz2 and lzma, and every job imports us
+            pass
+    if columns <= 0 or lines <= 0:
+        import shutil  # here, not at the top: shutil loads bz2 and lzma into every job
 
-    return shutil.get_terminal_size((_FALLBACK_COLUMNS, 24)).columns or _FALLBACK_COLUMNS
+        fallback = shutil.get_terminal_size((_FALLBACK_COLUMNS, _FALLBACK_LINES))
+        columns = columns if columns > 0 else fallback.columns or _FALLBACK_COLUMNS
+        lines = lines if lines > 0 else fallback.lines or _FALLBACK_LINES
+    return columns, lines
+
+
+def stream_width(stream: TextIO) -> int:
+    """Columns available on ``stream`` (see :func:`stream_size`)."""
+    return stream_size(stream)[0]
 
 
 def _format_value(value: Any) -> str:
@@ -82,7 +92,7 @@ def _format_value(value: Any) -> str:
 class Progress(Generic[T]):
     """Training progress: ``update(step, loss=...)`` after each step, ``close()`` at the end.
 
-    ``"bar"``: a tqdm bar as wide as the terminal (a zero-width terminal counts as 80 columns;
+    ``"bar"``: a tqdm bar as wide as the terminal (a zero-size terminal counts as 80 x 24;
     through a pipe, ``$COLUMNS`` or 80), redrawn in place and ended with a newline, so what is
     printed next starts on its own line; without tqdm, plain lines instead. ``"lines"``: a
     plain ``step 10/40  loss 0.12345`` line about every tenth of the run (every ``every``
@@ -123,8 +133,8 @@ class Progress(Generic[T]):
         self._printed = 0  # the last step a plain line was printed for
         self._bar: Any = None
         if self.mode == "bar":
-            width = stream_width(self.stream)
-            self._bar = _tqdm_bar(self.total, self.stream, desc, width) \
+            width, lines = stream_size(self.stream)
+            self._bar = _tqdm_bar(self.total, self.stream, desc, width, lines) \
                 if width >= MIN_BAR_WIDTH else None
             if self._bar is None:
                 self.mode = "lines"
@@ -180,15 +190,17 @@ class Progress(Generic[T]):
         self.close()
 
 
-def _tqdm_bar(total: int | None, stream: TextIO, desc: str, width: int) -> Any:
-    """A tqdm bar ``width`` columns wide on ``stream``, or None without tqdm."""
+def _tqdm_bar(total: int | None, stream: TextIO, desc: str, width: int, lines: int) -> Any:
+    """A tqdm bar ``width`` columns wide on ``stream``, or None without tqdm. ``lines`` is
+    passed on: on stdout tqdm asks the terminal itself, and a terminal of zero lines makes it
+    draw nothing."""
     try:
         from tqdm import tqdm  # imported when a bar is drawn: start-up stays light
     except ImportError:
         return None
     counted = "{n_fmt}/{total_fmt}" if total is not None else "{n_fmt}"
     return tqdm(total=total, file=stream, desc=desc, unit="step", dynamic_ncols=False,
-                ncols=width, mininterval=0.1, leave=True,
+                ncols=width, nrows=lines, mininterval=0.1, leave=True,
                 bar_format="{desc} {percentage:3.0f}%|{bar}| " + counted + "{postfix}"
                 if total is not None else "{desc} " + counted + "{postfix}")
 

@@ -10,8 +10,10 @@ import os
 import pty
 import re
 import struct
+import subprocess
 import sys
 import termios
+from pathlib import Path
 from unittest import mock
 
 import pytest
@@ -19,8 +21,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import axondist as ad
-from axondist.progress import MIN_BAR_WIDTH, Progress, resolve_mode, stream_width
+from axondist.progress import MIN_BAR_WIDTH, Progress, resolve_mode, stream_size
 
+ROOT = Path(__file__).resolve().parents[2]
 needs_tqdm = pytest.mark.skipif(importlib.util.find_spec("tqdm") is None, reason="needs tqdm")
 
 
@@ -90,23 +93,56 @@ def test_without_tqdm_a_bar_falls_back_to_lines(monkeypatch):
     assert stream.getvalue() == "".join(f"step {s}/10  loss 0.50000\n" for s in range(1, 11))
 
 
+_ZERO_SIZED = """
+import fcntl, os, pty, struct, sys, termios
+pid, fd = pty.fork()
+if pid == 0:  # the child's stdout is a terminal that reports 0 columns and 0 lines
+    fcntl.ioctl(0, termios.TIOCSWINSZ, struct.pack("HHHH", 0, 0, 0, 0))
+    os.execv(sys.executable, [sys.executable, "-c", sys.argv[1]])
+chunks = []
+while True:
+    try:
+        data = os.read(fd, 4096)
+    except OSError:
+        break
+    if not data:
+        break
+    chunks.append(data)
+os.waitpid(pid, 0)
+sys.stdout.write(b"".join(chunks).decode(errors="replace"))
+"""
+
+_SHOW_12_STEPS = ("import sys; from axondist.progress import Progress\n"
+                  "with Progress(12, stream=sys.stdout) as shown:\n"
+                  "    for step in range(1, 13):\n"
+                  "        shown.update(step, loss=0.125)\n"
+                  "print('after')\n")
+
+
 @needs_tqdm
-def test_a_terminal_of_zero_columns_still_shows_the_bar(monkeypatch):
-    monkeypatch.setenv("COLUMNS", "80")  # what the unknown width is taken to be
+@pytest.mark.skipif(sys.platform == "win32", reason="needs a pseudo-terminal")
+def test_a_terminal_of_zero_size_still_shows_the_bar():
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    proc = subprocess.run([sys.executable, "-c", _ZERO_SIZED, _SHOW_12_STEPS], env=env,
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode == 0, proc.stderr
+    frames = [f for f in _frames(proc.stdout) if "%|" in f]
+    assert frames and "12/12" in frames[-1] and "loss 0.12500" in frames[-1], proc.stdout
+    assert all(len(f) <= 80 for f in frames)  # unknown size: 80 columns
+    assert "\nafter" in proc.stdout.replace("\r\n", "\n")  # the bar ended its line
+
+
+def test_the_size_of_a_terminal_that_reports_zero_is_the_fallback(monkeypatch):
+    monkeypatch.setenv("COLUMNS", "100")
+    monkeypatch.setenv("LINES", "30")
     leader, follower = pty.openpty()
     fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 0, 0, 0, 0))
     with os.fdopen(follower, "w", closefd=True) as terminal:
-        assert terminal.isatty() and os.get_terminal_size(terminal.fileno()).columns == 0
-        assert stream_width(terminal) == 80
-        with Progress(12, stream=terminal, mode="auto") as shown:
-            for step in range(1, 13):
-                shown.update(step, loss=0.125)
-        terminal.flush()
-        text = os.read(leader, 65536).decode()
+        assert stream_size(terminal) == (100, 30)
+        fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 132, 0, 0))
+        assert stream_size(terminal) == (132, 40)  # a sized terminal answers for itself
     os.close(leader)
-    frames = _frames(text)
-    assert frames and "12/12" in frames[-1] and "loss 0.12500" in frames[-1], text
-    assert all(len(f) <= 80 for f in frames)
 
 
 def test_only_rank_0_shows_progress_and_every_rank_gets_every_item():
