@@ -22,7 +22,8 @@ SLOW_FILES = frozenset({
 })
 
 #: Single tests (any parameters) that launch processes, run an example-sized training, rerun
-#: other test files or type-check the package (mypy: half a minute; ruff stays quick).
+#: other test files, wait out a timeout (failure paths, like tests/faults/) or type-check the
+#: package (mypy: half a minute; ruff stays quick).
 SLOW_TESTS = frozenset({
     "tests/integration/test_lint.py::test_mypy_is_clean",
     "tests/world/test_one_loop.py::test_the_script_agrees_for_every_strategy",
@@ -38,6 +39,8 @@ SLOW_TESTS = frozenset({
     "tests/integration/test_nccl_fake_wrappers.py::test_real_data_examples_say_what_a_gpu_run_lacks",
     "tests/integration/test_watchdog.py::test_a_host_that_stops_answering_is_cut_off_after_the_setting",
     "tests/integration/test_watchdog.py::test_a_host_never_reached_is_left_to_the_timeout",
+    "tests/integration/test_nccl_fake_backend.py::"
+    "test_a_rank_that_skips_a_collective_times_out_with_the_watchdogs_report",
 })
 
 #: The one mpiexec launch of the quick tier: the MPI backend's own checks on two processes.
