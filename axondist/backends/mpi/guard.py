@@ -205,7 +205,10 @@ class CallGuard:
         """Raise the mismatch error for the ranks' ``calls`` (their keys, or with ``named``
         their ``(op, key)`` pairs), if they differ."""
         pairs = calls if named else [(op, key) for key in calls]
-        signatures = [(("op", name),) + tuple(_printable(key)) for name, key in pairs]
+        # the debug exchange names values as the caller gave them (shapes as tuples, as the
+        # mock world does); the hashed check's keys print as the flight recorder shows them
+        signatures = [(("op", name),) + (_printable(key) if named else tuple(key))
+                      for name, key in pairs]
         error = compare_signatures(op, signatures)
         if error is None and named:  # equal calls cannot disagree: say so, never go on
             error = CollectiveMismatchError(
