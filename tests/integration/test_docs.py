@@ -156,7 +156,8 @@ def test_ci_runs_the_readmes_test_command_exactly():
 
 
 def test_the_quick_tier_the_readme_names_is_a_registered_marker():
-    assert '.venv/bin/python -m pytest -m "not slow"' in _readme_commands()
+    assert 'AXONDIST_TEST_EXAMPLES=10 .venv/bin/python -m pytest -m "not slow"' in \
+        _readme_commands()
     config = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
     assert re.search(r'^\s+"slow: ', config, flags=re.MULTILINE), "no slow marker in pyproject"
 
