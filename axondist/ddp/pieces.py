@@ -282,3 +282,6 @@ class ProgressHelper:
                     self._woken.clear()  # under the lock: a start after this wakes us again
             del sync
             time.sleep(self._interval)
+
+
+__all__ = ["PersistentPieces", "ProgressHelper"]

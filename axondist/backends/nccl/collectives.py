@@ -244,3 +244,6 @@ class CollectivesMixin(NcclBackendBase):
         memory only), made on the caller's stream, which the collectives follow."""
         with self._cupy.cuda.Device(self.device):
             return self._cupy.asarray(values)
+
+
+__all__ = ["CollectivesMixin"]

@@ -468,3 +468,6 @@ class NcclBackendBase(Backend):
             out = dev.get(stream=self._stream)
             self._stream.synchronize()
         return out
+
+
+__all__ = ["NcclBackendBase"]

@@ -171,3 +171,6 @@ class MessagesMixin(CollectivesMixin):
                 f"expects tag {tag}; NCCL delivers the messages between two ranks in the order "
                 "they were sent, so receive them in that order (the message was dropped)")
         return pickle.loads(self._host(payload).tobytes())
+
+
+__all__ = ["MessagesMixin"]

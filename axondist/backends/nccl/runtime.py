@@ -505,3 +505,9 @@ class WorldLink:
     def abort(self, rank: int, exc: BaseException) -> None:
         if self.reason is None:
             self.reason = f"rank {rank} failed with {type(exc).__name__}: {exc}"
+
+
+__all__ = ["EXIT_AFTER_ABORT", "GROUP_STATE", "Entry", "NcclCall", "NcclWork", "PendingCall",
+           "RankState", "WorldLink", "check_pair", "device_count", "gpu_identity",
+           "group_calls", "load_cupy", "mismatch_error", "named_signatures",
+           "new_communicator", "recorded_call", "require_no_group"]

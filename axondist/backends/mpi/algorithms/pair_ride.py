@@ -72,3 +72,6 @@ class PairRidePlan(Plan):
 
     def free(self) -> None:
         self._requests[0].Free()
+
+
+__all__ = ["PairRidePlan"]

@@ -59,3 +59,6 @@ class BroadcastPiecesPlan(BroadcastPlan):
         for lo, hi in self._pieces:
             self._comm.Bcast(self._spec(flat[lo:hi]), root)
         return send
+
+
+__all__ = ["AllReducePiecesPlan", "BroadcastPiecesPlan"]
