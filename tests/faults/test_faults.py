@@ -237,7 +237,8 @@ def test_ranks_whose_launcher_is_killed_exit(n: int) -> None:
     try:
         assert proc.stdout is not None
         for line in proc.stdout:
-            pids += [int(line.split()[3])] if line.startswith("RANK ") else []
+            # ranks print at once: two lines can arrive run together
+            pids += [int(pid) for pid in re.findall(r"RANK \d+ PID (\d+)", line)]
             if len(pids) == n:
                 break
         parents = {int(Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1].split()[1])
