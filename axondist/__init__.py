@@ -90,6 +90,7 @@ _LAZY = {
     "print0": "log", "all_reduce_scalar": "log",
     "MockBackend": "backends", "NcclBackend": "backends",
     "ZeroRedundancyOptimizer": "zero", "ShardingSpec": "fsdp",
+    "prepare": "prepared", "PreparedCall": "prepared",
     "trace_span": "trace",
     "LossScaler": "amp",
 }
