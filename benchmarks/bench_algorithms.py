@@ -41,7 +41,7 @@ from _common import (  # noqa: E402
 
 import axondist as ad  # noqa: E402
 from axondist.backends.mpi import plans  # noqa: E402
-from axondist.backends.mpi.algorithms import pair_ride, pieces  # noqa: E402
+from axondist.backends.mpi.algorithms import pair_exchange, pair_ride, pieces  # noqa: E402
 from axondist.backends.plan import CallKey  # noqa: E402
 
 #: (name, the algorithm's plan, the plain plan, collective, sizes in bytes)
@@ -49,14 +49,16 @@ CASES = (
     ("pair_ride", "PairRidePlan", "AllReducePlan", "all_reduce",
      (64, 1 << 10, 4 << 10, 16 << 10)),
     ("pieces (all_reduce)", "AllReducePiecesPlan", "AllReducePlan", "all_reduce",
-     (8 << 20, 16 << 20, 64 << 20)),
-    ("pieces (broadcast)", "BroadcastPiecesPlan", "BroadcastPlan", "broadcast",
-     (8 << 20, 16 << 20, 64 << 20)),
+     (8 << 20, 16 << 20, 32 << 20, 64 << 20)),
+    ("pair_exchange (all_gather)", "PairAllGatherPlan", "AllGatherPlan", "all_gather",
+     (4 << 10, 64 << 10, 1 << 20, 16 << 20)),
+    ("pair_exchange (reduce_scatter)", "PairReduceScatterPlan", "ReduceScatterPlan",
+     "reduce_scatter", (4 << 10, 64 << 10, 1 << 20, 16 << 20)),
 )
 
 
 def _plan_class(name: str) -> Any:
-    for module in (plans, pair_ride, pieces):
+    for module in (plans, pair_ride, pieces, pair_exchange):
         if hasattr(module, name):
             return getattr(module, name)
     raise LookupError(name)
@@ -71,18 +73,26 @@ def measure(repeats: int) -> list[dict[str, Any]]:
     comm = MPI.COMM_WORLD
     rows = []
     for name, algorithm, plain, collective, sizes in CASES:
-        if name == "pair_ride" and world.world_size != 2:
+        if name.startswith("pair") and world.world_size != 2:
             continue
+        n = world.world_size
         for nbytes in sizes:
             x = np.zeros(nbytes // 4, np.float32)
-            extra = {"reduce_op": "SUM"} if collective == "all_reduce" else {"root": 0}
+            out = np.zeros(x.size * n if collective == "all_gather" else x.size // n, x.dtype)
+            extra: dict[str, Any] = {
+                "all_reduce": {"reduce_op": "SUM"}, "reduce_scatter": {"reduce_op": "SUM"},
+                "all_gather": {"counts": (x.size,) * n}}[collective]
             key = CallKey.of(collective, x, **extra)
             fast, slow = _plan_class(algorithm)(backend, key), _plan_class(plain)(backend, key)
-            raw: Callable[[], Any] = (
-                (lambda x=x: comm.Allreduce(MPI.IN_PLACE, x, MPI.SUM))
-                if collective == "all_reduce" else (lambda x=x: comm.Bcast(x, 0)))
-            variants = {"algorithm": lambda f=fast, x=x: f.run(x),
-                        "mpi": lambda s=slow, x=x: s.run(x), "raw": raw}
+            raw: Callable[[], Any] = {
+                "all_reduce": lambda x=x: comm.Allreduce(MPI.IN_PLACE, x, MPI.SUM),
+                "all_gather": lambda x=x, out=out: comm.Allgather(x, out),
+                "reduce_scatter": lambda x=x, out=out: comm.Reduce_scatter_block(x, out,
+                                                                                 MPI.SUM),
+            }[collective]
+            recv = None if collective == "all_reduce" else out
+            variants = {"algorithm": lambda f=fast, x=x, r=recv: f.run(x, r),
+                        "mpi": lambda s=slow, x=x, r=recv: s.run(x, r), "raw": raw}
             times = alternate(variants, batch=batch_for(nbytes, hi=200), repeats=repeats,
                               comm=comm)
             fast.free()

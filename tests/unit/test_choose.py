@@ -23,6 +23,8 @@ from axondist.backends.mpi import guard
 from axondist.backends.mpi.backend import PLANS
 from axondist.backends.mpi.choose import (
     NODE_CHUNK_BYTES,
+    PAIR_FROM_BYTES,
+    PAIR_GATHER_MAX_BYTES,
     PIECES_FROM_BYTES,
     RIDE_DTYPES,
     RIDE_MAX_BYTES,
@@ -62,7 +64,7 @@ def keys(draw: st.DrawFn, layout: Layout | None = None) -> CallKey:
     """A call's key, its size drawn log-uniformly or on a threshold (of ``layout``'s too)."""
     collective = draw(st.sampled_from(COLLECTIVES))
     dtype = draw(st.sampled_from(DTYPES))
-    limits = [RIDE_MAX_BYTES, PIECES_FROM_BYTES]
+    limits = [RIDE_MAX_BYTES, PIECES_FROM_BYTES, PAIR_FROM_BYTES, PAIR_GATHER_MAX_BYTES]
     if layout is not None and layout.chunk:
         limits.append(2 * layout.chunk)
     target = draw(st.one_of(st.integers(0, 40).map(lambda e: int(2 ** (e * 0.7)) - 1),
@@ -76,8 +78,11 @@ def keys(draw: st.DrawFn, layout: Layout | None = None) -> CallKey:
     reduction = collective in ("all_reduce", "reduce_scatter", "reduce")
     op = draw(st.sampled_from(OPS)) if reduction else None
     root = draw(st.integers(0, 3)) if collective in ("broadcast", "reduce") else None
+    counts = None
+    if collective == "all_gather" and shape and draw(st.booleans()):
+        counts = (shape[0],) * (layout.world_size if layout is not None else 2)
     return CallKey(collective, dtype, shape, draw(st.sampled_from(["numpy", "cupy"])),
-                   reduce_op=op, root=root, async_op=draw(st.booleans()))
+                   reduce_op=op, root=root, counts=counts, async_op=draw(st.booleans()))
 
 
 def _rides(key: CallKey, layout: Layout) -> bool:
@@ -89,10 +94,24 @@ def _rides(key: CallKey, layout: Layout) -> bool:
 
 
 def _in_pieces(key: CallKey, layout: Layout) -> bool:
-    """The pieces rule: blocking all-reduce or broadcast of at least PIECES_FROM_BYTES and
-    twice the chunk, where the layout cuts pieces at all."""
-    return (key.collective in ("all_reduce", "broadcast") and not key.async_op
+    """The pieces rule: blocking all-reduce of at least PIECES_FROM_BYTES and twice the
+    chunk, where the layout cuts pieces at all."""
+    return (key.collective == "all_reduce" and not key.async_op
             and layout.chunk > 0 and nbytes(key) >= max(PIECES_FROM_BYTES, 2 * layout.chunk))
+
+
+def _exchanges(key: CallKey, layout: Layout) -> bool:
+    """The pair-exchange rule: two checked ranks on one node, blocking NumPy; a
+    reduce-scatter in a ride dtype and op from PAIR_FROM_BYTES, an all-gather with sizes
+    from PAIR_FROM_BYTES to PAIR_GATHER_MAX_BYTES."""
+    size = nbytes(key)
+    if key.collective == "reduce_scatter":
+        fits = key.dtype in RIDE_DTYPES and key.reduce_op in RIDE_OPS
+    else:
+        fits = (key.collective == "all_gather" and key.counts is not None
+                and size <= PAIR_GATHER_MAX_BYTES)
+    return (fits and layout.world_size == 2 and layout.nodes == 1 and layout.checks
+            and not key.async_op and key.library == "numpy" and size >= PAIR_FROM_BYTES)
 
 
 def _expected(key: CallKey, layout: Layout) -> Algorithm:
@@ -100,6 +119,8 @@ def _expected(key: CallKey, layout: Layout) -> Algorithm:
         return Algorithm.PAIR_RIDE
     if _in_pieces(key, layout):
         return Algorithm.PIECES
+    if _exchanges(key, layout):
+        return Algorithm.PAIR_EXCHANGE
     return Algorithm.MPI
 
 
@@ -130,15 +151,19 @@ def test_every_rules_algorithm_has_a_plan_for_the_collectives_it_applies_to():
     applied = set()
     for rule in TABLE:
         for collective in PLANNED:
-            for size in (4, RIDE_MAX_BYTES, PIECES_FROM_BYTES, 2 * PIECES_FROM_BYTES):
+            for size in (4, RIDE_MAX_BYTES, PAIR_FROM_BYTES, PIECES_FROM_BYTES,
+                         2 * PIECES_FROM_BYTES):
                 key = CallKey(collective, np.dtype(np.float32), (size // 4,), "numpy",
                               reduce_op="SUM" if collective in ("all_reduce", "reduce_scatter",
                                                                 "reduce") else None,
-                              root=0 if collective in ("broadcast", "reduce") else None)
+                              root=0 if collective in ("broadcast", "reduce") else None,
+                              counts=(size // 4,) * 2 if collective == "all_gather" else None)
                 if rule.applies(key, layout):
                     applied.add((collective, rule.algorithm))
     assert applied == {("all_reduce", Algorithm.PAIR_RIDE), ("all_reduce", Algorithm.PIECES),
-                       ("broadcast", Algorithm.PIECES)} | {(c, Algorithm.MPI) for c in PLANNED}
+                       ("all_gather", Algorithm.PAIR_EXCHANGE),
+                       ("reduce_scatter", Algorithm.PAIR_EXCHANGE)} | {
+                           (c, Algorithm.MPI) for c in PLANNED}
     assert applied <= set(PLANS)
     assert {algorithm for _, algorithm in PLANS} == set(Algorithm)  # no algorithm unplanned
 
@@ -195,10 +220,10 @@ def test_a_riding_message_fits_the_checks_receive_buffer():
     assert guard.RIDE_ROOM >= RIDE_MAX_BYTES
 
 
-@pytest.mark.parametrize("collective", ["all_reduce", "broadcast"])
+@pytest.mark.parametrize("collective", ["all_reduce"])
 @pytest.mark.parametrize("chunk, limit", [
     (None, PIECES_FROM_BYTES), (1 << 20, PIECES_FROM_BYTES),
-    (PIECES_FROM_BYTES, 2 * PIECES_FROM_BYTES), (6 << 20, 12 << 20),
+    (PIECES_FROM_BYTES, 2 * PIECES_FROM_BYTES), (24 << 20, 48 << 20),
 ])
 def test_pieces_start_at_pieces_from_bytes_and_twice_the_chunk(collective, chunk, limit):
     layout = Layout(3, 1, True, chunk)
@@ -227,23 +252,47 @@ def test_big_two_rank_all_reduces_go_in_pieces_not_riding():
     assert choose(key, Layout(2, checks=False)) is Algorithm.PIECES
 
 
-@pytest.mark.parametrize("collective", ["all_gather", "reduce_scatter", "reduce"])
-def test_other_collectives_are_mpis_at_every_size(collective):
+@pytest.mark.parametrize("collective", ["broadcast", "reduce"])
+def test_broadcast_and_reduce_are_mpis_at_every_size(collective):
     for size in (0, 8, RIDE_MAX_BYTES, PIECES_FROM_BYTES, 4 * PIECES_FROM_BYTES):
         key = CallKey(collective, np.dtype(np.float32), (size // 4,), "numpy",
-                      reduce_op=None if collective == "all_gather" else "SUM",
-                      root=0 if collective == "reduce" else None)
+                      reduce_op=None if collective == "broadcast" else "SUM", root=0)
         for layout in (Layout(1), Layout(2), Layout(5)):
             assert choose(key, layout) is Algorithm.MPI
 
 
+@pytest.mark.parametrize("collective", ["all_gather", "reduce_scatter"])
+def test_two_rank_gathers_and_scatters_go_point_to_point_where_measured(collective):
+    def key(size: int, **fields) -> CallKey:
+        made = CallKey(collective, np.dtype(np.float32), (size // 4,), "numpy",
+                       reduce_op=None if collective == "all_gather" else "SUM",
+                       counts=(size // 4,) * 2 if collective == "all_gather" else None)
+        return made._replace(**fields)
+
+    pair = Layout(2)
+    assert choose(key(PAIR_FROM_BYTES), pair) is Algorithm.PAIR_EXCHANGE
+    assert choose(key(PAIR_FROM_BYTES - 4), pair) is Algorithm.MPI
+    big = PAIR_GATHER_MAX_BYTES + 4
+    want_big = Algorithm.MPI if collective == "all_gather" else Algorithm.PAIR_EXCHANGE
+    assert choose(key(big), pair) is want_big
+    for other in (Layout(3), Layout(2, checks=False), Layout(2, nodes=2)):
+        assert choose(key(PAIR_FROM_BYTES), other) is Algorithm.MPI
+    assert choose(key(PAIR_FROM_BYTES, async_op=True), pair) is Algorithm.MPI
+    assert choose(key(PAIR_FROM_BYTES, library="cupy"), pair) is Algorithm.MPI
+    if collective == "all_gather":  # without sizes the counts come first: MPI's
+        assert choose(key(PAIR_FROM_BYTES, counts=None), pair) is Algorithm.MPI
+
+
 def test_the_rows_state_the_thresholds_they_use():
     """A reader of one row's reason sees the sizes the code uses."""
-    ride, pieces, last = TABLE
+    ride, pieces, exchange, last = TABLE
     assert ride.algorithm is Algorithm.PAIR_RIDE and f"<= {RIDE_MAX_BYTES >> 10} KiB" in ride.why
     assert pieces.algorithm is Algorithm.PIECES
     assert f">= {PIECES_FROM_BYTES >> 20} MiB" in pieces.why
     assert f"{NODE_CHUNK_BYTES >> 20} MiB pieces" in pieces.why
+    assert exchange.algorithm is Algorithm.PAIR_EXCHANGE
+    assert f">= {PAIR_FROM_BYTES >> 10} KiB" in exchange.why
+    assert f"{PAIR_FROM_BYTES >> 10} KiB-{PAIR_GATHER_MAX_BYTES >> 20} MiB" in exchange.why
     assert last.algorithm is Algorithm.MPI
 
 

@@ -267,7 +267,7 @@ def test_staged_collectives_return_the_callers_arrays(make, async_op):
     b.close()
 
 
-@pytest.mark.parametrize("chunk, pieces", [(1 << 20, 8), (3 << 20, 3), (0, 1)])
+@pytest.mark.parametrize("chunk, pieces", [(1 << 20, 32), (3 << 20, 11), (0, 1)])
 def test_big_buffers_are_reduced_in_pieces_of_the_chunk_size(make, chunk, pieces):
     """From PIECES_FROM_BYTES (and twice the chunk) on: one Allreduce per piece of at most
     ``chunk_bytes``; AVERAGE divides once, over the whole (a one-rank mean is the input)."""

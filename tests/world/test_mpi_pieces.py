@@ -195,9 +195,10 @@ def _close(b: Any, spy: _Calls) -> None:
 @mpi_only
 @settings(max_examples=4)
 @given(seed=seeds, dtype=st.sampled_from(["float32", "float64"]), extra=st.integers(0, 5))
-def test_big_all_reduces_and_broadcasts_go_in_pieces_on_one_node(seed, dtype, extra):
-    """From PIECES_FROM_BYTES on one node: one MPI call per piece of at most the chunk
-    (NODE_CHUNK_BYTES by default), the values of one whole call."""
+def test_big_all_reduces_go_in_pieces_on_one_node_and_broadcasts_whole(seed, dtype, extra):
+    """From PIECES_FROM_BYTES on one node: one Allreduce per piece of at most the chunk
+    (NODE_CHUNK_BYTES by default), the values of one whole call; a broadcast as big is one
+    Bcast (in pieces it measured slower)."""
     n = mpi_world().world_size
     b, spy = _spied(node_ids=[0] * n)
     try:
@@ -216,7 +217,7 @@ def test_big_all_reduces_and_broadcasts_go_in_pieces_on_one_node(seed, dtype, ex
         root = seed % n
         y = inputs[b.rank].copy()
         b.broadcast(y, root)
-        assert spy.names == ["Bcast"] * len(pieces), spy.names
+        assert spy.names == ["Bcast"], spy.names
         np.testing.assert_array_equal(y, inputs[root])
     finally:
         _close(b, spy)
@@ -254,3 +255,33 @@ def test_across_hosts_big_reductions_are_one_mpi_call(seed, dtype):
             spy.names)
     finally:
         _close(b, spy)
+
+
+@mpi_only
+@settings(max_examples=6)
+@given(seed=seeds, dtype=st.sampled_from(["float32", "float64", "int32", "int64"]),
+       kib=st.sampled_from([32, 64, 65, 1024, 2048, 2049]), mean=st.booleans())
+def test_gathers_and_reduce_scatters_give_mpis_bits_on_both_sides_of_the_pair_exchange(
+        seed, dtype, kib, mean):
+    """All-gathers with sizes and reduce-scatters around the sizes where two ranks on one
+    node exchange point to point (PAIR_FROM_BYTES, PAIR_GATHER_MAX_BYTES): the bits of
+    mpi4py's own Allgather and Reduce_scatter_block on the same inputs (a mean: that sum
+    divided by n)."""
+    from mpi4py import MPI
+
+    world = mpi_world()
+    n, comm = world.world_size, world.backend.comm
+    numel = kib * 1024 // np.dtype(dtype).itemsize // n * n
+    x = values(seed, world.rank, numel, dtype) * (100 if dtype.startswith("int") else 1)
+    x = x.astype(dtype)
+    got = ad.all_gather(x, sizes=[numel] * n)
+    want = np.empty(numel * n, dtype)
+    comm.Allgather(x, want)
+    np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))
+    op = ReduceOp.AVERAGE if mean and dtype.startswith("float") else ReduceOp.SUM
+    block = ad.reduce_scatter(x, op)
+    total = np.empty(numel // n, dtype)
+    comm.Reduce_scatter_block(x, total, MPI.SUM)
+    if op is ReduceOp.AVERAGE:
+        total = np.divide(total, n).astype(dtype)
+    np.testing.assert_array_equal(block.view(np.uint8), total.view(np.uint8))

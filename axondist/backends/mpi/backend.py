@@ -24,8 +24,9 @@ from ..base import Backend, PersistentAllReduce, Signature
 from ..plan import CallKey, Plan, WidenedMeanPlan, general_plan
 from ..recorder import FlightRecorder
 from ..work import CompletedWork, MappedWork, PolledWork, Work
+from .algorithms.pair_exchange import PairAllGatherPlan, PairReduceScatterPlan
 from .algorithms.pair_ride import PairRidePlan
-from .algorithms.pieces import AllReducePiecesPlan, BroadcastPiecesPlan
+from .algorithms.pieces import AllReducePiecesPlan
 from .choose import Algorithm, Layout, choose
 from .guard import CallGuard, check_words, wait_until
 from .plans import (
@@ -58,9 +59,10 @@ PLANS: dict[tuple[str, Algorithm], Callable[[Any, CallKey], Plan]] = {
     ("all_reduce", Algorithm.PAIR_RIDE): PairRidePlan,
     ("all_reduce", Algorithm.PIECES): AllReducePiecesPlan,
     ("broadcast", Algorithm.MPI): BroadcastPlan,
-    ("broadcast", Algorithm.PIECES): BroadcastPiecesPlan,
     ("all_gather", Algorithm.MPI): AllGatherPlan,
+    ("all_gather", Algorithm.PAIR_EXCHANGE): PairAllGatherPlan,
     ("reduce_scatter", Algorithm.MPI): ReduceScatterPlan,
+    ("reduce_scatter", Algorithm.PAIR_EXCHANGE): PairReduceScatterPlan,
     ("reduce", Algorithm.MPI): ReducePlan,
 }
 #: Bytes per persistent all-reduce piece unless ``piece_bytes`` says otherwise.

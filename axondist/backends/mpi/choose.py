@@ -33,14 +33,21 @@ class Algorithm(enum.Enum):
     #: The MPI collective over consecutive pieces of at most ``chunk_bytes``
     #: (:mod:`.algorithms.pieces`).
     PIECES = "pieces"
+    #: Two ranks: once checked, one point-to-point exchange between the callers' buffers
+    #: (:mod:`.algorithms.pair_exchange`).
+    PAIR_EXCHANGE = "pair_exchange"
 
 
 #: The largest all-reduce whose data rides with its check in a group of two.
 RIDE_MAX_BYTES = 16 << 10
-#: Pieces of big all-reduces and broadcasts in a group on one node.
+#: Pieces of big all-reduces in a group on one node.
 NODE_CHUNK_BYTES = 2 << 20
-#: Messages from this size run in pieces (on one node).
-PIECES_FROM_BYTES = 8 << 20
+#: All-reduces from this size run in pieces (on one node).
+PIECES_FROM_BYTES = 32 << 20
+#: Two-rank all-gathers and reduce-scatters from this size go point to point...
+PAIR_FROM_BYTES = 64 << 10
+#: ...all-gathers up to this size (at 16 MiB MPICH's Allgather wins).
+PAIR_GATHER_MAX_BYTES = 2 << 20
 
 #: dtypes and ops a riding all-reduce combines with NumPy: for two ranks ``a + b`` is
 #: ``b + a`` bit for bit, so the result is the bits of MPI's own ``Allreduce``.
@@ -83,8 +90,18 @@ def _rides(key: CallKey, layout: Layout) -> bool:
 
 
 def _in_pieces(key: CallKey, layout: Layout) -> bool:
-    return (key.collective in ("all_reduce", "broadcast") and not key.async_op
-            and layout.chunk > 0 and nbytes(key) >= max(PIECES_FROM_BYTES, 2 * layout.chunk))
+    return (key.collective == "all_reduce" and not key.async_op and layout.chunk > 0
+            and nbytes(key) >= max(PIECES_FROM_BYTES, 2 * layout.chunk))
+
+
+def _exchanges(key: CallKey, layout: Layout) -> bool:
+    if key.collective == "reduce_scatter":
+        combines = key.dtype in RIDE_DTYPES and key.reduce_op in RIDE_OPS
+    else:
+        combines = (key.collective == "all_gather" and key.counts is not None
+                    and nbytes(key) <= PAIR_GATHER_MAX_BYTES)
+    return (combines and layout.world_size == 2 and layout.nodes == 1 and layout.checks
+            and not key.async_op and key.library == "numpy" and nbytes(key) >= PAIR_FROM_BYTES)
 
 
 @dataclass(frozen=True)
@@ -99,12 +116,16 @@ class Rule:
 TABLE: tuple[Rule, ...] = (
     Rule(_rides, Algorithm.PAIR_RIDE,
          "blocking all-reduce, 2 ranks, <= 16 KiB, float32/64 or int32/64: one swap instead "
-         "of a check and an Allreduce; 4 KiB took 0.62x the checked Allreduce (1.1x raw "
-         "Allreduce against 1.75x)"),
+         "of a check and an Allreduce; 0.60-0.66x the checked Allreduce from 64 B to 16 KiB"),
     Rule(_in_pieces, Algorithm.PIECES,
-         "blocking all-reduce or broadcast of >= 8 MiB on one node: 2 MiB pieces avoid "
-         "MPICH's page faults on big shared-memory messages; 16 MiB took 0.73x one "
-         "Allreduce, 64 MiB 0.43x"),
+         "blocking all-reduce of >= 32 MiB on one node: 2 MiB pieces avoid MPICH's page "
+         "faults on big shared-memory messages; 64 MiB took 0.55x one Allreduce (8 MiB "
+         "1.17x and 16 MiB 1.05x: not kept there; broadcasts in pieces 1.04-1.06x: not kept)"),
+    Rule(_exchanges, Algorithm.PAIR_EXCHANGE,
+         "blocking reduce-scatter of float32/64 or int32/64 (>= 64 KiB) or all-gather with "
+         "sizes (64 KiB-2 MiB), 2 ranks on one node: one Sendrecv once checked; against the "
+         "checked MPI call, reduce-scatter 0.73x at 64 KiB, 0.82x at 1 and 16 MiB; all-gather "
+         "0.66x at 64 KiB, 0.86x at 1 MiB (1.27x at 16 MiB, 1.12x at 4 KiB: not kept)"),
     Rule(lambda key, layout: True, Algorithm.MPI, "everything else: MPI's own collective"),
 )
 
@@ -117,5 +138,7 @@ def choose(key: CallKey, layout: Layout) -> Algorithm:
     raise AssertionError("the table's last row applies to every call")
 
 
-__all__ = ["NODE_CHUNK_BYTES", "PIECES_FROM_BYTES", "RIDE_DTYPES", "RIDE_MAX_BYTES", "TABLE",
+__all__ = ["NODE_CHUNK_BYTES", "PAIR_FROM_BYTES", "PAIR_GATHER_MAX_BYTES", "PIECES_FROM_BYTES",
+           "RIDE_DTYPES",
+           "RIDE_MAX_BYTES", "TABLE",
            "Algorithm", "Layout", "Rule", "choose", "nbytes"]

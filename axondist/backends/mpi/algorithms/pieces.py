@@ -1,4 +1,4 @@
-"""A big blocking all-reduce or broadcast as the MPI collective over consecutive pieces.
+"""A big blocking all-reduce as the MPI collective over consecutive pieces.
 
 On one node MPICH moves big messages through shared-memory buffers it maps per call; in
 pieces of a few MiB the same memory is reused while it is still mapped and in cache. Each
@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from ...plan import CallKey
 from ..choose import NODE_CHUNK_BYTES
-from ..plans import AllReducePlan, BroadcastPlan
+from ..plans import AllReducePlan
 from ..transport import piece_bounds
 
 if TYPE_CHECKING:
@@ -45,20 +45,4 @@ class AllReducePiecesPlan(AllReducePlan):
         return send
 
 
-class BroadcastPiecesPlan(BroadcastPlan):
-    """``Bcast`` piece by piece."""
-
-    __slots__ = ("_pieces",)
-
-    def __init__(self, backend: MPIBackend, key: CallKey) -> None:
-        super().__init__(backend, key)
-        self._pieces = _bounds(backend, key)
-
-    def _move(self, send: Any, recv: Any) -> Any:
-        flat, root = send.reshape(-1), self.key.root
-        for lo, hi in self._pieces:
-            self._comm.Bcast(self._spec(flat[lo:hi]), root)
-        return send
-
-
-__all__ = ["AllReducePiecesPlan", "BroadcastPiecesPlan"]
+__all__ = ["AllReducePiecesPlan"]
