@@ -157,8 +157,8 @@ def to_device(x: Any, device: int | None = None) -> Any:
         import cupy
     except ImportError as exc:  # pragma: no cover - depends on the machine
         raise ImportError(
-            "to_device needs CuPy: pip install 'axondist[gpu-cuda13]' (CUDA 13) or "
-            "'axondist[gpu]' (CUDA 12)"
+            "to_device needs CuPy: pip install '.[gpu-cuda13]' (CUDA 13) or '.[gpu]' "
+            "(CUDA 12) from the axondist checkout; nvidia-smi's 'CUDA Version' tells which"
         ) from exc
     x = as_array(x)
     if device is None:

@@ -114,7 +114,7 @@ def find_mpiexec(explicit: str | None = None) -> str:
 
     Returns:
         ``explicit``, else the ``mpiexec`` next to ``sys.executable`` (the MPICH wheel
-        installed by ``pip install 'axondist[mpi]'``), else the first ``mpiexec`` on PATH.
+        installed by ``pip install '.[mpi]'``), else the first ``mpiexec`` on PATH.
 
     Raises:
         LaunchError: none of those exists; the message names the places looked at.
@@ -132,7 +132,7 @@ def find_mpiexec(explicit: str | None = None) -> str:
     if on_path is not None:
         return on_path
     raise LaunchError(f"axondist run: no mpiexec next to the Python interpreter ({beside}) and "
-                      "none on PATH; install the MPICH wheel with `pip install 'axondist[mpi]'` "
+                      "none on PATH; install the MPICH wheel with `pip install '.[mpi]'` "
                       "or a system MPI, or pass --mpiexec PATH")
 
 

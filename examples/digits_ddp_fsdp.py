@@ -44,7 +44,7 @@ try:
     from sklearn.datasets import load_digits
 except ImportError:
     print("digits_ddp_fsdp.py: scikit-learn is not installed; skipping "
-          "(pip install 'axondist[examples]')")
+          "(pip install '.[examples]' from the axondist checkout)")
     sys.exit(0)
 
 import axondist as ad

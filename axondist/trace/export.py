@@ -106,7 +106,8 @@ def write_png(timeline: Timeline, path: str, title: str = "") -> None:
     except ModuleNotFoundError:
         raise ModuleNotFoundError(
             "trace: drawing the PNG needs matplotlib: pip install matplotlib (or "
-            "pip install 'axondist[examples]'); the JSON and the report do not") from None
+            "pip install '.[examples]' from the axondist checkout); the JSON and the report "
+            "do not") from None
     t0 = _origin(timeline)
     waits = _waits(timeline)
     ranks = list(timeline.ranks)

@@ -75,7 +75,7 @@ def why_no_cluster() -> str | None:
         if shutil.which(tool) is None:
             return f"the {tool!r} command is missing (install iproute2 / util-linux)"
     if not MPIEXEC.exists():
-        return f"no mpiexec next to the Python interpreter ({MPIEXEC}); pip install 'axondist[mpi]'"
+        return f"no mpiexec next to the Python interpreter ({MPIEXEC}); pip install '.[mpi]'"
     probe = f"axprobe{os.getpid()}"
     made = _ip("netns", "add", probe, check=False)
     if made.returncode != 0:

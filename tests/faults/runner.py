@@ -39,7 +39,7 @@ def why_no_mpi() -> str | None:
     try:
         import mpi4py  # noqa: F401
     except ImportError:
-        return "mpi4py is not installed (pip install 'axondist[mpi]')"
+        return "mpi4py is not installed (pip install '.[mpi]')"
     if not MPIEXEC.exists():
         return f"no mpiexec next to the Python interpreter ({MPIEXEC})"
     return None

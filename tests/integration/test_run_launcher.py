@@ -31,7 +31,7 @@ def _why_no_launch() -> str | None:
     if launched_by_mpi():
         return "already under mpiexec: the launcher tests do not recurse"
     if importlib.util.find_spec("mpi4py") is None:
-        return "needs mpi4py (pip install 'axondist[mpi]')"
+        return "needs mpi4py (pip install '.[mpi]')"
     try:
         mpiexec = launcher.find_mpiexec()
     except LaunchError as exc:
@@ -137,7 +137,7 @@ def test_no_mpiexec_names_both_places(monkeypatch, tmp_path):
         launcher.find_mpiexec()
     text = str(info.value)
     assert str(tmp_path / "mpiexec") in text and "none on PATH" in text
-    assert "pip install 'axondist[mpi]'" in text
+    assert "pip install '.[mpi]'" in text
     with pytest.raises(LaunchError, match="--mpiexec 'nope' is not an executable"):
         launcher.find_mpiexec("nope")
 

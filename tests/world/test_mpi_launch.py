@@ -53,7 +53,7 @@ _GENTLE_POLLING = {"MPIR_CVAR_POLLS_BEFORE_YIELD": "1", "MPIR_CVAR_CH4_PROGRESS_
 def _why_no_mpi() -> str | None:
     """The reason these tests cannot run here, or None."""
     if importlib.util.find_spec("mpi4py") is None:
-        return "mpi4py is not installed (pip install 'axondist[mpi]')"
+        return "mpi4py is not installed (pip install '.[mpi]')"
     if not MPIEXEC.exists():
         return f"no mpiexec next to the Python interpreter ({MPIEXEC})"
     try:

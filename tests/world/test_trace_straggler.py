@@ -84,7 +84,7 @@ def _why_no_mpiexec() -> str | None:
     try:
         import mpi4py  # noqa: F401
     except ImportError:
-        return "mpi4py is not installed (pip install 'axondist[mpi]')"
+        return "mpi4py is not installed (pip install '.[mpi]')"
     return None if MPIEXEC.exists() else f"no mpiexec next to {sys.executable}"
 
 
