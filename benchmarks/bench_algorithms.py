@@ -47,7 +47,7 @@ from axondist.backends.plan import CallKey  # noqa: E402
 #: (name, the algorithm's plan, the plain plan, collective, sizes in bytes)
 CASES = (
     ("pair_ride", "PairRidePlan", "AllReducePlan", "all_reduce",
-     (64, 1 << 10, 4 << 10, 16 << 10)),
+     (64, 1 << 10, 4 << 10, 16 << 10, 32 << 10, 64 << 10)),
     ("pieces (all_reduce)", "AllReducePiecesPlan", "AllReducePlan", "all_reduce",
      (8 << 20, 16 << 20, 32 << 20, 64 << 20)),
     ("pair_exchange (all_gather)", "PairAllGatherPlan", "AllGatherPlan", "all_gather",
