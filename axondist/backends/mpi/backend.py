@@ -28,7 +28,7 @@ from .algorithms.pair_exchange import PairAllGatherPlan, PairReduceScatterPlan
 from .algorithms.pair_ride import PairRidePlan
 from .algorithms.pieces import AllReducePiecesPlan
 from .choose import Algorithm, Layout, choose
-from .guard import CallGuard, check_words, wait_until
+from .guard import CallGuard, wait_until
 from .plans import (
     AllGatherPlan,
     AllReducePlan,
@@ -237,7 +237,7 @@ class MPIBackend(Backend):
         seq, slot = guard.begin(op, key)
         try:
             if guard.checks:
-                guard.agree(op, key, check_words(op, key))
+                guard.agree(op, key, guard.words(op, key))
             try:
                 return run()
             except self.mpi.Exception as exc:

@@ -40,6 +40,8 @@ HEADER = 24
 RIDE_ROOM = RIDE_MAX_BYTES
 #: The swaps' tag on the checks' communicator.
 PAIR_TAG = 1
+#: Check words a guard keeps for calls made outside plans.
+_WORDS_KEPT = 1024
 
 
 def check_words(op: str, key: Key) -> np.ndarray:
@@ -83,6 +85,9 @@ class CallGuard:
         self._out = [self._result, mpi.INT64_T]
         self._max = mpi.MAX
         self.groups_made = 0
+        #: The check words of the calls made outside plans (barrier, objects, rooted calls),
+        #: by ``(op, key)``: hashing a key costs more than a small call's check.
+        self._words: dict[tuple[str, Key], np.ndarray] = {}
         #: A two-rank group's swap: the other rank, every header lands in :attr:`received`
         #: (room for the largest riding message), and this rank's header.
         self.peer: int | None = None
@@ -131,6 +136,15 @@ class CallGuard:
         if result[0] != -result[1]:
             self.disagree(op, key)
 
+    def words(self, op: str, key: Key) -> np.ndarray:
+        """:func:`check_words` of ``(op, key)``, kept (at most ``_WORDS_KEPT`` at once)."""
+        found = self._words.get((op, key))
+        if found is None:
+            if len(self._words) >= _WORDS_KEPT:
+                self._words.clear()
+            found = self._words[(op, key)] = check_words(op, key)
+        return found
+
     def swap(self, requests: list[Any], h: int, nbytes: int) -> bool:
         """Run a two-rank group's swap (``requests``: a persistent send of this rank's
         message and :attr:`receive`); true when the other rank's call differs from this
@@ -175,7 +189,7 @@ class CallGuard:
         comm = self.comm
         if comm is None:
             return
-        words = check_words(op, key)
+        words = self.words(op, key)
         out = np.empty(2, dtype=np.int64)
         request = comm.Iallreduce([words, self._mpi.INT64_T], [out, self._mpi.INT64_T],
                                   self._max)
