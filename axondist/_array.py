@@ -6,7 +6,7 @@ CuPy: a CuPy array can only exist if ``cupy`` is already in ``sys.modules``.
 
 Arrays of other frameworks (PyTorch, JAX, ...) come in through DLPack with
 :func:`as_array`, which shares memory with the producer where the producer
-allows it.
+allows it (:mod:`axondist._frameworks` knows torch's and JAX's particulars).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from ._frameworks import framework_of
 from .errors import InvalidBufferError, UnsupportedDTypeError
 
 try:  # bfloat16 is a NumPy extension dtype shipped by ml_dtypes.
@@ -83,11 +84,19 @@ def as_array(x: Any) -> Any:
 
     NumPy and CuPy arrays pass through unchanged. Objects that speak DLPack
     (``torch.Tensor``, ``jax.Array``, ...) are imported without a copy: to NumPy
-    when they live on the CPU, to CuPy when they live on a CUDA device. Python
-    scalars and sequences become NumPy arrays.
+    when they live on the CPU, to CuPy when they live on a CUDA device. A torch
+    tensor that requires grad gives its data (``detach()``), a bfloat16 tensor
+    crosses as its bits; JAX arrays give read-only views. Python scalars and
+    sequences become NumPy arrays.
+
+    Raises:
+        UnsupportedDTypeError: a torch or JAX dtype with no NumPy/CuPy counterpart.
     """
     if isinstance(x, np.ndarray) or is_cupy(x):
         return x
+    framework = framework_of(x)
+    if framework is not None:
+        return framework.array(x, "as_array")
     if hasattr(x, "__dlpack__") and hasattr(x, "__dlpack_device__"):
         device_type = int(x.__dlpack_device__()[0])
         if device_type in (_DLPACK_CPU, _DLPACK_CUDA_HOST):

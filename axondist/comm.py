@@ -6,7 +6,9 @@ Ops named for an in-place effect (``all_reduce*``, ``broadcast*``) write into
 the array passed, which must be writable and C-contiguous, and return it.
 Ops that make a new array (``all_gather``, ``reduce_scatter*``, ``gather_tensor``,
 ``scatter_tensor``, ``recv``) return it. With ``async_op=True`` they return a
-:class:`~axondist.backends.Work` whose ``wait()`` gives that result.
+:class:`~axondist.backends.Work` whose ``wait()`` gives that result. Results come
+back in the caller's framework: a torch tensor is written in place and returned, a
+JAX array (immutable) gives a new JAX array (:func:`in_callers_framework`).
 
 Each collective takes one path: the key of the call
 (:class:`~axondist.backends.plan.CallKey`), the group's backend's plan for that key, and
@@ -21,11 +23,14 @@ from collections.abc import Sequence
 from math import prod
 from typing import Any
 
+import numpy as np
+
 from . import _array
+from ._frameworks import any_framework, framework_of
 from ._validate import as_rank, check_tag, positive_seconds, sequence_of
 from .backends.base import Backend, default_timeout
 from .backends.plan import CallKey, exchange_row_counts, split_sizes
-from .backends.work import finished
+from .backends.work import ThenWork, Work, finished
 from .errors import CollectiveMismatchError, InvalidBufferError, RankError, UnsupportedDTypeError
 from .ops import ReduceOp
 from .process_group import ProcessGroup, resolve_group
@@ -38,6 +43,43 @@ def _member(group: ProcessGroup | None, what: str) -> tuple[ProcessGroup, Backen
 
 def _backend(group: ProcessGroup | None, what: str) -> Backend:
     return resolve_group(group).backend_for(what)
+
+
+def in_callers_framework(collective: Any, x: Any, *args: Any, in_place: bool = False,
+                         out: Any = None, **kwargs: Any) -> Any:
+    """Run ``collective(x, *args, **kwargs)`` on NumPy/CuPy views of the torch tensors or
+    JAX arrays ``x`` and ``out``, and hand its result back in their framework.
+
+    The result's framework is ``out``'s when given, else ``x``'s. A torch tensor
+    written in place (``in_place``, or ``out``) is itself the result; any other
+    result becomes a new tensor of the framework (a JAX input to an in-place op is
+    copied, so it is left as it was). A Work's ``wait()`` gives the converted result.
+
+    Raises:
+        InvalidBufferError: ``out`` is a JAX array (immutable), or a tensor to write
+            in place is not contiguous.
+    """
+    where = getattr(collective, "__name__", "prepared call")
+    x_framework = framework_of(x)
+    array = x
+    if x_framework is not None:
+        array = (x_framework.array_to_write(x, where) if in_place
+                 else x_framework.array(x, where))
+    framework, original = x_framework, x
+    if out is not None:
+        framework, original = framework_of(out), out
+        kwargs["out"] = out if framework is None else framework.out_array(out, where)
+    result = collective(array, *args, **kwargs)
+    if framework is None:
+        return result
+    shared = framework.writable and (in_place or out is not None)
+
+    def back(value: Any) -> Any:
+        if value is None:
+            return None
+        return original if shared else framework.wrap(value, original)
+
+    return ThenWork(result, back) if isinstance(result, Work) else back(result)
 
 
 # --- reductions ----------------------------------------------------------------------
@@ -57,6 +99,8 @@ def all_reduce(x: Any, op: ReduceOp | str = ReduceOp.SUM, group: ProcessGroup | 
         InvalidBufferError: ``x`` is read-only or not contiguous.
         UnsupportedDTypeError: MIN/MAX on complex, AVERAGE on integers, unknown dtype.
     """
+    if type(x) is not np.ndarray and framework_of(x) is not None:
+        return in_callers_framework(all_reduce, x, op, group, async_op, in_place=True)
     x = _array.as_array(x)
     key = CallKey.of("all_reduce", x, reduce_op=op, async_op=async_op)
     return _backend(group, "all_reduce").plan(key).run(x)
@@ -99,6 +143,9 @@ def reduce_scatter(x: Any, op: ReduceOp | str = ReduceOp.SUM, group: ProcessGrou
     Raises:
         InvalidBufferError: ``out`` is not such an array, or ``x`` is 0-d.
     """
+    if type(x) is not np.ndarray or (out is not None and type(out) is not np.ndarray):
+        if any_framework(x, out):
+            return in_callers_framework(reduce_scatter, x, op, group, async_op, out=out)
     x = _array.contiguous(_array.as_array(x))
     key = CallKey.of("reduce_scatter", x, reduce_op=op, async_op=async_op)
     return _backend(group, "reduce_scatter").plan(key).run(x, out)
@@ -120,6 +167,8 @@ def reduce(x: Any, dst: int = 0, op: ReduceOp | str = ReduceOp.SUM,
 
     Other ranks' ``x`` is left unchanged. Arguments and errors as :func:`all_reduce`.
     """
+    if type(x) is not np.ndarray and framework_of(x) is not None:
+        return in_callers_framework(reduce, x, dst, op, group, async_op, in_place=True)
     g, b = _member(group, "reduce")
     x = _array.as_array(x)
     key = CallKey.of("reduce", x, reduce_op=op, root=as_rank(dst, g.world_size, "reduce", "dst"),
@@ -143,6 +192,9 @@ def all_to_all(x: Any, group: ProcessGroup | None = None, *,
         CollectiveMismatchError: ranks disagree on dtype or trailing shape, or
             ``recv_sizes`` does not match what the others send.
     """
+    if type(x) is not np.ndarray and framework_of(x) is not None:
+        return in_callers_framework(all_to_all, x, group, send_sizes=send_sizes,
+                                    recv_sizes=recv_sizes, async_op=async_op)
     g, b = _member(group, "all_to_all")
     x = _array.contiguous(_array.as_array(x))
     _array.check_dtype(x.dtype, "all_to_all")
@@ -193,6 +245,9 @@ def monitored_barrier(group: ProcessGroup | None = None, timeout: float | None =
 def broadcast(x: Any, group: ProcessGroup | None = None, *, src: int = 0,
               async_op: bool = False) -> Any:
     """Copy group rank ``src``'s ``x`` into every rank's ``x`` (in place) and return it."""
+    if type(x) is not np.ndarray and framework_of(x) is not None:
+        return in_callers_framework(broadcast, x, group, src=src, async_op=async_op,
+                                    in_place=True)
     g, b = _member(group, "broadcast")
     x = _array.as_array(x)
     key = CallKey.of("broadcast", x, root=as_rank(src, g.world_size, "broadcast", "src"),
@@ -228,6 +283,10 @@ def all_gather(x: Any, group: ProcessGroup | None = None, *, sizes: Sequence[int
             rank's own at its index, or ranks disagree on dtype or trailing shape.
         InvalidBufferError: ``out`` cannot hold the result.
     """
+    if type(x) is not np.ndarray or (out is not None and type(out) is not np.ndarray):
+        if any_framework(x, out):
+            return in_callers_framework(all_gather, x, group, sizes=sizes, out=out,
+                                        async_op=async_op)
     x = _as_rows(_array.contiguous(_array.as_array(x)))
     counts = None if sizes is None else tuple(int(s) for s in sizes)
     key = CallKey.of("all_gather", x, counts=counts, async_op=async_op)
@@ -237,6 +296,8 @@ def all_gather(x: Any, group: ProcessGroup | None = None, *, sizes: Sequence[int
 def gather_tensor(x: Any, group: ProcessGroup | None = None, dst: int = 0,
                   async_op: bool = False) -> Any:
     """Concatenate every rank's ``x`` along axis 0 on group rank ``dst``; None elsewhere."""
+    if type(x) is not np.ndarray and framework_of(x) is not None:
+        return in_callers_framework(gather_tensor, x, group, dst, async_op)
     g, b = _member(group, "gather_tensor")
     dst = as_rank(dst, g.world_size, "gather_tensor", "dst")
     x = _as_rows(_array.contiguous(_array.as_array(x)))
@@ -254,7 +315,10 @@ def gather_tensor(x: Any, group: ProcessGroup | None = None, dst: int = 0,
 def scatter_tensor(x: Any, group: ProcessGroup | None = None, src: int = 0,
                    async_op: bool = False) -> Any:
     """Split ``x`` (given on group rank ``src``, ignored elsewhere) along axis 0; return this
-    rank's block (split as :func:`numpy.array_split`)."""
+    rank's block (split as :func:`numpy.array_split`). The block comes back in the
+    framework of this rank's ``x`` (NumPy or CuPy where ``x`` is None)."""
+    if type(x) is not np.ndarray and framework_of(x) is not None:
+        return in_callers_framework(scatter_tensor, x, group, src, async_op)
     g, b = _member(group, "scatter_tensor")
     src = as_rank(src, g.world_size, "scatter_tensor", "src")
     send = None
@@ -314,8 +378,14 @@ def recv(src: int, group: ProcessGroup | None = None, tag: int = 0, *, out: Any 
 
     Args:
         out: optional array to receive into (its shape and dtype must match
-            the message's); a new array is allocated when None.
+            the message's; a torch tensor is written in place and returned); a new
+            array is allocated when None.
     """
+    if out is not None and type(out) is not np.ndarray:
+        framework = framework_of(out)
+        if framework is not None:
+            recv(src, group, tag, out=framework.out_array(out, "recv"))
+            return out
     g, b = _member(group, "recv")
     src = as_rank(src, g.world_size, "recv", "src")
     tag = check_tag(tag, "recv")
@@ -416,19 +486,37 @@ def sync_gradient(grad: Any, group: ProcessGroup | None = None) -> Any:
 
 
 def sync_gradients(grads: Sequence[Any], group: ProcessGroup | None = None) -> list[Any]:
-    """Average many gradients with one all-reduce per dtype; write back and return them."""
-    grads = [_array.as_array(gr) for gr in sequence_of(grads, "sync_gradients", "grads")]
+    """Average many gradients with one all-reduce per dtype and return them.
+
+    NumPy and CuPy arrays and torch tensors are averaged in place (the list returned
+    holds them); JAX arrays, which are immutable, give new JAX arrays in their place
+    (the list from ``jax.grad`` goes in as it is).
+
+    Raises:
+        InvalidBufferError: a NumPy array or torch tensor cannot be written in place
+            (read-only, or not contiguous); checked after the all-reduce, on every rank.
+    """
+    given = sequence_of(grads, "sync_gradients", "grads")
+    frameworks = [None if type(gr) is np.ndarray else framework_of(gr) for gr in given]
+    arrays = [_array.as_array(gr) for gr in given]
     by_dtype: dict[str, list[int]] = {}
-    for i, gr in enumerate(grads):
+    for i, gr in enumerate(arrays):
         by_dtype.setdefault(str(gr.dtype), []).append(i)
+    results = list(arrays)
     for idx in by_dtype.values():
-        group_grads = [grads[i] for i in idx]
-        buffer, layout = _array.flatten(group_grads)
+        buffer, layout = _array.flatten([arrays[i] for i in idx])
         all_reduce(buffer, ReduceOp.AVERAGE, group)
-        for gr, view in zip(group_grads, layout.views(buffer)):
-            _array.check_writable(gr, "sync_gradients")
-            gr[...] = view
-    return grads
+        for i, view in zip(idx, layout.views(buffer)):
+            framework = frameworks[i]
+            if framework is None:
+                _array.check_writable(arrays[i], "sync_gradients")
+                arrays[i][...] = view
+            elif framework.writable:
+                framework.array_to_write(given[i], "sync_gradients")[...] = view
+                results[i] = given[i]
+            else:
+                results[i] = framework.wrap(view, given[i])
+    return results
 
 
 def rank(group: ProcessGroup | None = None) -> int:

@@ -9,9 +9,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from . import _array
+from ._frameworks import any_framework
 from ._validate import as_rank
 from .backends.plan import CallKey, Plan
+from .comm import in_callers_framework
 from .errors import InvalidBufferError
 from .ops import ReduceOp
 from .process_group import ProcessGroup, resolve_group
@@ -35,9 +39,16 @@ class PreparedCall:
     def __call__(self, x: Any, out: Any = None) -> Any:
         """Run the prepared call on ``x`` (of the prepared dtype and shape).
 
+        A torch tensor or JAX array gives its result in its framework, as the
+        collective would (:func:`axondist.comm.in_callers_framework`).
+
         Raises:
             InvalidBufferError: ``x`` differs from the array the call was prepared with.
         """
+        if type(x) is not np.ndarray or (out is not None and type(out) is not np.ndarray):
+            if any_framework(x, out):
+                return in_callers_framework(self, x, out=out, in_place=self.plan.key.collective
+                                            in ("all_reduce", "broadcast"))
         if x.dtype != self._dtype or x.shape != self._shape or _array.layout_of(x)[1] != "ok":
             raise InvalidBufferError(
                 f"prepared {self.plan.key.collective}: got {_array.describe(x)}, prepared for "
