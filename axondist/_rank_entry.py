@@ -23,7 +23,8 @@ RUN_DIR_VAR = "AXONDIST_RUN_DIR"
 #: Starts a line meant for the launcher only (never shown): "<MARK> rank event fields...".
 MARK = "\x1eaxondist-run"
 
-_RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID")
+# MPI launchers first; torchrun's RANK last (a leftover RANK must not win under mpiexec).
+_RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID", "RANK")
 _ABORT_PAUSE_S = 0.25  # lets mpiexec forward a failing rank's last lines before MPI_Abort
 
 

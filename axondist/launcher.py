@@ -1,7 +1,8 @@
-"""``axondist run``: launch a script on N processes through ``mpiexec``, tag each output line
-with its rank, say in one line which rank failed and how, and relaunch the whole job after a
-failure (``--max-restarts``) so a script that resumes from its latest checkpoint carries on.
-Design notes: docs/launching.md."""
+"""``axondist run``: launch a script on N processes through ``mpiexec`` or ``torchrun``, tag
+each output line with its rank, say in one line which rank failed and how, and relaunch the
+whole job after a failure (``--max-restarts``) so a script that resumes from its latest
+checkpoint carries on. How each launcher is driven: :mod:`axondist._launch_styles`. Design
+notes: docs/launching.md."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+from ._launch_styles import STYLES, LaunchStyle
 from ._rank_entry import MARK as _MARK
 from ._rank_entry import RESTART_COUNT_VAR, RUN_DIR_VAR
 from .errors import LaunchError
@@ -66,6 +68,10 @@ class RunConfig:
     no_python: bool = False
     """Run ``target`` as a program on every rank, without Python and without the per-rank
     reports (as torchrun's ``--no-python``)."""
+    launcher: str = "mpiexec"
+    """What starts the ranks: ``"mpiexec"`` (an MPI job, on one host or several) or
+    ``"torchrun"`` (``torch.distributed.run --standalone``: this host only; the ranks get
+    torchrun's ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``...)."""
 
 
 @dataclass
@@ -79,6 +85,8 @@ class RankFailure:
     tail: list[str] = field(default_factory=list)
     before_traceback: bool = False
     """The tail stops where the rank's traceback began (the traceback was shown once, live)."""
+    tail_of: str = ""
+    """Who printed the tail when it is not the rank's (the launcher, say ``"torchrun"``)."""
 
     def describe(self) -> str:
         """"exit code 3" or "signal 9 (SIGKILL)", plus the reason when one is known."""
@@ -133,7 +141,8 @@ def find_mpiexec(explicit: str | None = None) -> str:
         return on_path
     raise LaunchError(f"axondist run: no mpiexec next to the Python interpreter ({beside}) and "
                       "none on PATH; install the MPICH wheel with `pip install '.[mpi]'` "
-                      "or a system MPI, or pass --mpiexec PATH")
+                      "or a system MPI, or pass --mpiexec PATH; without MPI, "
+                      "launch through torch with --launcher torchrun")
 
 
 def mpiexec_flavour(mpiexec: str) -> str:
@@ -152,54 +161,51 @@ def mpiexec_flavour(mpiexec: str) -> str:
 
 _RANK_ENTRY = "from axondist._rank_entry import rank_main; rank_main()"
 
+#: What ``--launcher`` may name: MPI's launcher, or torch's (the ``torch`` backend then).
+LAUNCHERS = ("mpiexec", "torchrun")
 
-def build_command(cfg: RunConfig, mpiexec: str, flavour: str, outdir: str | None,
+
+def build_command(cfg: RunConfig, program: str, flavour: str, outdir: str | None,
                   python: str | None = None) -> list[str]:
-    """The mpiexec command line of one launch (a pure function of its arguments).
+    """The command line of one launch (a pure function of its arguments).
 
-    Under hydra each rank's stdout and stderr go to ``outdir/out.R`` and ``outdir/err.R``
-    (on the launching host, even for remote ranks), which the launcher tails and tags; Open
-    MPI tags lines itself (``--tag-output``). Every rank runs the target through
-    ``axondist._rank_entry``, which reports how it ended (with ``no_python``, the program
-    itself runs). ``python`` overrides ``cfg.python``.
+    Args:
+        cfg: what to launch.
+        program: the launcher's executable: an mpiexec, or for ``"torchrun"`` the Python
+            interpreter that runs ``torch.distributed.run``.
+        flavour: the launch style, a key of ``STYLES``: :func:`mpiexec_flavour`'s answer or
+            ``"torchrun"``. Under hydra and torchrun each rank's stdout and stderr go to files
+            under ``outdir``, which the launcher tails and tags; Open MPI tags lines itself
+            (``--tag-output``).
+        outdir: the run folder (None: none).
+        python: the interpreter the ranks run (overrides ``cfg.python``).
+
+    Every rank runs the target through ``axondist._rank_entry``, which reports how it ended
+    (with ``no_python``, the program itself runs).
     """
-    cmd = [mpiexec, "-n", str(cfg.nprocs)]
-    if flavour == "openmpi":
-        if cfg.nproc_per_node is not None:
-            cmd += ["--map-by", f"ppr:{cfg.nproc_per_node}:node"]
-        if cfg.hosts:
-            cmd += ["--host", ",".join(cfg.hosts)]
-        if cfg.hostfile:
-            cmd += ["--hostfile", cfg.hostfile]
-        cmd.append("--tag-output")
-    else:
-        if cfg.nproc_per_node is not None:
-            cmd += ["-ppn", str(cfg.nproc_per_node)]
-        if cfg.hosts:
-            cmd += ["-hosts", ",".join(cfg.hosts)]
-        if cfg.hostfile:
-            cmd += ["-f", cfg.hostfile]
-        if flavour == "hydra" and outdir is not None:
-            cmd += ["-outfile-pattern", os.path.join(outdir, "out.%r"),
-                    "-errfile-pattern", os.path.join(outdir, "err.%r")]
-    if cfg.no_python:
-        return cmd + list(cfg.target)
-    return cmd + [python or cfg.python or sys.executable, "-c", _RANK_ENTRY, *cfg.target]
+    rank_argv = (list(cfg.target) if cfg.no_python
+                 else [python or cfg.python or sys.executable, "-c", _RANK_ENTRY, *cfg.target])
+    return STYLES[flavour].command(cfg, program, outdir, rank_argv)
 
 
-# Hydra's banner when a rank dies without calling MPI_Abort (a signal, a crash).
-_BANNER_PID = re.compile(r"^=\s+PID (\d+) RUNNING AT (\S+)")
-_BANNER_CODE = re.compile(r"^=\s+EXIT CODE: (-?\d+)")
-_BANNER_SIGNAL = re.compile(r"EXIT STRING: .*\(signal (\d+)\)")
-_BANNER_LINE = re.compile(r"^(=+|=\s.*|YOUR APPLICATION TERMINATED.*|This typically refers.*|"
-                          r"Please see the FAQ page.*)$")
+def find_launcher(cfg: RunConfig) -> tuple[str, str]:
+    """``(program, flavour)`` that start ``cfg``'s ranks: its mpiexec and that mpiexec's
+    flavour, or for ``cfg.launcher == "torchrun"`` the interpreter that runs torchrun (the
+    ranks' own) and ``"torchrun"``.
+
+    Raises:
+        LaunchError: no mpiexec could be found (see :func:`find_mpiexec`).
+    """
+    if cfg.launcher == "torchrun":
+        return cfg.python or sys.executable, "torchrun"
+    mpiexec = find_mpiexec(cfg.mpiexec)
+    return mpiexec, mpiexec_flavour(mpiexec)
+
+
 _FATAL = re.compile(r"^Fatal Python error: (.+?)\s*$")
 _FATAL_SIGNALS = {"Segmentation fault": 11, "Floating-point exception": 8,
                   "Floating point exception": 8, "Aborted": 6, "Bus error": 7,
                   "Illegal instruction": 4}
-_OPENMPI_TAG = re.compile(r"^\[\d+,(\d+)\]<(stdout|stderr)>:\s?(.*)$")
-# Hydra's own report of a job it was told to stop: its internals, not the user's business.
-_HYDRA_STOPPING = re.compile(r"^(\[(mpiexec|proxy)[^\]]*@[^\]]*\] |Ctrl-C caught\.\.\. )")
 
 
 def _die_with_parent() -> None:
@@ -217,9 +223,9 @@ def _die_with_parent() -> None:
 class _Job:
     """One launch of the job: tails the ranks' output, notices the first failure."""
 
-    def __init__(self, cfg: RunConfig, cmd: list[str], flavour: str, outdir: str | None,
+    def __init__(self, cfg: RunConfig, cmd: list[str], style: LaunchStyle, outdir: str | None,
                  env: dict[str, str], out: TextIO, err: TextIO) -> None:
-        self.cfg, self.flavour, self.outdir, self.out, self.err = cfg, flavour, outdir, out, err
+        self.cfg, self.style, self.outdir, self.out, self.err = cfg, style, outdir, out, err
         self.lock = threading.Lock()
         self.tails = [collections.deque[str](maxlen=cfg.tail_lines) for _ in range(cfg.nprocs)]
         self.pids: dict[int, tuple[int, str]] = {}  # rank -> (pid, host)
@@ -229,10 +235,12 @@ class _Job:
         self.failure: RankFailure | None = None
         #: (rank, how) of a rank whose peers' watchdog saw it leave (when it said nothing).
         self.lost: tuple[int, str] | None = None
-        self.banner: dict[str, int | str] = {}
+        self.banner: dict[str, int | str] = {}  # what the launcher reported of a failure
+        #: The launcher's own last lines, when it does not show them (torchrun's logging).
+        self.launcher_lines = collections.deque[str](maxlen=max(cfg.tail_lines, 50))
         self.stopping = False
-        # A session of its own: a terminal's Ctrl-C reaches the launcher only, which stops
-        # the job through mpiexec (without hydra's report of its own internals).
+        # A session of its own: a terminal's Ctrl-C reaches this launcher only, which stops
+        # the job through mpiexec or torchrun (without their reports of their own internals).
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      env=env, start_new_session=True,
                                      preexec_fn=_die_with_parent)
@@ -241,33 +249,29 @@ class _Job:
                         for s, name in ((self.proc.stdout, "out"), (self.proc.stderr, "err"))]
         for t in self.readers:
             t.start()
-        self.offsets: dict[str, int] = {}
-        self.partial: dict[str, bytes] = {}
+        #: (kind, rank) -> the file it is read from, once it exists
+        self.paths: dict[tuple[str, int], str] = {}
+        self.offsets: dict[tuple[str, int], int] = {}
+        self.partial: dict[tuple[str, int], bytes] = {}
 
-    # Output of mpiexec itself (and, without hydra, of every rank).
+    # Output of the launcher itself (and, without per-rank files, of every rank).
     def _read_launcher(self, stream: Any, name: str) -> None:
+        style = self.style
         for raw in iter(stream.readline, b""):
             line = raw.decode(errors="replace").rstrip("\r\n")
-            match = _OPENMPI_TAG.match(line)
+            match = style.tagged_line.match(line) if style.tagged_line else None
             if match:
                 self._rank_line(int(match[1]), match[3], match[2] == "stderr")
             elif line.startswith(_MARK):
                 self._marker(None, line)
-            elif self.stopping and _HYDRA_STOPPING.match(line):
+            elif style.quiet:
+                style.read_report(line, self.banner)
+                self.launcher_lines.append(line)
+            elif self.stopping and style.stopping_chatter and style.stopping_chatter.match(line):
                 continue
-            elif not self._banner_line(line):
+            elif not style.read_report(line, self.banner):
                 self._emit(line, name == "err")
         stream.close()
-
-    def _banner_line(self, line: str) -> bool:
-        """Record hydra's bad-termination banner (shown instead as one summary line)."""
-        if m := _BANNER_PID.match(line):
-            self.banner.update(pid=int(m[1]), host=m[2])
-        elif m := _BANNER_CODE.match(line):
-            self.banner["code"] = int(m[1])
-        elif m := _BANNER_SIGNAL.search(line):
-            self.banner["signal"] = int(m[1])
-        return not line.strip() or bool(_BANNER_LINE.match(line))
 
     def _emit(self, line: str, to_err: bool) -> None:
         stream = self.err if to_err else self.out
@@ -310,27 +314,39 @@ class _Job:
             self.failure = RankFailure(rank, signal_number=number, exit_code=None if number
                                        else 1, reason="" if number else m[1])
 
-    # Per-rank files under hydra.
+    # Per-rank files: output (under hydra and torchrun), reports and crash stacks (always).
+    def _rank_file(self, outdir: str, kind: str, rank: int) -> str | None:
+        path = self.paths.get((kind, rank))
+        if path is None:
+            if kind in ("status", "fault"):
+                path = os.path.join(outdir, f"{kind}.{rank}")
+            elif self.style.rank_output is not None:
+                path = self.style.rank_output(outdir, kind, rank)
+            if path is not None:
+                self.paths[kind, rank] = path
+        return path
+
     def _poll_files(self) -> None:
         if self.outdir is None:
             return
-        kinds = ("out", "err", "status", "fault") if self.flavour == "hydra" else (
-            "status", "fault")
+        kinds = ("out", "err", "status", "fault")
         for rank in range(self.cfg.nprocs):
             for kind in kinds:
-                path = os.path.join(self.outdir, f"{kind}.{rank}")
+                path = self._rank_file(self.outdir, kind, rank)
+                if path is None:
+                    continue
                 try:
                     with open(path, "rb") as f:
-                        f.seek(self.offsets.get(path, 0))
+                        f.seek(self.offsets.get((kind, rank), 0))
                         data = f.read()
                 except FileNotFoundError:
                     continue
                 if not data:
                     continue
-                self.offsets[path] = self.offsets.get(path, 0) + len(data)
-                *lines, rest = (self.partial.pop(path, b"") + data).split(b"\n")
+                self.offsets[kind, rank] = self.offsets.get((kind, rank), 0) + len(data)
+                *lines, rest = (self.partial.pop((kind, rank), b"") + data).split(b"\n")
                 if rest:
-                    self.partial[path] = rest
+                    self.partial[kind, rank] = rest
                 for raw in lines:
                     line = raw.decode(errors="replace").rstrip("\r")
                     if kind == "fault":
@@ -338,14 +354,13 @@ class _Job:
                     self._rank_line(rank, line, kind != "out")
 
     def _flush_partial(self) -> None:
-        for path, rest in sorted(self.partial.items()):
-            kind, rank = os.path.basename(path).split(".")
-            self._rank_line(int(rank), rest.decode(errors="replace"), kind == "err")
+        for (kind, rank), rest in sorted(self.partial.items()):
+            self._rank_line(rank, rest.decode(errors="replace"), kind != "out")
         self.partial.clear()
 
     def wait(self) -> int:
-        """Tail the output until mpiexec ends; stop the job when a rank fails and the others
-        do not end within ``stop_grace``. Returns mpiexec's exit status."""
+        """Tail the output until the launcher ends; stop the job when a rank fails and the
+        others do not end within ``stop_grace``. Returns the launcher's exit status."""
         stop_at: float | None = None
         stopping_since: float | None = None
         while True:
@@ -359,7 +374,7 @@ class _Job:
             if stop_at is not None and now >= stop_at and stopping_since is None:
                 stopping_since = now
                 self.stopping = True
-                self.proc.send_signal(signal.SIGINT)  # hydra passes it on to every rank
+                self.proc.send_signal(self.style.stop_signal)  # passed on to every rank
             if stopping_since is not None and now - stopping_since > _KILL_AFTER_S:
                 self.proc.kill()
             time.sleep(_POLL_S)
@@ -370,10 +385,10 @@ class _Job:
         return code
 
     def stop(self) -> None:
-        """Interrupt the job (Ctrl-C on the launcher) and wait for mpiexec to end."""
+        """Interrupt the job (Ctrl-C on the launcher) and wait for the launcher to end."""
         self.stopping = True
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
+            self.proc.send_signal(self.style.stop_signal)
             try:
                 self.proc.wait(timeout=_KILL_AFTER_S)
             except subprocess.TimeoutExpired:
@@ -381,7 +396,8 @@ class _Job:
                 self.proc.wait()
 
     def outcome(self, code: int) -> RankFailure | None:
-        """The first failure, from the ranks' own report, hydra's banner or the exit status."""
+        """The first failure, from the ranks' own report, the launcher's (hydra's banner,
+        torchrun's root cause) or the exit status."""
         failure = self.failure
         if failure is None and (self.banner or code != 0):
             failure = self._unreported_failure(code)
@@ -393,20 +409,32 @@ class _Job:
                 failure.tail, failure.before_traceback = shown, True
         return failure
 
+    def cannot_start(self) -> str | None:
+        """The launcher's own line saying it could not start at all (torchrun without torch),
+        when no rank started; None otherwise."""
+        pattern = self.style.cannot_start
+        if pattern is None or self.pids:
+            return None
+        return next((line.strip() for line in reversed(self.launcher_lines)
+                     if pattern.search(line)), None)
 
     def _unreported_failure(self, code: int) -> RankFailure:
-        """A rank died without a word (SIGKILL, the OOM killer, ``os._exit``): the one rank
-        that started and did not end; when several did not (the others were killed in the
-        clean-up), the one its peers' watchdog saw leave, else the one hydra's banner names,
-        which is only a best guess."""
+        """A rank died without a word (SIGKILL, the OOM killer, ``os._exit``): the one torchrun
+        saw fail first; under mpiexec, the one rank that started and did not end; when several
+        did not (the others were killed in the clean-up), the one its peers' watchdog saw
+        leave, else the one hydra's banner names, which is only a best guess."""
         sig = self.banner.get("signal")
         number = self.banner.get("code", code)
         signum = int(sig) if sig is not None else (-code if code < 0 else None)
+        first = self.banner.get("rank")
+        if first is not None and 0 <= int(first) < self.cfg.nprocs:
+            return RankFailure(int(first), exit_code=None if signum else int(number) or code,
+                               signal_number=signum)
         silent = sorted(set(self.pids) - self.ended)
         pid = self.banner.get("pid")
         named = [r for r in silent if self.pids[r][0] == pid]
         rank = silent[0] if len(silent) == 1 else None
-        reason = ""
+        reason, launcher = "", self.style.name
         if rank is None and self.lost is not None and self.lost[0] in silent:
             rank = self.lost[0]
             reason = (f"its peers saw it leave ({self.lost[1]})" if self.lost[1]
@@ -416,16 +444,19 @@ class _Job:
             if m := re.search(r"_exit\((\d+)\)", self.lost[1]):
                 signum, number = None, int(m[1])
         elif len(silent) > 1:
-            guess = (f"mpiexec names rank {named[0]}, the most likely" if named
-                     else "mpiexec did not say which")
+            guess = (f"{launcher} names rank {named[0]}, the most likely" if named
+                     else f"{launcher} did not say which")
             reason = f"one of ranks {', '.join(map(str, silent))}; {guess}"
         elif not silent:
-            reason = (f"mpiexec exited with status {code} after every rank ended" if self.pids
-                      else "mpiexec failed before the ranks started")
+            reason = (f"{launcher} exited with status {code} after every rank ended" if self.pids
+                      else f"{launcher} failed before the ranks started")
         failure = RankFailure(rank, exit_code=None if signum else int(number) or code,
                               signal_number=signum, reason=reason)
         if named and rank is None:
             failure.tail = list(self.tails[named[0]])
+        elif rank is None and self.launcher_lines and self.cfg.tail_lines:
+            failure.tail = list(self.launcher_lines)[-self.cfg.tail_lines:]
+            failure.tail_of = launcher
         return failure
 
 
@@ -437,7 +468,8 @@ def summary(failure: RankFailure, nprocs: int, seconds: float) -> list[str]:
     """The failure summary: one line, then the failed rank's last output lines indented."""
     who = (f"rank {failure.rank} of {nprocs}" if failure.rank is not None
            else f"the job ({nprocs} ranks)")
-    whose = f"rank {failure.rank}" if failure.rank is not None else "that rank"
+    whose = failure.tail_of or (f"rank {failure.rank}" if failure.rank is not None
+                                else "that rank")
     before = " before its traceback" if failure.before_traceback else ""
     lines = [f"axondist run: {who} failed after {seconds:.1f} s ({failure.describe()})"
              + (f"; {_last_lines(len(failure.tail))} of {whose}{before}:" if failure.tail
@@ -458,18 +490,17 @@ def run_job(cfg: RunConfig, out: TextIO | None = None, err: TextIO | None = None
         or 130 when interrupted.
 
     Raises:
-        LaunchError: no mpiexec could be found.
+        LaunchError: no mpiexec could be found, or torchrun could not start (no torch).
     """
     out = out or sys.stdout
     err = err or sys.stderr
-    mpiexec = find_mpiexec(cfg.mpiexec)
-    flavour = mpiexec_flavour(mpiexec)
+    program, flavour = find_launcher(cfg)
     in_main_thread = threading.current_thread() is threading.main_thread()
     stops = (signal.SIGTERM, signal.SIGHUP) if hasattr(signal, "SIGHUP") else (signal.SIGTERM,)
     previous = {s: signal.signal(s, _interrupt) for s in stops} if in_main_thread else {}
     remove_stale_run_dirs()
     try:
-        return _attempts(cfg, mpiexec, flavour, out, err)
+        return _attempts(cfg, program, flavour, out, err)
     finally:
         for number, handler in previous.items():
             signal.signal(number, handler)
@@ -505,17 +536,18 @@ def remove_stale_run_dirs(root: str | None = None) -> list[str]:
     return removed
 
 
-def _attempts(cfg: RunConfig, mpiexec: str, flavour: str, out: TextIO, err: TextIO) -> int:
+def _attempts(cfg: RunConfig, program: str, flavour: str, out: TextIO, err: TextIO) -> int:
     """Launch until an attempt succeeds or the restarts run out; the exit status."""
     status = 1
+    style = STYLES[flavour]
     for attempt in range(cfg.max_restarts + 1):
         env = dict(os.environ)
         env[RESTART_COUNT_VAR] = str(attempt)
         with tempfile.TemporaryDirectory(prefix=f"{_RUN_DIR_PREFIX}{os.getpid()}-") as outdir:
-            cmd = build_command(cfg, mpiexec, flavour, outdir)
+            cmd = build_command(cfg, program, flavour, outdir)
             env[RUN_DIR_VAR] = outdir
             start = time.monotonic()
-            job = _Job(cfg, cmd, flavour, outdir, env, out, err)
+            job = _Job(cfg, cmd, style, outdir, env, out, err)
             try:
                 code = job.wait()
             except KeyboardInterrupt:
@@ -523,6 +555,8 @@ def _attempts(cfg: RunConfig, mpiexec: str, flavour: str, out: TextIO, err: Text
                 print("axondist run: interrupted; the job was stopped", file=err)
                 return 130
             failure = job.outcome(code)
+            if failure is not None and (line := job.cannot_start()) is not None:
+                raise LaunchError(style.cannot_start_advice.format(program=program, line=line))
         if failure is None:
             return 0
         status = failure.exit_status
@@ -545,7 +579,8 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="axondist run",
         description="Run a script on N processes through mpiexec (the MPICH wheel's, else one on "
-                    "PATH). Each output line is prefixed with its rank; when a rank fails, one "
+                    "PATH) or, with --launcher torchrun, through torch's torchrun on this host. "
+                    "Each output line is prefixed with its rank; when a rank fails, one "
                     "summary line says which, how, and quotes its last lines. The script reads "
                     f"{RESTART_COUNT_VAR} (0, then 1, 2... after --max-restarts relaunches).",
         usage="axondist run -n N [options] (script.py | -m module | python -c code | "
@@ -566,6 +601,14 @@ def _parser() -> argparse.ArgumentParser:
                         "run on before the job is stopped (default %(default)s)")
     parser.add_argument("--tail-lines", type=int, default=RunConfig.tail_lines, metavar="L",
                         help="lines of the failed rank's output to quote (default %(default)s)")
+    parser.add_argument("--launcher", choices=LAUNCHERS, default="mpiexec",
+                        help="what starts the ranks. mpiexec (default): an MPI job, on this "
+                             "host or on --hosts; axondist.init() picks the MPI backend. "
+                             "torchrun: torch.distributed.run --standalone on this host (needs "
+                             "pip install '.[torch]'); the ranks get RANK, WORLD_SIZE, "
+                             "MASTER_ADDR... and axondist.init() joins them through "
+                             "torch.distributed. There is no 'auto': which backend the script "
+                             "gets follows from this choice, so it is made explicitly")
     parser.add_argument("--mpiexec", default=None, metavar="PATH",
                         help="the mpiexec to use (default: next to python, else on PATH)")
     parser.add_argument("-m", dest="module", default=None, metavar="MODULE",
@@ -579,7 +622,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 _VALUED = {"-n", "--nprocs", "--nproc-per-node", "--hosts", "--hostfile", "--max-restarts",
-           "--stop-grace", "--tail-lines", "--mpiexec"}
+           "--stop-grace", "--tail-lines", "--mpiexec", "--launcher"}
 
 
 def _split_target(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -642,10 +685,35 @@ def parse_args(argv: Sequence[str]) -> RunConfig:
         raise ValueError(f"axondist run: --tail-lines must be >= 0, got {ns.tail_lines}")
     if not ns.stop_grace >= 0:
         raise ValueError(f"axondist run: --stop-grace must be >= 0 seconds, got {ns.stop_grace}")
+    if ns.launcher == "torchrun":
+        _check_torchrun_args(ns, nprocs)
     return RunConfig(nprocs=nprocs, target=target, nproc_per_node=ns.nproc_per_node,
                      hosts=hosts, hostfile=ns.hostfile, max_restarts=ns.max_restarts,
                      mpiexec=ns.mpiexec, tail_lines=ns.tail_lines, stop_grace=ns.stop_grace,
-                     python=python, no_python=ns.no_python)
+                     python=python, no_python=ns.no_python, launcher=ns.launcher)
+
+
+def _check_torchrun_args(ns: argparse.Namespace, nprocs: int) -> None:
+    """Refuse what ``--launcher torchrun`` cannot do: other hosts, an mpiexec, two counts.
+
+    Raises:
+        ValueError: the message names the option and what to run instead.
+    """
+    if ns.hosts is not None or ns.hostfile is not None:
+        given = "--hosts" if ns.hosts is not None else "--hostfile"
+        raise ValueError(
+            f"axondist run: --launcher torchrun starts the ranks on this host only, and {given} "
+            "names others: torchrun runs once on every host. Run there `torchrun --nnodes H "
+            "--nproc-per-node K --rdzv-backend c10d --rdzv-endpoint FIRST_HOST:29400 "
+            "script.py` (see docs/launching.md), or launch every host from here with "
+            f"--launcher mpiexec {given} ...")
+    if ns.mpiexec is not None:
+        raise ValueError(f"axondist run: --mpiexec {ns.mpiexec!r} names the MPI launcher, but "
+                         "--launcher torchrun was asked for; drop one of them")
+    if ns.nproc_per_node is not None and ns.nproc_per_node != nprocs:
+        raise ValueError(f"axondist run: --launcher torchrun runs on this host only, so -n "
+                         f"{nprocs} and --nproc-per-node {ns.nproc_per_node} must agree; give "
+                         "one of them")
 
 
 def _python_target(target: tuple[str, ...]) -> tuple[str | None, tuple[str, ...]]:
@@ -699,5 +767,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
 
-__all__ = ["RESTART_COUNT_VAR", "RankFailure", "RunConfig", "build_command", "find_mpiexec",
-           "main", "mpiexec_flavour", "parse_args", "run_job", "summary"]
+__all__ = ["LAUNCHERS", "RESTART_COUNT_VAR", "RankFailure", "RunConfig", "build_command",
+           "find_launcher", "find_mpiexec", "main", "mpiexec_flavour", "parse_args", "run_job",
+           "summary"]
