@@ -50,21 +50,24 @@ def launches(test):
                                               reason=str(_NO_LAUNCH))(test))
 
 
-def axondist_run(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+def axondist_run(*args: str, cwd: Path | None = None, path_first: Path | None = None,
+                 timeout: float = TIMEOUT) -> subprocess.CompletedProcess[str]:
     """``python -m axondist run ARGS`` in its own session; the whole session is killed when it
-    outlives the timeout, so a hung rank cannot outlive the test."""
+    outlives the timeout, so a hung rank cannot outlive the test. ``path_first`` goes first on
+    ``PYTHONPATH`` (a folder of stand-in modules)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCH_PREFIXES)}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(path_first or ""), str(ROOT),
+                                                      env.get("PYTHONPATH")]))
     env.pop(launcher.RESTART_COUNT_VAR, None)
     proc = subprocess.Popen([sys.executable, "-m", "axondist", "run", *args], cwd=cwd or ROOT,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:
-        out, err = proc.communicate(timeout=TIMEOUT)
+        out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
-        pytest.fail(f"axondist run {' '.join(args)} hung for {TIMEOUT} s:\n{out}\n{err}")
+        pytest.fail(f"axondist run {' '.join(args)} hung for {timeout} s:\n{out}\n{err}")
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
@@ -346,11 +349,13 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _start_and_wait_ready(path: str, n: int) -> subprocess.Popen[str]:
-    """``axondist run -n N path`` in its own session, once every rank printed "ready"."""
+def _start_and_wait_ready(path: str, n: int, *options: str) -> subprocess.Popen[str]:
+    """``axondist run -n N [options] path`` in its own session, once every rank printed
+    "ready"."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCH_PREFIXES)}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    proc = subprocess.Popen([sys.executable, "-m", "axondist", "run", "-n", str(n), path],
+    proc = subprocess.Popen([sys.executable, "-m", "axondist", "run", "-n", str(n), *options,
+                             path],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
     ready = 0
