@@ -3,13 +3,15 @@
     python examples/torch_autograd.py                 # 4 ranks of the in-process mock world
     axondist run -n 2 examples/torch_autograd.py      # 2 processes (or mpiexec -n 2 python ...)
 
-axondist never imports torch: it reads a CPU tensor through DLPack.
-``axondist.as_array(p.grad)`` is a NumPy array *sharing the tensor's memory*,
-so ``axondist.all_reduce_mean`` on it averages the gradient inside the torch
-tensor itself, and ``torch.optim.SGD`` then steps with the averaged value.
-In the other direction ``torch.from_numpy`` (or ``torch.from_dlpack``) wraps a
-NumPy array without a copy; here it feeds each rank's share of the NumPy
-data set to the model.
+axondist never imports torch: it reads a CPU tensor through DLPack, as a NumPy
+array *sharing the tensor's memory*. So the collectives take the tensors
+themselves: ``axondist.broadcast(p)`` copies rank 0's weights into every rank's
+parameter (a tensor that requires grad is reduced through its data, as
+``torch.distributed`` does), and ``axondist.sync_gradients`` averages every
+``p.grad`` inside the torch tensors, with one all-reduce, before
+``torch.optim.SGD`` steps with the averaged values. In the other direction
+``torch.from_numpy`` (or ``torch.from_dlpack``) wraps a NumPy array without a
+copy; here it feeds each rank's share of the NumPy data set to the model.
 
 Each rank trains a copy of the same model on its share of every batch;
 afterwards the example trains the model in one process on the full batches
@@ -61,7 +63,7 @@ def make_model() -> torch.nn.Module:
     rng = np.random.default_rng(1)
     with torch.no_grad():
         for p in model.parameters():
-            ad.as_array(p.detach())[...] = 0.4 * rng.standard_normal(tuple(p.shape))
+            ad.as_array(p)[...] = 0.4 * rng.standard_normal(tuple(p.shape))
     return model
 
 
@@ -79,18 +81,17 @@ def train(world: ad.World) -> list[np.ndarray]:
     x, y = make_data()
     model = make_model()
     for p in model.parameters():  # start from rank 0's weights, as torch DDP does
-        ad.broadcast(ad.as_array(p.detach()), world, src=0)
+        assert ad.broadcast(p, world, src=0) is p  # in place: the tensor itself comes back
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     for step in range(STEPS):
         idx = batch_of(step, world.rank, world.world_size)
         xb, yb = torch.from_numpy(x[idx]), torch.from_numpy(y[idx])  # NumPy -> torch, no copy
         opt.zero_grad()
         torch.nn.functional.mse_loss(model(xb), yb).backward()
-        for p in model.parameters():
-            grad = ad.as_array(p.grad)      # torch -> NumPy through DLPack: the same memory
-            ad.all_reduce_mean(grad, world)  # averaged in place, i.e. inside p.grad
+        grads = [p.grad for p in model.parameters()]
+        ad.sync_gradients(grads, world)  # averaged in place, i.e. inside each p.grad
         opt.step()
-    return [ad.as_array(p.detach()).copy() for p in model.parameters()]
+    return [ad.as_array(p).copy() for p in model.parameters()]
 
 
 def train_single_process(world_size: int) -> list[np.ndarray]:
@@ -112,7 +113,9 @@ def zero_copy_check() -> bool:
     view = ad.as_array(t)
     view += 1.0                         # written through NumPy ...
     back = torch.from_numpy(view)       # ... and wrapped again without a copy
-    return bool(t.sum() == 4.0 and back.data_ptr() == t.data_ptr())
+    half = torch.zeros(4, dtype=torch.bfloat16)
+    ad.as_array(half)[...] = 1.0        # bfloat16 crosses too (as ml_dtypes.bfloat16)
+    return bool(t.sum() == 4.0 and back.data_ptr() == t.data_ptr() and half.sum() == 4.0)
 
 
 def main(argv: list[str] | None = None) -> int:
