@@ -6,8 +6,9 @@ ranks are threads of a mock world in this process; under
 ``mpiexec -n K python -m axondist demo`` each process is one rank of the MPI
 world and only rank 0 prints.
 
-``run`` launches a script on N processes through mpiexec (see
-:mod:`axondist.launcher`); it exits with the failed rank's status. ``tune``
+``run`` launches a script on N processes through mpiexec, or torchrun with
+``--launcher torchrun`` (see :mod:`axondist.launcher`); it exits with the
+failed rank's status. ``tune``
 measures all-reduce bandwidth per size and saves DDP's bucket size (see
 :mod:`axondist.tune`). ``checkpoint repair ROOT`` rebuilds a checkpoint root's
 ``latest`` pointer from the complete steps on disk (see
@@ -71,8 +72,9 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--no-progress", dest="progress", action="store_const", const="off",
                       help="same as --progress off")
     sub.add_parser("run", add_help=False,
-                   help="launch a script on N processes through mpiexec: axondist run -n N "
-                        "script.py args (axondist run --help for the options)")
+                   help="launch a script on N processes through mpiexec (or --launcher "
+                        "torchrun): axondist run -n N script.py args (axondist run --help for "
+                        "the options)")
     sub.add_parser("tune", add_help=False,
                    help="measure all-reduce bandwidth per size and save DDP's bucket size: "
                         "mpiexec -n N python -m axondist tune (tune --help for the options)")

@@ -602,13 +602,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--tail-lines", type=int, default=RunConfig.tail_lines, metavar="L",
                         help="lines of the failed rank's output to quote (default %(default)s)")
     parser.add_argument("--launcher", choices=LAUNCHERS, default="mpiexec",
-                        help="what starts the ranks. mpiexec (default): an MPI job, on this "
-                             "host or on --hosts; axondist.init() picks the MPI backend. "
-                             "torchrun: torch.distributed.run --standalone on this host (needs "
-                             "pip install '.[torch]'); the ranks get RANK, WORLD_SIZE, "
-                             "MASTER_ADDR... and axondist.init() joins them through "
-                             "torch.distributed. There is no 'auto': which backend the script "
-                             "gets follows from this choice, so it is made explicitly")
+                        help="what starts the ranks: mpiexec (default; ad.init() picks the "
+                             "MPI backend) or torchrun (this host only; needs pip install "
+                             "'.[torch]'; ad.init() joins through the torch backend). No "
+                             "'auto': the launcher decides the backend, so it is named")
     parser.add_argument("--mpiexec", default=None, metavar="PATH",
                         help="the mpiexec to use (default: next to python, else on PATH)")
     parser.add_argument("-m", dest="module", default=None, metavar="MODULE",
