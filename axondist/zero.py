@@ -143,19 +143,22 @@ class ZeroRedundancyOptimizer:
             ValueError: a gradient's shape differs from its parameter's.
             UnsupportedDTypeError: a gradient is complex (never cast to real).
         """
-        for i, p in enumerate(self.params):
-            if p.grad is not None:
-                check_real_gradient(p.grad, "ZeroRedundancyOptimizer.step", i, p.name)
-            if p.grad is not None and tuple(p.grad.shape) != p.shape:
+        grads = [p.grad if p.grad is None or type(p.grad) is np.ndarray
+                 else _array.as_array(p.grad) for p in self.params]  # torch/JAX: their views
+        for i, (p, g) in enumerate(zip(self.params, grads)):
+            if g is not None:
+                check_real_gradient(g, "ZeroRedundancyOptimizer.step", i, p.name)
+            if g is not None and tuple(g.shape) != p.shape:
                 raise ValueError(f"ZeroRedundancyOptimizer.step: parameter {i} "
                                  f"({p.name or 'unnamed'}) has shape {p.shape} but its .grad has "
-                                 f"shape {tuple(p.grad.shape)}")
+                                 f"shape {tuple(g.shape)}")
         for piece, view in zip(self._pieces, self._views):
             if piece is None:
                 continue
             p = self.params[piece.param]
             view.data[...] = p.data.reshape(-1)[piece.start:piece.stop]
-            view.grad = None if p.grad is None else p.grad.reshape(-1)[piece.start:piece.stop]
+            g = grads[piece.param]
+            view.grad = None if g is None else g.reshape(-1)[piece.start:piece.stop]
         try:
             self.optim.step()
         finally:

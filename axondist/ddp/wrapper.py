@@ -396,7 +396,8 @@ class DistributedDataParallel:
             if self.gradient_as_bucket_view:
                 p.grad = avg
             elif p.grad is not None and _writable_like(p.grad, avg):
-                p.grad[...] = avg
+                # a torch .grad is written through its view, so it stays the user's tensor
+                (p.grad if type(p.grad) is np.ndarray else _array.as_array(p.grad))[...] = avg
             else:
                 p.grad = avg.copy()
 
@@ -706,7 +707,9 @@ def _pair(item: Any) -> tuple[int, Any]:
 
 
 def _writable_like(dst: Any, src: Any) -> bool:
-    """Whether the averaged ``src`` can be copied into ``dst`` in place."""
+    """Whether the averaged ``src`` can be copied into ``dst`` in place (a torch tensor
+    through its view; a JAX array never: it is immutable)."""
+    dst = dst if type(dst) is np.ndarray else _array.as_array(dst)
     try:
         _array.check_writable(dst, "DistributedDataParallel")
     except ValueError:

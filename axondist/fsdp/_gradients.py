@@ -50,6 +50,8 @@ class GradientSync(UnitState):
         grads = [self._params[i].grad for i in st.flat.param_indices]
         if all(g is None for g in grads):
             return None
+        # a torch tensor or JAX array set as .grad is read through its NumPy/CuPy view
+        grads = [g if g is None or type(g) is np.ndarray else _array.as_array(g) for g in grads]
         for i, g in zip(st.flat.param_indices, grads):
             if g is not None:
                 check_real_gradient(g, where, i, self._names[i])
