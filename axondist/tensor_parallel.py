@@ -174,7 +174,7 @@ def _store_grad(p: Parameter, g: Array, accumulate: bool) -> None:
     ``accumulate`` it is added to.
     """
     g = g.astype(p.dtype, copy=False)
-    old = p.grad  # a torch .grad is written through its view; a JAX one (read-only) replaced
+    old: Any = p.grad  # a torch .grad is written through its view; a JAX one is replaced
     old = old if old is None or type(old) is np.ndarray else _array.as_array(old)
     fits = (old is not None and tuple(old.shape) == p.shape and old.dtype == p.dtype
             and getattr(old.flags, "writeable", True))
