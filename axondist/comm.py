@@ -8,7 +8,7 @@ Ops that make a new array (``all_gather``, ``reduce_scatter*``, ``gather_tensor`
 ``scatter_tensor``, ``recv``) return it. With ``async_op=True`` they return a
 :class:`~axondist.backends.Work` whose ``wait()`` gives that result. Results come
 back in the caller's framework: a torch tensor is written in place and returned, a
-JAX array (immutable) gives a new JAX array (:func:`in_callers_framework`).
+JAX array (immutable) gives a new JAX array.
 
 Each collective takes one path: the key of the call
 (:class:`~axondist.backends.plan.CallKey`), the group's backend's plan for that key, and

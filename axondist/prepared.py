@@ -40,7 +40,7 @@ class PreparedCall:
         """Run the prepared call on ``x`` (of the prepared dtype and shape).
 
         A torch tensor or JAX array gives its result in its framework, as the
-        collective would (:func:`axondist.comm.in_callers_framework`).
+        collective would.
 
         Raises:
             InvalidBufferError: ``x`` differs from the array the call was prepared with.
