@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -254,3 +255,19 @@ def test_sigkill_of_the_launcher_ends_torchrun_and_its_ranks(tmp_path):
     assert not alive, f"ranks {alive} still run 15 s after the launcher was killed"
     assert run_dir in launcher.remove_stale_run_dirs()
     assert not Path(run_dir).exists()
+
+
+@launches
+def test_ctrl_c_stops_torchrun_and_its_ranks_with_one_line(tmp_path):
+    path = script(tmp_path, _SLEEPER.format(folder=str(tmp_path)))
+    proc = _start_and_wait_ready(path, 2, "--launcher", "torchrun")
+    pids = [int((tmp_path / f"rank.{r}").read_text().split()[0]) for r in range(2)]
+    os.killpg(proc.pid, signal.SIGINT)  # a terminal's Ctrl-C reaches the foreground group
+    try:
+        _, err = proc.communicate(timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail("the launcher did not stop after Ctrl-C")
+    assert proc.returncode == 130, err
+    assert err.strip() == "axondist run: interrupted; the job was stopped", err
+    assert not [pid for pid in pids if _alive(pid)]
