@@ -19,7 +19,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
@@ -161,9 +161,6 @@ def mpiexec_flavour(mpiexec: str) -> str:
 
 _RANK_ENTRY = "from axondist._rank_entry import rank_main; rank_main()"
 
-#: What ``--launcher`` may name: MPI's launcher, or torch's (the ``torch`` backend then).
-LAUNCHERS = ("mpiexec", "torchrun")
-
 
 def build_command(cfg: RunConfig, program: str, flavour: str, outdir: str | None,
                   python: str | None = None) -> list[str]:
@@ -188,18 +185,35 @@ def build_command(cfg: RunConfig, program: str, flavour: str, outdir: str | None
     return STYLES[flavour].command(cfg, program, outdir, rank_argv)
 
 
+def _mpiexec_launcher(cfg: RunConfig) -> tuple[str, str]:
+    mpiexec = find_mpiexec(cfg.mpiexec)
+    return mpiexec, mpiexec_flavour(mpiexec)
+
+
+def _torchrun_launcher(cfg: RunConfig) -> tuple[str, str]:
+    return cfg.python or sys.executable, "torchrun"  # torchrun runs in the ranks' Python
+
+
+#: What ``--launcher`` may name, and how each finds ``(program, flavour)`` (see
+#: :func:`find_launcher`): MPI's launcher, or torch's (the ``torch`` backend then).
+LAUNCHERS: dict[str, Callable[[RunConfig], tuple[str, str]]] = {
+    "mpiexec": _mpiexec_launcher, "torchrun": _torchrun_launcher}
+
+
 def find_launcher(cfg: RunConfig) -> tuple[str, str]:
     """``(program, flavour)`` that start ``cfg``'s ranks: its mpiexec and that mpiexec's
     flavour, or for ``cfg.launcher == "torchrun"`` the interpreter that runs torchrun (the
     ranks' own) and ``"torchrun"``.
 
     Raises:
+        ValueError: ``cfg.launcher`` is not a key of :data:`LAUNCHERS`.
         LaunchError: no mpiexec could be found (see :func:`find_mpiexec`).
     """
-    if cfg.launcher == "torchrun":
-        return cfg.python or sys.executable, "torchrun"
-    mpiexec = find_mpiexec(cfg.mpiexec)
-    return mpiexec, mpiexec_flavour(mpiexec)
+    find = LAUNCHERS.get(cfg.launcher)
+    if find is None:
+        raise ValueError(f"axondist run: launcher {cfg.launcher!r} is not one of "
+                         f"{', '.join(LAUNCHERS)}")
+    return find(cfg)
 
 
 _FATAL = re.compile(r"^Fatal Python error: (.+?)\s*$")

@@ -52,6 +52,8 @@ def torchrun(*args: str, **options) -> tuple[int, str, str]:
 def test_the_torchrun_command_runs_every_rank_through_the_rank_entry():
     cfg = RunConfig(nprocs=3, target=("train.py", "--lr", "0.1"), launcher="torchrun")
     assert launcher.find_launcher(cfg) == (launcher.sys.executable, "torchrun")
+    with pytest.raises(ValueError, match="launcher 'srun' is not one of mpiexec, torchrun"):
+        launcher.find_launcher(RunConfig(nprocs=2, target=("t.py",), launcher="srun"))
     cmd = build_command(cfg, "/py", "torchrun", "/tmp/d", python="/ranks/py")
     assert cmd == ["/py", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
                    "--max-restarts", "0", "--redirects", "3", "--log-dir", "/tmp/d/torchrun",
