@@ -19,6 +19,7 @@ from test_run_launcher import _alive, _start_and_wait_ready, axondist_run, scrip
 from axondist import launcher
 from axondist._environment import env_launch_size, launched_by_mpi
 from axondist._launch_styles import STYLES
+from axondist.backends.registry import backend_names
 from axondist.errors import LaunchError
 from axondist.launcher import RunConfig, build_command, parse_args
 
@@ -34,6 +35,8 @@ def _why_no_torchrun() -> str | None:
 
 
 _NO_TORCHRUN = _why_no_torchrun()
+_NO_TORCH_BACKEND = _NO_TORCHRUN or (None if "torch" in backend_names() else
+                                     "the torch backend is not registered")
 
 
 def launches(test):
@@ -171,6 +174,25 @@ def test_ranks_see_torchruns_variables_and_their_lines_come_back_tagged(tmp_path
         assert f"[rank {r}] err of {r}" in err.splitlines(), err
     assert err.count("[rank") == 2 and "OMP_NUM_THREADS" not in err  # torchrun's chatter hidden
     assert "\x1e" not in out + err
+
+
+@launches
+@pytest.mark.skipif(_NO_TORCH_BACKEND is not None, reason=str(_NO_TORCH_BACKEND))
+def test_init_joins_torchruns_world_through_the_torch_backend(tmp_path):
+    path = script(tmp_path, """
+        import os
+        import numpy as np
+        import axondist as ad
+        world = ad.init()  # no backend named: torchrun's variables and torch pick "torch"
+        x = np.arange(4.0) * (world.rank + 1)
+        ad.all_reduce(x)
+        print(repr(world), "sum", x.tolist(), "AXONDIST_BACKEND" in os.environ)
+    """)
+    code, out, err = torchrun("-n", "3", path)
+    assert code == 0, out + err
+    for r in range(3):  # each rank holds arange(4) * (1 + 2 + 3)
+        assert (f"[rank {r}] World(torch, rank={r}, world_size=3) sum [0.0, 6.0, 12.0, 18.0] "
+                "False") in out.splitlines(), out + err
 
 
 @launches
