@@ -433,20 +433,18 @@ class _Job:
                      if pattern.search(line)), None)
 
     def _unreported_failure(self, code: int) -> RankFailure:
-        """A rank died without a word (SIGKILL, the OOM killer, ``os._exit``): the one torchrun
-        saw fail first; under mpiexec, the one rank that started and did not end; when several
-        did not (the others were killed in the clean-up), the one its peers' watchdog saw
-        leave, else the one hydra's banner names, which is only a best guess."""
+        """A rank died without a word (SIGKILL, the OOM killer, ``os._exit``): the one rank
+        that started and did not end; when several did not (the others were killed in the
+        clean-up, or ended by their watchdog), the one its peers' watchdog saw leave, else the
+        one torchrun saw fail first, else the one hydra's banner names, which is only a best
+        guess."""
         sig = self.banner.get("signal")
         number = self.banner.get("code", code)
         signum = int(sig) if sig is not None else (-code if code < 0 else None)
-        first = self.banner.get("rank")
-        if first is not None and 0 <= int(first) < self.cfg.nprocs:
-            return RankFailure(int(first), exit_code=None if signum else int(number) or code,
-                               signal_number=signum)
         silent = sorted(set(self.pids) - self.ended)
         pid = self.banner.get("pid")
         named = [r for r in silent if self.pids[r][0] == pid]
+        first = self.banner.get("rank")  # torchrun's root cause
         rank = silent[0] if len(silent) == 1 else None
         reason, launcher = "", self.style.name
         if rank is None and self.lost is not None and self.lost[0] in silent:
@@ -457,6 +455,8 @@ class _Job:
                 signum, number = None, code
             if m := re.search(r"_exit\((\d+)\)", self.lost[1]):
                 signum, number = None, int(m[1])
+        elif rank is None and first is not None and 0 <= int(first) < self.cfg.nprocs:
+            rank = int(first)
         elif len(silent) > 1:
             guess = (f"{launcher} names rank {named[0]}, the most likely" if named
                      else f"{launcher} did not say which")

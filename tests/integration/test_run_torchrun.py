@@ -188,11 +188,33 @@ def test_init_joins_torchruns_world_through_the_torch_backend(tmp_path):
         ad.all_reduce(x)
         print(repr(world), "sum", x.tolist(), "AXONDIST_BACKEND" in os.environ)
     """)
-    code, out, err = torchrun("-n", "3", path)
+    code, out, err = torchrun("-n", "2", path)
     assert code == 0, out + err
-    for r in range(3):  # each rank holds arange(4) * (1 + 2 + 3)
-        assert (f"[rank {r}] World(torch, rank={r}, world_size=3) sum [0.0, 6.0, 12.0, 18.0] "
+    for r in range(2):  # each rank holds arange(4) * (1 + 2)
+        assert (f"[rank {r}] World(torch, rank={r}, world_size=2) sum [0.0, 3.0, 6.0, 9.0] "
                 "False") in out.splitlines(), out + err
+
+
+@launches
+@pytest.mark.skipif(_NO_TORCH_BACKEND is not None, reason=str(_NO_TORCH_BACKEND))
+def test_a_rank_that_ends_with_os_exit_is_named_from_its_peers_report(tmp_path):
+    """The peer's watchdog ends its own rank too, so torchrun sees two ranks fail at once;
+    the peers' report names the one that left."""
+    path = script(tmp_path, """
+        import os, numpy as np, axondist as ad
+        world = ad.init()
+        ad.barrier()
+        print("after the barrier", flush=True)
+        if world.rank == 1:
+            os._exit(3)
+        ad.all_reduce(np.ones(4))
+    """)
+    code, out, err = torchrun("-n", "2", path)
+    assert code == 3, out + err
+    lines = [ln for ln in err.splitlines() if ln.startswith("axondist run:")]
+    assert len(lines) == 1, err
+    assert lines[0].startswith("axondist run: rank 1 of 2 failed after"), err
+    assert "(exit code 3: its peers saw it leave (it called os._exit(3)))" in lines[0]
 
 
 @launches
