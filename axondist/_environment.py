@@ -4,6 +4,7 @@ every layer may ask without an import cycle."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from collections.abc import Mapping
 
@@ -19,7 +20,7 @@ _ENV_LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
                     "TORCHELASTIC_RUN_ID")
 
 #: Backends that can build a world from RANK/WORLD_SIZE/MASTER_ADDR themselves.
-ENV_CAPABLE_BACKENDS = frozenset({"nccl"})
+ENV_CAPABLE_BACKENDS = frozenset({"nccl", "torch"})
 
 
 def launched_by_mpi(env: Mapping[str, str] | None = None) -> bool:
@@ -94,13 +95,37 @@ def env_launch_size(env: Mapping[str, str] | None = None) -> tuple[int, int] | N
     return known_rank or 0, size
 
 
+def torch_installed() -> bool:
+    """Whether torch can be imported (looked up, not imported)."""
+    return importlib.util.find_spec("torch") is not None
+
+
+def default_backend(env: Mapping[str, str] | None = None) -> str:
+    """The backend ``init()`` starts when none is named: ``AXONDIST_BACKEND``, else
+    ``"mpi"`` in a job an MPI launcher started, ``"torch"`` in one an env-style launcher
+    (torchrun, a Kubernetes operator) started when torch is installed, else ``"mock"``.
+
+    Args:
+        env: the environment to read (``os.environ`` when None).
+    """
+    env = os.environ if env is None else env
+    named = env.get("AXONDIST_BACKEND", "").strip()
+    if named:
+        return named
+    if launched_by_mpi(env):
+        return "mpi"
+    if env_launch_size(env) is not None and torch_installed():
+        return "torch"
+    return "mock"
+
+
 def check_env_launch(backend_name: str, env: Mapping[str, str] | None = None) -> None:
     """Refuse to start a CPU world inside an env-style multi-process launch.
 
     Under ``torchrun --nproc_per_node=N`` every process would otherwise become rank 0 of a
-    one-rank world and train its own, independent model. The ``nccl`` backend reads
-    ``RANK``/``WORLD_SIZE`` itself, and a process launched by MPI gets its world from MPI,
-    so both pass.
+    one-rank world and train its own, independent model. The ``torch`` and ``nccl``
+    backends read ``RANK``/``WORLD_SIZE`` themselves, and a process launched by MPI gets its
+    world from MPI, so they pass.
 
     Args:
         backend_name: the backend ``init()`` is about to start (``"mock"``, ``"mpi"``...).
@@ -122,14 +147,17 @@ def check_env_launch(backend_name: str, env: Mapping[str, str] | None = None) ->
     n = str(size) if exact else "N"
     seen = ", ".join(f"{v}={env[v]}" for v in _ENV_LAUNCH_VARS if v in env)
     launcher = "torchrun" if "TORCHELASTIC_RUN_ID" in env else "an env-style launcher"
+    torch = ("ad.init('torch'), or ad.init() with no backend named" if torch_installed()
+             else "pip install '.[torch]' from the axondist checkout, then ad.init()")
     raise LaunchError(
         f"init: this process looks like rank {rank} of {size if exact else f'at least {size}'} "
         f"started by {launcher} ({seen}), but the {backend_name!r} backend cannot build a "
         "world from these variables: each process would train its own model as rank 0 of 1. "
-        f"Launch with `axondist run -n {n} script.py` or `mpiexec -n {n} python script.py` "
+        f"Use the 'torch' backend, which joins this world through torch.distributed ({torch}), "
+        f"or launch with `axondist run -n {n} script.py` or `mpiexec -n {n} python script.py` "
         "instead (or use backend 'nccl' on GPUs); if the variables are left over in your "
         "shell, unset them.")
 
 
-__all__ = ["ENV_CAPABLE_BACKENDS", "check_env_launch", "env_launch_size", "launched_by_mpi",
-           "launched_on_one_host"]
+__all__ = ["ENV_CAPABLE_BACKENDS", "check_env_launch", "default_backend", "env_launch_size",
+           "launched_by_mpi", "launched_on_one_host", "torch_installed"]

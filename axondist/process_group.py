@@ -9,7 +9,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from ._environment import check_env_launch, launched_by_mpi
+from ._environment import check_env_launch, default_backend
 from ._validate import as_members
 from .backends.base import Backend
 from .backends.mock import MockBackend
@@ -283,7 +283,9 @@ def init(backend: str | None = None, **options: Any) -> World:
             or one added with :func:`axondist.backends.register_backend`);
             when None, the ``AXONDIST_BACKEND`` environment variable, else
             ``"mpi"`` when the process was launched by mpiexec/mpirun/srun,
-            else a one-rank ``"mock"`` world.
+            ``"torch"`` when torchrun (or another launcher setting ``RANK`` and
+            ``WORLD_SIZE``) started it and torch is installed, else a one-rank
+            ``"mock"`` world.
         **options: passed to the backend's factory (``timeout`` for every
             built-in backend).
 
@@ -295,9 +297,7 @@ def init(backend: str | None = None, **options: Any) -> World:
             that this backend cannot join into one world (the message says what to
             run instead).
     """
-    name = backend or os.environ.get("AXONDIST_BACKEND") or (
-        "mpi" if launched_by_mpi() else "mock")
-    name = str(name).strip().lower()
+    name = str(backend or default_backend()).strip().lower()
     check_env_launch(name)
     world = World(create_backend(name, **options))
     set_process_world(world)

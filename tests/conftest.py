@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 
 # Many mock-world ranks on threads each calling BLAS would oversubscribe the
 # cores with BLAS threads; one BLAS thread per rank, set before NumPy loads.
@@ -32,9 +33,10 @@ os.environ.setdefault("AXONDIST_TIMEOUT", "60")
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Under ``mpiexec`` each rank gets its own temporary folder: ranks sharing pytest's
-    default one race while pruning old runs at exit."""
-    rank = os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK"))
+    """Under ``mpiexec`` or ``torchrun`` each rank gets its own temporary folder: ranks
+    sharing pytest's default one race while pruning old runs at exit."""
+    rank = os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK",
+                                                     os.environ.get("RANK")))
     if rank is not None and config.option.basetemp is None:
         import tempfile
 
@@ -69,6 +71,8 @@ def pytest_report_header(config: pytest.Config) -> str:
     rank = os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK"))
     size = os.environ.get("PMI_SIZE", os.environ.get("OMPI_COMM_WORLD_SIZE"))
     where = f"MPI rank {rank} of {size}" if rank is not None else "single process"
+    if rank is None and os.environ.get("RANK") is not None:
+        where = f"torchrun rank {os.environ['RANK']} of {os.environ.get('WORLD_SIZE')}"
     return f"axondist tests: {where}, numpy {np.__version__}"
 
 
@@ -78,9 +82,18 @@ def rng() -> np.random.Generator:
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    """Under ``mpiexec``, a failing rank aborts the job instead of leaving peers waiting."""
+    """Under ``mpiexec`` or ``torchrun``, a failing rank ends the job instead of leaving its
+    peers waiting (torchrun stops the others when one rank exits with an error)."""
+    from axondist._environment import env_launch_size
     from axondist.launch import launched_by_mpi
 
+    if exitstatus not in (0, 5) and not launched_by_mpi() and env_launch_size() is not None:
+        from axondist.backends._watchdog import silence_all
+
+        silence_all()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(int(exitstatus))
     if exitstatus not in (0, 5) and launched_by_mpi():
         from mpi4py import MPI
 

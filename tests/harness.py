@@ -1,12 +1,14 @@
-"""Run a per-rank test body on the mock world, or on the MPI world under mpiexec.
+"""Run a per-rank test body on the mock world, or on the launched world under mpiexec or
+torchrun.
 
 A world test is written once as ``body(world, ...)`` that asserts its own
 rank's results against a NumPy reference it can compute locally (every
 rank's inputs derive from a seed and the rank). :func:`run_world` runs it on
 ``world_size`` threads of a mock world, or, when the test session itself was
-launched by ``mpiexec -n K python -m pytest``, once on this process's rank of
-the K-rank MPI world (``world_size`` is then ignored: use
-:func:`world_sizes` so the generated sizes say so).
+launched by ``mpiexec -n K python -m pytest`` (the MPI backend) or ``torchrun
+--nproc-per-node K -m pytest`` (the torch backend), once on this process's rank
+of that K-rank world (``world_size`` is then ignored: use :func:`world_sizes` so
+the generated sizes say so).
 """
 
 from __future__ import annotations
@@ -20,43 +22,55 @@ import pytest
 from hypothesis import strategies as st
 
 import axondist
+from axondist._environment import env_launch_size
 from axondist.launch import launched_by_mpi
 
+#: The session runs on one rank of an MPI world (under mpiexec).
 UNDER_MPI = launched_by_mpi()
+#: The session runs on one rank of a torch.distributed world (under torchrun).
+UNDER_TORCHRUN = not UNDER_MPI and env_launch_size() is not None
+#: The session runs on one rank of a launched world of processes (either of the above).
+LAUNCHED = UNDER_MPI or UNDER_TORCHRUN
 
 
 @functools.cache
+def launched_world() -> axondist.World:
+    """This process's world under mpiexec (MPI) or torchrun (torch), created once per
+    test session."""
+    return axondist.init("mpi" if UNDER_MPI else "torch")
+
+
 def mpi_world() -> axondist.World:
     """This process's MPI world (created once per test session)."""
-    return axondist.init("mpi")
+    assert UNDER_MPI, "mpi_world() needs a session launched by mpiexec"
+    return launched_world()
 
 
 def run_world(body: Callable[..., Any], world_size: int, *args: Any,
               timeout: float = 60.0) -> list[Any]:
     """Run ``body(world, *args)`` on every rank; return the results this process can see.
 
-    Mock world: the list of every rank's result. MPI: a one-item list with
-    this rank's result (each process checks its own rank).
+    Mock world: the list of every rank's result. A launched world: a one-item list
+    with this rank's result (each process checks its own rank).
     """
-    if UNDER_MPI:
-        world = mpi_world()
-        return [body(world, *args)]
+    if LAUNCHED:
+        return [body(launched_world(), *args)]
     return axondist.spawn(body, world_size, *args, timeout=timeout)
 
 
 def world_sizes(min_size: int = 1, max_size: int = 8) -> st.SearchStrategy[int]:
-    """Hypothesis strategy for world sizes: the real size under MPI."""
-    if UNDER_MPI:
-        return st.just(mpi_world().world_size)
+    """Hypothesis strategy for world sizes: the real size in a launched world."""
+    if LAUNCHED:
+        return st.just(launched_world().world_size)
     return st.integers(min_size, max_size)
 
 
 def current_size(default: int) -> int:
-    """The MPI world's size under mpiexec, else ``default``."""
-    return mpi_world().world_size if UNDER_MPI else default
+    """The launched world's size under mpiexec or torchrun, else ``default``."""
+    return launched_world().world_size if LAUNCHED else default
 
 
-mock_only = pytest.mark.skipif(UNDER_MPI, reason="needs the in-process mock world")
+mock_only = pytest.mark.skipif(LAUNCHED, reason="needs the in-process mock world")
 
 
 def why_no_gpu(need_nccl: bool = False) -> str | None:

@@ -68,8 +68,8 @@ class LaunchEnv:
         return any(k in environ for k in cls.REQUIRED)
 
     @classmethod
-    def from_environ(cls, environ: Mapping[str, str]) -> LaunchEnv:
-        """Parse and check the variables.
+    def from_environ(cls, environ: Mapping[str, str], who: str = "nccl bootstrap") -> LaunchEnv:
+        """Parse and check the variables (``who`` starts the error messages).
 
         Raises:
             ValueError: a variable is missing, not an integer or out of range
@@ -79,7 +79,7 @@ class LaunchEnv:
         if missing:
             have = ", ".join(f"{k}={environ[k]}" for k in cls.REQUIRED if environ.get(k)) or "none"
             raise ValueError(
-                f"nccl bootstrap: {', '.join(missing)} not set (set: {have}); launch with "
+                f"{who}: {', '.join(missing)} not set (set: {have}); launch with "
                 "torchrun, set MASTER_ADDR, MASTER_PORT, WORLD_SIZE and RANK (and LOCAL_RANK) "
                 "on every process, or launch with mpiexec")
 
@@ -88,10 +88,10 @@ class LaunchEnv:
             try:
                 value = int(text)
             except ValueError:
-                raise ValueError(f"nccl bootstrap: {name}={text!r} is not an integer") from None
+                raise ValueError(f"{who}: {name}={text!r} is not an integer") from None
             if value < lo or (hi is not None and value > hi):
                 span = f"{lo}..{hi}" if hi is not None else f">= {lo}"
-                raise ValueError(f"nccl bootstrap: {name}={value} is out of range ({span})")
+                raise ValueError(f"{who}: {name}={value} is out of range ({span})")
             return value
 
         world_size = integer("WORLD_SIZE", 1)

@@ -82,5 +82,6 @@ def _module_factory(module: str) -> BackendFactory:
 register_backend("mock", _module_factory("mock"))
 register_backend("mpi", _module_factory("mpi"))
 register_backend("nccl", _module_factory("nccl"))
+register_backend("torch", _module_factory("torch"))
 
 __all__ = ["BackendFactory", "backend_names", "create_backend", "register_backend"]

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from harness import UNDER_MPI, current_size, mock_only, run_world, world_sizes
+from harness import LAUNCHED, UNDER_MPI, current_size, mock_only, run_world, world_sizes
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -379,7 +379,7 @@ def test_sharded_checkpoint_across_world_sizes(tmp_path, world_size: int, data, 
     n_load = data.draw(st.integers(1, world_size), label="load ranks")
     save_kind = data.draw(st.sampled_from(TARGETS), label="saved by")
     load_kind = data.draw(st.sampled_from(TARGETS), label="loaded into")
-    base = None if UNDER_MPI else str(tmp_path)
+    base = None if LAUNCHED else str(tmp_path)
 
     def body(world: ad.World) -> None:
         path = shared_dir(world, base)
@@ -409,7 +409,7 @@ def test_sharded_checkpoint_across_world_sizes(tmp_path, world_size: int, data, 
 def test_full_checkpoint_round_trip(tmp_path, world_size: int, data, seed: int) -> None:
     n_load = data.draw(st.integers(1, world_size), label="load ranks")
     strategy = data.draw(st.sampled_from(STRATEGIES), label="strategy")
-    base = None if UNDER_MPI else str(tmp_path)
+    base = None if LAUNCHED else str(tmp_path)
 
     def body(world: ad.World) -> None:
         d = shared_dir(world, base)
@@ -1045,7 +1045,7 @@ def test_plain_load_of_a_unit_that_never_had_a_gradient(tmp_path, world_size: in
     """FSDP (a unit per parameter) trains with no gradient for parameter 0, so its unit has no
     optimizer state; a plain model and another FSDP load the checkpoint under strict and hold
     what one process holds."""
-    base = None if UNDER_MPI else str(tmp_path)
+    base = None if LAUNCHED else str(tmp_path)
 
     def body(world: ad.World) -> None:
         path = shared_dir(world, base)
@@ -1089,7 +1089,7 @@ def test_a_parameter_without_state_in_a_shared_unit_loads_as_zeros(
     being zeros and the rest the saved state."""
     n = len(model_shapes(seed))
     skip = data.draw(st.integers(0, n - 1), label="parameter without state")
-    base = None if UNDER_MPI else str(tmp_path)
+    base = None if LAUNCHED else str(tmp_path)
 
     def body(world: ad.World) -> None:
         path = shared_dir(world, base)
@@ -1142,7 +1142,7 @@ def drop_optimizer_entry(path: str, name: str) -> None:
 def test_a_removed_optimizer_entry_is_refused_unless_not_strict(tmp_path, world_size: int,
                                                                 strategy: ShardingStrategy,
                                                                 seed: int) -> None:
-    base = None if UNDER_MPI else str(tmp_path)
+    base = None if LAUNCHED else str(tmp_path)
 
     def body(world: ad.World) -> None:
         path = shared_dir(world, base)

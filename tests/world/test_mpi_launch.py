@@ -8,10 +8,9 @@ itself (no recursion) and when mpi4py or MPICH's mpiexec is missing.
 This file is also the per-rank program of the MPI-only checks:
 ``mpiexec -n K python tests/world/test_mpi_launch.py CHECK`` runs the
 function ``CHECKS[CHECK]`` on every rank (each rank asserts its own results
-against NumPy references derived from seeds, then prints ``CHECK OK``);
-``CHECK`` = ``pytest ARGS`` runs pytest printing each failure's traceback at
-once, so it survives the abort that a failing rank starts (at a hypothesis
-test's first failing example, before hypothesis would replay it on that rank alone).
+against NumPy references derived from seeds, then prints ``CHECK OK``). The
+launched pytest runs use ``rank_pytest.py``, which prints each failure's traceback
+at once and ends the job.
 
 Environment: ``AXONDIST_MPI_LAUNCH_TIMEOUT`` (seconds per launch, default
 600), ``AXONDIST_MPI_TEST_EXAMPLES`` (hypothesis examples in the launched
@@ -20,7 +19,6 @@ world tests, default 5).
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import os
 import re
@@ -30,7 +28,6 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
@@ -38,8 +35,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 MPIEXEC = Path(sys.executable).parent / "mpiexec"
 LAUNCH_TIMEOUT = float(os.environ.get("AXONDIST_MPI_LAUNCH_TIMEOUT", "600"))
-# Seconds a failing rank waits between printing its traceback and aborting the job.
-OUTPUT_GRACE_S = 0.5
+#: The per-rank program of launched pytest runs (failures printed at once, the job ended).
+RANK_PYTEST = Path(__file__).with_name("rank_pytest.py")
 # MPICH busy-polls while it waits; with more ranks than free cores (CI machines,
 # shared test boxes) the spinning ranks starve the one that should send. These
 # settings (MPICH's own CI uses them to run mpi4py's tests oversubscribed) make
@@ -145,7 +142,7 @@ def _pytest_summary(text: str) -> str | None:
 def test_world_tests_pass_under_mpiexec(mpi_ready: None, tmp_path: Path, n: int) -> None:
     # python -m mpi4py: a rank whose pytest exits non-zero aborts the whole job
     # (otherwise its MPI_Finalize waits for ranks blocked in the next collective).
-    args = ["-m", "mpi4py", __file__, "pytest", "tests/world", "-q", "-p", "no:cacheprovider",
+    args = ["-m", "mpi4py", str(RANK_PYTEST), "tests/world", "-q", "-p", "no:cacheprovider",
             "-x", "-m", "not gpu"]
     examples = os.environ.get("AXONDIST_MPI_TEST_EXAMPLES", "5")
     run = launch(tmp_path, n, args, {"AXONDIST_TEST_EXAMPLES": examples})
@@ -163,7 +160,7 @@ def test_world_tests_pass_under_mpiexec(mpi_ready: None, tmp_path: Path, n: int)
 def test_mpi_bits_hold_at_four_and_five_ranks(mpi_ready: None, tmp_path: Path, n: int) -> None:
     """tests/world/test_mpi_bits.py (which the world tests above run at 2 and 3 ranks) at
     4 and 5, on a few examples: sums and means keep MPI's own Allreduce's bits."""
-    args = ["-m", "mpi4py", __file__, "pytest", "tests/world/test_mpi_bits.py", "-q", "-p",
+    args = ["-m", "mpi4py", str(RANK_PYTEST), "tests/world/test_mpi_bits.py", "-q", "-p",
             "no:cacheprovider", "-x", "-rs"]
     run = launch(tmp_path, n, args, {"AXONDIST_TEST_EXAMPLES": "4"}, timeout=300)
     summaries = [_pytest_summary(text) for text in run.ranks]
@@ -185,7 +182,7 @@ def test_gpu_world_tests_pass_under_mpiexec(mpi_ready: None, tmp_path: Path, n: 
     reason = why_no_gpu()
     if reason is not None:
         pytest.skip(reason)
-    args = ["-m", "mpi4py", __file__, "pytest", "tests/gpu/test_cupy_collectives.py",
+    args = ["-m", "mpi4py", str(RANK_PYTEST), "tests/gpu/test_cupy_collectives.py",
             "tests/gpu/test_cupy_wrappers.py", "-q", "-p", "no:cacheprovider", "-x", "-rs"]
     run = launch(tmp_path, n, args, {"AXONDIST_TEST_EXAMPLES": "5",
                                      "AXONDIST_MPI_HOST_STAGING": staging})
@@ -207,7 +204,7 @@ def test_a_failing_world_test_prints_its_traceback_before_the_job_aborts(
         "    if world.rank == 1:\n"
         "        assert world.rank == 0, 'rank 1 fails this test on purpose'\n"
         "    ad.all_reduce(np.ones(3))  # rank 0 waits here until the abort ends it\n")
-    run = launch(tmp_path, 2, ["-m", "mpi4py", __file__, "pytest", str(test_file), "-q", "-x",
+    run = launch(tmp_path, 2, ["-m", "mpi4py", str(RANK_PYTEST), str(test_file), "-q", "-x",
                                "-p", "no:cacheprovider", f"--rootdir={tmp_path}"], timeout=120)
     assert run.returncode != 0, run.tail()
     assert "rank 1: test_fails_on_rank_1.py::test_rank_1_fails failed" in run.ranks[1], run.tail()
@@ -225,7 +222,7 @@ def test_a_failing_hypothesis_example_prints_its_traceback_and_ends_the_job(
     collectives then wait for ranks that went on (a hang until the timeout, and no
     traceback). The first failing example prints it and ends the job instead."""
     test = f"{FAILING_TESTS}::test_one_rank_fails_one_example"
-    run = launch(tmp_path, 2, ["-m", "mpi4py", __file__, "pytest", test, "-q", "-x", "-p",
+    run = launch(tmp_path, 2, ["-m", "mpi4py", str(RANK_PYTEST), test, "-q", "-x", "-p",
                                "no:cacheprovider"],
                  {"AXONDIST_FAIL_RANKS": "1", "AXONDIST_TEST_EXAMPLES": "3",
                   "AXONDIST_TIMEOUT": "60"}, timeout=120)
@@ -445,85 +442,8 @@ def _backend() -> None:
     ad.barrier()
 
 
-class _PrintFailuresNow:
-    """A pytest plugin that prints a failing test's traceback the moment it fails.
-
-    Under mpiexec the failing rank aborts the job in ``pytest_sessionfinish``, before
-    pytest's summary would show the traceback; printed here, it survives the abort.
-    A hypothesis test goes further: after a failing example hypothesis shrinks it and
-    replays it, on the failing rank alone, so that rank's collectives find no partner
-    (the others passed the example and went on) and the job hangs without a word. Its
-    first failing example therefore prints the traceback and aborts the job at once.
-    """
-
-    @pytest.hookimpl(trylast=True)
-    def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
-        for item in items:
-            handle = getattr(getattr(item, "obj", None), "hypothesis", None)
-            if handle is not None and callable(getattr(handle, "inner_test", None)):
-                handle.inner_test = self._abort_on_failure(item, handle.inner_test)
-
-    @classmethod
-    def _abort_on_failure(cls, item: pytest.Item, test: Any) -> Any:
-        @functools.wraps(test)
-        def run_example(*args: Any, **kwargs: Any) -> Any:
-            try:
-                return test(*args, **kwargs)
-            except Exception as exc:
-                # hypothesis's own signals (assume(), ...) are no failure; hypothesis is
-                # loaded by then (imported here, pytest could not rewrite its asserts)
-                if isinstance(exc, sys.modules["hypothesis.errors"].HypothesisException):
-                    raise
-                text = str(item.repr_failure(pytest.ExceptionInfo.from_exception(exc)))
-                example = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
-                capture = item.config.pluginmanager.getplugin("capturemanager")
-                with capture.global_and_fixture_disabled():  # past pytest's capture
-                    cls._print(f"{item.nodeid} failed (call), the job aborts now",
-                               f"{text}\nfailing example on this rank: {example[:2000]}")
-                    _abort(1)
-                raise  # not reached: the abort ends this process
-
-        return run_example
-
-    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
-        if report.failed:
-            self._print(f"{report.nodeid} failed ({report.when})", report.longreprtext)
-
-    def pytest_collectreport(self, report: pytest.CollectReport) -> None:
-        if report.failed:
-            self._print(f"collecting {report.nodeid or 'the tests'} failed",
-                        report.longreprtext)
-
-    @staticmethod
-    def _print(what: str, text: str) -> None:
-        rank = os.environ.get("PMI_RANK", "?")
-        print(f"\n--- rank {rank}: {what} ---\n{text}", file=sys.stderr, flush=True)
-
-
-def _abort(status: int) -> None:
-    """End the whole job now (as ``tests/conftest.py`` does when a rank's session fails)."""
-    from mpi4py import MPI
-
-    from axondist.backends._watchdog import silence_all
-
-    silence_all()  # this rank fails the run: not a departure for the others to report
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # the text goes through this host's proxy to mpiexec, the abort by its own way, and
-    # hydra orders neither: a short pause lets the text arrive first
-    time.sleep(OUTPUT_GRACE_S)
-    MPI.COMM_WORLD.Abort(status)
-
-
-def _pytest(*args: str) -> None:
-    """``python -m pytest ARGS`` with failures printed at once; exits with pytest's status."""
-    status = pytest.main(list(args), plugins=[_PrintFailuresNow()])
-    if status not in (0, 5):
-        raise SystemExit(int(status))
-
-
 CHECKS = {"raise_on_rank_1": _raise_on_rank_1, "shape_mismatch": _shape_mismatch,
-          "backend": _backend, "pytest": _pytest}
+          "backend": _backend}
 
 if __name__ == "__main__":
     sys.path.insert(0, str(REPO))  # the checkout's axondist

@@ -23,7 +23,7 @@ from types import ModuleType
 
 import numpy as np
 import pytest
-from harness import UNDER_MPI, current_size, mock_only, run_world, world_sizes
+from harness import LAUNCHED, current_size, mock_only, run_world, world_sizes
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -480,7 +480,7 @@ def test_the_script_exits_non_zero_when_it_disagrees(script, monkeypatch, capsys
 MPIEXEC = Path(sys.executable).parent / "mpiexec"
 _LAUNCH_PREFIXES = ("PMI_", "PMIX_", "OMPI_", "HYDI_", "HYDRA_", "MPI_LOCAL", "SLURM_")
 needs_mpi = pytest.mark.skipif(
-    UNDER_MPI or importlib.util.find_spec("mpi4py") is None or not MPIEXEC.exists(),
+    LAUNCHED or importlib.util.find_spec("mpi4py") is None or not MPIEXEC.exists(),
     reason="needs mpi4py and the mpiexec next to Python, and not to be under mpiexec already")
 
 

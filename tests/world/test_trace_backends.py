@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from harness import UNDER_MPI
+from harness import LAUNCHED
 
 import axondist as ad
 
@@ -28,7 +28,7 @@ def fake_nccl(monkeypatch: pytest.MonkeyPatch) -> Any:
     return nccl_fake.install(monkeypatch, device_count=2)
 
 
-@pytest.mark.skipif(UNDER_MPI, reason="runs its own NCCL world on threads")
+@pytest.mark.skipif(LAUNCHED, reason="runs its own NCCL world on threads")
 def test_nccl_calls_are_traced(fake_nccl: Any, tmp_path: Path) -> None:
     from axondist.launch import spawn_on_devices
 
@@ -52,7 +52,7 @@ def test_nccl_calls_are_traced(fake_nccl: Any, tmp_path: Path) -> None:
         assert [c["phase"] for c in trace.clocks] == ["start", "stop"]
 
 
-@pytest.mark.skipif(UNDER_MPI, reason="shifts the clock of one thread of a mock world")
+@pytest.mark.skipif(LAUNCHED, reason="shifts the clock of one thread of a mock world")
 def test_clock_exchange_finds_a_rank_whose_clock_is_off(
         monkeypatch: pytest.MonkeyPatch) -> None:
     import threading

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from harness import UNDER_MPI, run_world
+from harness import LAUNCHED, run_world
 
 import axondist as ad
 from axondist.trace.report import format_report, straggler_report
@@ -79,7 +79,7 @@ def test_report_names_the_sleeping_rank(tmp_path: Path) -> None:
 
 
 def _why_no_mpiexec() -> str | None:
-    if UNDER_MPI:
+    if LAUNCHED:
         return "already under mpiexec"
     try:
         import mpi4py  # noqa: F401
@@ -129,7 +129,7 @@ ad.spawn(job, 2)
 
 
 def test_trace_of_a_crashed_run_is_readable(tmp_path: Path) -> None:
-    if UNDER_MPI:
+    if LAUNCHED:
         pytest.skip("runs its own mock world in a subprocess")
     proc = subprocess.run([sys.executable, "-c", _CRASHING_JOB], cwd=REPO,
                           env=_environment(AXONDIST_TRACE=str(tmp_path)), capture_output=True,

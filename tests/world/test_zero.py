@@ -16,7 +16,7 @@ import tempfile
 
 import numpy as np
 import pytest
-from harness import UNDER_MPI, current_size, mock_only, run_world, world_sizes
+from harness import LAUNCHED, current_size, mock_only, run_world, world_sizes
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -332,7 +332,7 @@ def test_sharded_checkpoint_two_to_three_to_one_rank(tmp_path, kind: str, seed: 
     every stage equals the uninterrupted single-process run. A parameter that never gets a
     gradient (``skip``) has no state, and still loads under strict."""
     cls, kw = KINDS[kind]
-    base = None if UNDER_MPI else str(tmp_path)
+    base = None if LAUNCHED else str(tmp_path)
 
     def body(world: ad.World) -> None:
         n = world.world_size
@@ -396,7 +396,7 @@ def test_sharded_checkpoint_without_a_parameters_entry_is_refused_unless_not_str
         tmp_path) -> None:
     """The plain optimizer over all but parameter 0 saves; ZeRO over every parameter refuses
     to load that (on every rank) unless strict=False, when parameter 0's state starts fresh."""
-    base = None if UNDER_MPI else str(tmp_path)
+    base = None if LAUNCHED else str(tmp_path)
 
     def body(world: ad.World) -> None:
         path = shared_dir(world, base)
@@ -462,7 +462,7 @@ def test_sharded_state_dict_is_this_ranks_ranges_and_refuses_others(world_size: 
         return ranges
 
     results = run_world(body, world_size)
-    if not UNDER_MPI:  # the mock world sees every rank: the ranges tile each parameter
+    if not LAUNCHED:  # the mock world sees every rank: the ranges tile each parameter
         for i, p in enumerate(make_params(seed)):
             spans = sorted(r[i] for r in results if i in r)
             assert spans[0][0] == 0 and spans[-1][1] == p.size

@@ -550,9 +550,7 @@ class MPIBackend(Backend):
         mpi = self.mpi
         if comm is None or mpi.Is_finalized() or comm == mpi.COMM_NULL:
             return
-        rec = self.guard.rec
-        rec.groups.pop(self.guard.group, None)
-        rec.groups.pop(self.guard.p2p_group, None)
+        self.guard.forget()
         for handle in list(self._persistent):
             handle.free()  # collective, as close() is: every rank holds the same ones
         self.free_plans()

@@ -17,21 +17,17 @@ non-blocking call's check is an ``Iallreduce`` settled in its ``wait()``. Under
 
 from __future__ import annotations
 
-import hashlib
-import itertools
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
 
-from ...errors import CollectiveMismatchError, CollectiveTimeoutError
-from ..base import compare_signatures
+from ...errors import CollectiveTimeoutError
+from ..call_check import CallLog, Key, check_words, raise_if_different
 from ..recorder import FlightRecorder, describe_status
 from .choose import RIDE_MAX_BYTES
 from .transport import raise_mpi_error
-
-Key = tuple[tuple[str, Any], ...]
 
 #: A two-rank check's header: the call's hash, a "ranks disagree" flag, the data's bytes.
 HEADER = 24
@@ -40,19 +36,9 @@ HEADER = 24
 RIDE_ROOM = RIDE_MAX_BYTES
 #: The swaps' tag on the checks' communicator.
 PAIR_TAG = 1
-#: Check words a guard keeps for calls made outside plans.
-_WORDS_KEPT = 1024
 
 
-def check_words(op: str, key: Key) -> np.ndarray:
-    """``[h, -h]`` for a 62-bit hash of the call's name and key (the same on every rank):
-    the send buffer of its check."""
-    digest = hashlib.blake2b(repr((op, key)).encode(), digest_size=8).digest()
-    h = int.from_bytes(digest, "little") >> 2
-    return np.array([h, -h], dtype=np.int64)
-
-
-class CallGuard:
+class CallGuard(CallLog):
     """Sequence numbers, recording and argument checks of one MPI communicator.
 
     Args:
@@ -67,27 +53,16 @@ class CallGuard:
 
     def __init__(self, comm: Any, mpi: Any, recorder: FlightRecorder, group: str,
                  members: Iterable[int], checks: bool, debug: bool = False) -> None:
-        self.rec = recorder
-        self.group = group
-        self.members = tuple(members)
+        super().__init__(recorder, group, members)
         self.checks = checks or debug
         self.debug = debug
         self._mpi = mpi
-        recorder.groups[group] = self.members
-        self.p2p_group = f"{group}:p2p"
-        recorder.groups[self.p2p_group] = self.members
-        self.seqs = itertools.count(1)
-        self._p2p_seqs = itertools.count(1)
         #: The checks' own communicator (None for one rank, or with the checks off): a
         #: check never meets the data of a collective, nor a user's message.
         self.comm = comm.Dup() if comm.Get_size() > 1 and self.checks else None
         self._result = np.zeros(2, dtype=np.int64)
         self._out = [self._result, mpi.INT64_T]
         self._max = mpi.MAX
-        self.groups_made = 0
-        #: The check words of the calls made outside plans (barrier, objects, rooted calls),
-        #: by ``(op, key)``: hashing a key costs more than a small call's check.
-        self._words: dict[tuple[str, Key], np.ndarray] = {}
         #: A two-rank group's swap: the other rank, every header lands in :attr:`received`
         #: (room for the largest riding message), and this rank's header.
         self.peer: int | None = None
@@ -98,16 +73,6 @@ class CallGuard:
             self._header = np.zeros(3, np.int64)
             self.receive = self.comm.Recv_init(self.received, self.peer, PAIR_TAG)
             self._swap = [self.comm.Send_init(self._header, self.peer, PAIR_TAG), self.receive]
-
-    def begin(self, op: str, detail: Any, blocking: bool = True) -> tuple[int, int]:
-        """Number and record a call starting now: ``(seq, recorder slot)``."""
-        seq = next(self.seqs)
-        return seq, self.rec.begin(self.group, seq, op, detail, blocking)
-
-    def begin_p2p(self, op: str, detail: Any) -> int:
-        """Record a send or receive starting now (numbered apart from the collectives,
-        which every rank must count alike); the recorder slot."""
-        return self.rec.begin(self.p2p_group, next(self._p2p_seqs), op, detail)
 
     def agree(self, op: str, key: Key, words: np.ndarray) -> None:
         """Return when every rank of the group calls ``op`` with this ``key`` (``words``:
@@ -135,15 +100,6 @@ class CallGuard:
         result = self._result
         if result[0] != -result[1]:
             self.disagree(op, key)
-
-    def words(self, op: str, key: Key) -> np.ndarray:
-        """:func:`check_words` of ``(op, key)``, kept (at most ``_WORDS_KEPT`` at once)."""
-        found = self._words.get((op, key))
-        if found is None:
-            if len(self._words) >= _WORDS_KEPT:
-                self._words.clear()
-            found = self._words[(op, key)] = check_words(op, key)
-        return found
 
     def swap(self, requests: list[Any], h: int, nbytes: int) -> bool:
         """Run a two-rank group's swap (``requests``: a persistent send of this rank's
@@ -216,20 +172,7 @@ class CallGuard:
         self._compare(op, self.comm.allgather((op, key)), named=True)
 
     def _compare(self, op: str, calls: list[Any], named: bool = False) -> None:
-        """Raise the mismatch error for the ranks' ``calls`` (their keys, or with ``named``
-        their ``(op, key)`` pairs), if they differ."""
-        pairs = calls if named else [(op, key) for key in calls]
-        # the debug exchange names values as the caller gave them (shapes as tuples, as the
-        # mock world does); the hashed check's keys print as the flight recorder shows them
-        signatures = [(("op", name),) + (_printable(key) if named else tuple(key))
-                      for name, key in pairs]
-        error = compare_signatures(op, signatures)
-        if error is None and named:  # equal calls cannot disagree: say so, never go on
-            error = CollectiveMismatchError(
-                f"{op}: the ranks' checks disagree although their calls match "
-                f"({[repr(k) for _, k in pairs]}); report this as a bug")
-        if error is not None:
-            raise error
+        raise_if_different(op, calls, named)
 
     def close(self) -> None:
         """Free the checks' communicator and requests (collective, with the group's own)."""
@@ -252,12 +195,6 @@ def wait_until(done: Any, deadline: float, error: Any) -> None:
             raise error()
         time.sleep(pause)
         pause = min(pause * 2, 1e-3)
-
-
-def _printable(key: Key) -> Key:
-    """The key's values as they print in messages (dtypes by name, shapes as lists)."""
-    return tuple((name, str(v) if isinstance(v, np.dtype) else list(v) if isinstance(v, tuple)
-                  else v) for name, v in key)
 
 
 __all__ = ["HEADER", "PAIR_TAG", "CallGuard", "Key", "check_words", "wait_until"]

@@ -1,0 +1,115 @@
+"""What every checked backend (MPI, torch) keeps per group: the numbering and flight
+recording of its calls, and the words of the cross-rank check that the ranks made the
+same call with the same arguments.
+
+A call's check words are ``[h, -h]`` for a hash ``h`` of its name and key: the MAX of
+every rank's words is ``[h, -h]`` again exactly when the ranks agree, so one small
+all-reduce tells every rank. When they differ, the ranks exchange their keys and raise
+the same :class:`~axondist.errors.CollectiveMismatchError` (:func:`raise_if_different`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+
+from ..errors import CollectiveMismatchError
+from .base import compare_signatures
+from .recorder import FlightRecorder
+
+Key = tuple[tuple[str, Any], ...]
+
+#: Check words a group keeps for calls made outside plans.
+_WORDS_KEPT = 1024
+
+
+def check_words(op: str, key: Key) -> np.ndarray:
+    """``[h, -h]`` for a 62-bit hash of the call's name and key (the same on every rank):
+    the send buffer of its check."""
+    digest = hashlib.blake2b(repr((op, key)).encode(), digest_size=8).digest()
+    h = int.from_bytes(digest, "little") >> 2
+    return np.array([h, -h], dtype=np.int64)
+
+
+def agreed(words: np.ndarray) -> bool:
+    """Whether the MAX over the ranks of their check words says that they all agree."""
+    return bool(words[0] == -words[1])
+
+
+class CallLog:
+    """Sequence numbers and flight recording of one group's calls.
+
+    Args:
+        recorder: the rank's flight recorder (shared by all its groups).
+        group: the group's name in the recorder (``"world"``, ``"world.0"``...).
+        members: the group's members as world ranks, in group-rank order.
+    """
+
+    def __init__(self, recorder: FlightRecorder, group: str, members: Iterable[int]) -> None:
+        self.rec = recorder
+        self.group = group
+        self.members = tuple(members)
+        recorder.groups[group] = self.members
+        self.p2p_group = f"{group}:p2p"
+        recorder.groups[self.p2p_group] = self.members
+        self.seqs = itertools.count(1)
+        self._p2p_seqs = itertools.count(1)
+        self.groups_made = 0
+        #: The check words of the calls made outside plans (barrier, objects, rooted calls),
+        #: by ``(op, key)``: hashing a key costs more than a small call's check.
+        self._words: dict[tuple[str, Key], np.ndarray] = {}
+
+    def begin(self, op: str, detail: Any, blocking: bool = True) -> tuple[int, int]:
+        """Number and record a call starting now: ``(seq, recorder slot)``."""
+        seq = next(self.seqs)
+        return seq, self.rec.begin(self.group, seq, op, detail, blocking)
+
+    def begin_p2p(self, op: str, detail: Any) -> int:
+        """Record a send or receive starting now (numbered apart from the collectives,
+        which every rank must count alike); the recorder slot."""
+        return self.rec.begin(self.p2p_group, next(self._p2p_seqs), op, detail)
+
+    def words(self, op: str, key: Key) -> np.ndarray:
+        """:func:`check_words` of ``(op, key)``, kept (at most ``_WORDS_KEPT`` at once)."""
+        found = self._words.get((op, key))
+        if found is None:
+            if len(self._words) >= _WORDS_KEPT:
+                self._words.clear()
+            found = self._words[(op, key)] = check_words(op, key)
+        return found
+
+    def forget(self) -> None:
+        """Drop the group's entries from the flight recorder (the group is gone)."""
+        self.rec.groups.pop(self.group, None)
+        self.rec.groups.pop(self.p2p_group, None)
+
+
+def raise_if_different(op: str, calls: list[Any], named: bool = False) -> None:
+    """Raise the mismatch error for the ranks' ``calls`` (their keys, or with ``named``
+    their ``(op, key)`` pairs), if they differ; with ``named`` (the check said they
+    differ) also when they do not, as a bug report."""
+    pairs = calls if named else [(op, key) for key in calls]
+    # the debug exchange names values as the caller gave them (shapes as tuples, as the
+    # mock world does); the hashed check's keys print as the flight recorder shows them
+    signatures = [(("op", name),) + (printable(key) if named else tuple(key))
+                  for name, key in pairs]
+    error = compare_signatures(op, signatures)
+    if error is None and named:  # equal calls cannot disagree: say so, never go on
+        error = CollectiveMismatchError(
+            f"{op}: the ranks' checks disagree although their calls match "
+            f"({[repr(k) for _, k in pairs]}); report this as a bug")
+    if error is not None:
+        raise error
+
+
+def printable(key: Key) -> Key:
+    """The key's values as they print in messages (dtypes by name, shapes as lists)."""
+    return tuple((name, str(v) if isinstance(v, np.dtype) else list(v) if isinstance(v, tuple)
+                  else v) for name, v in key)
+
+
+__all__ = ["CallLog", "Key", "agreed", "check_words", "printable", "raise_if_different"]

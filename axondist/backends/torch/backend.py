@@ -1,0 +1,598 @@
+"""The torch backend: one rank's endpoint in a ``torch.distributed`` process group.
+
+torch picks the engine by where a buffer lives: gloo for NumPy arrays (seen as CPU
+tensors) and NCCL for CuPy arrays (CUDA tensors), both through DLPack without copies.
+Every call is numbered, recorded and checked across ranks first
+(:class:`~axondist.backends.torch.guard.TorchGuard`), so a mismatch raises the same
+error as on the other backends instead of gloo's abort. What gloo cannot do directly, the
+plans here arrange: uneven all-gathers, reduce-scatters, gathers and scatters run on
+blocks padded to the largest, a mean is a SUM then a division (as on MPI), and a
+point-to-point message carries a small header first, so a receive of the wrong size
+raises instead of ending the process.
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from ... import _array
+from ..._validate import as_rank
+from ...errors import CollectiveMismatchError, CollectiveTimeoutError, InvalidBufferError
+from ...ops import ReduceOp
+from ..base import Backend, Signature
+from ..call_check import Key, check_words
+from ..plan import (
+    IN_PLACE,
+    CallKey,
+    Plan,
+    UnsizedAllGatherPlan,
+    WidenedMeanPlan,
+    checked_out,
+    element_counts,
+    output_shape,
+)
+from ..recorder import FlightRecorder
+from ..work import CompletedWork, MappedWork, PolledWork, Work
+from .guard import TorchGuard
+from .interop import TensorView, load_torch, reduce_op
+
+_HALF = frozenset(d for d in _array.SUPPORTED_DTYPES if d.itemsize == 2 and d.kind != "i")
+_INT64 = np.dtype(np.int64)
+#: Tags a user tag maps to: a message's header and data, and an object's header and bytes.
+_TAG_KINDS = 4
+
+
+def _tags(tag: int) -> tuple[int, int, int, int]:
+    base = _TAG_KINDS * int(tag)
+    return base, base + 1, base + 2, base + 3
+
+
+def node_info(hosts: Sequence[str], rank: int) -> tuple[int, int, int]:
+    """(node id, local rank, local size) of ``rank`` from every rank's host name; nodes
+    are numbered by their first rank, so every rank agrees."""
+    order = list(dict.fromkeys(hosts))
+    local = [r for r, h in enumerate(hosts) if h == hosts[rank]]
+    return order.index(hosts[rank]), local.index(rank), len(local)
+
+
+class TorchPlan(Plan):
+    """A checked collective on torch.distributed: the key's check words, reduction op,
+    padding and output shape resolved once; :meth:`run` numbers, records and checks the
+    call, then starts torch's collective on tensors over the caller's buffers."""
+
+    __slots__ = ("_b", "_guard", "_detail", "_check_key", "_words", "_xp", "_out_shape",
+                 "_op", "_counts", "_padded", "_scale", "_nans", "_move")
+
+    def __init__(self, backend: TorchBackend, key: CallKey) -> None:
+        super().__init__(key)
+        self._b = backend
+        self._guard = backend.guard
+        self._detail = key.signature()
+        self._check_key = self._detail + (("async_op", key.async_op),)
+        self._words = check_words(key.collective, self._check_key)
+        self._xp = _array.module_named(key.library)
+        self._out_shape = output_shape(key, backend.rank, backend.world_size)
+        self._op = None if key.op is None else reduce_op(backend.dist, key.op, key.dtype,
+                                                         key.collective)
+        self._scale = backend.world_size if key.reduce_op == "AVERAGE" else None
+        #: gloo's MIN and MAX drop NaNs; a second, boolean reduction puts them back.
+        self._nans = key.reduce_op in ("MIN", "MAX") and _array.is_floating(key.dtype)
+        self._counts: list[int] = []
+        self._padded = False
+        if key.collective in ("all_gather", "reduce_scatter"):
+            self._counts = element_counts(key, backend.world_size)
+            self._padded = len(set(self._counts)) > 1
+        self._move: Callable[[Any, Any], tuple[Any, Callable[[], None] | None]] = \
+            getattr(self, f"_{key.collective}")
+
+    def run(self, send: Any, recv: Any = None) -> Any:
+        key, guard = self.key, self._guard
+        what = key.collective
+        if what in IN_PLACE:
+            result = send
+        elif recv is None:
+            result = recv = self._xp.empty(self._out_shape, dtype=key.dtype)
+        else:
+            result = checked_out(recv, key, self._out_shape, what)
+        seq, slot = guard.begin(what, self._detail, blocking=not key.async_op)
+        try:
+            if guard.checks:
+                guard.agree(what, self._check_key, self._words)
+            work, finish = self._b.translated(what, lambda: self._move(send, recv))
+        finally:
+            guard.rec.end(slot)
+        if not key.async_op:
+            if work is not None:
+                self._b.translated(what, work.wait)
+            if finish is not None:
+                finish()
+            return result
+        return self._b.work(work, result, what, finish, seq)
+
+    # --- each collective: start it, and what finishes it once it completed ----------------
+    def _mean(self, buf: Any) -> Callable[[], None] | None:
+        if self._scale is None:
+            return None
+        n = self._scale
+        return lambda: self._xp.divide(buf, n, out=buf, casting="unsafe")
+
+    def _nans_back(self, values: Any, start: Callable[[Any], Any]) -> Callable[[], None]:
+        """What puts NaNs back into a MIN or MAX's result ``values`` (gloo's comparisons drop
+        them): ``start(mask)`` starts the OR over the ranks (a SUM of booleans) of where
+        each rank's input is NaN, shaped as ``values``. Called before the values' own
+        reduction starts, which overwrites them."""
+        flat = values.reshape(-1)
+        mask = self._xp.isnan(flat)
+        work = start(mask)
+
+        def restore() -> None:
+            self._b.translated(self.key.collective, work.wait)
+            flat[mask] = self._xp.nan
+        return restore
+
+    def _all_reduce(self, send: Any, recv: Any) -> tuple[Any, Callable[[], None] | None]:
+        b = self._b
+        restore = self._nans_back(send, lambda mask: b.dist.all_reduce(
+            b.tensor(mask), b.dist.ReduceOp.SUM, group=b.pg, async_op=True)) \
+            if self._nans else self._mean(send)
+        return b.dist.all_reduce(b.tensor(send), self._op, group=b.pg, async_op=True), restore
+
+    def _broadcast(self, send: Any, recv: Any) -> tuple[Any, Callable[[], None] | None]:
+        b = self._b
+        return b.dist.broadcast(b.tensor(send), group=b.pg, group_src=self.key.root,
+                                async_op=True), None
+
+    def _reduce(self, send: Any, recv: Any) -> tuple[Any, Callable[[], None] | None]:
+        b, root = self._b, self.key.root
+        if self._nans:  # the mask reduction would need a scratch on every rank anyway
+            return self._nans_via_all_reduce(send)
+        if b.rank == root:
+            return b.dist.reduce(b.tensor(send), group=b.pg, group_dst=root, op=self._op,
+                                 async_op=True), self._mean(send)
+        scratch = self._xp.array(send, copy=True)  # gloo may use a non-root's buffer
+        return b.dist.reduce(b.tensor(scratch), group=b.pg, group_dst=root, op=self._op,
+                             async_op=True), None
+
+    def _nans_via_all_reduce(self, send: Any) -> tuple[Any, Callable[[], None] | None]:
+        """A MIN or MAX reduce as an all-reduce of a copy, kept on the root only."""
+        copy = self._xp.array(send, copy=True)
+        work, restore = self._all_reduce(copy, None)
+        root = self._b.rank == self.key.root
+
+        def finish() -> None:
+            if restore is not None:
+                restore()
+            if root:
+                send[...] = copy
+        return work, finish
+
+    def _all_gather(self, send: Any, recv: Any) -> tuple[Any, Callable[[], None] | None]:
+        b, counts = self._b, self._counts
+        if not self._padded:
+            return b.dist.all_gather_single(b.tensor(recv.reshape(-1)), b.tensor(
+                send.reshape(-1)), group=b.pg, async_op=True), None
+        most, xp = max(counts), self._xp
+        mine = xp.zeros(most, dtype=send.dtype)
+        mine[:send.size] = send.reshape(-1)
+        every = xp.empty(most * len(counts), dtype=send.dtype)
+        work = b.dist.all_gather_single(b.tensor(every), b.tensor(mine), group=b.pg,
+                                        async_op=True)
+
+        def unpad() -> None:
+            flat, at = recv.reshape(-1), 0
+            for k, c in enumerate(counts):
+                flat[at:at + c] = every[k * most:k * most + c]
+                at += c
+        return work, unpad
+
+    def _reduce_scatter(self, send: Any, recv: Any) -> tuple[Any, Callable[[], None] | None]:
+        b, counts = self._b, self._counts
+        flat_out = recv.reshape(-1)
+        if self._nans:  # MIN/MAX of floats: the whole buffer, NaNs put back, then a block
+            whole = self._xp.array(send.reshape(-1), copy=True)
+            work, restore = self._all_reduce(whole, None)
+            lo = sum(counts[:b.rank])
+
+            def block() -> None:
+                if restore is not None:
+                    restore()
+                flat_out[...] = whole[lo:lo + flat_out.size]
+            return work, block
+        if not self._padded:
+            work = b.dist.reduce_scatter_single(b.tensor(flat_out), b.tensor(send.reshape(-1)),
+                                                op=self._op, group=b.pg, async_op=True)
+            return work, self._mean(flat_out)
+        most, xp = max(counts), self._xp
+        blocks = xp.zeros(most * len(counts), dtype=send.dtype)
+        flat, at = send.reshape(-1), 0
+        for k, c in enumerate(counts):
+            blocks[k * most:k * most + c] = flat[at:at + c]
+            at += c
+        mine = xp.empty(most, dtype=send.dtype)
+        work = b.dist.reduce_scatter_single(b.tensor(mine), b.tensor(blocks), op=self._op,
+                                            group=b.pg, async_op=True)
+        mean = self._mean(mine)
+
+        def unpad() -> None:
+            if mean is not None:
+                mean()
+            flat_out[...] = mine[:flat_out.size]
+        return work, unpad
+
+
+class TorchBackend(Backend):
+    """One rank's endpoint in a ``torch.distributed`` process group.
+
+    Args:
+        pg: the process group (the default group for the world).
+        recorder: the rank's flight recorder.
+        group_name: the group's name in the recorder.
+        members: the group's members as global ranks (in group-rank order).
+        hosts: every member's host name (for :meth:`node_info`).
+        checks: check every collective's arguments across ranks first.
+        debug: compare full arguments (a pickled all-gather) instead of hashes.
+        owns_group: destroy ``pg`` in :meth:`close`.
+    """
+
+    name = "torch"
+
+    def __init__(self, pg: Any, *, recorder: FlightRecorder, group_name: str = "world",
+                 members: Sequence[int], hosts: Sequence[str], checks: bool = True,
+                 debug: bool = False, owns_group: bool = False) -> None:
+        self.torch, self.dist = load_torch()
+        self.pg = pg
+        self.members = tuple(members)
+        self.world_size = len(self.members)
+        self.rank = self.members.index(self.dist.get_rank())
+        self.options = {"checks": checks, "debug": debug}
+        #: The plans check hashes of their keys; the signatures of the general methods
+        #: are not needed.
+        self.needs_signature = False
+        self._view = TensorView(self.torch)
+        self._hosts = tuple(hosts)
+        self._node = node_info(self._hosts, self.rank)
+        self._owns_group = owns_group
+        self.guard = TorchGuard(self.dist, self.torch,
+                                pg if (checks or debug) and self.world_size > 1 else None,
+                                recorder, group_name, self.members, debug)
+        #: The rank's watchdog (the world backend of a job of several ranks only).
+        self.watchdog: Any = None
+        self._closed = False
+
+    # --- what the plans share ---------------------------------------------------------------
+    @property
+    def recorder(self) -> FlightRecorder:  # type: ignore[override]
+        """The rank's flight recorder (shared by its groups)."""
+        return self.guard.rec
+
+    def tensor(self, buf: Any) -> Any:
+        """A tensor over ``buf``'s memory (no copy)."""
+        return self._view.of(buf)
+
+    def translated(self, what: str, run: Callable[[], Any]) -> Any:
+        """``run()``, with torch.distributed's errors turned into axondist's."""
+        try:
+            return run()
+        except RuntimeError as exc:
+            text = str(exc)
+            if "imed out" in text or "Timeout" in text:
+                raise CollectiveTimeoutError(
+                    f"{what} on rank {self.rank} of {self.world_size}: torch.distributed timed "
+                    f"out ({text.splitlines()[0]}); set AXONDIST_TIMEOUT if the job is only "
+                    "slow") from exc
+            raise
+
+    def work(self, work: Any, result: Any, what: str, finish: Callable[[], None] | None,
+             seq: int) -> Work:
+        """The Work of a started torch Work: ``wait()`` returns ``result``."""
+        def done() -> bool:
+            return bool(work.is_completed()) and self.translated(what, work.wait) is not None
+
+        return PolledWork(done, lambda: self.translated(what, work.wait), result, what, finish,
+                          (self.guard.rec, self.guard.group, seq))
+
+    # --- prepared calls -------------------------------------------------------------------
+    def make_plan(self, key: CallKey) -> Plan:
+        """A widened mean for half-precision AVERAGEs, a count exchange for an unsized
+        all-gather, else torch's collective (:class:`TorchPlan`)."""
+        if key.reduce_op == "AVERAGE" and key.dtype in _HALF:
+            return WidenedMeanPlan(self, key)
+        if key.collective == "all_gather" and key.counts is None:
+            return UnsizedAllGatherPlan(self, key)
+        return TorchPlan(self, key)
+
+    def _planned(self, key: CallKey, send: Any, recv: Any = None, result: Any = None) -> Work:
+        out = self.plan(key).run(send, recv)
+        if key.async_op:
+            return out if result is None else MappedWork(out, result)
+        return CompletedWork(out if result is None else result)
+
+    # --- the contract's general methods, as plans -----------------------------------------
+    def all_reduce(self, buf: Any, op: ReduceOp, *, signature: Signature = (),
+                   async_op: bool = False) -> Work:
+        """The in-place all-reduce of ``buf`` (its plan's call)."""
+        return self._planned(CallKey.of("all_reduce", buf, reduce_op=op, async_op=async_op),
+                             buf)
+
+    def broadcast(self, buf: Any, root: int, *, signature: Signature = (),
+                  async_op: bool = False) -> Work:
+        """The broadcast of ``root``'s ``buf`` (its plan's call)."""
+        return self._planned(CallKey.of("broadcast", buf, root=root, async_op=async_op), buf)
+
+    def reduce(self, buf: Any, op: ReduceOp, root: int, *, signature: Signature = (),
+               async_op: bool = False) -> Work:
+        """The reduce into ``root``'s ``buf`` (its plan's call)."""
+        return self._planned(CallKey.of("reduce", buf, reduce_op=op, root=root,
+                                        async_op=async_op), buf)
+
+    def all_gather(self, send: Any, recv: Any, counts: Sequence[int], *,
+                   signature: Signature = (), async_op: bool = False) -> Work:
+        """The all-gather of flat ``send`` blocks of ``counts`` elements into ``recv``."""
+        flat = send.reshape(-1)
+        key = CallKey.of("all_gather", flat, counts=tuple(int(c) for c in counts),
+                         async_op=async_op)
+        return self._planned(key, flat, recv.reshape(-1), recv)
+
+    def reduce_scatter(self, send: Any, recv: Any, counts: Sequence[int], op: ReduceOp, *,
+                       signature: Signature = (), async_op: bool = False) -> Work:
+        """The reduce-scatter of flat ``send`` into blocks of ``counts`` elements."""
+        counts = [int(c) for c in counts]
+        if len(counts) != self.world_size or sum(counts) != send.size \
+                or recv.size != counts[self.rank]:
+            raise InvalidBufferError(
+                f"reduce_scatter: counts={counts} must list {self.world_size} element counts "
+                f"adding up to send's {send.size}, with this rank's equal to recv's {recv.size}")
+        flat = send.reshape(-1)
+        key = CallKey.of("reduce_scatter", flat, reduce_op=op, counts=tuple(counts),
+                         async_op=async_op)
+        return self._planned(key, flat, recv.reshape(-1), recv)
+
+    # --- rooted and irregular calls (blocking; padded where sizes differ) ------------------
+    def _checked(self, op: str, key: Key, run: Callable[[], Any]) -> Any:
+        """``run()`` as call ``op``: numbered, recorded, checked across ranks first."""
+        guard = self.guard
+        seq, slot = guard.begin(op, key)
+        try:
+            if guard.checks:
+                guard.agree(op, key, guard.words(op, key))
+            return self.translated(op, run)
+        finally:
+            guard.rec.end(slot)
+
+    def _rooted(self, what: str, root: int, counts: Sequence[int], mine: Any,
+                full: Any | None, full_arg: str) -> tuple[list[int], Any]:
+        as_rank(root, self.world_size, what, "root")
+        counts = [int(c) for c in counts]
+        if self.rank != root:
+            full = None
+        elif full is None:
+            raise InvalidBufferError(f"{what}: the root (rank {root}) must pass a {full_arg} "
+                                     "buffer")
+        if (len(counts) != self.world_size or mine.size != counts[self.rank]
+                or (full is not None and full.size != sum(counts))):
+            raise InvalidBufferError(
+                f"{what}: counts={counts} must list {self.world_size} element counts, with this "
+                f"rank's equal to its block's {mine.size}"
+                + ("" if full is None else f" and their sum to {full_arg}'s {full.size}"))
+        return counts, full
+
+    def gather(self, send: Any, recv: Any | None, counts: Sequence[int], root: int, *,
+               signature: Signature = (), async_op: bool = False) -> Work:
+        """Every rank's ``send`` into ``root``'s ``recv``, in rank order (blocks padded to
+        the largest: gloo gathers equal blocks)."""
+        counts, recv = self._rooted("gather", root, counts, send, recv, "recv")
+        xp, most = _array.namespace(send), max(counts)
+        mine = xp.zeros(most, dtype=send.dtype)
+        mine[:send.size] = send.reshape(-1)
+        every = [xp.empty(most, dtype=send.dtype) for _ in counts] if recv is not None else None
+        key = (("dtype", str(send.dtype)), ("counts", tuple(counts)), ("root", root))
+        self._checked("gather", key, lambda: self.dist.gather(
+            self.tensor(mine), None if every is None else [self.tensor(e) for e in every],
+            group=self.pg, group_dst=root))
+        if recv is not None and every is not None:
+            flat, at = recv.reshape(-1), 0
+            for block, c in zip(every, counts):
+                flat[at:at + c] = block[:c]
+                at += c
+        return CompletedWork(recv)
+
+    def scatter(self, send: Any | None, recv: Any, counts: Sequence[int], root: int, *,
+                signature: Signature = (), async_op: bool = False) -> Work:
+        """Block r of ``root``'s ``send`` into rank r's ``recv`` (blocks padded to the
+        largest)."""
+        counts, send = self._rooted("scatter", root, counts, recv, send, "send")
+        xp, most = _array.namespace(recv), max(counts)
+        mine = xp.empty(most, dtype=recv.dtype)
+        blocks = None
+        if send is not None:
+            flat, at, blocks = send.reshape(-1), 0, []
+            for c in counts:
+                block = xp.zeros(most, dtype=send.dtype)
+                block[:c] = flat[at:at + c]
+                blocks.append(block)
+                at += c
+        key = (("dtype", str(recv.dtype)), ("counts", tuple(counts)), ("root", root))
+        self._checked("scatter", key, lambda: self.dist.scatter(
+            self.tensor(mine), None if blocks is None else [self.tensor(b) for b in blocks],
+            group=self.pg, group_src=root))
+        recv.reshape(-1)[...] = mine[:recv.size]
+        return CompletedWork(recv)
+
+    def all_to_all(self, send: Any, recv: Any, send_counts: Sequence[int],
+                   recv_counts: Sequence[int], *, signature: Signature = (),
+                   async_op: bool = False) -> Work:
+        """``all_to_all_single`` with torch's split sizes."""
+        sc, rc = [int(c) for c in send_counts], [int(c) for c in recv_counts]
+        if (len(sc) != self.world_size or len(rc) != self.world_size or send.size != sum(sc)
+                or recv.size != sum(rc)):
+            raise InvalidBufferError(
+                f"all_to_all: send_counts={sc} and recv_counts={rc} must list "
+                f"{self.world_size} element counts adding up to send's {send.size} and recv's "
+                f"{recv.size}")
+        self._checked("all_to_all", (("dtype", str(send.dtype)),),
+                      lambda: self.dist.all_to_all_single(
+                          self.tensor(recv.reshape(-1)), self.tensor(send.reshape(-1)), rc, sc,
+                          group=self.pg))
+        return CompletedWork(recv)
+
+    def barrier(self) -> None:
+        """A barrier (the check's all-reduce is one; no data moves after it)."""
+        if not self.guard.checks:
+            self._checked("barrier", (), lambda: self.dist.barrier(group=self.pg))
+            return
+        self._checked("barrier", (), lambda: None)
+
+    def monitored_barrier(self, timeout: float) -> None:
+        """torch's ``monitored_barrier`` (gloo): fails after ``timeout`` seconds naming the
+        ranks that did not arrive."""
+        import datetime
+
+        seq, slot = self.guard.begin("barrier", ())
+        try:
+            self.dist.monitored_barrier(group=self.pg, wait_all_ranks=True,
+                                        timeout=datetime.timedelta(seconds=timeout))
+        except RuntimeError as exc:
+            raise CollectiveTimeoutError(
+                f"monitored_barrier: ranks of group {self.guard.group} did not arrive at "
+                f"barrier #{seq} within {timeout:g} s: {str(exc).splitlines()[0]}") from exc
+        finally:
+            self.guard.rec.end(slot)
+
+    # --- point to point: a header (bytes, dtype), then the data ------------------------------
+    def send(self, buf: Any, dst: int, tag: int = 0) -> None:
+        """Send ``buf``: a header with its size, then its bytes."""
+        as_rank(dst, self.world_size, "send", "dst")
+        head_tag, data_tag, _, _ = _tags(tag)
+        guard = self.guard
+        slot = guard.begin_p2p("send", (("peer", guard.members[dst]), ("tag", tag),
+                                       ("bytes", buf.nbytes)))
+        try:
+            header = np.array([buf.nbytes], _INT64)
+            self.dist.send(self.torch.from_numpy(header), group=self.pg, group_dst=dst,
+                           tag=head_tag)
+            if buf.nbytes:
+                self.dist.send(self.tensor(buf.reshape(-1).view(np.uint8)), group=self.pg,
+                               group_dst=dst, tag=data_tag)
+        finally:
+            guard.rec.end(slot)
+
+    def recv(self, buf: Any, src: int, tag: int = 0) -> None:
+        """Receive the next message from ``src`` with ``tag`` into ``buf``.
+
+        Raises:
+            CollectiveMismatchError: the message's size is not ``buf.nbytes`` (the message
+                is received and dropped).
+        """
+        as_rank(src, self.world_size, "recv", "src")
+        head_tag, data_tag, _, _ = _tags(tag)
+        guard = self.guard
+        slot = guard.begin_p2p("recv", (("peer", guard.members[src]), ("tag", tag),
+                                       ("bytes", buf.nbytes)))
+        try:
+            header = np.zeros(1, _INT64)
+            self.dist.recv(self.torch.from_numpy(header), group=self.pg, group_src=src,
+                           tag=head_tag)
+            size = int(header[0])
+            target = buf.reshape(-1).view(np.uint8) if size == buf.nbytes else np.empty(
+                size, np.uint8)
+            if size:
+                self.dist.recv(self.tensor(target), group=self.pg, group_src=src, tag=data_tag)
+        finally:
+            guard.rec.end(slot)
+        if size != buf.nbytes:
+            raise CollectiveMismatchError(
+                f"recv from rank {src} (tag {tag}) into {_array.describe(buf)}: the message has "
+                f"{size} bytes but the buffer holds {buf.nbytes}; send and recv must use the "
+                "same shape and dtype")
+
+    def send_object(self, obj: Any, dst: int, tag: int = 0) -> None:
+        """Send a pickled ``obj`` (its length, then its bytes) in a tag space of its own."""
+        as_rank(dst, self.world_size, "send_object", "dst")
+        _, _, head_tag, data_tag = _tags(tag)
+        data = np.frombuffer(pickle.dumps(obj), np.uint8).copy()
+        guard = self.guard
+        slot = guard.begin_p2p("send", (("peer", guard.members[dst]), ("tag", tag)))
+        try:
+            self.dist.send(self.torch.from_numpy(np.array([data.size], _INT64)), group=self.pg,
+                           group_dst=dst, tag=head_tag)
+            self.dist.send(self.torch.from_numpy(data), group=self.pg, group_dst=dst,
+                           tag=data_tag)
+        finally:
+            guard.rec.end(slot)
+
+    def recv_object(self, src: int, tag: int = 0) -> Any:
+        """The next object ``src`` sent with ``tag``."""
+        as_rank(src, self.world_size, "recv_object", "src")
+        _, _, head_tag, data_tag = _tags(tag)
+        guard = self.guard
+        slot = guard.begin_p2p("recv", (("peer", guard.members[src]), ("tag", tag)))
+        try:
+            header = np.zeros(1, _INT64)
+            self.dist.recv(self.torch.from_numpy(header), group=self.pg, group_src=src,
+                           tag=head_tag)
+            data = np.empty(int(header[0]), np.uint8)
+            self.dist.recv(self.torch.from_numpy(data), group=self.pg, group_src=src,
+                           tag=data_tag)
+        finally:
+            guard.rec.end(slot)
+        return pickle.loads(data.tobytes())
+
+    # --- small objects ---------------------------------------------------------------------
+    def allgather_object(self, obj: Any) -> list[Any]:
+        """Copies of every rank's ``obj``, in rank order (torch's ``all_gather_object``)."""
+        found: list[Any] = [None] * self.world_size
+        self._checked("allgather_object", (),
+                      lambda: self.dist.all_gather_object(found, obj, group=self.pg))
+        return found
+
+    def broadcast_object(self, obj: Any, root: int) -> Any:
+        """``root``'s ``obj`` on every rank (a copy, also on root)."""
+        as_rank(root, self.world_size, "broadcast_object", "root")
+        box = [pickle.dumps(obj) if self.rank == root else None]
+        self._checked("broadcast_object", (("root", root),),
+                      lambda: self.dist.broadcast_object_list(box, group=self.pg,
+                                                              group_src=root))
+        return pickle.loads(box[0])  # type: ignore[arg-type]
+
+    # --- groups and life cycle -------------------------------------------------------------
+    def new_group(self, ranks: Sequence[int]) -> TorchBackend | None:
+        """A process group over ``ranks`` (of this group), made by its members alone
+        (``use_local_synchronization``); the others get None. The members are part of the
+        checked arguments: ranks that disagree raise before any group is made."""
+        ranks = tuple(int(r) for r in ranks)
+        for r in ranks:
+            as_rank(r, self.world_size, "new_group", "rank")
+        self._checked("new_group", (("ranks", ranks),), lambda: None)
+        guard = self.guard
+        name = f"{guard.group}.{guard.groups_made}"
+        guard.groups_made += 1
+        if self.rank not in ranks:
+            return None
+        members = [self.members[r] for r in ranks]
+        pg = self.translated("new_group", lambda: self.dist.new_group(
+            members, use_local_synchronization=True, group_desc=name))
+        return TorchBackend(pg, recorder=guard.rec, group_name=name, members=members,
+                            hosts=[self._hosts[r] for r in ranks],
+                            checks=self.options["checks"], debug=self.options["debug"],
+                            owns_group=True)
+
+    def node_info(self) -> tuple[int, int, int]:
+        """``(node_id, local_rank, local_size)`` from the ranks' host names."""
+        return self._node
+
+    def close(self) -> None:
+        """Forget the plans; destroy the process group of a subgroup (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        self.free_plans()
+        self.guard.forget()
+        if self._owns_group and self.dist.is_initialized():
+            self.dist.destroy_process_group(self.pg)
+
+
+__all__ = ["TorchBackend", "TorchPlan", "node_info"]

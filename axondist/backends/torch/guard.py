@@ -1,0 +1,72 @@
+"""What runs around every call of the torch backend: its number, its flight-recorder entry,
+and the cross-rank check that the ranks called the same thing with the same arguments.
+
+The check is one small all-reduce (MAX of the call's check words ``[h, -h]``, see
+:mod:`~axondist.backends.call_check`) on the group's own check group, before the call's
+data moves; a non-blocking call is checked before it starts. When the ranks differ they
+exchange their keys (pickled) and raise the same
+:class:`~axondist.errors.CollectiveMismatchError`, before any data reaches a caller's
+buffer: gloo itself would abort the process on a size mismatch, or hang. Under
+``AXONDIST_DEBUG=1`` the check exchanges the full keys instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+
+from ..call_check import CallLog, Key, agreed, raise_if_different
+from ..recorder import FlightRecorder
+
+
+class TorchGuard(CallLog):
+    """Numbering, recording and argument checks of one torch process group.
+
+    Args:
+        dist: ``torch.distributed``.
+        torch: ``torch``.
+        checks_group: the process group the checks run on (None: no checks, or one rank).
+        recorder: the rank's flight recorder (shared by all its groups).
+        group: the group's name in the recorder.
+        members: the group's members as world ranks, in group-rank order.
+        debug: compare full keys (a pickled all-gather) instead of hashes.
+    """
+
+    def __init__(self, dist: Any, torch: Any, checks_group: Any, recorder: FlightRecorder,
+                 group: str, members: Iterable[int], debug: bool = False) -> None:
+        super().__init__(recorder, group, members)
+        self._dist = dist
+        self.checks_group = checks_group
+        self.checks = checks_group is not None
+        self.debug = debug
+        self._sent = np.zeros(2, np.int64)
+        self._tensor = torch.from_numpy(self._sent)
+        self._max = dist.ReduceOp.MAX
+
+    def agree(self, op: str, key: Key, words: np.ndarray) -> None:
+        """Return when every rank of the group calls ``op`` with this ``key`` (``words``:
+        its check words).
+
+        Raises:
+            CollectiveMismatchError: on every rank, naming what differs.
+        """
+        group = self.checks_group
+        if group is None:
+            return
+        if self.debug:
+            raise_if_different(op, self._all_gather(key, group))
+            return
+        self._sent[...] = words
+        self._dist.all_reduce(self._tensor, self._max, group=group)
+        if not agreed(self._sent):
+            raise_if_different(op, self._all_gather((op, key), group), named=True)
+
+    def _all_gather(self, obj: Any, group: Any) -> list[Any]:
+        found: list[Any] = [None] * len(self.members)
+        self._dist.all_gather_object(found, obj, group=group)
+        return found
+
+
+__all__ = ["TorchGuard"]

@@ -1,0 +1,142 @@
+"""A torch.distributed job's world: the backend every rank makes at ``axondist.init("torch")``
+(torchrun, a Kubernetes operator or Slurm setting ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``
+and ``MASTER_PORT``), its watchdog, and the hook that ends the job when one rank fails."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import secrets
+import socket
+import sys
+import traceback
+from typing import Any
+
+from ..._validate import positive_seconds
+from .._rendezvous import LaunchEnv
+from .._watchdog import Watchdog, exit_soon, print_and_flush, silence_all
+from ..base import checks_enabled, debug_enabled, default_timeout, stall_warning_after
+from ..recorder import FlightRecorder
+from .backend import TorchBackend
+from .interop import load_torch
+
+_OPTIONS = ("timeout", "checks", "debug", "abort_on_exception")
+#: Seconds torch.distributed's own timeout runs past axondist's: the watchdog, which names
+#: the ranks, speaks first.
+_TORCH_TIMEOUT_MARGIN = 30.0
+_HOOK_INSTALLED = False
+
+
+def create_world_backend(**options: Any) -> TorchBackend:
+    """This process's endpoint in the world of a torch.distributed job.
+
+    Joins the default process group when the program made one already
+    (``torch.distributed.init_process_group``), else makes it from the environment
+    (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``: torchrun's, a Kubernetes
+    operator's) with gloo for host arrays and, where CUDA is present, NCCL for device
+    arrays; without those variables, a one-rank world. With more than one rank it starts
+    the rank's watchdog, as the MPI backend does: a call that waits past ``timeout``
+    seconds, or for a rank that left, ends the job with one message naming the ranks.
+
+    Args:
+        **options: ``timeout`` (seconds a call may wait; ``AXONDIST_TIMEOUT``, default
+            600), ``checks`` and ``debug`` (``AXONDIST_CHECKS``, ``AXONDIST_DEBUG``), and
+            ``abort_on_exception`` (default True: an uncaught exception on a rank ends the
+            job, see :func:`install_abort_hook`).
+
+    Raises:
+        BackendUnavailableError: torch is not installed.
+        TypeError: an unknown option.
+        ValueError: a malformed environment (names the variable), or ranks started with
+            different settings.
+    """
+    unknown = sorted(set(options) - set(_OPTIONS))
+    if unknown:
+        raise TypeError(f"torch backend: unknown options {unknown}; accepted: {list(_OPTIONS)}")
+    torch, dist = load_torch()
+    timeout = options.get("timeout")
+    wait = default_timeout() if timeout is None else positive_seconds(timeout, "init")
+    checks = bool(options.get("checks", checks_enabled()))
+    debug = bool(options.get("debug", debug_enabled()))
+    if not dist.is_initialized():
+        _init_default_group(torch, dist, wait)
+    rank, size = dist.get_rank(), dist.get_world_size()
+    if options.get("abort_on_exception", True) and size > 1:
+        install_abort_hook(rank, size)
+    recorder = FlightRecorder(rank, size, socket.gethostname())
+    watchdog = None
+    if size > 1:
+        box = [secrets.token_hex(16) if rank == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        watchdog = Watchdog(recorder, timeout=wait, stall=stall_warning_after(wait),
+                            abort=_abort_job, token=str(box[0]))
+    settings = (checks, debug, wait)
+    table: list[Any] = [None] * size
+    dist.all_gather_object(table, (settings, socket.gethostname(),
+                                   watchdog.address if watchdog else None))
+    if any(t[0] != settings for t in table):
+        detail = ", ".join(f"rank {k}: checks={t[0][0]}, debug={t[0][1]}, timeout={t[0][2]:g}"
+                           for k, t in enumerate(table))
+        raise ValueError("init: the ranks were started with different axondist settings "
+                         f"({detail}); set AXONDIST_CHECKS, AXONDIST_DEBUG and AXONDIST_TIMEOUT "
+                         "alike on every rank")
+    if watchdog is not None:
+        watchdog.start([t[2] for t in table])
+    backend = TorchBackend(dist.group.WORLD, recorder=recorder, members=range(size),
+                           hosts=[t[1] for t in table], checks=checks, debug=debug)
+    backend.watchdog = watchdog
+    return backend
+
+
+def _init_default_group(torch: Any, dist: Any, wait: float) -> None:
+    """torch's default process group from the launcher's variables (a one-rank group
+    without them): gloo for CPU tensors, plus NCCL for CUDA ones where CUDA is usable."""
+    engines = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() and dist.is_nccl_available() \
+        else "gloo"
+    limit = datetime.timedelta(seconds=wait + _TORCH_TIMEOUT_MARGIN)
+    if LaunchEnv.present(os.environ):
+        env = LaunchEnv.from_environ(os.environ, who="torch backend")
+        dist.init_process_group(engines, init_method="env://", rank=env.rank,
+                                world_size=env.world_size, timeout=limit)
+    else:
+        dist.init_process_group(engines, store=dist.HashStore(), rank=0, world_size=1,
+                                timeout=limit)
+
+
+def install_abort_hook(rank: int, size: int) -> None:
+    """Make an uncaught exception on this rank end the whole job: the traceback is printed
+    with each line prefixed by ``[axondist rank R/N]``, the watchdog is silenced (this rank
+    fails; its peers must not read a mere departure), and the process ends with status 1,
+    at which torchrun stops the other ranks. Installed once per process."""
+    global _HOOK_INSTALLED
+    if _HOOK_INSTALLED:
+        return
+    previous = sys.excepthook
+
+    def end_job(exc_type: type[BaseException], exc: BaseException, tb: Any) -> None:
+        if issubclass(exc_type, KeyboardInterrupt):
+            previous(exc_type, exc, tb)
+            return
+        silence_all()
+        text = "".join(traceback.format_exception(exc_type, exc, tb))
+        text += f"rank {rank} failed: ending the job so the other ranks do not wait"
+        print_and_flush(f"[axondist rank {rank}/{size}] ", text)
+        sys.stdout.flush()
+        os._exit(1)
+
+    sys.excepthook = end_job
+    _HOOK_INSTALLED = True
+
+
+def _abort_job(message: str) -> None:
+    """Print ``message`` on this rank and end its process (the watchdog's end); the
+    launcher (torchrun) then stops the others, whose own watchdogs see this rank gone."""
+    silence_all()
+    torch, dist = load_torch()
+    rank, size = dist.get_rank(), dist.get_world_size()
+    print_and_flush(f"[axondist rank {rank}/{size}] ", message)
+    exit_soon(1, 0.0)
+    os._exit(1)
+
+
+__all__ = ["create_world_backend", "install_abort_hook"]
