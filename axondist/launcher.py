@@ -1,7 +1,7 @@
 """``axondist run``: launch a script on N processes through ``mpiexec`` or ``torchrun``, tag
 each output line with its rank, say in one line which rank failed and how, and relaunch the
 whole job after a failure (``--max-restarts``) so a script that resumes from its latest
-checkpoint carries on. How each launcher is driven: :mod:`axondist._launch_styles`. Design
+checkpoint carries on. How each launcher is driven: ``axondist._launch_styles``. Design
 notes: docs/launching.md."""
 
 from __future__ import annotations
