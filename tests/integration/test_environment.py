@@ -4,9 +4,11 @@ gives inside a torchrun-style launch instead of silently training one model per 
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -134,9 +136,33 @@ def test_a_torchrun_style_process_without_mpi_gets_the_error():
     assert plain.returncode == 0 and "no error" in plain.stdout, plain.stderr
 
 
-def test_init_in_a_torchrun_style_process_raises_instead_of_one_rank():
-    script = "import axondist as ad; w = ad.init(); print('rank', w.rank, 'of', w.world_size)"
+def test_init_in_a_torchrun_style_process_without_torch_raises_instead_of_one_rank():
+    script = ("import sys; sys.modules['torch'] = None  # as if torch were not installed\n"
+              "import axondist as ad; w = ad.init(); print('rank', w.rank, 'of', w.world_size)")
     proc = subprocess.run([sys.executable, "-c", script], env=clean_env(**TORCHRUN),
                           capture_output=True, text=True, timeout=60, check=False)
     assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert "LaunchError" in proc.stderr and "axondist run -n 2" in proc.stderr
+    assert "LaunchError" in proc.stderr and "axondist run -n 2" in proc.stderr, proc.stderr
+    assert "Use the 'torch' backend" in proc.stderr, proc.stderr
+    assert "pip install '.[torch]'" in proc.stderr, proc.stderr
+
+
+def test_init_in_a_torchrun_style_process_joins_through_torch_and_names_a_missing_rank_0():
+    """With torch installed, ``ad.init()`` under torchrun's variables joins that world
+    through the torch backend: rank 1 alone waits for rank 0, then says where it looked."""
+    pytest.importorskip("torch")
+    script = "import axondist as ad; w = ad.init(); print('rank', w.rank, 'of', w.world_size)"
+    env = clean_env(**{**TORCHRUN, "AXONDIST_TIMEOUT": "2", "MASTER_PORT": str(_free_port())})
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                          text=True, timeout=90, check=False)
+    assert proc.returncode != 0, proc.stdout + proc.stderr
+    assert time.monotonic() - start < 60
+    assert "CollectiveTimeoutError: init: rank 1 of 2 could not join the torch.distributed " \
+           "world at MASTER_ADDR:MASTER_PORT=127.0.0.1:" in proc.stderr, proc.stderr
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

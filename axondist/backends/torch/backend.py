@@ -235,17 +235,23 @@ class TorchBackend(Backend):
         hosts: every member's host name (for :meth:`node_info`).
         checks: check every collective's arguments across ranks first.
         debug: compare full arguments (a pickled all-gather) instead of hashes.
+        uid: the world's unique id (its subgroups' names in torch start with it).
+        timeout: torch's timeout of the subgroups made from this one (a ``timedelta``;
+            None: torch's default).
         owns_group: destroy ``pg`` in :meth:`close`.
     """
 
     name = "torch"
 
     def __init__(self, pg: Any, *, recorder: FlightRecorder, group_name: str = "world",
-                 members: Sequence[int], hosts: Sequence[str], checks: bool = True,
-                 debug: bool = False, owns_group: bool = False) -> None:
+                 members: Sequence[int], hosts: Sequence[str], uid: str = "",
+                 timeout: Any = None, checks: bool = True, debug: bool = False,
+                 owns_group: bool = False) -> None:
         self.torch, self.dist = load_torch()
         self.pg = pg
         self.members = tuple(members)
+        self.uid = uid
+        self.timeout = timeout
         self.world_size = len(self.members)
         self.rank = self.members.index(self.dist.get_rank())
         self.options = {"checks": checks, "debug": debug}
@@ -560,25 +566,52 @@ class TorchBackend(Backend):
 
     # --- groups and life cycle -------------------------------------------------------------
     def new_group(self, ranks: Sequence[int]) -> TorchBackend | None:
-        """A process group over ``ranks`` (of this group), made by its members alone
-        (``use_local_synchronization``); the others get None. The members are part of the
-        checked arguments: ranks that disagree raise before any group is made."""
+        """A process group over ``ranks`` (of this group), made by its members alone; the
+        others get None. The members are part of the checked arguments: ranks that
+        disagree raise before any group is made.
+
+        torch's own ``new_group(use_local_synchronization=True)`` names a group by its ranks
+        and the number of groups each process holds, which differs between ranks that belong
+        to different groups, and makes the members wait forever for each other. Here the
+        name comes from the parent group's name and its count of groups made, which its
+        members share, under the world's unique id.
+        """
         ranks = tuple(int(r) for r in ranks)
         for r in ranks:
             as_rank(r, self.world_size, "new_group", "rank")
-        self._checked("new_group", (("ranks", ranks),), lambda: None)
         guard = self.guard
         name = f"{guard.group}.{guard.groups_made}"
         guard.groups_made += 1
-        if self.rank not in ranks:
-            return None
         members = [self.members[r] for r in ranks]
-        pg = self.translated("new_group", lambda: self.dist.new_group(
-            members, use_local_synchronization=True, group_desc=name))
-        return TorchBackend(pg, recorder=guard.rec, group_name=name, members=members,
-                            hosts=[self._hosts[r] for r in ranks],
+        made: list[Any] = []
+        if self.rank in ranks:
+            run = lambda: made.append(self._make_group(members, name))  # noqa: E731
+        else:
+            run = lambda: None  # noqa: E731
+        self._checked("new_group", (("ranks", ranks),), run)
+        if not made:
+            return None
+        return TorchBackend(made[0], recorder=guard.rec, group_name=name, members=members,
+                            hosts=[self._hosts[r] for r in ranks], uid=self.uid,
+                            timeout=self.timeout,
                             checks=self.options["checks"], debug=self.options["debug"],
                             owns_group=True)
+
+    def _make_group(self, members: list[int], name: str) -> Any:
+        """torch's process group over the global ranks ``members`` (called by them alone),
+        registered with torch.distributed under a name unique to this world."""
+        c10d = self.dist.distributed_c10d
+        helper = getattr(c10d, "_new_process_group_helper", None)
+        if helper is None:  # a torch without the helper: its own (ranks must not diverge)
+            return self.dist.new_group(members, use_local_synchronization=True, group_desc=name)
+        unique = f"axondist.{self.uid}.{name}"
+        me = self.dist.get_rank()
+        pg, _ = helper(len(members), members.index(me), members,
+                       c10d.Backend(self.dist.get_backend()),
+                       c10d._get_default_store(), unique, group_desc=name,
+                       timeout=self.timeout)
+        c10d._world.pg_group_ranks[pg] = {g: r for r, g in enumerate(members)}
+        return pg
 
     def node_info(self) -> tuple[int, int, int]:
         """``(node_id, local_rank, local_size)`` from the ranks' host names."""

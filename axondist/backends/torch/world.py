@@ -13,6 +13,7 @@ import traceback
 from typing import Any
 
 from ..._validate import positive_seconds
+from ...errors import CollectiveTimeoutError
 from .._rendezvous import LaunchEnv
 from .._watchdog import Watchdog, exit_soon, print_and_flush, silence_all
 from ..base import checks_enabled, debug_enabled, default_timeout, stall_warning_after
@@ -21,8 +22,8 @@ from .backend import TorchBackend
 from .interop import load_torch
 
 _OPTIONS = ("timeout", "checks", "debug", "abort_on_exception")
-#: Seconds torch.distributed's own timeout runs past axondist's: the watchdog, which names
-#: the ranks, speaks first.
+#: Seconds torch.distributed's own timeout runs past axondist's (at most; as much as the
+#: timeout itself when it is shorter): the watchdog, which names the ranks, speaks first.
 _TORCH_TIMEOUT_MARGIN = 30.0
 _HOOK_INSTALLED = False
 
@@ -58,15 +59,16 @@ def create_world_backend(**options: Any) -> TorchBackend:
     wait = default_timeout() if timeout is None else positive_seconds(timeout, "init")
     checks = bool(options.get("checks", checks_enabled()))
     debug = bool(options.get("debug", debug_enabled()))
+    limit = None
     if not dist.is_initialized():
-        _init_default_group(torch, dist, wait)
+        limit = _init_default_group(torch, dist, wait)
     rank, size = dist.get_rank(), dist.get_world_size()
     if options.get("abort_on_exception", True) and size > 1:
         install_abort_hook(rank, size)
     recorder = FlightRecorder(rank, size, socket.gethostname())
     watchdog = None
+    box = [secrets.token_hex(16) if rank == 0 else None]
     if size > 1:
-        box = [secrets.token_hex(16) if rank == 0 else None]
         dist.broadcast_object_list(box, src=0)
         watchdog = Watchdog(recorder, timeout=wait, stall=stall_warning_after(wait),
                             abort=_abort_job, token=str(box[0]))
@@ -83,24 +85,34 @@ def create_world_backend(**options: Any) -> TorchBackend:
     if watchdog is not None:
         watchdog.start([t[2] for t in table])
     backend = TorchBackend(dist.group.WORLD, recorder=recorder, members=range(size),
-                           hosts=[t[1] for t in table], checks=checks, debug=debug)
+                           hosts=[t[1] for t in table], uid=str(box[0])[:12], timeout=limit,
+                           checks=checks, debug=debug)
     backend.watchdog = watchdog
     return backend
 
 
-def _init_default_group(torch: Any, dist: Any, wait: float) -> None:
+def _init_default_group(torch: Any, dist: Any, wait: float) -> datetime.timedelta:
     """torch's default process group from the launcher's variables (a one-rank group
     without them): gloo for CPU tensors, plus NCCL for CUDA ones where CUDA is usable."""
     engines = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() and dist.is_nccl_available() \
         else "gloo"
-    limit = datetime.timedelta(seconds=wait + _TORCH_TIMEOUT_MARGIN)
+    seconds = wait + min(wait, _TORCH_TIMEOUT_MARGIN)
+    limit = datetime.timedelta(seconds=seconds)
     if LaunchEnv.present(os.environ):
         env = LaunchEnv.from_environ(os.environ, who="torch backend")
-        dist.init_process_group(engines, init_method="env://", rank=env.rank,
-                                world_size=env.world_size, timeout=limit)
+        try:
+            dist.init_process_group(engines, init_method="env://", rank=env.rank,
+                                    world_size=env.world_size, timeout=limit)
+        except (RuntimeError, TimeoutError) as exc:  # torch's DistError classes derive these
+            raise CollectiveTimeoutError(
+                f"init: rank {env.rank} of {env.world_size} could not join the torch.distributed "
+                f"world at {env.endpoint} within {seconds:g} s ({str(exc).splitlines()[0]}); "
+                "check that every rank was started and that this host reaches MASTER_ADDR "
+                "(AXONDIST_TIMEOUT sets the wait)") from exc
     else:
         dist.init_process_group(engines, store=dist.HashStore(), rank=0, world_size=1,
                                 timeout=limit)
+    return limit
 
 
 def install_abort_hook(rank: int, size: int) -> None:
