@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import ctypes
 import glob
 import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -390,7 +392,7 @@ class _Job:
                 self.stopping = True
                 self.proc.send_signal(self.style.stop_signal)  # passed on to every rank
             if stopping_since is not None and now - stopping_since > _KILL_AFTER_S:
-                self.proc.kill()
+                self._kill()
             time.sleep(_POLL_S)
         for t in self.readers:
             t.join(timeout=10)
@@ -406,8 +408,19 @@ class _Job:
             try:
                 self.proc.wait(timeout=_KILL_AFTER_S)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
+                self._kill()
                 self.proc.wait()
+
+    def _kill(self) -> None:
+        """Kill the launcher outright, and the ranks on this host that have not ended: a
+        launcher killed outright cannot stop them (torchrun starts each rank in a session of
+        its own), and a rank that ignores the stop signal would run on."""
+        self.proc.kill()
+        here = socket.gethostname()
+        for rank, (pid, host) in sorted(self.pids.items()):
+            if host == here and rank not in self.ended:
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
 
     def outcome(self, code: int) -> RankFailure | None:
         """The first failure, from the ranks' own report, the launcher's (hydra's banner,

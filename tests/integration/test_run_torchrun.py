@@ -303,17 +303,46 @@ def test_sigkill_of_the_launcher_ends_torchrun_and_its_ranks(tmp_path):
     assert not Path(run_dir).exists()
 
 
+_STUBBORN = """
+    import os, pathlib, signal, time
+    if os.environ["RANK"] == "1":  # only a kill ends this rank
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    pathlib.Path({folder!r}, "rank." + os.environ["RANK"]).write_text(str(os.getpid()))
+    print("ready", flush=True)
+    time.sleep(300)
+"""
+
+
 @launches
 def test_ctrl_c_stops_torchrun_and_its_ranks_with_one_line(tmp_path):
-    path = script(tmp_path, _SLEEPER.format(folder=str(tmp_path)))
+    """Rank 0 ends when torchrun passes the stop on; rank 1 ignores it and is killed once
+    torchrun is (after 5 s), not left behind."""
+    path = script(tmp_path, _STUBBORN.format(folder=str(tmp_path)))
     proc = _start_and_wait_ready(path, 2, "--launcher", "torchrun")
-    pids = [int((tmp_path / f"rank.{r}").read_text().split()[0]) for r in range(2)]
+    pids = [int((tmp_path / f"rank.{r}").read_text()) for r in range(2)]
     os.killpg(proc.pid, signal.SIGINT)  # a terminal's Ctrl-C reaches the foreground group
     try:
         _, err = proc.communicate(timeout=TIMEOUT)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         pytest.fail("the launcher did not stop after Ctrl-C")
+    finally:
+        time.sleep(0.5)  # a killed rank's parent (torchrun, killed too) no longer waits for it
+        alive = [pid for pid in pids if _running(pid)]
+        for pid in alive:
+            os.kill(pid, signal.SIGKILL)
     assert proc.returncode == 130, err
     assert err.strip() == "axondist run: interrupted; the job was stopped", err
-    assert not [pid for pid in pids if _alive(pid)]
+    assert not alive, f"ranks {alive} outlived the launcher"
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie waiting to be reaped does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return _alive(pid)
