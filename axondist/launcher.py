@@ -342,10 +342,11 @@ class _Job:
                 self.paths[kind, rank] = path
         return path
 
-    def _poll_files(self) -> None:
+    def _poll_files(self, kinds: tuple[str, ...] = ("status", "fault", "out", "err")) -> None:
+        """Read what the ranks added to their files. Reports first: a rank whose output was
+        shown is known (its pid) even when the launcher is interrupted right after."""
         if self.outdir is None:
             return
-        kinds = ("out", "err", "status", "fault")
         for rank in range(self.cfg.nprocs):
             for kind in kinds:
                 path = self._rank_file(self.outdir, kind, rank)
@@ -416,6 +417,7 @@ class _Job:
         launcher killed outright cannot stop them (torchrun starts each rank in a session of
         its own), and a rank that ignores the stop signal would run on."""
         self.proc.kill()
+        self._poll_files(("status",))  # the pids of ranks started since the last look
         here = socket.gethostname()
         for rank, (pid, host) in sorted(self.pids.items()):
             if host == here and rank not in self.ended:
