@@ -17,9 +17,9 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import CollectiveMismatchError
+from ..errors import CollectiveMismatchError, CollectiveTimeoutError
 from .base import compare_signatures
-from .recorder import FlightRecorder
+from .recorder import FlightRecorder, describe_status
 
 Key = tuple[tuple[str, Any], ...]
 
@@ -81,6 +81,18 @@ class CallLog:
                 self._words.clear()
             found = self._words[(op, key)] = check_words(op, key)
         return found
+
+    def absent_error(self, op: str, seq: int) -> Exception:
+        """The error naming the ranks that did not start call ``seq`` of the group."""
+        others = [r for r in self.members if r != self.rec.rank]
+        statuses = self.rec.query_peers(others) if self.rec.query_peers else {}
+        absent = [r for r in others if not isinstance(statuses.get(r), dict)
+                  or int(statuses[r].get("issued", {}).get(self.group, 0)) < seq]
+        lines = [describe_status(statuses[r]) if isinstance(statuses.get(r), dict)
+                 else f"rank {r}: {statuses.get(r, 'not asked')}" for r in absent]
+        return CollectiveTimeoutError(
+            f"monitored_barrier: ranks {absent} of group {self.group} did not arrive at {op} "
+            f"#{seq}: " + "; ".join(lines))
 
     def forget(self) -> None:
         """Drop the group's entries from the flight recorder (the group is gone)."""

@@ -1,13 +1,14 @@
-"""What the fault tests share: a case script run in a subprocess on the mock world or
-under ``mpiexec -n N``, each under its own ``timeout`` (a hang fails the test instead of
-freezing the suite), with ``AXONDIST_TIMEOUT=10`` and MPICH's waiting ranks yielding
-their core (the machines running the suite are small); a module's runs start together,
-a few at a time, the first time one of its tests asks for them.
+"""What the fault tests share: a case script run in a subprocess on the mock world, under
+``mpiexec -n N`` or under ``torchrun --nproc-per-node N``, each under its own ``timeout`` (a
+hang fails the test instead of freezing the suite), with ``AXONDIST_TIMEOUT=10`` and MPICH's
+waiting ranks yielding their core (the machines running the suite are small); a module's runs
+start together, a few at a time, the first time one of its tests asks for them.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import importlib.util
 import os
 import subprocess
 import sys
@@ -45,12 +46,31 @@ def why_no_mpi() -> str | None:
     return None
 
 
+def why_no_torch() -> str | None:
+    """Why the torchrun runs cannot happen here, or None."""
+    if importlib.util.find_spec("torch") is None:
+        return "torch is not installed (pip install '.[torch]')"
+    return None
+
+
+#: How each mode starts ``n`` ranks of ``python SCRIPT CASE MODE``.
+LAUNCHERS: dict[str, Callable[[list[str], int], list[str]]] = {
+    "mock": lambda command, n: [*command, str(n)],  # the script spawns a mock world
+    "mpi": lambda command, n: [str(MPIEXEC), "-n", str(n), *command],
+    "torch": lambda command, n: [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                 "--nproc-per-node", str(n), *command[1:]],
+}
+#: Why a mode cannot run here (None: it can).
+MISSING: dict[str, Callable[[], str | None]] = {
+    "mock": lambda: None, "mpi": lambda: why_no_mpi(), "torch": lambda: why_no_torch()}
+
+
 def run_case(script: Path, case: str, mode: str, n: int,
              env: dict[str, str] | None = None) -> Outcome:
     """``python SCRIPT CASE MODE`` on ``n`` ranks: under ``mpiexec -n n`` for ``mode``
-    "mpi", else with ``n`` as the last argument (the script spawns a mock world)."""
-    command = [sys.executable, str(script), case, mode]
-    command = [str(MPIEXEC), "-n", str(n), *command] if mode == "mpi" else [*command, str(n)]
+    "mpi", ``torchrun --nproc-per-node n`` for "torch", else with ``n`` as the last
+    argument (the script spawns a mock world)."""
+    command = LAUNCHERS[mode]([sys.executable, str(script), case, mode], n)
     start = time.monotonic()
     try:
         proc = subprocess.run(command, cwd=REPO, env={**os.environ, **ENV, **(env or {})},
@@ -65,6 +85,6 @@ def run_case(script: Path, case: str, mode: str, n: int,
 def start_all(runs: Sequence[tuple[Any, ...]], run: Callable[..., Outcome],
               parallel: int = PARALLEL) -> dict[tuple[Any, ...], concurrent.futures.Future]:
     """Start ``run(*r)`` for every ``r`` of ``runs`` (tuples whose second item is the
-    mode) on ``parallel`` threads; MPI runs are left out where MPI is missing."""
+    mode) on ``parallel`` threads; runs of a mode that cannot run here are left out."""
     pool = concurrent.futures.ThreadPoolExecutor(parallel)
-    return {r: pool.submit(run, *r) for r in runs if r[1] == "mock" or why_no_mpi() is None}
+    return {r: pool.submit(run, *r) for r in runs if MISSING[r[1]]() is None}

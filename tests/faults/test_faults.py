@@ -1,4 +1,5 @@
-"""Every fault of ``scripts/fault_cases.py`` on the mock world and under ``mpiexec -n 2/3``.
+"""Every fault of ``scripts/fault_cases.py`` on the mock world, under ``mpiexec -n 2/3`` and
+under ``torchrun --nproc-per-node 2/3`` (the torch backend).
 
 Each run is a subprocess under its own ``timeout`` (a hang fails the test instead of
 freezing the suite) with ``AXONDIST_TIMEOUT=10``; a case that must fail must end
@@ -26,6 +27,7 @@ from faults.runner import (
     ENV,
     HARD_LIMIT,
     LIMIT,
+    MISSING,
     MPIEXEC,
     REPO,
     Outcome,
@@ -111,8 +113,28 @@ CASES: dict[str, Expect] = {
     "many_groups": Expect(None, None),
 }
 MPI_ONLY = {"killed": r"rank 1 .*|KILLED BY SIGNAL: 9|signal 9"}
+#: Where the torch backend (under torchrun) says it differently from MPI (same meaning).
+TORCH: dict[str, str | None] = {
+    # gloo's send waits for its receive, so the sender is still in the header's send
+    "send_no_recv": r"deadlock: rank [01] waits in (barrier #1 on world|send #[12] on "
+                    r"world:p2p \(peer=1, tag=0)",
+    # the check runs before either call starts, blocking or not: the arguments differ
+    "async_mismatch": CASES["async_mismatch"].mock,
+    # the peers' calls fail at once, naming the rank whose process is gone
+    "killed": r"all_reduce on rank 0 of \d \(group world\) cannot complete: rank 1 ended",
+}
 RUNS = ([(case, "mock", n) for case in CASES for n in (2, 3)]
-        + [(case, "mpi", n) for case in [*CASES, *MPI_ONLY] for n in (2, 3)])
+        + [(case, mode, n) for mode in ("mpi", "torch") for case in [*CASES, *MPI_ONLY]
+           for n in (2, 3)])
+
+
+def expected(case: str, mode: str) -> str | None:
+    """What a run of ``case`` must print on ``mode`` (None: it must succeed)."""
+    if mode == "torch" and case in TORCH:
+        return TORCH[case]
+    if case in MPI_ONLY:
+        return MPI_ONLY[case]
+    return getattr(CASES[case], "mock" if mode == "mock" else "mpi")
 
 
 @dataclass(frozen=True)
@@ -176,10 +198,10 @@ pytestmark = pytest.mark.skipif(launched_by_mpi(), reason="launches its own mpie
 
 @pytest.mark.parametrize("case,mode,n", RUNS, ids=[f"{c}-{m}{n}" for c, m, n in RUNS])
 def test_fault_case(case: str, mode: str, n: int) -> None:
-    if mode == "mpi" and why_no_mpi() is not None:
-        pytest.skip(why_no_mpi() or "")
+    if MISSING[mode]() is not None:
+        pytest.skip(MISSING[mode]() or "")
     outcome = _outcomes()[(case, mode, n)].result()
-    pattern = MPI_ONLY.get(case) or getattr(CASES[case], mode)
+    pattern = expected(case, mode)
     tail = outcome.output[-6000:]
     if pattern is None:
         assert outcome.returncode == 0, (

@@ -23,9 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from ...errors import CollectiveTimeoutError
 from ..call_check import CallLog, Key, check_words, raise_if_different
-from ..recorder import FlightRecorder, describe_status
+from ..recorder import FlightRecorder
 from .choose import RIDE_MAX_BYTES
 from .transport import raise_mpi_error
 
@@ -152,18 +151,6 @@ class CallGuard(CallLog):
         wait_until(request.Test, deadline, lambda: self.absent_error(op, seq))
         if out[0] != -out[1]:
             self.disagree(op, key)
-
-    def absent_error(self, op: str, seq: int) -> Exception:
-        """The error naming the ranks that did not start call ``seq`` of the group."""
-        others = [r for r in self.members if r != self.rec.rank]
-        statuses = self.rec.query_peers(others) if self.rec.query_peers else {}
-        absent = [r for r in others if not isinstance(statuses.get(r), dict)
-                  or int(statuses[r].get("issued", {}).get(self.group, 0)) < seq]
-        lines = [describe_status(statuses[r]) if isinstance(statuses.get(r), dict)
-                 else f"rank {r}: {statuses.get(r, 'not asked')}" for r in absent]
-        return CollectiveTimeoutError(
-            f"monitored_barrier: ranks {absent} of group {self.group} did not arrive at {op} "
-            f"#{seq}: " + "; ".join(lines))
 
     def disagree(self, op: str, key: Key) -> None:
         """Raise, on every rank of the group (each calls this), the error naming what the

@@ -13,7 +13,10 @@ raises instead of ending the process.
 
 from __future__ import annotations
 
+import concurrent.futures
 import pickle
+import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -21,8 +24,14 @@ import numpy as np
 
 from ... import _array
 from ..._validate import as_rank
-from ...errors import CollectiveMismatchError, CollectiveTimeoutError, InvalidBufferError
+from ...errors import (
+    CollectiveMismatchError,
+    CollectiveTimeoutError,
+    InvalidBufferError,
+    WorldAbortedError,
+)
 from ...ops import ReduceOp
+from .._diagnostics import process_gone
 from ..base import Backend, Signature
 from ..call_check import Key, check_words
 from ..plan import (
@@ -42,6 +51,8 @@ from .interop import TensorView, load_torch, reduce_op
 
 _HALF = frozenset(d for d in _array.SUPPORTED_DTYPES if d.itemsize == 2 and d.kind != "i")
 _INT64 = np.dtype(np.int64)
+#: What gloo's errors say when a peer's process ended.
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
 #: Tags a user tag maps to: a message's header and data, and an object's header and bytes.
 _TAG_KINDS = 4
 
@@ -90,7 +101,7 @@ class TorchPlan(Plan):
             getattr(self, f"_{key.collective}")
 
     def run(self, send: Any, recv: Any = None) -> Any:
-        key, guard = self.key, self._guard
+        key, guard, b = self.key, self._guard, self._b
         what = key.collective
         if what in IN_PLACE:
             result = send
@@ -98,20 +109,28 @@ class TorchPlan(Plan):
             result = recv = self._xp.empty(self._out_shape, dtype=key.dtype)
         else:
             result = checked_out(recv, key, self._out_shape, what)
+
+        def issue() -> tuple[Any, Callable[[], None] | None]:
+            return b.translated(what, lambda: self._checked_move(send, recv))
+
         seq, slot = guard.begin(what, self._detail, blocking=not key.async_op)
+        if key.async_op:
+            guard.rec.end(slot)
+            return QueuedWork(b, b.order.later(issue), result, what, seq)
         try:
-            if guard.checks:
-                guard.agree(what, self._check_key, self._words)
-            work, finish = self._b.translated(what, lambda: self._move(send, recv))
+            work, finish = b.order.now(issue)
         finally:
             guard.rec.end(slot)
-        if not key.async_op:
-            if work is not None:
-                self._b.translated(what, work.wait)
-            if finish is not None:
-                finish()
-            return result
-        return self._b.work(work, result, what, finish, seq)
+        if work is not None:
+            b.translated(what, work.wait)
+        if finish is not None:
+            finish()
+        return result
+
+    def _checked_move(self, send: Any, recv: Any) -> tuple[Any, Callable[[], None] | None]:
+        if self._guard.checks:
+            self._guard.agree(self.key.collective, self._check_key, self._words)
+        return self._move(send, recv)
 
     # --- each collective: start it, and what finishes it once it completed ----------------
     def _mean(self, buf: Any) -> Callable[[], None] | None:
@@ -267,6 +286,8 @@ class TorchBackend(Backend):
                                 recorder, group_name, self.members, debug)
         #: The rank's watchdog (the world backend of a job of several ranks only).
         self.watchdog: Any = None
+        #: The order in which the group's calls reach torch (non-blocking ones queued).
+        self.order = CallOrder(f"axondist-{group_name}")
         self._closed = False
 
     # --- what the plans share ---------------------------------------------------------------
@@ -280,17 +301,47 @@ class TorchBackend(Backend):
         return self._view.of(buf)
 
     def translated(self, what: str, run: Callable[[], Any]) -> Any:
-        """``run()``, with torch.distributed's errors turned into axondist's."""
+        """``run()``, with torch.distributed's errors turned into axondist's (see
+        :meth:`our_error`)."""
         try:
             return run()
         except RuntimeError as exc:
-            text = str(exc)
-            if "imed out" in text or "Timeout" in text:
-                raise CollectiveTimeoutError(
-                    f"{what} on rank {self.rank} of {self.world_size}: torch.distributed timed "
-                    f"out ({text.splitlines()[0]}); set AXONDIST_TIMEOUT if the job is only "
-                    "slow") from exc
-            raise
+            ours = self.our_error(what, exc)
+            if ours is None:
+                raise
+            raise ours from (None if isinstance(ours, WorldAbortedError) else exc)
+
+    def our_error(self, what: str, exc: RuntimeError) -> Exception | None:
+        """axondist's error for torch.distributed's ``exc`` during ``what``: a peer's closed
+        connection a :class:`WorldAbortedError` naming the ranks whose processes are gone,
+        torch's timeout a :class:`CollectiveTimeoutError`; None for other errors."""
+        text = str(exc)
+        first = text.splitlines()[0] if text else type(exc).__name__
+        if any(sign in text for sign in _PEER_GONE):
+            gone = self.gone_ranks()
+            who = (f"rank{'s' if len(gone) > 1 else ''} {', '.join(map(str, gone))} ended"
+                   if gone else "a rank it needs ended (or its host is cut off)")
+            return WorldAbortedError(
+                f"{what} on rank {self.rank} of {self.world_size} (group {self.guard.group}) "
+                f"cannot complete: {who}; that rank's output says why (torch.distributed: "
+                f"{first})")
+        if "imed out" in text or "Timeout" in text:
+            return CollectiveTimeoutError(
+                f"{what} on rank {self.rank} of {self.world_size}: torch.distributed timed out "
+                f"({first}); set AXONDIST_TIMEOUT if the job is only slow")
+        return None
+
+    def gone_ranks(self) -> list[int]:
+        """The group ranks whose processes, on this host, are gone (the watchdog's table
+        of the peers says where each runs)."""
+        peers = getattr(self.watchdog, "peers", None) or {}
+        host = self.guard.rec.host
+        gone = []
+        for r, world_rank in enumerate(self.members):
+            found = peers.get(world_rank)
+            if found is not None and found[2] == host and process_gone(found[3]):
+                gone.append(r)
+        return gone
 
     def work(self, work: Any, result: Any, what: str, finish: Callable[[], None] | None,
              seq: int) -> Work:
@@ -361,11 +412,15 @@ class TorchBackend(Backend):
     def _checked(self, op: str, key: Key, run: Callable[[], Any]) -> Any:
         """``run()`` as call ``op``: numbered, recorded, checked across ranks first."""
         guard = self.guard
+
+        def issue() -> Any:
+            if guard.checks:
+                self.translated(op, lambda: guard.agree(op, key, guard.words(op, key)))
+            return self.translated(op, run)
+
         seq, slot = guard.begin(op, key)
         try:
-            if guard.checks:
-                guard.agree(op, key, guard.words(op, key))
-            return self.translated(op, run)
+            return self.order.now(issue)
         finally:
             guard.rec.end(slot)
 
@@ -454,7 +509,7 @@ class TorchBackend(Backend):
 
     def monitored_barrier(self, timeout: float) -> None:
         """torch's ``monitored_barrier`` (gloo): fails after ``timeout`` seconds naming the
-        ranks that did not arrive."""
+        ranks that did not arrive and what each is doing (from their flight recorders)."""
         import datetime
 
         seq, slot = self.guard.begin("barrier", ())
@@ -462,9 +517,10 @@ class TorchBackend(Backend):
             self.dist.monitored_barrier(group=self.pg, wait_all_ranks=True,
                                         timeout=datetime.timedelta(seconds=timeout))
         except RuntimeError as exc:
-            raise CollectiveTimeoutError(
-                f"monitored_barrier: ranks of group {self.guard.group} did not arrive at "
-                f"barrier #{seq} within {timeout:g} s: {str(exc).splitlines()[0]}") from exc
+            gone = self.our_error("monitored_barrier", exc)
+            if isinstance(gone, WorldAbortedError):
+                raise gone from None
+            raise self.guard.absent_error("barrier", seq) from None
         finally:
             self.guard.rec.end(slot)
 
@@ -591,11 +647,12 @@ class TorchBackend(Backend):
         self._checked("new_group", (("ranks", ranks),), run)
         if not made:
             return None
-        return TorchBackend(made[0], recorder=guard.rec, group_name=name, members=members,
-                            hosts=[self._hosts[r] for r in ranks], uid=self.uid,
-                            timeout=self.timeout,
-                            checks=self.options["checks"], debug=self.options["debug"],
-                            owns_group=True)
+        sub = TorchBackend(made[0], recorder=guard.rec, group_name=name, members=members,
+                           hosts=[self._hosts[r] for r in ranks], uid=self.uid,
+                           timeout=self.timeout, checks=self.options["checks"],
+                           debug=self.options["debug"], owns_group=True)
+        sub.watchdog = self.watchdog
+        return sub
 
     def _make_group(self, members: list[int], name: str) -> Any:
         """torch's process group over the global ranks ``members`` (called by them alone),
@@ -622,10 +679,101 @@ class TorchBackend(Backend):
         if self._closed:
             return
         self._closed = True
+        self.order.close()
         self.free_plans()
         self.guard.forget()
         if self._owns_group and self.dist.is_initialized():
             self.dist.destroy_process_group(self.pg)
+
+
+class CallOrder:
+    """The order in which one group's calls reach torch.distributed, which pairs the ranks'
+    collectives by the order they were issued.
+
+    A non-blocking call's check waits until every rank made its call, which must not block
+    the caller (it may send what another rank waits for first), so :meth:`later` issues the
+    check and then the call on a thread of the group's own, in call order; :meth:`now`
+    issues a blocking call at once, or behind the queued ones while there are any.
+    """
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._queued = 0
+        self._lock = threading.Lock()
+
+    def later(self, issue: Callable[[], Any]) -> concurrent.futures.Future:
+        """Queue ``issue()``; its future."""
+        with self._lock:
+            if self._pool is None:
+                self._pool = concurrent.futures.ThreadPoolExecutor(1, self._name)
+            self._queued += 1
+            return self._pool.submit(self._issue, issue)
+
+    def now(self, issue: Callable[[], Any]) -> Any:
+        """``issue()`` once every queued call was issued; its value."""
+        if self._queued:
+            return self.later(issue).result()
+        return issue()
+
+    def _issue(self, issue: Callable[[], Any]) -> Any:
+        try:
+            return issue()
+        finally:
+            with self._lock:
+                self._queued -= 1
+
+    def close(self) -> None:
+        """Issue what is queued, then stop the thread."""
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
+
+
+class QueuedWork(Work):
+    """The Work of a queued non-blocking call: once :class:`CallOrder` issued it (its check
+    passed, torch's call started), the Work of torch's call (:meth:`TorchBackend.work`)."""
+
+    __slots__ = ("_backend", "_future", "_result", "_what", "_seq", "_started")
+
+    def __init__(self, backend: TorchBackend, future: concurrent.futures.Future, result: Any,
+                 what: str, seq: int) -> None:
+        self._backend, self._future, self._result = backend, future, result
+        self._what, self._seq = what, seq
+        self._started: Work | None = None
+
+    def _issued(self, timeout: float | None) -> Work:
+        if self._started is None:
+            try:
+                work, finish = self._future.result(timeout)
+            except concurrent.futures.TimeoutError:
+                raise CollectiveTimeoutError(
+                    f"Work.wait: {self._what} did not complete within timeout={timeout:g} s; "
+                    "it is still running (call wait() again, or check that every rank "
+                    "started it)") from None
+            self._started = self._backend.work(work, self._result, self._what, finish,
+                                               self._seq)
+        return self._started
+
+    def wait(self, timeout: float | None = None) -> Any:
+        """Wait for the call (at most ``timeout`` seconds in all); its result."""
+        guard = self._backend.guard
+        slot = guard.rec.begin(guard.group, self._seq, f"wait {self._what}", None)
+        try:
+            start = time.monotonic()
+            started = self._issued(timeout)
+            left = None if timeout is None else max(0.0, timeout - (time.monotonic() - start))
+            return started.wait(left)
+        finally:
+            guard.rec.end(slot)
+
+    def is_completed(self) -> bool:
+        """True once the call finished (or failed); never blocks."""
+        if not self._future.done():
+            return False
+        if self._future.exception() is not None:
+            return True
+        return self._issued(0).is_completed()
 
 
 __all__ = ["TorchBackend", "TorchPlan", "node_info"]

@@ -4,6 +4,7 @@ and ``MASTER_PORT``), its watchdog, and the hook that ends the job when one rank
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 import secrets
@@ -13,7 +14,7 @@ import traceback
 from typing import Any
 
 from ..._validate import positive_seconds
-from ...errors import CollectiveTimeoutError
+from ...errors import CollectiveTimeoutError, WorldAbortedError
 from .._rendezvous import LaunchEnv
 from .._watchdog import Watchdog, exit_soon, print_and_flush, silence_all
 from ..base import checks_enabled, debug_enabled, default_timeout, stall_warning_after
@@ -62,6 +63,9 @@ def create_world_backend(**options: Any) -> TorchBackend:
     limit = None
     if not dist.is_initialized():
         limit = _init_default_group(torch, dist, wait)
+        # torch's own threads must stop before the interpreter tears down (else an abort
+        # at exit, "terminate called without an active exception")
+        atexit.register(_destroy_default_group, dist)
     rank, size = dist.get_rank(), dist.get_world_size()
     if options.get("abort_on_exception", True) and size > 1:
         install_abort_hook(rank, size)
@@ -115,6 +119,11 @@ def _init_default_group(torch: Any, dist: Any, wait: float) -> datetime.timedelt
     return limit
 
 
+def _destroy_default_group(dist: Any) -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def install_abort_hook(rank: int, size: int) -> None:
     """Make an uncaught exception on this rank end the whole job: the traceback is printed
     with each line prefixed by ``[axondist rank R/N]``, the watchdog is silenced (this rank
@@ -130,8 +139,11 @@ def install_abort_hook(rank: int, size: int) -> None:
             previous(exc_type, exc, tb)
             return
         silence_all()
-        text = "".join(traceback.format_exception(exc_type, exc, tb))
-        text += f"rank {rank} failed: ending the job so the other ranks do not wait"
+        if isinstance(exc, WorldAbortedError):  # caused by another rank: no traceback
+            text = f"{exc}\nending this rank"
+        else:
+            text = "".join(traceback.format_exception(exc_type, exc, tb))
+            text += f"rank {rank} failed: ending the job so the other ranks do not wait"
         print_and_flush(f"[axondist rank {rank}/{size}] ", text)
         sys.stdout.flush()
         os._exit(1)

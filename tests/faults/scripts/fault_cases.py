@@ -1,5 +1,6 @@
 """Fault cases, each a small per-rank program: ``python fault_cases.py CASE mock N`` runs it
-on an N-rank mock world, ``mpiexec -n N python fault_cases.py CASE mpi`` on MPI.
+on an N-rank mock world, ``mpiexec -n N python fault_cases.py CASE mpi`` on MPI,
+``torchrun --nproc-per-node N fault_cases.py CASE torch`` on the torch backend.
 
 A case that must fail ends non-zero with a message naming the operation and the
 ranks; a case that must not fail prints ``CASE OK`` on every rank.
@@ -234,12 +235,13 @@ CASES[ddp_overlapped_stall.__name__] = ddp_overlapped_stall
 
 
 def main(cases: dict[str, Any]) -> None:
-    """Run case ``argv[1]`` of ``cases`` on the world ``argv[2]`` names: ``mpi`` (this
-    process is one rank under mpiexec) or ``mock`` with ``argv[3]`` ranks."""
+    """Run case ``argv[1]`` of ``cases`` on the world ``argv[2]`` names: ``mpi`` or
+    ``torch`` (this process is one rank under mpiexec or torchrun) or ``mock`` with
+    ``argv[3]`` ranks."""
     case, mode = sys.argv[1], sys.argv[2]
     fn = cases[case]
-    if mode == "mpi":
-        fn(ad.init("mpi"))
+    if mode in ("mpi", "torch"):
+        fn(ad.init(mode))
     else:
         ad.spawn(fn, int(sys.argv[3]))
 
