@@ -101,9 +101,20 @@ def spread(values: Sequence[float], scale: float = 1.0) -> dict[str, float]:
             "n": len(v)}
 
 
-def format_spread(stat: Mapping[str, float]) -> str:
-    """``median (min-max)`` of a :func:`spread`, 3 significant digits each."""
-    return f"{stat['median']:.3g} ({stat['min']:.3g}-{stat['max']:.3g})"
+def format_figure(value: float) -> str:
+    """3 significant digits, without an exponent from 100 up: ``0.912``, ``12.5``, ``4630``."""
+    mag = abs(value)
+    return f"{value:.0f}" if 100 <= mag < 1e9 else f"{value:.1f}" if 10 <= mag < 100 \
+        else f"{value:.3g}"
+
+
+def format_spread(stat: Mapping[str, float], quartiles: bool = False) -> str:
+    """``median (min-max)`` of a :func:`spread` (see :func:`format_figure`); with
+    ``quartiles``, ``median [q1-q3]`` (the middle half of the batches)."""
+    median = format_figure(stat["median"])
+    if quartiles:
+        return f"{median} [{format_figure(stat['q1'])}-{format_figure(stat['q3'])}]"
+    return f"{median} ({format_figure(stat['min'])}-{format_figure(stat['max'])})"
 
 
 def paired_ratios(numerator: Sequence[float], denominator: Sequence[float]) -> list[float]:
@@ -233,14 +244,19 @@ def start_gloo(comm: Any) -> Any:
         import torch.distributed as dist
     except ImportError:
         return None
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ["MASTER_PORT"] = str(free_port(comm))
+    dist.init_process_group("gloo", rank=comm.rank, world_size=comm.size)
+    torch.set_num_threads(1)
+    return dist
+
+
+def free_port(comm: Any) -> int:
+    """A TCP port free on 127.0.0.1, chosen by rank 0 of ``comm`` and the same on every
+    rank (a collective): where rank 0 listens for torch.distributed's rendezvous."""
     port = None
     if comm.rank == 0:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-    port = comm.bcast(port, root=0)
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", rank=comm.rank, world_size=comm.size)
-    torch.set_num_threads(1)
-    return dist
+    return int(comm.bcast(port, root=0))

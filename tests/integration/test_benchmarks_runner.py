@@ -361,3 +361,46 @@ def test_quick_mode_end_to_end_through_the_module_entry_point(tmp_path):
     assert "Each figure: median (min–max) over n = 3 timed repeats." in report
     assert "Not compared: torch DDP (gloo) (surely_not_installed_peer not installed)." in report
     assert json.loads((out / "bench_full.json").read_text())["repeats"] == 3
+
+
+def test_quartiles_and_figures_print_without_exponents():
+    s = common.spread([700.0, 1200.0, 1580.0, 3000.0])
+    assert common.format_spread(s) == "1390 (700-3000)"
+    assert common.format_spread(s, quartiles=True) == f"1390 [{s['q1']:.0f}-{s['q3']:.0f}]"
+    assert [common.format_figure(v) for v in (0.9123, 12.345, 4630.4)] == ["0.912", "12.3",
+                                                                         "4630"]
+
+
+_TORCH_BENCH = ROOT / "benchmarks" / "bench_torch_backend.py"
+
+
+def _run_torch_bench(hide: str | None) -> subprocess.CompletedProcess:
+    """The torch backend's benchmark run with plain Python (no MPI launch), ``hide`` made
+    unimportable."""
+    code = ("import runpy, sys\n"
+            + (f"sys.modules[{hide!r}] = None\n" if hide else "")
+            + f"sys.argv = [{str(_TORCH_BENCH)!r}, '--quick']\n"
+            + f"runpy.run_path({str(_TORCH_BENCH)!r}, run_name='__main__')\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "OMPI_", "HYD"))}
+    env.pop("MPI_LOCALNRANKS", None)
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=120, check=False)
+
+
+def test_the_torch_backend_benchmark_needs_torch_and_mpiexec():
+    plan = runner.plan_benchmark(_TORCH_BENCH, quick=True, timeout=None)
+    assert (plan.ranks, plan.args) == (2, ["--quick"])
+    assert {"torch", "mpi4py"} <= set(plan.needs)  # the runner skips it, naming what is missing
+
+
+@pytest.mark.parametrize("hide, why", [
+    ("torch", "skipped: torch is not installed (pip install '.[torch]')"),
+    ("mpi4py", "skipped: mpi4py is not installed"),
+    (None, "skipped: it needs several ranks and an MPI launcher: launch it with mpiexec -n 2"),
+])
+def test_the_torch_backend_benchmark_says_why_it_is_skipped(hide, why):
+    if hide != "torch" and importlib.util.find_spec("torch") is None:
+        pytest.skip("torch is not installed: the benchmark stops at that first")
+    proc = _run_torch_bench(hide)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert why in proc.stdout, proc.stdout + proc.stderr
