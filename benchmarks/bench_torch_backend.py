@@ -127,14 +127,16 @@ def _variants(op: str, nbytes: int, comm: Any, mpi: Any, worlds: tuple[ad.World,
     if op == "all_gather":
         out = np.zeros(buf.size * n, np.float32)
         tout, sizes = torch.from_numpy(out), [buf.size] * n
-        return {"torch": lambda: dist.all_gather_into_tensor(tout, t),
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        return {"torch": lambda: gather(tout, t),
                 "ax-torch": lambda: ad.all_gather(buf, group=tw, sizes=sizes, out=out),
                 "ax-mpi": lambda: ad.all_gather(buf, group=mw, sizes=sizes, out=out),
                 "mpi4py": lambda: comm.Allgather(buf, out)}
     if op == "reduce_scatter":
         mine = np.zeros(buf.size // n, np.float32)
         tmine = torch.from_numpy(mine)
-        return {"torch": lambda: dist.reduce_scatter_tensor(tmine, t),
+        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        return {"torch": lambda: scatter(tmine, t),
                 "ax-torch": lambda: ad.reduce_scatter(buf, group=tw, out=mine),
                 "ax-mpi": lambda: ad.reduce_scatter(buf, group=mw, out=mine),
                 "mpi4py": lambda: comm.Reduce_scatter_block(buf, mine, mpi.SUM)}
@@ -172,8 +174,8 @@ def report(results: dict[str, Any]) -> str:
     """The tables as text."""
     out = [f"world size {results['world_size']}, checks {'on' if results['checks'] else 'off'}; "
            f"us per call: median over {results['repeats']} timed batches (the slowest rank's); "
-           "ratios paired by batch: median [q1-q3]; target ax-torch/torch <= {TARGET_RATIO:g} from "
-           f"{format_size(TARGET_FROM)}"]
+           "ratios paired by batch: median [q1-q3]; target ax-torch/torch <= "
+           f"{TARGET_RATIO:g} from {format_size(TARGET_FROM)}"]
     ratios = [f"{a}/{b}" for a, b in RATIOS]
     header = ["size", *VARIANTS, *ratios, "target"]
     for op, rows in results["ops"].items():
