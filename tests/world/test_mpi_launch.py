@@ -63,15 +63,16 @@ def _why_no_mpi() -> str | None:
     return None
 
 
-def _under_mpi() -> bool:
-    from axondist.launch import launched_by_mpi
+def _launched() -> bool:
+    from axondist._environment import env_launch_size, launched_by_mpi
 
-    return launched_by_mpi()
+    return launched_by_mpi() or env_launch_size() is not None
 
 
 pytestmark = [
     pytest.mark.mpi,
-    pytest.mark.skipif(_under_mpi(), reason="already under mpiexec: the launcher does not recurse"),
+    pytest.mark.skipif(_launched(), reason="already one rank of a launched job: the launcher "
+                                           "does not recurse"),
 ]
 
 

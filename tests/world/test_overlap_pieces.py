@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from harness import UNDER_MPI, current_size, mpi_world, run_world, world_sizes
+from harness import LAUNCHED, UNDER_MPI, current_size, launched_world, run_world, world_sizes
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -191,16 +191,16 @@ def test_ddp_reads_no_tune_file_and_takes_the_tuned_bucket_when_passed(
     options keeps 25 MiB, and one given ``**tune.tuned_ddp_options(group)`` takes the size
     ``tune`` picked."""
     size = current_size(2)
-    folder = Path(mpi_world().backend.comm.bcast(str(tmp_path))) if UNDER_MPI else tmp_path
+    world = launched_world() if LAUNCHED else None
+    folder = Path(world.backend.broadcast_object(str(tmp_path), 0)) if world else tmp_path
     path = folder / "tune.json"
     # the settings apply to the layout they were measured on: this one's hosts
-    nodes = (len(set(mpi_world().backend.comm.allgather(mpi_world().node_info()[0])))
-             if UNDER_MPI else 1)
-    if not UNDER_MPI or mpi_world().rank == 0:
+    nodes = len(set(world.backend.allgather_object(world.node_info()[0]))) if world else 1
+    if world is None or world.rank == 0:
         tune.save_settings(TuneSettings(2.0, size, nodes, 0.9,
                                         (SweepPoint(1 << 21, 0.01, 2e8),), 1e-4, 1e8), path)
-    if UNDER_MPI:
-        mpi_world().backend.comm.Barrier()
+    if world is not None:
+        world.backend.barrier()
     monkeypatch.setenv("AXONDIST_TUNE_FILE", str(path))
     for caps in run_world(_tuned, size, path):
         assert caps == {"SYNCHRONOUS": DEFAULT_BUCKET_CAP_MB, "OVERLAPPED": DEFAULT_BUCKET_CAP_MB,
@@ -242,9 +242,9 @@ def test_persistent_pieces_sum_like_numpy(size, numel, dtype, factor, seed):
     size = current_size(size)
     piece = NODE_CHUNK_BYTES  # one node's chunk: the blocking sum's pieces too
     out = run_world(_persistent_sum, size, numel, dtype, piece, factor, seed)
-    if UNDER_MPI:
+    if LAUNCHED:
         mine = [r[1][s][0] for r in out for s in range(2)]
-        every = [mpi_world().backend.comm.allgather(m) for m in mine]
+        every = [launched_world().backend.allgather_object(m) for m in mine]
     else:
         every = [[r[1][s][0] for r in out] for s in range(2)]
     tol = 1e-5 * size if dtype == "float32" else 1e-12

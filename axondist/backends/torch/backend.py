@@ -13,8 +13,10 @@ raises instead of ending the process.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import pickle
+import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -53,6 +55,8 @@ _HALF = frozenset(d for d in _array.SUPPORTED_DTYPES if d.itemsize == 2 and d.ki
 _INT64 = np.dtype(np.int64)
 #: What gloo's errors say when a peer's process ended.
 _PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+#: Sends up to this many bytes return at once, from copies (MPI's eager sends do too).
+EAGER_BYTES = 64 << 10
 #: Tags a user tag maps to: a message's header and data, and an object's header and bytes.
 _TAG_KINDS = 4
 
@@ -286,6 +290,8 @@ class TorchBackend(Backend):
                                 recorder, group_name, self.members, debug)
         #: The rank's watchdog (the world backend of a job of several ranks only).
         self.watchdog: Any = None
+        #: The threads that send to each rank, shared by the world's groups.
+        self.outbox = Outbox(self.guard.members[self.rank])
         #: The order in which the group's calls reach torch (non-blocking ones queued).
         self.order = CallOrder(f"axondist-{group_name}")
         self._closed = False
@@ -526,21 +532,43 @@ class TorchBackend(Backend):
 
     # --- point to point: a header (bytes, dtype), then the data ------------------------------
     def send(self, buf: Any, dst: int, tag: int = 0) -> None:
-        """Send ``buf``: a header with its size, then its bytes."""
+        """Send ``buf``: a header with its size, then its bytes (see :meth:`_post`)."""
         as_rank(dst, self.world_size, "send", "dst")
         head_tag, data_tag, _, _ = _tags(tag)
         guard = self.guard
         slot = guard.begin_p2p("send", (("peer", guard.members[dst]), ("tag", tag),
                                        ("bytes", buf.nbytes)))
         try:
-            header = np.array([buf.nbytes], _INT64)
-            self.dist.send(self.torch.from_numpy(header), group=self.pg, group_dst=dst,
-                           tag=head_tag)
-            if buf.nbytes:
-                self.dist.send(self.tensor(buf.reshape(-1).view(np.uint8)), group=self.pg,
-                               group_dst=dst, tag=data_tag)
+            self._post(buf.reshape(-1).view(np.uint8), dst, head_tag, data_tag, tag)
         finally:
             guard.rec.end(slot)
+
+    def _post(self, payload: Any, dst: int, head_tag: int, data_tag: int, tag: int) -> None:
+        """Send the bytes ``payload`` after their size, on the thread that sends to ``dst``
+        (so sends to one rank keep their order). Up to :data:`EAGER_BYTES` this returns
+        at once, sending a copy, as MPI's eager sends do: gloo's own send waits for its
+        receive, so two ranks that each send before they receive would wait forever.
+        Larger sends wait for their receive, as on MPI."""
+        outbox = self.outbox
+        if outbox.error is not None:
+            raise outbox.error
+        eager = payload.size <= EAGER_BYTES
+        if eager:
+            payload = payload.copy()
+        header = np.array([payload.size], _INT64)
+        to = self.guard.members[dst]
+
+        def send() -> None:
+            self.dist.send(self.torch.from_numpy(header), group=self.pg, group_dst=dst,
+                           tag=head_tag)
+            if payload.size:
+                self.dist.send(self.tensor(payload), group=self.pg, group_dst=dst,
+                               tag=data_tag)
+
+        sent = outbox.submit((id(self.pg), dst, head_tag), to, tag,
+                             lambda: self.translated("send", send))
+        if not eager:
+            sent.result()
 
     def recv(self, buf: Any, src: int, tag: int = 0) -> None:
         """Receive the next message from ``src`` with ``tag`` into ``buf``.
@@ -575,14 +603,11 @@ class TorchBackend(Backend):
         """Send a pickled ``obj`` (its length, then its bytes) in a tag space of its own."""
         as_rank(dst, self.world_size, "send_object", "dst")
         _, _, head_tag, data_tag = _tags(tag)
-        data = np.frombuffer(pickle.dumps(obj), np.uint8).copy()
+        data = np.frombuffer(pickle.dumps(obj), np.uint8)
         guard = self.guard
         slot = guard.begin_p2p("send", (("peer", guard.members[dst]), ("tag", tag)))
         try:
-            self.dist.send(self.torch.from_numpy(np.array([data.size], _INT64)), group=self.pg,
-                           group_dst=dst, tag=head_tag)
-            self.dist.send(self.torch.from_numpy(data), group=self.pg, group_dst=dst,
-                           tag=data_tag)
+            self._post(data, dst, head_tag, data_tag, tag)
         finally:
             guard.rec.end(slot)
 
@@ -652,6 +677,7 @@ class TorchBackend(Backend):
                            timeout=self.timeout, checks=self.options["checks"],
                            debug=self.options["debug"], owns_group=True)
         sub.watchdog = self.watchdog
+        sub.outbox = self.outbox
         return sub
 
     def _make_group(self, members: list[int], name: str) -> Any:
@@ -686,6 +712,108 @@ class TorchBackend(Backend):
             self.dist.destroy_process_group(self.pg)
 
 
+class SerialThread:
+    """A daemon thread that runs what it is given in order, each call's value in a future.
+
+    A daemon, unlike ``ThreadPoolExecutor``'s workers, which the interpreter joins at exit:
+    a send nobody receives must not keep the process from ending (and from saying so).
+    """
+
+    def __init__(self, name: str) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._loop, name=name, daemon=True).start()
+
+    def submit(self, job: Callable[[], Any]) -> concurrent.futures.Future:
+        """Queue ``job()``; the future of its value."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._jobs.put((job, future))
+        return future
+
+    def stop(self) -> None:
+        """End the thread after the jobs queued so far."""
+        self._jobs.put(None)
+
+    def _loop(self) -> None:
+        while True:
+            item = self._jobs.get()
+            if item is None:
+                return
+            job, future = item
+            try:
+                future.set_result(job())
+            except BaseException as exc:  # noqa: BLE001 - handed to whoever waits
+                future.set_exception(exc)
+
+
+class Outbox:
+    """What this rank's sends queue (:meth:`TorchBackend.send`), sent in order per channel
+    (group, destination and tag: the order a receiver matches them in) by a thread of the
+    channel's own while it has messages, and the sends not received yet.
+
+    A channel's thread is a daemon, unlike ``ThreadPoolExecutor``'s workers, which the
+    interpreter joins at exit: a send nobody receives must not keep the process from
+    ending (and from saying so).
+
+    Args:
+        me: this rank in the world.
+    """
+
+    def __init__(self, me: int) -> None:
+        self.me = me
+        self.error: BaseException | None = None
+        self._channels: dict[tuple[Any, ...], collections.deque] = {}
+        self._running: set[tuple[Any, ...]] = set()
+        self._pending: list[tuple[int, int, concurrent.futures.Future]] = []
+        self._lock = threading.Lock()
+
+    def submit(self, channel: tuple[Any, ...], dst: int, tag: int,
+               send: Callable[[], None]) -> concurrent.futures.Future:
+        """Queue ``send()`` (a message to world rank ``dst`` with user ``tag``) behind the
+        channel's earlier ones; its future."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            self._pending = [p for p in self._pending if not p[2].done()]
+            self._pending.append((dst, tag, future))
+            self._channels.setdefault(channel, collections.deque()).append((send, future))
+            if channel not in self._running:
+                self._running.add(channel)
+                threading.Thread(target=self._drain, args=(channel,), daemon=True,
+                                 name=f"axondist-send-to-{dst}").start()
+        return future
+
+    def _drain(self, channel: tuple[Any, ...]) -> None:
+        while True:
+            with self._lock:
+                jobs = self._channels[channel]
+                if not jobs:
+                    self._running.discard(channel)
+                    del self._channels[channel]
+                    return
+                send, future = jobs.popleft()
+            try:
+                send()
+            except BaseException as exc:  # noqa: BLE001 - raised at the next send, or waited
+                self.error = self.error or exc
+                future.set_exception(exc)
+            else:
+                future.set_result(None)
+
+    def unreceived(self, settle: float = 0.05) -> dict[tuple[int, int, int], int]:
+        """The sends not received yet after ``settle`` seconds, as ``{(this world rank,
+        destination world rank, user tag): messages}``."""
+        deadline = time.monotonic() + settle
+        while True:
+            with self._lock:
+                pending = [p for p in self._pending if not p[2].done()]
+            if not pending or time.monotonic() >= deadline:
+                break
+            time.sleep(1e-3)
+        found: dict[tuple[int, int, int], int] = {}
+        for dst, tag, _ in pending:
+            found[(self.me, dst, tag)] = found.get((self.me, dst, tag), 0) + 1
+        return found
+
+
 class CallOrder:
     """The order in which one group's calls reach torch.distributed, which pairs the ranks'
     collectives by the order they were issued.
@@ -698,17 +826,17 @@ class CallOrder:
 
     def __init__(self, name: str) -> None:
         self._name = name
-        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._thread: SerialThread | None = None
         self._queued = 0
         self._lock = threading.Lock()
 
     def later(self, issue: Callable[[], Any]) -> concurrent.futures.Future:
         """Queue ``issue()``; its future."""
         with self._lock:
-            if self._pool is None:
-                self._pool = concurrent.futures.ThreadPoolExecutor(1, self._name)
+            if self._thread is None:
+                self._thread = SerialThread(self._name)
             self._queued += 1
-            return self._pool.submit(self._issue, issue)
+            return self._thread.submit(lambda: self._issue(issue))
 
     def now(self, issue: Callable[[], Any]) -> Any:
         """``issue()`` once every queued call was issued; its value."""
@@ -725,9 +853,12 @@ class CallOrder:
 
     def close(self) -> None:
         """Issue what is queued, then stop the thread."""
-        pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.shutdown(wait=True)
+        thread = self._thread
+        if thread is not None:
+            if self._queued:
+                thread.submit(lambda: None).result()
+            self._thread = None
+            thread.stop()
 
 
 class QueuedWork(Work):

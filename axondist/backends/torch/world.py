@@ -92,7 +92,25 @@ def create_world_backend(**options: Any) -> TorchBackend:
                            hosts=[t[1] for t in table], uid=str(box[0])[:12], timeout=limit,
                            checks=checks, debug=debug)
     backend.watchdog = watchdog
+    if size > 1:
+        atexit.register(report_unreceived, backend)  # runs before the group's destruction
     return backend
+
+
+def report_unreceived(backend: TorchBackend) -> None:
+    """At a clean exit: name this rank's sends that no rank received, and end with status 1
+    (a send without its receive is a bug the mock world and MPI report too)."""
+    found = backend.outbox.unreceived()
+    if not found:
+        return
+    silence_all()  # this rank ends the job: its peers must not read it as a departure
+    rank, size = backend.rank, backend.world_size
+    detail = "; ".join(f"{count} from rank {source} to rank {dst} (tag {tag})"
+                       for (source, dst, tag), count in sorted(found.items()))
+    print_and_flush(f"[axondist rank {rank}/{size}] ",
+                    f"messages were sent but never received: {detail}; every send needs a "
+                    "matching recv (with the same tag) on its destination")
+    os._exit(1)
 
 
 def _init_default_group(torch: Any, dist: Any, wait: float) -> datetime.timedelta:

@@ -1,0 +1,185 @@
+"""Launch the world tests under torchrun (the torch backend), and check what only a real
+torch.distributed job shows.
+
+Plain pytest (one process) runs these tests; each starts ``python -m torch.distributed.run
+--standalone --nproc-per-node K`` in a subprocess, with every rank's output in its own file
+(torchrun's ``--log-dir``), and checks them all. Skipped inside a launched job (no
+recursion) and when torch is missing.
+
+This file is also the per-rank program of the torch-only checks: ``torchrun
+--nproc-per-node K tests/world/test_torch_launch.py CHECK`` runs ``CHECKS[CHECK]`` on every
+rank, which prints ``CHECK OK``.
+
+Environment: ``AXONDIST_TORCH_TEST_EXAMPLES`` (hypothesis examples in the launched world
+tests, default 5).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+#: The per-rank program of launched pytest runs (failures printed at once, the job ended).
+RANK_PYTEST = Path(__file__).with_name("rank_pytest.py")
+LAUNCH_TIMEOUT = 600.0
+
+
+def _launched() -> bool:
+    from axondist._environment import env_launch_size, launched_by_mpi
+
+    return launched_by_mpi() or env_launch_size() is not None
+
+
+pytestmark = [
+    pytest.mark.skipif(_launched(), reason="already one rank of a launched job: the launcher "
+                                           "does not recurse"),
+    pytest.mark.skipif(importlib.util.find_spec("torch") is None,
+                       reason="torch is not installed (pip install '.[torch]')"),
+]
+
+
+@dataclass
+class Launch:
+    """What a torchrun job left: exit code, seconds, each rank's output, torchrun's own."""
+
+    returncode: int
+    seconds: float
+    ranks: list[str]
+    launcher: str
+
+    def tail(self, chars: int = 3000) -> str:
+        parts = [f"--- rank {r} ---\n{text[-chars:]}" for r, text in enumerate(self.ranks)]
+        return "\n".join(parts + [f"--- torchrun ---\n{self.launcher[-chars:]}"])
+
+
+def launch(tmp_path: Path, n: int, args: list[str], env: dict[str, str] | None = None,
+           timeout: float = LAUNCH_TIMEOUT) -> Launch:
+    """``torchrun --standalone --nproc-per-node n ARGS`` from the repository root; kill it all
+    on timeout."""
+    logs = tmp_path / f"n{n}-{time.monotonic_ns()}"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+               str(n), "--log-dir", str(logs), "--redirects", "3", *args]
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    full_env = {**os.environ, "AXONDIST_TIMEOUT": "30", "PYTHONUNBUFFERED": "1",
+                "PYTHONPATH": path, **(env or {})}
+    full_env.pop("AXONDIST_BACKEND", None)
+    start = time.monotonic()
+    proc = subprocess.Popen(command, cwd=REPO, env=full_env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            stdin=subprocess.DEVNULL)
+    try:
+        launcher, _ = proc.communicate(timeout=timeout)
+        timed_out = False
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and every rank: one session
+        launcher, _ = proc.communicate()
+        timed_out = True
+    result = Launch(proc.returncode, time.monotonic() - start,
+                    [_rank_output(logs, r) for r in range(n)], launcher or "")
+    if timed_out:
+        pytest.fail(f"torchrun -n {n} {' '.join(args)} did not finish within {timeout:g} s "
+                    f"(killed)\n{result.tail()}")
+    return result
+
+
+def _rank_output(logs: Path, rank: int) -> str:
+    """Rank ``rank``'s stdout, then its stderr (torchrun's ``LOGDIR/RUN/attempt_0/RANK/``)."""
+    return "".join(path.read_text(errors="replace")
+                   for name in ("stdout.log", "stderr.log")
+                   for path in sorted(logs.glob(f"*/attempt_*/{rank}/{name}")))
+
+
+def _pytest_summary(text: str) -> str | None:
+    """The final ``N passed, M skipped in 1.2s`` line of a ``pytest -q`` run."""
+    lines = re.findall(r"^=*\s*(\d+ (?:passed|failed|error|skipped).* in [\d.]+s.*?)=*$",
+                       text, re.MULTILINE)
+    return lines[-1] if lines else None
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_world_tests_pass_under_torchrun(tmp_path: Path, n: int) -> None:
+    """Every world test (collectives, groups, DDP, FSDP, ZeRO, pipeline, tensor parallel,
+    checkpoints) on the torch backend, as on mock and MPI."""
+    args = [str(RANK_PYTEST), "tests/world", "-q", "-p", "no:cacheprovider", "-x",
+            "-m", "not gpu"]
+    examples = os.environ.get("AXONDIST_TORCH_TEST_EXAMPLES", "5")
+    run = launch(tmp_path, n, args, {"AXONDIST_TEST_EXAMPLES": examples})
+    summaries = [_pytest_summary(text) for text in run.ranks]
+    for r, summary in enumerate(summaries):
+        assert summary is not None, f"rank {r} printed no pytest summary\n{run.tail()}"
+        assert "passed" in summary and "failed" not in summary and "error" not in summary, (
+            f"rank {r}: {summary}\n{run.tail()}")
+    assert run.returncode == 0, f"torchrun exited with {run.returncode}\n{run.tail()}"
+    counts = {re.sub(r" in [\d.]+s.*", "", s or "") for s in summaries}
+    assert len(counts) == 1, f"ranks ran different tests: {summaries}"
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_torch_backend_checks(tmp_path: Path, n: int) -> None:
+    run = launch(tmp_path, n, [__file__, "backend"], timeout=300)
+    assert run.returncode == 0, run.tail()
+    for r, text in enumerate(run.ranks):
+        assert "backend OK" in text, f"rank {r}\n{run.tail()}"
+
+
+# --- the per-rank checks (run under torchrun by the tests above) ----------------------------
+
+def _backend() -> None:
+    """What the torch backend arranges for gloo, and where it refuses, on every rank."""
+    import torch
+    import torch.distributed as dist
+
+    import axondist as ad
+
+    world = ad.init()  # picked from torchrun's variables
+    n, rank = world.world_size, world.rank
+    assert world.backend.name == "torch" and n == dist.get_world_size()
+    assert world.node_info() == (0, rank, n)  # torchrun --standalone: one host
+    # uneven blocks (gloo moves equal ones): padded and unpadded again
+    rows = [r + 1 for r in range(n)]
+    xs = [np.full((rows[r], 3), r, np.float32) for r in range(n)]
+    np.testing.assert_array_equal(ad.all_gather(xs[rank]), np.concatenate(xs))
+    big = np.arange(2 * n + 1, dtype=np.float64) + rank
+    want = np.array_split(sum(np.arange(2 * n + 1.0) + r for r in range(n)), n)[rank]
+    np.testing.assert_array_equal(ad.reduce_scatter(big), want)
+    gathered = ad.gather_tensor(xs[rank], dst=n - 1)
+    assert (gathered is None) == (rank != n - 1)
+    # a receive of the wrong size raises, drops the message, and the next one arrives
+    backend = world.backend
+    if rank == 0:
+        backend.send(np.arange(4.0), 1, tag=5)
+        backend.send(np.arange(3.0), 1, tag=5)
+    elif rank == 1:
+        with pytest.raises(ad.CollectiveMismatchError, match="the message has 32 bytes but "
+                                                             "the buffer holds 24"):
+            backend.recv(np.empty(3), 0, tag=5)
+        again = np.empty(3)
+        backend.recv(again, 0, tag=5)
+        np.testing.assert_array_equal(again, np.arange(3.0))
+    # torch.distributed multiplies no complex values: our message, not torch's
+    with pytest.raises(ad.UnsupportedDTypeError, match="cannot multiply complex values"):
+        ad.all_reduce(np.ones(2, np.complex64), "product")
+    # the torch tensor a caller passes is the one reduced, in place
+    t = torch.full((3,), float(rank + 1))
+    assert ad.all_reduce(t) is t
+    torch.testing.assert_close(t, torch.full((3,), n * (n + 1) / 2))
+    ad.barrier()
+
+
+CHECKS = {"backend": _backend}
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(REPO))  # the checkout's axondist
+    CHECKS[sys.argv[1]]()
+    print(f"{sys.argv[1]} OK", flush=True)
