@@ -14,8 +14,9 @@ import pytest
 SLOW_FOLDERS = ("tests/faults/", "tests/cluster/")
 
 #: Files whose every test is slow: the docs site build, the examples (each trains a model
-#: twice), the benchmark runner's runs.
+#: twice), the benchmark runner's runs, the torchrun launches.
 SLOW_FILES = frozenset({
+    "tests/world/test_torch_launch.py",
     "tests/integration/test_docs_build.py",
     "tests/integration/test_examples.py",
     "tests/integration/test_benchmarks_runner.py",

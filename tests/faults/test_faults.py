@@ -139,13 +139,14 @@ def expected(case: str, mode: str) -> str | None:
 
 @dataclass(frozen=True)
 class WatchdogCase:
-    """A case of ``scripts/watchdog_cases.py``: what it must print on MPI and on mock (None:
-    not run there), how soon MPI must name it, and under which settings."""
+    """A case of ``scripts/watchdog_cases.py``: what it must print on MPI (and on torch,
+    whose watchdog is MPI's) and on mock (None: not run there), how soon MPI and torch must
+    name it, and under which settings."""
 
     mpi: str
     mock: str | None
     named_within: float | None = None
-    """On MPI, the most seconds the failing call may have waited when the watchdog named
+    """On MPI and torch, the most seconds the failing call may have waited when the watchdog named
     the fault (its flight recorder says: ``RUNNING for N s``): long before the timeout."""
     env: tuple[tuple[str, str], ...] = ()
 
@@ -172,7 +173,9 @@ WATCHDOG_CASES: dict[str, WatchdogCase] = {
         r"off", None, env=(("AXONDIST_DIAGNOSTICS", "off"),)),
 }
 WATCHDOG_RUNS = [(case, mode, n) for case, expect in WATCHDOG_CASES.items()
-                 for mode in ("mock", "mpi") if getattr(expect, mode) is not None for n in (2, 3)]
+                 for mode in ("mock", "mpi", "torch")
+                 if getattr(expect, "mock" if mode == "mock" else "mpi") is not None
+                 for n in (2, 3)]
 
 
 def _run(case: str, mode: str, n: int) -> Outcome:
@@ -217,21 +220,22 @@ def test_fault_case(case: str, mode: str, n: int) -> None:
 @pytest.mark.parametrize("case,mode,n", WATCHDOG_RUNS,
                          ids=[f"{c}-{m}{n}" for c, m, n in WATCHDOG_RUNS])
 def test_watchdog_case(case: str, mode: str, n: int) -> None:
-    if mode == "mpi" and why_no_mpi() is not None:
-        pytest.skip(why_no_mpi() or "")
+    """The watchdog is the same on MPI and torch: the same messages."""
+    if MISSING[mode]() is not None:
+        pytest.skip(MISSING[mode]() or "")
     outcome = _watchdog_outcomes()[(case, mode, n)].result()
     expect = WATCHDOG_CASES[case]
-    pattern = getattr(expect, mode)
+    pattern = expect.mock if mode == "mock" else expect.mpi
     tail = outcome.output[-6000:]
     assert outcome.returncode not in (0, -999), (
         f"{case} must fail, ended with {outcome.returncode}:\n{tail}")
     assert outcome.seconds < LIMIT, f"{case} took {outcome.seconds:.1f} s:\n{tail}"
     match = re.search(pattern, outcome.output, re.S)
     assert match, f"no match for {pattern!r} in:\n{tail}"
-    if expect.named_within is not None and mode == "mpi":
+    if expect.named_within is not None and mode != "mock":
         waited = re.search(r"RUNNING for (\d+\.\d) s", outcome.output[match.start():])
         assert waited and float(waited[1]) < expect.named_within, tail
-    if case == "receive_cycle" and mode == "mpi":  # the cycle goes through every rank
+    if case == "receive_cycle" and mode != "mock":  # the cycle goes through every rank
         ring = re.search(r"\(wait cycle ((rank \d -> )+rank \d)\)", outcome.output)
         assert ring and len(set(ring[1].split(" -> "))) == n, tail
 
