@@ -63,8 +63,9 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--schedule", choices=schedule_names(), type=str.lower,
                       default=d.schedule, help="pipeline schedule, in any case (default: "
                       "%(default)s; the interleaved ones put 2 stages on each rank)")
-    demo.add_argument("--backend", choices=("auto", "mock", "mpi"), default="auto",
-                      help="auto: MPI when launched by mpiexec, else the mock world")
+    demo.add_argument("--backend", choices=("auto", "mock", "mpi", "torch"), default="auto",
+                      help="auto: MPI when launched by mpiexec, torch under torchrun, else "
+                           "the mock world")
     demo.add_argument("--progress", choices=PROGRESS_MODES, default="auto",
                       help="auto: a bar on a terminal, a plain line every tenth of the run "
                            "elsewhere (logs, pipes, mpiexec); bar: a bar even through a pipe "

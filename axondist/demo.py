@@ -16,7 +16,7 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from ._environment import launched_by_mpi
+from ._environment import default_backend
 from .comm import split_sizes
 from .data import DistributedSampler
 from .ddp import DistributedDataParallel
@@ -471,17 +471,25 @@ def report(cfg: DemoConfig, result: RankResult, ref: Reference, where: str, seco
     return ok
 
 
+#: The demo's backends; those of a launched job, by what the report calls their world.
+_BACKENDS = ("auto", "mock", "mpi", "torch")
+_LAUNCHED = {"mpi": "an MPI", "torch": "a torch.distributed"}
+
+
 def run_demo(world_size: int = 4, strategy: str = "ddp", steps: int = 40, *,
              backend: str = "auto", progress: bool | str | None = None,
              out: TextIO | None = None, **options: Any) -> int:
     """Run the demo and return the process exit status.
 
     Args:
-        world_size: ranks of the mock world (ignored under MPI: the launch decides).
+        world_size: ranks of the mock world (ignored under mpiexec or torchrun: the launch
+            decides).
         strategy: one of :data:`STRATEGIES`.
         steps: optimizer steps.
         backend: ``"mock"`` (threads), ``"mpi"`` (this process is one rank of an
-            ``mpiexec`` launch) or ``"auto"`` (mpi when launched by mpiexec).
+            ``mpiexec`` launch), ``"torch"`` (one rank of a ``torchrun`` launch) or
+            ``"auto"`` (what :func:`axondist.init` would pick: mpi under mpiexec, torch
+            under torchrun, else the mock world).
         progress: one of :data:`PROGRESS_MODES` (True: ``"auto"``, False: ``"off"``):
             how rank 0 shows progress on ``out``; ``"auto"`` (the default) draws a bar on a
             terminal and prints a plain line every tenth of the run elsewhere (a log, a
@@ -503,10 +511,11 @@ def run_demo(world_size: int = 4, strategy: str = "ddp", steps: int = 40, *,
     if strategy not in STRATEGIES:
         raise ValueError(f"demo: unknown strategy {strategy!r}; choose one of "
                          f"{', '.join(STRATEGIES)}")
-    if backend not in ("auto", "mock", "mpi"):
-        raise ValueError(f"demo: backend must be auto, mock or mpi, got {backend!r}")
+    if backend not in _BACKENDS:
+        raise ValueError(f"demo: backend must be one of {', '.join(_BACKENDS)}, got {backend!r}")
     mode = resolve_mode(progress, out, "demo")
-    world = init("mpi") if backend == "mpi" or (backend == "auto" and launched_by_mpi()) else None
+    name = default_backend() if backend == "auto" else backend
+    world = init(name) if name in _LAUNCHED else None
     if world is not None:
         world_size = world.world_size
     speaks = world is None or world.rank == 0
@@ -515,7 +524,7 @@ def run_demo(world_size: int = 4, strategy: str = "ddp", steps: int = 40, *,
         options["depth"] = max(DemoConfig.depth, stages)
     cfg = DemoConfig(strategy=strategy, world_size=world_size, steps=steps, **options)
     check_config(cfg)
-    where = (f"an MPI world of {world_size} processes" if world is not None
+    where = (f"{_LAUNCHED[name]} world of {world_size} processes" if world is not None
              else f"a mock world of {world_size} ranks (threads)")
     if speaks:
         print(f"axondist demo: {strategy} on {where}", file=out)

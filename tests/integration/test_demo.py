@@ -236,3 +236,20 @@ def test_rank_0_draws_the_bar_under_mpiexec():
     assert proc.stdout.count("| 0/8") == 1 and "8/8" in frames[-1]  # one bar: rank 0's
     # the bar's last line ends before the report starts (bar and report share stdout)
     assert re.search(r"^step   loss \(distributed\)", proc.stdout, re.M), proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(UNDER_MPI, reason="launches its own torchrun")
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None,
+                    reason="torch is not installed (pip install '.[torch]')")
+def test_demo_under_torchrun_uses_the_torch_world():
+    env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCH_PREFIXES)}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc-per-node", "2", "-m", "axondist", "demo", "--steps", "5"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+                          check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "on a torch.distributed world of 2 processes" in proc.stdout
+    assert proc.stdout.count("axondist demo:") == 1  # only rank 0 prints
+    assert ": OK" in proc.stdout
