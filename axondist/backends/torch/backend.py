@@ -45,6 +45,7 @@ from ..plan import (
     checked_out,
     element_counts,
     output_shape,
+    split_sizes,
 )
 from ..recorder import FlightRecorder
 from ..work import CompletedWork, MappedWork, PolledWork, Work
@@ -80,7 +81,7 @@ class TorchPlan(Plan):
     call, then starts torch's collective on tensors over the caller's buffers."""
 
     __slots__ = ("_b", "_guard", "_detail", "_check_key", "_words", "_xp", "_out_shape",
-                 "_op", "_counts", "_padded", "_scale", "_nans", "_move")
+                 "_op", "_counts", "_padded", "_scale", "_nans", "_in_rank_order", "_move")
 
     def __init__(self, backend: TorchBackend, key: CallKey) -> None:
         super().__init__(key)
@@ -96,6 +97,10 @@ class TorchPlan(Plan):
         self._scale = backend.world_size if key.reduce_op == "AVERAGE" else None
         #: gloo's MIN and MAX drop NaNs; a second, boolean reduction puts them back.
         self._nans = key.reduce_op in ("MIN", "MAX") and _array.is_floating(key.dtype)
+        #: Sums of floats over 3 ranks or more add the ranks' values in rank order (gloo's
+        #: ring adds each element in an order that depends on the message's length).
+        self._in_rank_order = (backend.world_size > 2 and key.reduce_op in ("SUM", "AVERAGE")
+                               and (_array.is_floating(key.dtype) or key.dtype.kind == "c"))
         self._counts: list[int] = []
         self._padded = False
         if key.collective in ("all_gather", "reduce_scatter"):
@@ -157,8 +162,40 @@ class TorchPlan(Plan):
             flat[mask] = self._xp.nan
         return restore
 
+    def _sum_in_rank_order(self, flat: Any, counts: list[int]) -> Any:
+        """This rank's block (``counts[rank]`` elements) of the SUM (or AVERAGE) over the
+        ranks of the flat ``flat`` cut into blocks of ``counts``: every rank's copy of the
+        block arrives by one all-to-all, and the copies are added in rank order, so each
+        element is the same sum whatever the message's length or cut (the mock world's
+        bits). Blocking: a non-blocking call runs it on the group's issuing thread."""
+        b, xp, n = self._b, self._xp, self._b.world_size
+        size = counts[b.rank]
+        copies = xp.empty(n * size, dtype=flat.dtype)
+        b.dist.all_to_all_single(b.tensor(copies), b.tensor(flat), [size] * n, counts,
+                                 group=b.pg)
+        copies = copies.reshape(n, size)
+        block = copies[0]
+        for k in range(1, n):
+            xp.add(block, copies[k], out=block)
+        if self._scale is not None:
+            xp.divide(block, self._scale, out=block, casting="unsafe")
+        return block
+
     def _all_reduce(self, send: Any, recv: Any) -> tuple[Any, Callable[[], None] | None]:
         b = self._b
+        if self._in_rank_order:  # a reduce-scatter in rank order, then an all-gather
+            flat, n = send.reshape(-1), b.world_size
+            counts = split_sizes(flat.size, n)
+            most = max(counts)
+            mine = self._xp.zeros(most, dtype=flat.dtype)
+            mine[:counts[b.rank]] = self._sum_in_rank_order(flat, counts)
+            every = self._xp.empty(most * n, dtype=flat.dtype)
+            b.dist.all_gather_single(b.tensor(every), b.tensor(mine), group=b.pg)
+            at = 0
+            for k, c in enumerate(counts):
+                flat[at:at + c] = every[k * most:k * most + c]
+                at += c
+            return None, None
         restore = self._nans_back(send, lambda mask: b.dist.all_reduce(
             b.tensor(mask), b.dist.ReduceOp.SUM, group=b.pg, async_op=True)) \
             if self._nans else self._mean(send)
@@ -215,6 +252,9 @@ class TorchPlan(Plan):
     def _reduce_scatter(self, send: Any, recv: Any) -> tuple[Any, Callable[[], None] | None]:
         b, counts = self._b, self._counts
         flat_out = recv.reshape(-1)
+        if self._in_rank_order:
+            flat_out[...] = self._sum_in_rank_order(send.reshape(-1), counts)
+            return None, None
         if self._nans:  # MIN/MAX of floats: the whole buffer, NaNs put back, then a block
             whole = self._xp.array(send.reshape(-1), copy=True)
             work, restore = self._all_reduce(whole, None)
@@ -351,7 +391,12 @@ class TorchBackend(Backend):
 
     def work(self, work: Any, result: Any, what: str, finish: Callable[[], None] | None,
              seq: int) -> Work:
-        """The Work of a started torch Work: ``wait()`` returns ``result``."""
+        """The Work of a started torch Work (None: the call completed already, but for
+        ``finish``): ``wait()`` returns ``result``."""
+        if work is None:
+            if finish is not None:
+                finish()
+            return CompletedWork(result)
         def done() -> bool:
             return bool(work.is_completed()) and self.translated(what, work.wait) is not None
 
