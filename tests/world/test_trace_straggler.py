@@ -80,7 +80,7 @@ def test_report_names_the_sleeping_rank(tmp_path: Path) -> None:
 
 def _why_no_mpiexec() -> str | None:
     if LAUNCHED:
-        return "already under mpiexec"
+        return "already one rank of a launched job"
     try:
         import mpi4py  # noqa: F401
     except ImportError:

@@ -35,7 +35,7 @@ from ...errors import (
 from ...ops import ReduceOp
 from .._diagnostics import process_gone
 from ..base import Backend, Signature
-from ..call_check import Key, check_words
+from ..call_check import Key, agreed, check_words
 from ..plan import (
     IN_PLACE,
     CallKey,
@@ -325,9 +325,8 @@ class TorchBackend(Backend):
         self._hosts = tuple(hosts)
         self._node = node_info(self._hosts, self.rank)
         self._owns_group = owns_group
-        self.guard = TorchGuard(self.dist, self.torch,
-                                pg if (checks or debug) and self.world_size > 1 else None,
-                                recorder, group_name, self.members, debug)
+        self.guard = TorchGuard(self.dist, self.torch, pg, checks or debug, recorder,
+                                group_name, self.members, debug)
         #: The rank's watchdog (the world backend of a job of several ranks only).
         self.watchdog: Any = None
         #: The threads that send to each rank, shared by the world's groups.
@@ -559,21 +558,28 @@ class TorchBackend(Backend):
         self._checked("barrier", (), lambda: None)
 
     def monitored_barrier(self, timeout: float) -> None:
-        """torch's ``monitored_barrier`` (gloo): fails after ``timeout`` seconds naming the
-        ranks that did not arrive and what each is doing (from their flight recorders)."""
-        import datetime
-
-        seq, slot = self.guard.begin("barrier", ())
+        """A barrier that fails after ``timeout`` seconds on every rank that arrived, naming
+        the ranks that did not and what each is doing (from their flight recorders). The
+        barrier is the check's all-reduce, polled; the group is unusable after a failure."""
+        guard = self.guard
+        deadline = time.monotonic() + timeout
+        seq, slot = guard.begin("barrier", ())
         try:
-            self.dist.monitored_barrier(group=self.pg, wait_all_ranks=True,
-                                        timeout=datetime.timedelta(seconds=timeout))
-        except RuntimeError as exc:
-            gone = self.our_error("monitored_barrier", exc)
-            if isinstance(gone, WorldAbortedError):
-                raise gone from None
-            raise self.guard.absent_error("barrier", seq) from None
+            sent = guard.words("barrier", ()).copy()
+            tensor = self.torch.from_numpy(sent)
+            work = self.order.now(lambda: self.translated("barrier", lambda: self.dist.all_reduce(
+                tensor, self.dist.ReduceOp.MAX, group=self.pg, async_op=True)))
+            pause = 1e-4
+            while not work.is_completed():
+                if time.monotonic() >= deadline:
+                    raise guard.absent_error("barrier", seq)
+                time.sleep(pause)
+                pause = min(2 * pause, 1e-2)
+            self.translated("barrier", work.wait)
+            if not agreed(sent):
+                guard.disagree("barrier", ())
         finally:
-            self.guard.rec.end(slot)
+            guard.rec.end(slot)
 
     # --- point to point: a header (bytes, dtype), then the data ------------------------------
     def send(self, buf: Any, dst: int, tag: int = 0) -> None:

@@ -27,19 +27,22 @@ class TorchGuard(CallLog):
     Args:
         dist: ``torch.distributed``.
         torch: ``torch``.
-        checks_group: the process group the checks run on (None: no checks, or one rank).
+        pg: the group's process group.
+        checks: check every call across ranks first.
         recorder: the rank's flight recorder (shared by all its groups).
         group: the group's name in the recorder.
         members: the group's members as world ranks, in group-rank order.
         debug: compare full keys (a pickled all-gather) instead of hashes.
     """
 
-    def __init__(self, dist: Any, torch: Any, checks_group: Any, recorder: FlightRecorder,
+    def __init__(self, dist: Any, torch: Any, pg: Any, checks: bool, recorder: FlightRecorder,
                  group: str, members: Iterable[int], debug: bool = False) -> None:
         super().__init__(recorder, group, members)
         self._dist = dist
-        self.checks_group = checks_group
-        self.checks = checks_group is not None
+        self.pg = pg
+        #: The process group the checks run on (None: no checks, or one rank).
+        self.checks_group = pg if checks and len(self.members) > 1 else None
+        self.checks = self.checks_group is not None
         self.debug = debug
         self._sent = np.zeros(2, np.int64)
         self._tensor = torch.from_numpy(self._sent)
@@ -61,7 +64,12 @@ class TorchGuard(CallLog):
         self._sent[...] = words
         self._dist.all_reduce(self._tensor, self._max, group=group)
         if not agreed(self._sent):
-            raise_if_different(op, self._all_gather((op, key), group), named=True)
+            self.disagree(op, key)
+
+    def disagree(self, op: str, key: Key) -> None:
+        """Raise, on every rank of the group (each calls this), the error naming what the
+        ranks' calls differ in."""
+        raise_if_different(op, self._all_gather((op, key), self.pg), named=True)
 
     def _all_gather(self, obj: Any, group: Any) -> list[Any]:
         found: list[Any] = [None] * len(self.members)
