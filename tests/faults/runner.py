@@ -10,6 +10,7 @@ from __future__ import annotations
 import concurrent.futures
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 import time
@@ -33,6 +34,15 @@ class Outcome:
     returncode: int  # -999: killed at HARD_LIMIT
     seconds: float
     output: str  # stdout, then stderr
+    ended_at: float = 0.0  # time.time() when the run ended
+
+    @property
+    def fault_seconds(self) -> float:
+        """Seconds from when every rank was ready (the ``CASE ready at T`` lines of a torch
+        run, whose import of torch takes seconds per rank on a loaded machine) to the end;
+        the whole run's seconds where the ranks print no such line."""
+        ready = [float(t) for t in re.findall(r" ready at (\d+\.\d+)", self.output)]
+        return self.ended_at - max(ready) if ready else self.seconds
 
 
 def why_no_mpi() -> str | None:
@@ -79,7 +89,7 @@ def run_case(script: Path, case: str, mode: str, n: int,
         code, output = proc.returncode, proc.stdout + proc.stderr
     except subprocess.TimeoutExpired as exc:
         code, output = -999, f"HUNG: killed after {HARD_LIMIT:g} s\n{exc.stdout}{exc.stderr}"
-    return Outcome(code, time.monotonic() - start, output)
+    return Outcome(code, time.monotonic() - start, output, time.time())
 
 
 def start_all(runs: Sequence[tuple[Any, ...]], run: Callable[..., Outcome],

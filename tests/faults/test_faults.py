@@ -123,9 +123,15 @@ TORCH: dict[str, str | None] = {
     # the peers' calls fail at once, naming the rank whose process is gone
     "killed": r"all_reduce on rank 0 of \d \(group world\) cannot complete: rank 1 ended",
 }
+#: The cases run under torchrun at 3 ranks as well as 2: those a third rank changes (a
+#: rank that is not part of the fault, a cycle or a group of two among three). Each torchrun
+#: run imports torch in every process: seconds of CPU each on a 2-core machine.
+TORCH_AT_THREE = frozenset({"stuck", "monitored", "wrong_group", "recv_recv", "killed",
+                            "sizes_mismatch", "many_groups"})
 RUNS = ([(case, "mock", n) for case in CASES for n in (2, 3)]
-        + [(case, mode, n) for mode in ("mpi", "torch") for case in [*CASES, *MPI_ONLY]
-           for n in (2, 3)])
+        + [(case, "mpi", n) for case in [*CASES, *MPI_ONLY] for n in (2, 3)]
+        + [(case, "torch", n) for case in [*CASES, *MPI_ONLY] for n in (2, 3)
+           if n == 2 or case in TORCH_AT_THREE])
 
 
 def expected(case: str, mode: str) -> str | None:
@@ -175,11 +181,17 @@ WATCHDOG_CASES: dict[str, WatchdogCase] = {
 WATCHDOG_RUNS = [(case, mode, n) for case, expect in WATCHDOG_CASES.items()
                  for mode in ("mock", "mpi", "torch")
                  if getattr(expect, "mock" if mode == "mock" else "mpi") is not None
-                 for n in (2, 3)]
+                 for n in (2, 3) if mode != "torch" or n == 2 or case == "receive_cycle"]
+
+
+#: Settings of the torch runs: 200 groups made and destroyed (MPICH's limit on communicators,
+#: which the 2,100 of the other runs pass, is not gloo's; each gloo group connects its ranks
+#: anew, ~40 ms).
+TORCH_ENV = {"AXONDIST_FAULT_GROUPS": "200"}
 
 
 def _run(case: str, mode: str, n: int) -> Outcome:
-    return run_case(SCRIPT, case, mode, n)
+    return run_case(SCRIPT, case, mode, n, TORCH_ENV if mode == "torch" else None)
 
 
 def _run_watchdog_case(case: str, mode: str, n: int) -> Outcome:
@@ -213,7 +225,7 @@ def test_fault_case(case: str, mode: str, n: int) -> None:
         return
     assert outcome.returncode not in (0, -999), (
         f"{case} must fail, ended with {outcome.returncode}:\n{tail}")
-    assert outcome.seconds < LIMIT, f"{case} took {outcome.seconds:.1f} s:\n{tail}"
+    assert outcome.fault_seconds < LIMIT, f"{case} took {outcome.fault_seconds:.1f} s:\n{tail}"
     assert re.search(pattern, outcome.output, re.S), f"no match for {pattern!r} in:\n{tail}"
 
 
@@ -229,7 +241,7 @@ def test_watchdog_case(case: str, mode: str, n: int) -> None:
     tail = outcome.output[-6000:]
     assert outcome.returncode not in (0, -999), (
         f"{case} must fail, ended with {outcome.returncode}:\n{tail}")
-    assert outcome.seconds < LIMIT, f"{case} took {outcome.seconds:.1f} s:\n{tail}"
+    assert outcome.fault_seconds < LIMIT, f"{case} took {outcome.fault_seconds:.1f} s:\n{tail}"
     match = re.search(pattern, outcome.output, re.S)
     assert match, f"no match for {pattern!r} in:\n{tail}"
     if expect.named_within is not None and mode != "mock":

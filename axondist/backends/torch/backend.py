@@ -745,6 +745,9 @@ class TorchBackend(Backend):
                        c10d._get_default_store(), unique, group_desc=name,
                        timeout=self.timeout)
         c10d._world.pg_group_ranks[pg] = {g: r for r, g in enumerate(members)}
+        # every member has connected to every other before any uses (or destroys) the group:
+        # a rank that went on and destroyed it would cut a peer's connecting off
+        self.dist.barrier(group=pg)
         return pg
 
     def node_info(self) -> tuple[int, int, int]:
@@ -760,7 +763,10 @@ class TorchBackend(Backend):
         self.free_plans()
         self.guard.forget()
         if self._owns_group and self.dist.is_initialized():
-            self.dist.destroy_process_group(self.pg)
+            try:  # the members' last calls on the group have ended everywhere
+                self.dist.barrier(group=self.pg)
+            finally:
+                self.dist.destroy_process_group(self.pg)
 
 
 class SerialThread:
