@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from ... import _array
+from ..._frameworks import TORCH
 from ..._validate import as_rank
 from ...errors import (
     CollectiveMismatchError,
@@ -50,7 +51,7 @@ from ..plan import (
 from ..recorder import FlightRecorder
 from ..work import CompletedWork, MappedWork, PolledWork, Work
 from .guard import TorchGuard
-from .interop import TensorView, load_torch, reduce_op
+from .interop import load_torch, reduce_op
 
 _HALF = frozenset(d for d in _array.SUPPORTED_DTYPES if d.itemsize == 2 and d.kind != "i")
 _INT64 = np.dtype(np.int64)
@@ -321,7 +322,6 @@ class TorchBackend(Backend):
         #: The plans check hashes of their keys; the signatures of the general methods
         #: are not needed.
         self.needs_signature = False
-        self._view = TensorView(self.torch)
         self._hosts = tuple(hosts)
         self._node = node_info(self._hosts, self.rank)
         self._owns_group = owns_group
@@ -343,7 +343,7 @@ class TorchBackend(Backend):
 
     def tensor(self, buf: Any) -> Any:
         """A tensor over ``buf``'s memory (no copy)."""
-        return self._view.of(buf)
+        return TORCH.wrap(buf, None)
 
     def translated(self, what: str, run: Callable[[], Any]) -> Any:
         """``run()``, with torch.distributed's errors turned into axondist's (see

@@ -1,6 +1,6 @@
-"""What the torch backend moves data with: torch loaded on first use (with a clear error
-when it is missing), NumPy and CuPy buffers seen as tensors through DLPack without a copy
-(bfloat16, which NumPy's DLPack lacks, as its int16 bits), and the reduction ops."""
+"""What the torch backend needs of torch: torch loaded on first use (with a clear error when
+it is missing) and the reduction ops. Buffers become tensors through
+:data:`axondist._frameworks.TORCH` (DLPack, no copy; bfloat16 as its int16 bits)."""
 
 from __future__ import annotations
 
@@ -9,11 +9,8 @@ from typing import Any
 
 import numpy as np
 
-from ... import _array
 from ...errors import BackendUnavailableError, UnsupportedDTypeError
 from ...ops import ReduceOp
-
-_INT16 = np.dtype(np.int16)
 
 
 def load_torch() -> tuple[Any, Any]:
@@ -32,27 +29,6 @@ def load_torch() -> tuple[Any, Any]:
             f"the torch backend needs torch.distributed, which this build of torch "
             f"({torch.__version__}) lacks; install a build from pytorch.org")
     return torch, dist
-
-
-class TensorView:
-    """Tensors sharing memory with NumPy or CuPy buffers (DLPack, no copy).
-
-    ``of(buf)`` is the tensor torch.distributed reads and writes; a bfloat16 buffer is
-    viewed as int16 and the tensor re-viewed as ``torch.bfloat16``, so the bits are
-    the same and nothing is copied.
-    """
-
-    __slots__ = ("_torch", "_bf16")
-
-    def __init__(self, torch: Any) -> None:
-        self._torch = torch
-        self._bf16 = torch.bfloat16
-
-    def of(self, buf: Any) -> Any:
-        """The tensor over ``buf``'s memory (``buf`` a C-contiguous NumPy or CuPy array)."""
-        if buf.dtype == _array.bfloat16:
-            return self._torch.from_dlpack(buf.view(_INT16)).view(self._bf16)
-        return self._torch.from_dlpack(buf)
 
 
 #: Our reductions by name -> torch.distributed's (AVERAGE runs as SUM, then a division,
@@ -74,4 +50,4 @@ def reduce_op(dist: Any, op: ReduceOp, dtype: Any, what: str) -> Any:
     return getattr(dist.ReduceOp, _OPS[op.name])
 
 
-__all__ = ["TensorView", "load_torch", "reduce_op"]
+__all__ = ["load_torch", "reduce_op"]
