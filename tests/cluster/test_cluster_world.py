@@ -19,6 +19,7 @@ from cluster.simcluster import SimCluster
 HERE = Path(__file__).resolve().parent
 CHECKS = str(HERE / "rank_checks.py")
 MPI_LAUNCH = str(HERE.parent / "world" / "test_mpi_launch.py")
+RANK_PYTEST = str(HERE.parent / "world" / "rank_pytest.py")
 FAILING_TESTS = "tests/cluster/world_test_that_fails.py"
 SLOTS = [2, 2]
 
@@ -34,7 +35,7 @@ def _assert_all_ok(run_text: list[str], word: str, tail: str) -> None:
                                         "test_ddp_persistent.py", "test_ddp_progress.py",
                                         "test_overlap_pieces.py"])
 def test_world_tests_pass_on_two_hosts(cluster: SimCluster, world_test: str) -> None:
-    args = ["-m", "mpi4py", MPI_LAUNCH, "pytest", f"tests/world/{world_test}", "-q", "-x",
+    args = ["-m", "mpi4py", RANK_PYTEST, f"tests/world/{world_test}", "-q", "-x",
             "-p", "no:cacheprovider", "-m", "not gpu"]
     run = cluster.run(SLOTS, args, env={"AXONDIST_TEST_EXAMPLES": "3"}, timeout=240)
     assert run.returncode == 0, run.tail()
@@ -66,7 +67,7 @@ def test_a_failing_world_test_prints_its_traceback_and_ends_the_job(
     hypothesis example would be shrunk and replayed on the failing rank alone (a hang
     with no traceback): it ends the job at once, its traceback printed. The collective
     timeout (60 s) is longer than the bound, so only a prompt abort passes."""
-    args = ["-m", "mpi4py", MPI_LAUNCH, "pytest", f"{FAILING_TESTS}::{test}", "-q", "-x",
+    args = ["-m", "mpi4py", RANK_PYTEST, f"{FAILING_TESTS}::{test}", "-q", "-x",
             "-p", "no:cacheprovider"]
     run = cluster.run(SLOTS, args, env={"AXONDIST_FAIL_RANKS": str(failing),
                                         "AXONDIST_TEST_EXAMPLES": "3",

@@ -1079,7 +1079,7 @@ sys.path.insert(0, {integration!r})
 import nccl_fake
 
 nccl_fake.install_for_process(device_count=2)
-sys.argv = [{launcher!r}, "pytest", *{args!r}]
+sys.argv = [{launcher!r}, *{args!r}]
 runpy.run_path({launcher!r}, run_name="__main__")
 """
 
@@ -1092,7 +1092,7 @@ def test_the_cupy_world_test_files_pass_on_the_cpu_stand_in(ranks):
     so does the stand-in."""
     files = [str(ROOT / "tests" / "gpu" / name)
              for name in ("test_cupy_collectives.py", "test_cupy_wrappers.py")]
-    launcher = str(ROOT / "tests" / "world" / "test_mpi_launch.py")
+    launcher = str(ROOT / "tests" / "world" / "rank_pytest.py")
     code = _ON_STAND_IN.format(integration=str(Path(__file__).parent), launcher=launcher,
                                args=["-q", "-p", "no:cacheprovider", "-x", *files])
     cmd = [sys.executable, "-c", code]

@@ -173,6 +173,7 @@ def test_torch_grad_scaler_skips_the_same_steps_and_ends_at_the_same_scale() -> 
     skipped_torch = []
     for step, inf in enumerate(found):
         before = p.detach().clone()
+        theirs.scale(torch.ones(()))  # as a loss would be: GradScaler sets its scale up here
         p.grad = torch.tensor([theirs.get_scale(), math.inf if inf else 1.0])
         theirs.step(opt)
         theirs.update()

@@ -57,6 +57,8 @@ _HALF = frozenset(d for d in _array.SUPPORTED_DTYPES if d.itemsize == 2 and d.ki
 _INT64 = np.dtype(np.int64)
 #: What gloo's errors say when a peer's process ended.
 _PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+#: Seconds a call whose peer's connection closed looks for the rank whose process ended.
+_GONE_WITHIN = 1.0
 #: Sends up to this many bytes return at once, from copies (MPI's eager sends do too).
 EAGER_BYTES = 64 << 10
 #: Tags a user tag maps to: a message's header and data, and an object's header and bytes.
@@ -363,7 +365,7 @@ class TorchBackend(Backend):
         text = str(exc)
         first = text.splitlines()[0] if text else type(exc).__name__
         if any(sign in text for sign in _PEER_GONE):
-            gone = self.gone_ranks()
+            gone = self.gone_ranks(within=_GONE_WITHIN)
             who = (f"rank{'s' if len(gone) > 1 else ''} {', '.join(map(str, gone))} ended"
                    if gone else "a rank it needs ended (or its host is cut off)")
             return WorldAbortedError(
@@ -376,17 +378,20 @@ class TorchBackend(Backend):
                 f"({first}); set AXONDIST_TIMEOUT if the job is only slow")
         return None
 
-    def gone_ranks(self) -> list[int]:
-        """The group ranks whose processes, on this host, are gone (the watchdog's table
-        of the peers says where each runs)."""
+    def gone_ranks(self, within: float = 0.0) -> list[int]:
+        """The group ranks whose processes, on this host, are gone (the watchdog's table of
+        the peers says where each runs), looked for during ``within`` seconds: a peer's
+        socket closes while its process is still ending."""
         peers = getattr(self.watchdog, "peers", None) or {}
         host = self.guard.rec.host
-        gone = []
-        for r, world_rank in enumerate(self.members):
-            found = peers.get(world_rank)
-            if found is not None and found[2] == host and process_gone(found[3]):
-                gone.append(r)
-        return gone
+        mine = [(r, found[3]) for r, world_rank in enumerate(self.members)
+                if (found := peers.get(world_rank)) is not None and found[2] == host]
+        deadline = time.monotonic() + within
+        while True:
+            gone = [r for r, pid in mine if process_gone(pid)]
+            if gone or time.monotonic() >= deadline:
+                return gone
+            time.sleep(0.01)
 
     def work(self, work: Any, result: Any, what: str, finish: Callable[[], None] | None,
              seq: int) -> Work:
