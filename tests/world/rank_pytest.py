@@ -1,7 +1,8 @@
 """The per-rank program of the launched world tests: ``python rank_pytest.py ARGS`` (under
 ``mpiexec`` or ``torchrun``) runs pytest with every failure's traceback printed the moment
 it happens, and a failing rank ends the whole job at once (MPI's ``Abort``; under torchrun,
-its own exit, at which torchrun stops the others).
+its own exit, at which torchrun stops the others). A rank whose tests passed prints
+``pytest OK``.
 
 A hypothesis test needs this most: after a failing example hypothesis shrinks and replays
 it on the failing rank alone, whose collectives then find no partner (the others passed
@@ -107,3 +108,4 @@ def run_pytest(*args: str) -> None:
 if __name__ == "__main__":
     sys.path.insert(0, str(REPO))  # the checkout's axondist
     run_pytest(*sys.argv[1:])
+    print("pytest OK", flush=True)
