@@ -22,15 +22,14 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pytest
+from launched_job import Launch, pytest_summary, run_job
 
 REPO = Path(__file__).resolve().parents[2]
 MPIEXEC = Path(sys.executable).parent / "mpiexec"
@@ -83,20 +82,6 @@ def mpi_ready() -> None:
         pytest.skip(reason)
 
 
-@dataclass
-class Launch:
-    """What an ``mpiexec`` run left: exit code, seconds, each rank's output, mpiexec's own."""
-
-    returncode: int
-    seconds: float
-    ranks: list[str]
-    launcher: str
-
-    def tail(self, chars: int = 3000) -> str:
-        parts = [f"--- rank {r} ---\n{text[-chars:]}" for r, text in enumerate(self.ranks)]
-        return "\n".join(parts + [f"--- mpiexec ---\n{self.launcher[-chars:]}"])
-
-
 def launch(tmp_path: Path, n: int, args: list[str], env: dict[str, str] | None = None,
            timeout: float = LAUNCH_TIMEOUT) -> Launch:
     """Run ``mpiexec -n n python ARGS`` from the repository root; kill it all on timeout."""
@@ -110,33 +95,12 @@ def launch(tmp_path: Path, n: int, args: list[str], env: dict[str, str] | None =
     full_env = {**_GENTLE_POLLING, **os.environ, "AXONDIST_TIMEOUT": "30",
                 "PYTHONUNBUFFERED": "1", "PYTHONPATH": path, **(env or {})}
     full_env.pop("AXONDIST_BACKEND", None)
-    start = time.monotonic()
-    proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        launcher, _ = proc.communicate(timeout=timeout)
-        timed_out = False
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # mpiexec and every rank: one session
-        launcher, _ = proc.communicate()
-        timed_out = True
-    result = Launch(proc.returncode, time.monotonic() - start,
-                    [_read(out / f"rank{r}.txt") for r in range(n)], launcher or "")
-    if timed_out:
-        pytest.fail(f"mpiexec -n {n} {' '.join(args)} did not finish within {timeout:g} s "
-                    f"(killed)\n{result.tail()}")
-    return result
+    return run_job(cmd, full_env, lambda: [_read(out / f"rank{r}.txt") for r in range(n)],
+                   timeout, f"mpiexec -n {n} {' '.join(args)}", "mpiexec")
 
 
 def _read(path: Path) -> str:
     return path.read_text(errors="replace") if path.exists() else ""
-
-
-def _pytest_summary(text: str) -> str | None:
-    """The final ``N passed, M skipped in 1.2s`` line of a ``pytest -q`` run."""
-    lines = re.findall(r"^=*\s*(\d+ (?:passed|failed|error|skipped).* in [\d.]+s.*?)=*$",
-                       text, re.MULTILINE)
-    return lines[-1] if lines else None
 
 
 @pytest.mark.parametrize("n", [2, 3])
@@ -147,7 +111,7 @@ def test_world_tests_pass_under_mpiexec(mpi_ready: None, tmp_path: Path, n: int)
             "-x", "-m", "not gpu"]
     examples = os.environ.get("AXONDIST_MPI_TEST_EXAMPLES", "5")
     run = launch(tmp_path, n, args, {"AXONDIST_TEST_EXAMPLES": examples})
-    summaries = [_pytest_summary(text) for text in run.ranks]
+    summaries = [pytest_summary(text) for text in run.ranks]
     for r, summary in enumerate(summaries):
         assert summary is not None, f"rank {r} printed no pytest summary\n{run.tail()}"
         assert "passed" in summary and "failed" not in summary and "error" not in summary, (
@@ -164,7 +128,7 @@ def test_mpi_bits_hold_at_four_and_five_ranks(mpi_ready: None, tmp_path: Path, n
     args = ["-m", "mpi4py", str(RANK_PYTEST), "tests/world/test_mpi_bits.py", "-q", "-p",
             "no:cacheprovider", "-x", "-rs"]
     run = launch(tmp_path, n, args, {"AXONDIST_TEST_EXAMPLES": "4"}, timeout=300)
-    summaries = [_pytest_summary(text) for text in run.ranks]
+    summaries = [pytest_summary(text) for text in run.ranks]
     for r, summary in enumerate(summaries):
         assert summary is not None and "passed" in summary and "failed" not in summary \
             and "error" not in summary, f"rank {r}: {summary}\n{run.tail()}"
@@ -188,7 +152,7 @@ def test_gpu_world_tests_pass_under_mpiexec(mpi_ready: None, tmp_path: Path, n: 
     run = launch(tmp_path, n, args, {"AXONDIST_TEST_EXAMPLES": "5",
                                      "AXONDIST_MPI_HOST_STAGING": staging})
     for r, text in enumerate(run.ranks):
-        summary = _pytest_summary(text)
+        summary = pytest_summary(text)
         assert summary is not None and "passed" in summary and "failed" not in summary \
             and "error" not in summary, f"rank {r}: {summary}\n{run.tail(8000)}"
     assert run.returncode == 0, f"mpiexec exited with {run.returncode}\n{run.tail()}"

@@ -19,15 +19,13 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
-import signal
-import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pytest
+from launched_job import Launch, pytest_summary, run_job
 
 REPO = Path(__file__).resolve().parents[2]
 #: The per-rank program of launched pytest runs (failures printed at once, the job ended).
@@ -49,20 +47,6 @@ pytestmark = [
 ]
 
 
-@dataclass
-class Launch:
-    """What a torchrun job left: exit code, seconds, each rank's output, torchrun's own."""
-
-    returncode: int
-    seconds: float
-    ranks: list[str]
-    launcher: str
-
-    def tail(self, chars: int = 3000) -> str:
-        parts = [f"--- rank {r} ---\n{text[-chars:]}" for r, text in enumerate(self.ranks)]
-        return "\n".join(parts + [f"--- torchrun ---\n{self.launcher[-chars:]}"])
-
-
 def launch(tmp_path: Path, n: int, args: list[str], env: dict[str, str] | None = None,
            timeout: float = LAUNCH_TIMEOUT) -> Launch:
     """``torchrun --standalone --nproc-per-node n ARGS`` from the repository root; kill it all
@@ -74,23 +58,8 @@ def launch(tmp_path: Path, n: int, args: list[str], env: dict[str, str] | None =
     full_env = {**os.environ, "AXONDIST_TIMEOUT": "30", "PYTHONUNBUFFERED": "1",
                 "PYTHONPATH": path, **(env or {})}
     full_env.pop("AXONDIST_BACKEND", None)
-    start = time.monotonic()
-    proc = subprocess.Popen(command, cwd=REPO, env=full_env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                            stdin=subprocess.DEVNULL)
-    try:
-        launcher, _ = proc.communicate(timeout=timeout)
-        timed_out = False
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and every rank: one session
-        launcher, _ = proc.communicate()
-        timed_out = True
-    result = Launch(proc.returncode, time.monotonic() - start,
-                    [_rank_output(logs, r) for r in range(n)], launcher or "")
-    if timed_out:
-        pytest.fail(f"torchrun -n {n} {' '.join(args)} did not finish within {timeout:g} s "
-                    f"(killed)\n{result.tail()}")
-    return result
+    return run_job(command, full_env, lambda: [_rank_output(logs, r) for r in range(n)],
+                   timeout, f"torchrun -n {n} {' '.join(args)}", "torchrun")
 
 
 def _rank_output(logs: Path, rank: int) -> str:
@@ -98,13 +67,6 @@ def _rank_output(logs: Path, rank: int) -> str:
     return "".join(path.read_text(errors="replace")
                    for name in ("stdout.log", "stderr.log")
                    for path in sorted(logs.glob(f"*/attempt_*/{rank}/{name}")))
-
-
-def _pytest_summary(text: str) -> str | None:
-    """The final ``N passed, M skipped in 1.2s`` line of a ``pytest -q`` run."""
-    lines = re.findall(r"^=*\s*(\d+ (?:passed|failed|error|skipped).* in [\d.]+s.*?)=*$",
-                       text, re.MULTILINE)
-    return lines[-1] if lines else None
 
 
 @pytest.mark.parametrize("n", [2, 3])
@@ -115,7 +77,7 @@ def test_world_tests_pass_under_torchrun(tmp_path: Path, n: int) -> None:
             "-m", "not gpu"]
     examples = os.environ.get("AXONDIST_TORCH_TEST_EXAMPLES", "5")
     run = launch(tmp_path, n, args, {"AXONDIST_TEST_EXAMPLES": examples})
-    summaries = [_pytest_summary(text) for text in run.ranks]
+    summaries = [pytest_summary(text) for text in run.ranks]
     for r, summary in enumerate(summaries):
         assert summary is not None, f"rank {r} printed no pytest summary\n{run.tail()}"
         assert "passed" in summary and "failed" not in summary and "error" not in summary, (
