@@ -410,6 +410,45 @@ class Backend(abc.ABC):
         """Release resources (idempotent)."""
 
 
+class PlannedBackend(Backend):
+    """A backend whose general collective methods run through its own plans
+    (:meth:`Backend.plan`), so a caller of ``backend.all_reduce(...)`` and a caller of
+    ``axondist.all_reduce`` take the same path. The MPI and torch backends build on it."""
+
+    def _planned(self, key: CallKey, send: Any, recv: Any = None, result: Any = None) -> Work:
+        """Run ``key``'s plan; its Work, answering ``result`` (when given) instead of the
+        plan's own (the caller's buffer, not a flat view of it)."""
+        out = self.plan(key).run(send, recv)
+        if key.async_op:
+            return out if result is None else MappedWork(out, result)
+        return CompletedWork(out if result is None else result)
+
+    def all_reduce(self, buf: Any, op: ReduceOp, *, signature: Signature = (),
+                   async_op: bool = False) -> Work:
+        """The in-place all-reduce of ``buf`` (its plan's call)."""
+        return self._planned(CallKey.of("all_reduce", buf, reduce_op=op, async_op=async_op),
+                             buf)
+
+    def broadcast(self, buf: Any, root: int, *, signature: Signature = (),
+                  async_op: bool = False) -> Work:
+        """The broadcast of ``root``'s ``buf`` (its plan's call)."""
+        return self._planned(CallKey.of("broadcast", buf, root=root, async_op=async_op), buf)
+
+    def reduce(self, buf: Any, op: ReduceOp, root: int, *, signature: Signature = (),
+               async_op: bool = False) -> Work:
+        """The reduce into ``root``'s ``buf`` (its plan's call)."""
+        return self._planned(CallKey.of("reduce", buf, reduce_op=op, root=root,
+                                        async_op=async_op), buf)
+
+    def all_gather(self, send: Any, recv: Any, counts: Sequence[int], *,
+                   signature: Signature = (), async_op: bool = False) -> Work:
+        """The all-gather of flat ``send`` blocks of ``counts`` elements into ``recv``."""
+        flat = send.reshape(-1)
+        key = CallKey.of("all_gather", flat, counts=tuple(int(c) for c in counts),
+                         async_op=async_op)
+        return self._planned(key, flat, recv.reshape(-1), recv)
+
+
 def _piece_bounds(numel: int, itemsize: int, piece_bytes: int | None) -> list[tuple[int, int]]:
     """``[lo, hi)`` ranges cutting ``numel`` elements into the fewest near-equal pieces of at
     most ``piece_bytes`` (one piece when None; at least one element each)."""
@@ -450,6 +489,7 @@ def compare_signatures(op_name: str,
 
 
 __all__ = ["PLAN_CACHE_LIMIT", "Backend", "CallKey", "CompletedWork", "FutureWork", "MappedWork",
-           "PersistentAllReduce", "Plan", "PolledWork", "Signature", "ThenWork", "Work",
+           "PersistentAllReduce", "Plan", "PlannedBackend", "PolledWork", "Signature", "ThenWork",
+           "Work",
            "checks_enabled", "compare_signatures", "debug_enabled", "default_timeout",
            "finished", "stall_warning_after"]

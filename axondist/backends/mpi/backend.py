@@ -20,10 +20,10 @@ from ... import _array
 from ..._validate import as_rank
 from ...errors import CollectiveMismatchError, InvalidBufferError
 from ...ops import ReduceOp
-from ..base import Backend, PersistentAllReduce, Signature
+from ..base import PersistentAllReduce, PlannedBackend, Signature
 from ..plan import CallKey, Plan, WidenedMeanPlan, general_plan
 from ..recorder import FlightRecorder
-from ..work import CompletedWork, MappedWork, PolledWork, Work
+from ..work import CompletedWork, PolledWork, Work
 from .algorithms.pair_exchange import PairAllGatherPlan, PairReduceScatterPlan
 from .algorithms.pair_ride import PairRidePlan
 from .algorithms.pieces import AllReducePiecesPlan
@@ -78,7 +78,7 @@ def node_info(node_ids: Sequence[int], rank: int) -> tuple[int, int, int]:
     return order.index(mine), local.index(rank), len(local)
 
 
-class MPIBackend(Backend):
+class MPIBackend(PlannedBackend):
     """One rank's endpoint in an MPI communicator that axondist owns.
 
     Args:
@@ -186,31 +186,7 @@ class MPIBackend(Backend):
         made = PLANS.get((key.collective, choose(key, self.layout)))
         return made(self, key) if made is not None else general_plan(self, key)
 
-    def _planned(self, key: CallKey, send: Any, recv: Any = None) -> Work:
-        result = self.plan(key).run(send, recv)
-        return result if key.async_op else CompletedWork(result)
-
-    # --- the contract's general methods, as plans -----------------------------------------
-    def all_reduce(self, buf: Any, op: ReduceOp, *, signature: Signature = (),
-                   async_op: bool = False) -> Work:
-        """The in-place all-reduce of ``buf`` (its plan's call)."""
-        return self._planned(CallKey.of("all_reduce", buf, reduce_op=op, async_op=async_op),
-                             buf)
-
-    def broadcast(self, buf: Any, root: int, *, signature: Signature = (),
-                  async_op: bool = False) -> Work:
-        """The broadcast of ``root``'s ``buf`` (its plan's call)."""
-        return self._planned(CallKey.of("broadcast", buf, root=root, async_op=async_op), buf)
-
-    def all_gather(self, send: Any, recv: Any, counts: Sequence[int], *,
-                   signature: Signature = (), async_op: bool = False) -> Work:
-        """The all-gather of flat ``send`` blocks of ``counts`` elements into ``recv``."""
-        flat = send.reshape(-1)
-        key = CallKey.of("all_gather", flat, counts=tuple(int(c) for c in counts),
-                         async_op=async_op)
-        work = self._planned(key, flat, recv.reshape(-1))
-        return _with(work, recv, async_op)
-
+    # --- the contract's general methods, as plans (the others: PlannedBackend) ----------
     def reduce_scatter(self, send: Any, recv: Any, counts: Sequence[int], op: ReduceOp, *,
                        signature: Signature = (), async_op: bool = False) -> Work:
         """The reduce-scatter of flat ``send`` into blocks of ``counts`` elements."""
@@ -222,15 +198,8 @@ class MPIBackend(Backend):
         flat = send.reshape(-1)
         key = CallKey.of("reduce_scatter", flat, reduce_op=op, counts=tuple(counts),
                          async_op=async_op)
-        return _with(self._planned(key, flat, recv.reshape(-1)), recv, async_op)
+        return self._planned(key, flat, recv.reshape(-1), recv)
 
-    def reduce(self, buf: Any, op: ReduceOp, root: int, *, signature: Signature = (),
-               async_op: bool = False) -> Work:
-        """The reduce into ``root``'s ``buf`` (its plan's call)."""
-        return self._planned(CallKey.of("reduce", buf, reduce_op=op, root=root,
-                                        async_op=async_op), buf)
-
-    # --- rooted and irregular calls --------------------------------------------------------
     def _checked(self, op: str, key: tuple[tuple[str, Any], ...], run: Callable[[], Any]) -> Any:
         """``run()`` as call ``op``: numbered, recorded, checked across ranks first."""
         guard = self.guard
@@ -563,14 +532,6 @@ class MPIBackend(Backend):
 def _divide(buf: Any, n: int) -> None:
     """A sum's piece turned into its mean, in place (after MPI's SUM: its bits)."""
     np.divide(buf, n, out=buf)
-
-
-def _with(work: Work, result: Any, async_op: bool) -> Work:
-    """``work``'s Work answering ``result`` (the caller's own buffer, not a reshaped view)."""
-    if not async_op:
-        work.wait()
-        return CompletedWork(result)
-    return MappedWork(work, result)
 
 
 __all__ = ["PLANS", "MPIBackend", "MPIWork", "node_info"]

@@ -35,7 +35,7 @@ from ...errors import (
 )
 from ...ops import ReduceOp
 from .._diagnostics import process_gone
-from ..base import Backend, Signature
+from ..base import PlannedBackend, Signature
 from ..call_check import Key, agreed, check_words
 from ..plan import (
     IN_PLACE,
@@ -49,7 +49,7 @@ from ..plan import (
     split_sizes,
 )
 from ..recorder import FlightRecorder
-from ..work import CompletedWork, MappedWork, PolledWork, Work
+from ..work import CompletedWork, PolledWork, Work
 from .guard import TorchGuard
 from .interop import load_torch, reduce_op
 
@@ -290,7 +290,7 @@ class TorchPlan(Plan):
         return work, unpad
 
 
-class TorchBackend(Backend):
+class TorchBackend(PlannedBackend):
     """One rank's endpoint in a ``torch.distributed`` process group.
 
     Args:
@@ -417,38 +417,7 @@ class TorchBackend(Backend):
             return UnsizedAllGatherPlan(self, key)
         return TorchPlan(self, key)
 
-    def _planned(self, key: CallKey, send: Any, recv: Any = None, result: Any = None) -> Work:
-        out = self.plan(key).run(send, recv)
-        if key.async_op:
-            return out if result is None else MappedWork(out, result)
-        return CompletedWork(out if result is None else result)
-
-    # --- the contract's general methods, as plans -----------------------------------------
-    def all_reduce(self, buf: Any, op: ReduceOp, *, signature: Signature = (),
-                   async_op: bool = False) -> Work:
-        """The in-place all-reduce of ``buf`` (its plan's call)."""
-        return self._planned(CallKey.of("all_reduce", buf, reduce_op=op, async_op=async_op),
-                             buf)
-
-    def broadcast(self, buf: Any, root: int, *, signature: Signature = (),
-                  async_op: bool = False) -> Work:
-        """The broadcast of ``root``'s ``buf`` (its plan's call)."""
-        return self._planned(CallKey.of("broadcast", buf, root=root, async_op=async_op), buf)
-
-    def reduce(self, buf: Any, op: ReduceOp, root: int, *, signature: Signature = (),
-               async_op: bool = False) -> Work:
-        """The reduce into ``root``'s ``buf`` (its plan's call)."""
-        return self._planned(CallKey.of("reduce", buf, reduce_op=op, root=root,
-                                        async_op=async_op), buf)
-
-    def all_gather(self, send: Any, recv: Any, counts: Sequence[int], *,
-                   signature: Signature = (), async_op: bool = False) -> Work:
-        """The all-gather of flat ``send`` blocks of ``counts`` elements into ``recv``."""
-        flat = send.reshape(-1)
-        key = CallKey.of("all_gather", flat, counts=tuple(int(c) for c in counts),
-                         async_op=async_op)
-        return self._planned(key, flat, recv.reshape(-1), recv)
-
+    # --- the contract's general methods, as plans (the others: PlannedBackend) ----------
     def reduce_scatter(self, send: Any, recv: Any, counts: Sequence[int], op: ReduceOp, *,
                        signature: Signature = (), async_op: bool = False) -> Work:
         """The reduce-scatter of flat ``send`` into blocks of ``counts`` elements."""
