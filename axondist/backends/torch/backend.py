@@ -70,6 +70,18 @@ def _tags(tag: int) -> tuple[int, int, int, int]:
     return base, base + 1, base + 2, base + 3
 
 
+def _ended(pid: int) -> bool:
+    """Whether process ``pid`` of this host has ended: gone, or ended and waiting for its
+    parent to collect it (a zombie: its sockets are closed already)."""
+    if process_gone(pid):
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return stat.read().rsplit(b")", 1)[1].split()[0] == b"Z"
+    except (OSError, IndexError):
+        return False
+
+
 def node_info(hosts: Sequence[str], rank: int) -> tuple[int, int, int]:
     """(node id, local rank, local size) of ``rank`` from every rank's host name; nodes
     are numbered by their first rank, so every rank agrees."""
@@ -388,7 +400,7 @@ class TorchBackend(PlannedBackend):
                 if (found := peers.get(world_rank)) is not None and found[2] == host]
         deadline = time.monotonic() + within
         while True:
-            gone = [r for r, pid in mine if process_gone(pid)]
+            gone = [r for r, pid in mine if _ended(pid)]
             if gone or time.monotonic() >= deadline:
                 return gone
             time.sleep(0.01)
