@@ -116,14 +116,18 @@ class Optimizer:
     def step(self) -> None:
         """Update every parameter whose ``.grad`` is set; skip those with ``grad=None``.
 
+        A ``.grad`` that holds a torch tensor or JAX array is read through
+        :func:`~axondist._array.as_array` (a view, no copy), as the wrappers read it.
+
         Raises:
             ValueError: a gradient's shape differs from its parameter's.
-            UnsupportedDTypeError: a gradient is complex (never cast to real).
+            UnsupportedDTypeError: a gradient is complex (never cast to real), or its
+                framework's dtype has no NumPy/CuPy counterpart.
         """
         for i, p in enumerate(self.params):
             if p.grad is None:
                 continue
-            grad = p.grad
+            grad = _array.as_array(p.grad)
             check_real_gradient(grad, f"{type(self).__name__}.step", i, p.name)
             if tuple(grad.shape) != p.shape:
                 raise ValueError(

@@ -6,6 +6,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from . import _array
+from ._frameworks import framework_of
 from ._validate import check_numeric_dtype
 from .errors import UnsupportedDTypeError
 
@@ -66,11 +67,18 @@ class Parameter:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the gradient (``grad = None``), or with ``set_to_none=False`` zero it in place,
-        keeping its memory (a view into a DDP bucket must stay shared)."""
+        keeping its memory (a view into a DDP bucket must stay shared). An immutable
+        gradient (a JAX array) is replaced by zeros of its framework instead."""
         if set_to_none:
             self.grad = None
         elif self.grad is not None:
-            self.grad[...] = 0
+            framework = framework_of(self.grad)
+            if framework is None or framework.writable:
+                self.grad[...] = 0
+            else:
+                values = _array.as_array(self.grad)
+                zeros = _array.namespace(values).zeros_like(values)
+                self.grad = framework.wrap(zeros, like=self.grad)
 
     def __repr__(self) -> str:
         name = f"{self.name!r}, " if self.name else ""

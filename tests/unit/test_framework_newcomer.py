@@ -12,9 +12,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import axondist as ad
+from axondist import Parameter
 from axondist._array import bfloat16
 from axondist._frameworks import JAX, TORCH, framework_of
 from axondist.errors import InvalidBufferError, UnsupportedDTypeError
+from axondist.optim import SGD, Adam, AdamW
 
 torch = pytest.importorskip("torch")
 jax = pytest.importorskip("jax")
@@ -168,6 +170,44 @@ def test_torch_dtypes_without_a_counterpart_are_refused_by_name():
             ad.all_reduce(torch.zeros(2, dtype=torch.int16), group=world)
 
     ad.spawn(body, 2)
+
+
+@pytest.mark.parametrize("opt_cls", [SGD, Adam, AdamW])
+@pytest.mark.parametrize("make_grad", [torch.tensor, jnp.asarray, np.asarray],
+                         ids=["torch", "jax", "numpy"])
+def test_optimizers_step_on_a_grad_set_by_hand_in_any_framework(opt_cls, make_grad):
+    values = np.array([0.5, -1.0, 2.0], dtype=np.float32)
+    reference = Parameter(np.ones(3, dtype=np.float32))
+    reference.grad = values.copy()
+    param = Parameter(np.ones(3, dtype=np.float32))
+    param.grad = make_grad(values)
+    ref_opt, opt = opt_cls([reference], lr=0.1), opt_cls([param], lr=0.1)
+    for _ in range(3):
+        ref_opt.step()
+        opt.step()
+    assert param.data.tolist() == reference.data.tolist()
+    assert param.data.tolist() != [1.0, 1.0, 1.0]
+    assert np.asarray(param.grad).tolist() == values.tolist()  # the user's grad is untouched
+
+
+def test_an_optimizer_refuses_a_torch_grad_of_the_wrong_shape_by_name():
+    param = Parameter(np.ones(3, dtype=np.float32), name="w")
+    param.grad = torch.ones(4)
+    with pytest.raises(ValueError, match=r"parameter 0 \(w\) has shape \(3,\) but its "
+                                         r"\.grad has shape \(4,\)"):
+        SGD([param], lr=0.1).step()
+
+
+@pytest.mark.parametrize("make_grad", [torch.tensor, jnp.asarray], ids=["torch", "jax"])
+def test_zero_grad_keeping_the_gradient_zeroes_it_in_its_framework(make_grad):
+    param = Parameter(np.ones(3, dtype=np.float32))
+    given_grad = make_grad(np.array([1.0, np.nan, -2.0], dtype=np.float32))
+    param.grad = given_grad
+    param.zero_grad(set_to_none=False)
+    assert framework_of(param.grad) is framework_of(given_grad)
+    assert np.asarray(param.grad).tolist() == [0.0, 0.0, 0.0]
+    if framework_of(given_grad).writable:
+        assert param.grad is given_grad  # zeroed in place, its memory kept
 
 
 def test_frameworks_are_told_apart_without_imports():
