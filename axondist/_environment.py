@@ -26,6 +26,11 @@ ENV_CAPABLE_BACKENDS = frozenset({"nccl", "torch"})
 def launched_by_mpi(env: Mapping[str, str] | None = None) -> bool:
     """True when this process was started by mpiexec/mpirun/srun (one of several ranks).
 
+    The innermost launcher decides. A process torchrun started (``TORCHELASTIC_RUN_ID``) is
+    never an MPI rank, even when ``srun`` or ``mpiexec`` started torchrun and their variables
+    were passed down. Slurm's ``SLURM_PROCID`` alone (``srun`` without a PMI plugin) counts
+    only when no ``RANK``/``WORLD_SIZE`` name a world of several processes.
+
     Args:
         env: the environment to read (``os.environ`` when None).
 
@@ -33,9 +38,12 @@ def launched_by_mpi(env: Mapping[str, str] | None = None) -> bool:
         Whether an MPI launcher's variables are present (Slurm's only with more than one task).
     """
     env = os.environ if env is None else env
+    if "TORCHELASTIC_RUN_ID" in env:
+        return False
     if any(v in env for v in _MPI_LAUNCH_VARS):
         return True
-    return "SLURM_PROCID" in env and _as_int(env.get("SLURM_NTASKS")) not in (None, 0, 1)
+    return ("SLURM_PROCID" in env and _as_int(env.get("SLURM_NTASKS")) not in (None, 0, 1)
+            and env_launch_size(env) is None)
 
 
 #: Launcher variables giving (ranks on this host, ranks in the job): hydra, Open MPI, torchrun.

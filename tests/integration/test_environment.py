@@ -17,8 +17,10 @@ from hypothesis import strategies as st
 
 from axondist._environment import (
     check_env_launch,
+    default_backend,
     env_launch_size,
     launched_by_mpi,
+    torch_installed,
 )
 from axondist.errors import AxondistError, LaunchError
 
@@ -49,6 +51,13 @@ def clean_env(**extra: str) -> dict[str, str]:
     ({"SLURM_PROCID": "0", "SLURM_NTASKS": "4"}, True),
     ({"SLURM_PROCID": "0", "SLURM_NTASKS": "many"}, False),
     (TORCHRUN, False),
+    # torchrun under srun or mpiexec: its children are not MPI ranks, whatever they inherit
+    ({**TORCHRUN, "SLURM_PROCID": "1", "SLURM_NTASKS": "2"}, False),
+    ({**TORCHRUN, "PMI_RANK": "1", "PMI_SIZE": "2"}, False),
+    # srun without PMI, with torch's variables given from Slurm's
+    ({"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "RANK": "1", "WORLD_SIZE": "2"}, False),
+    ({"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "RANK": "0", "WORLD_SIZE": "1"}, True),
+    ({"PMI_RANK": "1", "PMI_SIZE": "2", "RANK": "1", "WORLD_SIZE": "2"}, True),
 ])
 def test_launched_by_mpi_reads_the_mpi_launchers_variables(env, expected):
     assert launched_by_mpi(env) is expected
@@ -109,9 +118,23 @@ def test_an_unknown_size_says_at_least_and_n():
         check_env_launch("mock", {"RANK": "2"})
 
 
+def test_torchrun_inside_an_mpi_launch_is_not_an_mpi_world():
+    env = {**TORCHRUN, "PMI_RANK": "0", "PMI_SIZE": "2", "SLURM_PROCID": "0", "SLURM_NTASKS": "2"}
+    with pytest.raises(LaunchError, match=r"rank 1 of 2 started by torchrun .* the 'mpi' backend"):
+        check_env_launch("mpi", env)
+
+
+def test_srun_with_torchs_variables_defaults_to_torch_where_installed():
+    env = {"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "RANK": "1", "WORLD_SIZE": "2"}
+    assert default_backend(env) == ("torch" if torch_installed() else "mock")
+    assert default_backend({**TORCHRUN, "SLURM_PROCID": "1", "SLURM_NTASKS": "2"}) == (
+        "torch" if torch_installed() else "mock")
+    assert default_backend({"SLURM_PROCID": "1", "SLURM_NTASKS": "2"}) == "mpi"
+
+
 def test_nccl_and_mpi_launches_pass():
     check_env_launch("nccl", TORCHRUN)
-    check_env_launch("mpi", {**TORCHRUN, "PMI_RANK": "1", "PMI_SIZE": "2"})
+    check_env_launch("mpi", {"RANK": "1", "WORLD_SIZE": "2", "PMI_RANK": "1", "PMI_SIZE": "2"})
     check_env_launch("mock", {"RANK": "0", "WORLD_SIZE": "1"})
 
 
