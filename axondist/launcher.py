@@ -525,7 +525,8 @@ def run_job(cfg: RunConfig, out: TextIO | None = None, err: TextIO | None = None
     err = err or sys.stderr
     program, flavour = find_launcher(cfg)
     in_main_thread = threading.current_thread() is threading.main_thread()
-    stops = (signal.SIGTERM, signal.SIGHUP) if hasattr(signal, "SIGHUP") else (signal.SIGTERM,)
+    stops = (signal.SIGINT, signal.SIGTERM,
+             *((signal.SIGHUP,) if hasattr(signal, "SIGHUP") else ()))
     previous = {s: signal.signal(s, _interrupt) for s in stops} if in_main_thread else {}
     remove_stale_run_dirs()
     try:
@@ -536,8 +537,9 @@ def run_job(cfg: RunConfig, out: TextIO | None = None, err: TextIO | None = None
 
 
 def _interrupt(signum: int, frame: Any) -> None:
-    """SIGTERM (a scheduler ending the launcher) or SIGHUP (its terminal closed) stops the
-    job as Ctrl-C does."""
+    """Ctrl-C (SIGINT, handled even where the launcher was started with it ignored, as
+    mpiexec and torchrun handle it), SIGTERM (a scheduler ending the launcher) or SIGHUP
+    (its terminal closed) stops the job."""
     raise KeyboardInterrupt
 
 

@@ -121,9 +121,11 @@ TORCH: dict[str, str | None] = {
     # the check runs before either call starts, blocking or not: the arguments differ
     "async_mismatch": CASES["async_mismatch"].mock,
     # the peers' calls fail at once, naming the rank whose process is gone; torchrun ends
-    # the job when the first survivor exits, so at 3 ranks either survivor may be the one
+    # the job at the first exit it sees (either survivor's, or the killed rank's own, before a
+    # survivor could print: then torchrun's report names it as the root cause)
     "killed": r"all_reduce on rank [02] of \d \(group world\) cannot complete: ranks? (\d, )*1"
-              r"(, \d)* ended",
+              r"(, \d)* ended|Root Cause \(first observed failure\):\s*\[0\]:[^[]*rank\s*: 1 "
+              r"\(local_rank: 1\)\s*exitcode\s*: -9",
 }
 #: The cases run under torchrun at 3 ranks as well as 2: those a third rank changes (a
 #: rank that is not part of the fault, a cycle or a group of two among three). Each torchrun

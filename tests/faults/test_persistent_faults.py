@@ -1,5 +1,6 @@
-"""A rank that never starts a bucket's persistent all-reduce is named, on the mock world and
-under ``mpiexec -n 2/3``.
+"""A rank that never starts a bucket's persistent all-reduce is named, on the mock world,
+under ``mpiexec -n 2/3`` and under ``torchrun --nproc-per-node 2/3`` (the torch backend,
+whose watchdog is MPI's).
 
 Runs ``scripts/fault_cases.py ddp_overlapped_stall`` (OVERLAPPED DDP; after one good step,
 rank 1 stops in its own code before its first bucket) in subprocesses, each under its own
@@ -17,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from axondist.launch import launched_by_mpi
-from faults.runner import run_case, start_all, why_no_mpi
+from faults.runner import MISSING, run_case, start_all
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "fault_cases.py"
 CASE = "ddp_overlapped_stall"
@@ -28,7 +29,8 @@ EXPECT = {
     "mock": (r"all_reduce #\d+ on world .*ranks \[1\] of \d did not join within 10 s; rank 1 "
              r".* is not in any axondist call"),
 }
-RUNS = [(mode, n) for mode in ("mock", "mpi") for n in (2, 3)]
+EXPECT["torch"] = EXPECT["mpi"]
+RUNS = [(mode, n) for mode in ("mock", "mpi", "torch") for n in (2, 3)]
 
 pytestmark = pytest.mark.skipif(launched_by_mpi(), reason="starts its own jobs")
 
@@ -42,8 +44,8 @@ def _outcomes() -> dict[tuple[str, str, int], concurrent.futures.Future]:
 
 @pytest.mark.parametrize("mode,n", RUNS)
 def test_a_rank_that_never_starts_a_bucket_is_named(mode: str, n: int) -> None:
-    if mode == "mpi" and why_no_mpi() is not None:
-        pytest.skip(why_no_mpi() or "")
+    if MISSING[mode]() is not None:
+        pytest.skip(MISSING[mode]() or "")
     outcome = _outcomes()[(CASE, mode, n)].result()
     code, output = outcome.returncode, outcome.output
     assert code != 0, f"{CASE} on {mode} -n {n} succeeded:\n{output[-3000:]}"

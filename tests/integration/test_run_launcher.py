@@ -332,6 +332,7 @@ def test_sigterm_to_the_launcher_stops_every_rank(tmp_path):
         _, err = proc.communicate(timeout=60)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()  # reaped, its pipes closed: nothing left for a later test
         pytest.fail("the launcher did not stop after SIGTERM")
     assert proc.returncode == 130, err
     assert "axondist run: interrupted; the job was stopped" in err
@@ -386,6 +387,7 @@ def test_ctrl_c_stops_the_job_with_one_line(tmp_path):
         out, err = proc.communicate(timeout=60)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()  # reaped, its pipes closed: nothing left for a later test
         pytest.fail("the launcher did not stop after Ctrl-C")
     assert proc.returncode == 130, err
     assert err.strip() == "axondist run: interrupted; the job was stopped", err

@@ -326,6 +326,7 @@ def test_ctrl_c_stops_torchrun_and_its_ranks_with_one_line(tmp_path):
         _, err = proc.communicate(timeout=TIMEOUT)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()  # reaped, its pipes closed: nothing left for a later test
         pytest.fail("the launcher did not stop after Ctrl-C")
     finally:
         time.sleep(0.5)  # a killed rank's parent (torchrun, killed too) no longer waits for it
