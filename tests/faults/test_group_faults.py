@@ -1,7 +1,8 @@
 """Groups made and never destroyed: ``new_group`` refuses with an axondist error that says
 how many groups are alive and how to free them, before the MPI library's own error, on the
-mock world and under ``mpiexec -n 2``; a job that catches it, destroys its groups and goes
-on works. Each run is a subprocess under its own timeout (``faults.runner``).
+mock world, under ``mpiexec -n 2`` and under ``torchrun --nproc-per-node 2``; a job that
+catches it, destroys its groups and goes on works. Each run is a subprocess under its own
+timeout (``faults.runner``).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from axondist.launch import launched_by_mpi
-from faults.runner import LIMIT, Outcome, run_case, start_all, why_no_mpi
+from faults.runner import LIMIT, MISSING, Outcome, run_case, start_all
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "group_cases.py"
 FREE = (r"Free the groups you no longer need: group.destroy\(\) \(every member calls it\), or "
@@ -23,7 +24,8 @@ CAP = 40  # AXONDIST_MAX_GROUPS for the capped runs
 # (case, mode, ranks, AXONDIST_MAX_GROUPS or "" for MPICH's own limit)
 RUNS = [("leak", "mock", 2, str(CAP)), ("leak", "mpi", 2, str(CAP)),
         ("leak_then_free", "mock", 2, str(CAP)), ("leak_then_free", "mpi", 2, ""),
-        ("leak", "mpi", 2, "")]
+        ("leak", "mpi", 2, ""), ("leak", "torch", 2, str(CAP)),
+        ("leak_then_free", "torch", 2, str(CAP))]
 
 pytestmark = pytest.mark.skipif(launched_by_mpi(), reason="launches its own mpiexec jobs")
 
@@ -49,8 +51,8 @@ def _said(cap: str) -> str:
                          ids=[f"{c}-{m}{n}-{'cap' if k else 'mpich'}" for c, m, n, k in RUNS])
 def test_new_group_refuses_with_the_live_count_and_the_fix(case: str, mode: str, n: int,
                                                            cap: str) -> None:
-    if mode == "mpi" and why_no_mpi() is not None:
-        pytest.skip(why_no_mpi() or "")
+    if MISSING[mode]() is not None:
+        pytest.skip(MISSING[mode]() or "")
     outcome = _outcomes()[(case, mode, n, cap)].result()
     tail = outcome.output[-6000:]
     assert outcome.returncode != -999, tail
@@ -59,7 +61,7 @@ def test_new_group_refuses_with_the_live_count_and_the_fix(case: str, mode: str,
     if case == "leak":  # uncaught: the job ends with it, and not with MPI's own error
         assert outcome.returncode not in (0, -999), tail
         assert said, f"no match for {_said(cap)!r} in:\n{tail}"
-        assert outcome.seconds < LIMIT + (0 if cap else 30), tail  # MPICH's ~1,000 groups
+        assert outcome.fault_seconds < LIMIT + (0 if cap else 30), tail  # MPICH's ~1,000 groups
         assert "MPI_Comm_split" not in outcome.output, tail
         return
     assert outcome.returncode == 0, tail
