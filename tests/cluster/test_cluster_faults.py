@@ -102,6 +102,7 @@ def _fault_run(fault: str, hard_limit: float, settings: str, settle: float) -> F
     watch the job end, then up to ``settle`` seconds for its processes to go.
     ``settings``: ``"timeout 10"`` (AXONDIST_TIMEOUT=10) or ``"defaults"``."""
     env = {"AXONDIST_TIMEOUT": "10"} if settings == "timeout 10" else {}
+    env["PYTHONFAULTHANDLER"] = "1"  # a rank that crashes (MPICH, SIGSEGV) shows where
     with SimCluster(hosts=2) as cluster:
         started = time.monotonic()
         proc, out = cluster.start(SLOTS, ["-m", "mpi4py", CHECKS, "all_reduce_forever"],
