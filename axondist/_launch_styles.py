@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .launcher import RunConfig
+    from ._run_args import RunConfig
 
 #: What a launcher reported of a failed rank: ``pid``, ``host``, ``code`` (exit code),
 #: ``signal``, and ``rank`` when the launcher names the first failure itself.

@@ -19,6 +19,7 @@ from test_run_launcher import _alive, _start_and_wait_ready, axondist_run, scrip
 from axondist import launcher
 from axondist._environment import env_launch_size, launched_by_mpi
 from axondist._launch_styles import STYLES
+from axondist._run_args import LAUNCHER_NAMES
 from axondist.backends.registry import backend_names
 from axondist.errors import LaunchError
 from axondist.launcher import RunConfig, build_command, parse_args
@@ -73,6 +74,12 @@ def test_parse_args_takes_the_launcher_and_keeps_the_count():
     assert cfg.launcher == "torchrun" and cfg.nprocs == 3
     assert cfg.target == ("train.py", "-n", "9")
     assert parse_args(["-n", "2", "train.py"]).launcher == "mpiexec"
+
+
+def test_every_launcher_the_command_line_offers_has_a_way_to_start():
+    assert tuple(launcher.LAUNCHERS) == LAUNCHER_NAMES
+    with pytest.raises(SystemExit):  # argparse's own refusal, with the choices it knows
+        parse_args(["--launcher", "srun", "-n", "2", "train.py"])
 
 
 @pytest.mark.parametrize("argv, match", [
