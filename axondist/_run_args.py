@@ -41,7 +41,7 @@ class RunConfig:
     max_restarts: int = 0
     """Relaunches of the whole job after a failure."""
     mpiexec: str | None = None
-    """The launcher to use; None finds one (see :func:`find_mpiexec`)."""
+    """The mpiexec to use; None finds one (see ``axondist.launcher.find_mpiexec``)."""
     tail_lines: int = 10
     """Lines of the failed rank's output quoted in the failure summary."""
     stop_grace: float = 5.0

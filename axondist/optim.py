@@ -117,7 +117,7 @@ class Optimizer:
         """Update every parameter whose ``.grad`` is set; skip those with ``grad=None``.
 
         A ``.grad`` that holds a torch tensor or JAX array is read through
-        :func:`~axondist._array.as_array` (a view, no copy), as the wrappers read it.
+        ``axondist.as_array`` (a view, no copy), as the wrappers read it.
 
         Raises:
             ValueError: a gradient's shape differs from its parameter's.
