@@ -191,8 +191,23 @@ def test_a_cut_off_host_ends_the_job_within_a_minute_under_default_settings(
     assert not run.leftovers, f"still running 60 s after the fault: {run.leftovers}"
 
 
+def _mpich_crashed_first(run: FaultRun) -> bool:
+    """Whether a survivor on node0 crashed inside MPI's own Allreduce (SIGSEGV, its Python
+    stack printed by the fault handler) and hydra reported that crash first."""
+    first = next((ln for ln in run.text.splitlines() if "RUNNING AT" in ln), "")
+    return (first.strip(" =").endswith("RUNNING AT node0") and "EXIT CODE: 11" in run.text
+            and "Fatal Python error: Segmentation fault" in run.text
+            and re.search(r"Current thread .*?plans\.py\", line \d+ in _move", run.text, re.S)
+            is not None)
+
+
 def test_a_killed_remote_rank_is_named_with_its_host(cluster_ready: None) -> None:
     run = fault_run("rank_killed")
+    if _mpich_crashed_first(run):
+        # MPICH itself sometimes segfaults in a survivor's Allreduce as the dead rank's
+        # connection closes, and hydra then reports that crash first (a few runs in a hundred,
+        # more on a loaded machine). That is MPICH's race, outside axondist: strike again.
+        run = _fault_run("rank_killed", HARD_LIMIT, "timeout 10", LIMIT)
     # hydra ends the job at once, before any watchdog could speak; it names pid and host
     pid_line = next((ln for ln in run.text.splitlines() if "RUNNING AT" in ln), "")
     assert pid_line.strip(" =").endswith("RUNNING AT node1"), run.launch.tail()
