@@ -30,6 +30,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from world.launched_job import Launch
+
 REPO = Path(__file__).resolve().parents[2]
 RELAY = Path(__file__).resolve().parent / "relay.py"
 MPIEXEC = Path(sys.executable).parent / "mpiexec"
@@ -88,22 +90,6 @@ def why_no_cluster() -> str | None:
     finally:
         _ip("netns", "del", probe, check=False)
     return None
-
-
-@dataclass
-class Launch:
-    """What one ``mpiexec`` run left: exit status, seconds, each rank's output, mpiexec's."""
-
-    returncode: int
-    seconds: float
-    ranks: list[str]
-    launcher: str
-    timed_out: bool = False
-
-    def tail(self, chars: int = 3000) -> str:
-        """The end of every rank's output and of mpiexec's, for assertion messages."""
-        parts = [f"--- rank {r} ---\n{text[-chars:]}" for r, text in enumerate(self.ranks)]
-        return "\n".join(parts + [f"--- mpiexec ---\n{self.launcher[-chars:]}"])
 
 
 @dataclass(frozen=True)
@@ -341,7 +327,7 @@ class SimCluster:
         files = [out / f"rank{r}.txt" for r in range(ranks)]
         texts = [f.read_text(errors="replace") if f.exists() else "" for f in files]
         return Launch(proc.returncode, time.monotonic() - started, texts, launcher or "",
-                      timed_out)
+                      "mpiexec", timed_out)
 
     def run(self, slots: list[int], args: list[str], env: dict[str, str] | None = None,
             timeout: float = 120, n: int | None = None) -> Launch:

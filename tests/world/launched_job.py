@@ -26,6 +26,8 @@ class Launch:
     ranks: list[str]
     launcher: str
     launcher_name: str = "launcher"
+    timed_out: bool = False
+    """The job ran past its limit and was killed."""
 
     def tail(self, chars: int = 3000) -> str:
         parts = [f"--- rank {r} ---\n{text[-chars:]}" for r, text in enumerate(self.ranks)]
@@ -50,7 +52,7 @@ def run_job(command: list[str], env: dict[str, str], rank_outputs: Callable[[], 
         launcher, _ = proc.communicate()
         timed_out = True
     result = Launch(proc.returncode, time.monotonic() - start, rank_outputs(), launcher or "",
-                    launcher_name)
+                    launcher_name, timed_out)
     if timed_out:
         pytest.fail(f"{what} did not finish within {timeout:g} s (killed)\n{result.tail()}")
     return result
