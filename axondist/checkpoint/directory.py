@@ -4,9 +4,11 @@ A save writes into a hidden staging directory, renames it to a fresh
 ``step-N`` name once it is complete and verified, then swaps the checksummed
 ``latest`` pointer file in one ``os.replace``: until that instant the previous
 checkpoint is what every load sees. The pointer lists the committed
-checkpoints (``history``, oldest first); a complete ``step-N`` directory it
-does not list (a save killed between its rename and its swap, or a pointer
-the user deleted) is adopted, never deleted, and with no pointer the newest
+checkpoints (``history``, oldest first), a hint checked against the disk: an
+entry whose directory is gone (a root copied without its newest step folder)
+is left out, a complete ``step-N`` directory it does not list (a save killed
+between its rename and its swap, or a pointer the user deleted) is adopted,
+never deleted, and with no pointer, or one whose latest is gone, the newest
 complete step on disk is the latest. Only a save's own supersession (a re-save
 of the step, ``keep_last``) removes a complete checkpoint, after its commit.
 Staging directories, ``step-N`` directories without an index and temporary
@@ -132,10 +134,13 @@ def _has_valid_index(directory: str) -> bool:
 def history_on_disk(root: str, pointer: Pointer | None) -> tuple[str, ...]:
     """The committed checkpoints of ``root``, oldest first, the latest last.
 
-    The pointer's history plus every complete ``step-N`` directory (its index
-    passes its checksum and schema) that the pointer does not list, in step
-    order; without a pointer, the complete directories alone, so the newest
-    step on disk is the latest.
+    The disk decides; the pointer is a hint, checked. Its entries whose
+    directory still holds an ``index.json`` count (a root copied without its
+    newest step folder leaves the pointer naming a step that is gone), plus
+    every complete ``step-N`` directory (its index passes its checksum and
+    schema) that it does not list, in step order. The pointer's latest stays
+    the latest while it is on disk; otherwise (or without a pointer) the
+    newest step on disk is.
     """
     listed = set(pointer.history) if pointer is not None else set()
     try:
@@ -146,9 +151,12 @@ def history_on_disk(root: str, pointer: Pointer | None) -> tuple[str, ...]:
              and _has_valid_index(os.path.join(root, n))]
     if pointer is None:
         return tuple(sorted(extra, key=_step_key))
-    if not extra:
+    present = [h for h in pointer.history if os.path.isfile(os.path.join(root, h, INDEX_FILE))]
+    if not extra and len(present) == len(pointer.history):
         return pointer.history
-    return (*sorted([*extra, *pointer.history[:-1]], key=_step_key), pointer.latest)
+    if present and present[-1] == pointer.latest:
+        return (*sorted([*extra, *present[:-1]], key=_step_key), pointer.latest)
+    return tuple(sorted([*extra, *present], key=_step_key))
 
 
 def committed_history(root: str, what: str) -> tuple[str, ...]:
