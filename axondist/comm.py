@@ -25,9 +25,9 @@ from typing import Any
 
 import numpy as np
 
-from . import _array
+from . import _array, _tree
 from ._frameworks import any_framework, framework_of
-from ._validate import as_rank, check_tag, positive_seconds, sequence_of
+from ._validate import as_rank, check_tag, positive_seconds
 from .backends.base import Backend, default_timeout
 from .backends.plan import CallKey, exchange_row_counts, split_sizes
 from .backends.work import ThenWork, Work, finished
@@ -43,6 +43,32 @@ def _member(group: ProcessGroup | None, what: str) -> tuple[ProcessGroup, Backen
 
 def _backend(group: ProcessGroup | None, what: str) -> Backend:
     return resolve_group(group).backend_for(what)
+
+
+def _one_array(x: Any, where: str, *, in_place: bool = False) -> Any:
+    """``x`` as a NumPy/CuPy array, refusing a list, tuple or dict of arrays (NumPy would
+    stack it, and the caller's arrays would be left as they were) and, for an in-place
+    collective, any Python container.
+
+    Raises:
+        InvalidBufferError: ``x`` is such a container; the message says what to call.
+    """
+    if isinstance(x, (list, tuple, dict)):
+        items = list(x.values()) if isinstance(x, dict) else list(x)
+        arrays = sum(not isinstance(item, (bool, int, float, complex)) for item in items)
+        if arrays or in_place or isinstance(x, dict):
+            kind = "arrays" if arrays else "numbers"
+            if arrays:
+                hint = ("a collective takes one array. To average gradients, "
+                        "ad.sync_gradients(grads) takes a list or dict of them (one all-reduce "
+                        f"per dtype, each written in place); otherwise call {where} on each "
+                        "array, or stack them into one array first")
+            else:
+                hint = ("a Python container cannot be written in place; pass np.asarray(x) "
+                        "and use the array returned")
+            raise InvalidBufferError(
+                f"{where}: x is a {type(x).__name__} of {len(items)} {kind}; {hint}")
+    return _array.as_array(x)
 
 
 def in_callers_framework(collective: Any, x: Any, *args: Any, in_place: bool = False,
@@ -101,7 +127,8 @@ def all_reduce(x: Any, op: ReduceOp | str = ReduceOp.SUM, group: ProcessGroup | 
     """
     if type(x) is not np.ndarray and framework_of(x) is not None:
         return in_callers_framework(all_reduce, x, op, group, async_op, in_place=True)
-    x = _array.as_array(x)
+    if type(x) is not np.ndarray:
+        x = _one_array(x, "all_reduce", in_place=True)
     key = CallKey.of("all_reduce", x, reduce_op=op, async_op=async_op)
     return _backend(group, "all_reduce").plan(key).run(x)
 
@@ -146,7 +173,7 @@ def reduce_scatter(x: Any, op: ReduceOp | str = ReduceOp.SUM, group: ProcessGrou
     if type(x) is not np.ndarray or (out is not None and type(out) is not np.ndarray):
         if any_framework(x, out):
             return in_callers_framework(reduce_scatter, x, op, group, async_op, out=out)
-    x = _array.contiguous(_array.as_array(x))
+    x = _array.contiguous(_one_array(x, "reduce_scatter"))
     key = CallKey.of("reduce_scatter", x, reduce_op=op, async_op=async_op)
     return _backend(group, "reduce_scatter").plan(key).run(x, out)
 
@@ -170,7 +197,7 @@ def reduce(x: Any, dst: int = 0, op: ReduceOp | str = ReduceOp.SUM,
     if type(x) is not np.ndarray and framework_of(x) is not None:
         return in_callers_framework(reduce, x, dst, op, group, async_op, in_place=True)
     g, b = _member(group, "reduce")
-    x = _array.as_array(x)
+    x = _one_array(x, "reduce", in_place=True)
     key = CallKey.of("reduce", x, reduce_op=op, root=as_rank(dst, g.world_size, "reduce", "dst"),
                      async_op=async_op)
     return b.plan(key).run(x)
@@ -196,7 +223,7 @@ def all_to_all(x: Any, group: ProcessGroup | None = None, *,
         return in_callers_framework(all_to_all, x, group, send_sizes=send_sizes,
                                     recv_sizes=recv_sizes, async_op=async_op)
     g, b = _member(group, "all_to_all")
-    x = _array.contiguous(_array.as_array(x))
+    x = _array.contiguous(_one_array(x, "all_to_all"))
     _array.check_dtype(x.dtype, "all_to_all")
     if x.ndim == 0:
         raise InvalidBufferError("all_to_all: a 0-d array has no axis to split; pass x[None]")
@@ -249,7 +276,7 @@ def broadcast(x: Any, group: ProcessGroup | None = None, *, src: int = 0,
         return in_callers_framework(broadcast, x, group, src=src, async_op=async_op,
                                     in_place=True)
     g, b = _member(group, "broadcast")
-    x = _array.as_array(x)
+    x = _one_array(x, "broadcast", in_place=True)
     key = CallKey.of("broadcast", x, root=as_rank(src, g.world_size, "broadcast", "src"),
                      async_op=async_op)
     return b.plan(key).run(x)
@@ -287,7 +314,7 @@ def all_gather(x: Any, group: ProcessGroup | None = None, *, sizes: Sequence[int
         if any_framework(x, out):
             return in_callers_framework(all_gather, x, group, sizes=sizes, out=out,
                                         async_op=async_op)
-    x = _as_rows(_array.contiguous(_array.as_array(x)))
+    x = _as_rows(_array.contiguous(_one_array(x, "all_gather")))
     counts = None if sizes is None else tuple(int(s) for s in sizes)
     key = CallKey.of("all_gather", x, counts=counts, async_op=async_op)
     return _backend(group, "all_gather").plan(key).run(x, out)
@@ -300,7 +327,7 @@ def gather_tensor(x: Any, group: ProcessGroup | None = None, dst: int = 0,
         return in_callers_framework(gather_tensor, x, group, dst, async_op)
     g, b = _member(group, "gather_tensor")
     dst = as_rank(dst, g.world_size, "gather_tensor", "dst")
-    x = _as_rows(_array.contiguous(_array.as_array(x)))
+    x = _as_rows(_array.contiguous(_one_array(x, "gather_tensor")))
     _array.check_dtype(x.dtype, "gather_tensor")
     rows = exchange_row_counts(b, CallKey.of("gather_tensor", x), x.shape[0])
     row_size = prod(x.shape[1:])
@@ -330,7 +357,7 @@ def scatter_tensor(x: Any, group: ProcessGroup | None = None, src: int = 0,
             if x is None:
                 raise InvalidBufferError(f"scatter_tensor: the source rank {src} must pass "
                                          "an array")
-            send = _array.contiguous(_array.as_array(x))
+            send = _array.contiguous(_one_array(x, "scatter_tensor"))
             _array.check_dtype(send.dtype, "scatter_tensor")
             if send.ndim == 0:
                 raise InvalidBufferError("scatter_tensor: a 0-d array has no axis to split; "
@@ -366,7 +393,7 @@ def send(x: Any, dst: int, group: ProcessGroup | None = None, tag: int = 0) -> N
     tag = check_tag(tag, "send")
     if dst == g.rank:
         raise RankError(f"send: dst={dst} is this rank; a rank cannot send to itself")
-    x = _array.contiguous(_array.as_array(x))
+    x = _array.contiguous(_one_array(x, "send"))
     _array.check_dtype(x.dtype, "send")
     lib = _array.library_name(x)
     b.send_object((tuple(x.shape), str(x.dtype), lib), dst, tag)
@@ -485,24 +512,55 @@ def sync_gradient(grad: Any, group: ProcessGroup | None = None) -> Any:
     return all_reduce(grad, ReduceOp.AVERAGE, group)
 
 
-def sync_gradients(grads: Sequence[Any], group: ProcessGroup | None = None) -> list[Any]:
-    """Average many gradients with one all-reduce per dtype and return them.
+def sync_gradients(grads: Any, group: ProcessGroup | None = None, *,
+                   missing_grad: str = "error") -> Any:
+    """Average many gradients with one all-reduce per dtype and return them, in ``grads``'
+    structure.
 
-    NumPy and CuPy arrays and torch tensors are averaged in place (the list returned
-    holds them); JAX arrays, which are immutable, give new JAX arrays in their place
-    (the list from ``jax.grad`` goes in as it is).
+    ``grads`` is a list or tuple of arrays, or any nesting of dicts, lists and tuples (a
+    torch ``state_dict``, a dict of parameters), or a JAX pytree (what ``jax.grad`` returns).
+    NumPy and CuPy arrays and torch tensors are averaged in place (the structure returned
+    holds them); JAX arrays, which are immutable, give new JAX arrays in their place. Every
+    rank passes the same structure; dict keys are matched by name, whatever their order.
+
+    Args:
+        grads: the gradients.
+        group: the group (current world when None).
+        missing_grad: what a ``None`` gradient means (before backward, or a parameter the
+            forward did not use). ``"error"``: refused, naming it. ``"zeros"``: a zero
+            gradient on this rank (as DDP's option): a small exchange of shapes finds its
+            shape, and the average comes back as a new array in its place; a gradient no
+            rank has stays None.
 
     Raises:
-        InvalidBufferError: a NumPy array or torch tensor cannot be written in place
-            (read-only, or not contiguous); checked after the all-reduce, on every rank.
+        InvalidBufferError: a gradient is None with ``missing_grad="error"``; a NumPy array
+            or torch tensor cannot be written in place (read-only, or not contiguous;
+            checked after the all-reduce, on every rank).
+        CollectiveMismatchError: with ``missing_grad="zeros"``, ranks disagree on a
+            gradient's shape or dtype.
+        TypeError: ``grads`` is not arrays or a structure of them.
     """
-    given = sequence_of(grads, "sync_gradients", "grads")
+    if missing_grad not in ("error", "zeros"):
+        raise ValueError(f"sync_gradients: missing_grad={missing_grad!r}; use 'error' (a None "
+                         "gradient is refused) or 'zeros' (it counts as zero on this rank)")
+    given, paths, rebuild = _tree.flatten(grads, "grads")
+    missing = [i for i, gr in enumerate(given) if gr is None]
+    if missing and missing_grad == "error":
+        raise InvalidBufferError(
+            f"sync_gradients: {paths[missing[0]]} is None"
+            + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+            + ": no gradient yet (backward has not run) or a parameter the forward did not "
+            "use. Run backward first, leave it out of grads, or pass missing_grad='zeros' to "
+            "count it as zero on this rank")
+    if missing_grad == "zeros":
+        given = _fill_missing(given, paths, group)
+    present = [i for i, gr in enumerate(given) if gr is not None]
     frameworks = [None if type(gr) is np.ndarray else framework_of(gr) for gr in given]
-    arrays = [_array.as_array(gr) for gr in given]
+    arrays = [None if gr is None else _array.as_array(gr) for gr in given]
     by_dtype: dict[str, list[int]] = {}
-    for i, gr in enumerate(arrays):
-        by_dtype.setdefault(str(gr.dtype), []).append(i)
-    results = list(arrays)
+    for i in present:
+        by_dtype.setdefault(str(arrays[i].dtype), []).append(i)
+    results = list(given)
     for idx in by_dtype.values():
         buffer, layout = _array.flatten([arrays[i] for i in idx])
         all_reduce(buffer, ReduceOp.AVERAGE, group)
@@ -516,7 +574,32 @@ def sync_gradients(grads: Sequence[Any], group: ProcessGroup | None = None) -> l
                 results[i] = given[i]
             else:
                 results[i] = framework.wrap(view, given[i])
-    return results
+    return rebuild(results)
+
+
+def _fill_missing(given: list[Any], paths: list[str], group: ProcessGroup | None) -> list[Any]:
+    """Zeros for this rank's None gradients that another rank has (``missing_grad="zeros"``),
+    their shape and dtype learnt from one exchange; a gradient every rank lacks stays None."""
+    mine = [None if gr is None else (tuple(_array.as_array(gr).shape),
+                                     str(_array.as_array(gr).dtype)) for gr in given]
+    table = all_gather_object(mine, group)
+    if len({len(t) for t in table}) > 1:
+        raise CollectiveMismatchError(
+            "sync_gradients: ranks passed different numbers of gradients ("
+            + ", ".join(f"rank {r}: {len(t)}" for r, t in enumerate(table)) + ")")
+    like = next((_array.as_array(gr) for gr in given if gr is not None), None)
+    xp = np if like is None else _array.namespace(like)
+    filled = list(given)
+    for i, path in enumerate(paths):
+        seen = {t[i] for t in table if t[i] is not None}
+        if len(seen) > 1:
+            detail = ", ".join(f"rank {r}: {t[i]}" for r, t in enumerate(table))
+            raise CollectiveMismatchError(
+                f"sync_gradients: ranks disagree on the shape or dtype of {path} ({detail})")
+        if given[i] is None and seen:
+            shape, dtype = seen.pop()
+            filled[i] = xp.zeros(shape, dtype=_array.dtype_named(dtype))
+    return filled
 
 
 def rank(group: ProcessGroup | None = None) -> int:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import warnings
@@ -10,7 +11,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from . import log
-from ._environment import launched_by_mpi
+from ._environment import env_launch_size, launched_by_mpi
 from .backends import nccl
 from .backends.base import Backend
 from .backends.mock import MockBackend
@@ -60,12 +61,13 @@ def spawn(fn: Callable[..., T], world_size: int, *args: Any, timeout: float | No
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"spawn: world_size must be a positive int, got {world_size!r}")
-    if launched_by_mpi():
+    launcher = launcher_name()
+    if launcher is not None:
         warnings.warn(
             f"axondist.spawn runs {world_size} ranks on threads inside each of the processes "
-            "mpiexec started, as separate one-process worlds; to use the MPI world, call "
-            "axondist.run(fn, world_size) (MPI under mpiexec, threads otherwise) or "
-            "axondist.init()", RuntimeWarning, stacklevel=2)
+            f"{launcher} started, as separate worlds that train separate models; to use the "
+            "launched world, call axondist.run(fn, world_size) (the launched world under a "
+            "launcher, threads otherwise) or axondist.init()", RuntimeWarning, stacklevel=2)
     backends = MockBackend.create_world(world_size, timeout)
     mock_world = backends[0].world
     results = run_ranks(backends, fn, args, kwargs, abort=mock_world.abort,
@@ -105,20 +107,36 @@ def run(fn: Callable[..., T], world_size: int, *args: Any, timeout: float | None
         **kwargs: Any) -> list[T]:
     """Run ``fn(world, *args, **kwargs)`` on every rank, wherever the script was started.
 
-    Under ``mpiexec`` (or ``axondist run``) this process is one rank of the
-    MPI world: ``fn`` runs once here, ``world_size`` is ignored, and the list
-    holds this rank's result only. Otherwise ``world_size`` ranks run on
-    threads, as :func:`spawn`, and the list holds every rank's result.
+    Under a launcher this process is one rank of the launched world, the one
+    :func:`init` joins: MPI under ``mpiexec``, ``srun`` or ``axondist run``; the torch
+    backend under ``torchrun``, ``axondist run --launcher torchrun`` or a Kubernetes
+    operator (``RANK``/``WORLD_SIZE`` set). ``fn`` runs once here, ``world_size`` is
+    ignored, and the list holds this rank's result only. Otherwise ``world_size`` ranks
+    run on threads, as :func:`spawn`, and the list holds every rank's result.
 
     Returns:
         This process's ranks' results, in rank order.
+
+    Raises:
+        LaunchError: a launcher started several processes that no installed backend can
+            join (torchrun without torch, say), as :func:`init` raises it.
     """
-    if launched_by_mpi():
+    if launcher_name() is not None:
         world = peek_world()
-        if world is None or world.backend is None or world.backend.name != "mpi":
-            world = init(timeout=timeout)
+        if world is None or world.backend is None or world.world_size == 1:
+            world = init(timeout=timeout) if timeout is not None else init()
         return [fn(world, *args, **kwargs)]
     return spawn(fn, world_size, *args, timeout=timeout, **kwargs)
+
+
+def launcher_name() -> str | None:
+    """What started this process as one rank of several (``"mpiexec"``, ``"torchrun"``, an
+    env-style launcher), or None for a plain ``python`` run."""
+    if launched_by_mpi():
+        return "mpiexec"
+    if env_launch_size() is None:
+        return None
+    return "torchrun" if "TORCHELASTIC_RUN_ID" in os.environ else "the launcher"
 
 
 def run_ranks(backends: Sequence[Backend], fn: Callable[..., T], args: Sequence[Any],

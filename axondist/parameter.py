@@ -115,6 +115,16 @@ def parameters_of(model: Any) -> list[Parameter]:
     params = list(items)
     for i, p in enumerate(params):
         if not isinstance(p, Parameter):
+            framework = framework_of(p)
+            if framework is not None and framework.name == "torch":
+                kind = f"{type(p).__module__}.{type(p).__qualname__}"
+                raise TypeError(
+                    f"model item {i} is a {kind} (a torch module's parameter), not an "
+                    "axondist.Parameter. Wrap each one: params = [ad.Parameter(p.data) for p in "
+                    "module.parameters()]; ad.Parameter(p.data) shares the tensor's memory, so "
+                    "an axondist optimizer step updates the torch module, and after "
+                    "loss.backward() set params[i].grad = p.grad (see examples/"
+                    "torch_autograd.py)")
             raise TypeError(
                 f"model item {i} is a {type(p).__name__}, not an axondist.Parameter; wrap arrays "
                 "with axondist.Parameter(array)"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import numbers
 import os
+import sys
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -14,7 +15,7 @@ from ._validate import as_members
 from .backends.base import Backend
 from .backends.mock import MockBackend
 from .backends.registry import create_backend
-from .errors import NotAMemberError, TooManyGroupsError
+from .errors import LaunchError, NotAMemberError, TooManyGroupsError
 
 log = logging.getLogger("axondist")
 
@@ -246,6 +247,8 @@ class _ThreadState(threading.local):
 
 _state = _ThreadState()
 _process_world: World | None = None
+#: The backend name and options of the :func:`init` that made ``_process_world``.
+_process_made_by: tuple[str, dict[str, Any]] | None = None
 _process_lock = threading.Lock()
 
 
@@ -279,8 +282,8 @@ def init(backend: str | None = None, **options: Any) -> World:
     """Start this process's world and make it the default group.
 
     Args:
-        backend: a registered backend name (``"mock"``, ``"mpi"``, ``"nccl"``,
-            or one added with :func:`axondist.backends.register_backend`);
+        backend: a registered backend name (``"mock"``, ``"mpi"``, ``"torch"``,
+            ``"nccl"``, or one added with :func:`axondist.backends.register_backend`);
             when None, the ``AXONDIST_BACKEND`` environment variable, else
             ``"mpi"`` when the process was launched by mpiexec/mpirun/srun,
             ``"torch"`` when torchrun (or another launcher setting ``RANK`` and
@@ -289,22 +292,59 @@ def init(backend: str | None = None, **options: Any) -> World:
         **options: passed to the backend's factory (``timeout`` for every
             built-in backend).
 
+    A second call with the same backend and options returns the world the first made (a
+    job has one world); after ``world.destroy()`` a call makes a new one.
+
     Raises:
         ValueError: an unknown backend name (the message lists the valid ones).
         BackendUnavailableError: the backend's library is missing (the message
             says what to install).
         LaunchError: an env-style launcher (torchrun) started several processes
             that this backend cannot join into one world (the message says what to
-            run instead).
+            run instead), or this process already has a world made with other
+            arguments.
     """
     name = str(backend or default_backend()).strip().lower()
+    existing = _existing_world(name, options)
+    if existing is not None:
+        return existing
     check_env_launch(name)
     world = World(create_backend(name, **options))
     set_process_world(world)
+    global _process_made_by
+    _process_made_by = (name, dict(options))
     node, local_rank, local_size = world.node_info()
     log.info("init: backend %s, rank %d of %d (node %d, local rank %d of %d)", name,
              world.rank, world.world_size, node, local_rank, local_size)
     return world
+
+
+def _existing_world(name: str, options: dict[str, Any]) -> World | None:
+    """The world an earlier :func:`init` made, when a second call asks for the same one.
+
+    A launched job has one world: a second ``init`` with the same backend and options gets
+    it back, and one with others is refused rather than building a second world beside it.
+    A one-rank mock world is cheap and private, so other options replace it, as a
+    destroyed world is replaced.
+    """
+    world, made_by = _process_world, _process_made_by
+    if world is None or made_by is None or world._backend is None:
+        return None
+    try:
+        same = made_by == (name, options)
+    except Exception:  # noqa: BLE001 - options that cannot be compared are not the same
+        same = False
+    if same:
+        return world
+    if made_by[0] == "mock" and world.world_size == 1:
+        return None
+    asked = ", ".join([repr(name)] + [f"{k}={v!r}" for k, v in options.items()])
+    made = ", ".join([repr(made_by[0])] + [f"{k}={v!r}" for k, v in made_by[1].items()])
+    raise LaunchError(
+        f"init({asked}): this process already has a world, rank {world.rank} of "
+        f"{world.world_size} made by init({made}); a second world beside it would split the "
+        "job. Use the world you have (ad.init() with the same arguments returns it), or "
+        "call world.destroy() first to start another")
 
 
 class use_world:
@@ -329,7 +369,14 @@ def resolve_group(group: ProcessGroup | None) -> ProcessGroup:
         return current_world()
     if not isinstance(group, ProcessGroup):
         hint = ""
-        if isinstance(group, numbers.Integral) and not isinstance(group, bool):
+        if type(group).__module__.startswith("torch"):
+            torch_dist = sys.modules.get("torch.distributed")
+            if torch_dist is not None and torch_dist.is_initialized() and (
+                    group is torch_dist.group.WORLD):
+                return current_world()  # torch's default group: every rank, the world
+            hint = ("; a torch.distributed group other than dist.group.WORLD has no axondist "
+                    "counterpart: make it with world.new_group(ranks)")
+        elif isinstance(group, numbers.Integral) and not isinstance(group, bool):
             hint = ("; ranks are keyword arguments here: broadcast(x, src=1), "
                     "gather_tensor(x, dst=1), recv(src=1), send(x, dst=1)")
         elif isinstance(group, str):

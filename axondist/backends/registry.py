@@ -51,6 +51,14 @@ def backend_names() -> list[str]:
     return sorted(_FACTORIES)
 
 
+#: torch.distributed's own backend names, which users coming from torch pass to init().
+_TORCH_NAMES = {
+    name: f". {name!r} is a torch.distributed backend: axondist's 'torch' backend runs on it "
+          "(gloo for NumPy arrays and CPU tensors, NCCL for CUDA ones); call "
+          "ad.init('torch'), or ad.init() under torchrun"
+    for name in ("gloo", "ucc", "cpu:gloo,cuda:nccl")}
+
+
 def create_backend(name: str, **options: Any) -> Backend:
     """This process's world backend from the factory registered as ``name``.
 
@@ -61,8 +69,9 @@ def create_backend(name: str, **options: Any) -> Backend:
     key = str(name).strip().lower()
     factory = _FACTORIES.get(key)
     if factory is None:
+        hint = _TORCH_NAMES.get(key, "")
         raise ValueError(f"init: unknown backend {name!r}; choose one of {backend_names()} "
-                         "(or register one with axondist.backends.register_backend)")
+                         f"(or register one with axondist.backends.register_backend){hint}")
     backend = factory(**options)
     if not isinstance(backend, Backend):
         raise TypeError(f"init: the factory of backend {key!r} returned "

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from .. import _array, clip
+from .._frameworks import framework_of
 from .._step import GradFn, check_grad_fn, check_optimizer, split_grad_fn
 from .._validate import check_state_names, mib, positive_number
 from ..comm import all_gather, all_gather_object, broadcast
@@ -173,6 +174,9 @@ class DistributedDataParallel:
                                    for b in (buffers or [])]
         self._no_sync_depth = 0
         self._in_step = False
+        #: torch tensors and JAX arrays handed over as gradients this step, by index: the
+        #: user's own objects, which hold the average after the step (see finish_grad_sync).
+        self._handed: dict[int, Any] = {}
         self._check_same_model()
         self.synchronizer = GradientSynchronizer(
             self.strategy, bucket_bytes=_mib_to_bytes(self.bucket_cap_mb),
@@ -343,7 +347,8 @@ class DistributedDataParallel:
             raise IndexError(f"DistributedDataParallel.add_gradient: parameter index {index!r} "
                              f"is out of range 0..{len(self._params) - 1}")
         p = self._params[index]
-        grad = _array.as_array(grad)
+        handed = grad
+        grad = grad if type(grad) is np.ndarray else _array.as_array(grad)
         check_gradient(grad, "DistributedDataParallel.add_gradient", index, p.name)
         if tuple(grad.shape) != p.shape:
             raise ValueError(f"DistributedDataParallel.add_gradient: gradient of parameter "
@@ -356,6 +361,8 @@ class DistributedDataParallel:
             else:
                 slot[...] = grad
             p.grad = slot
+            if self.syncing and handed is not grad:  # a torch tensor or JAX array
+                self._handed[index] = handed  # the torch tensor gets the average too
             return
         if self.syncing and p.grad is self.synchronizer.slot(index):
             # .grad is its bucket view: add and weight in one pass over memory.
@@ -386,6 +393,10 @@ class DistributedDataParallel:
                 # .grad set but never handed over (user-managed flow): take it now.
                 self.synchronizer.add_gradient(i, self._params[i].grad)
         present = np.array([p.grad is not None for p in self._params], dtype=np.int8)
+        handed, self._handed = self._handed, {}
+        for i, p in enumerate(self._params):
+            if p.grad is not None and type(p.grad) is not np.ndarray and framework_of(p.grad):
+                handed[i] = p.grad
         averaged = self.synchronizer.finish()
         keep_none: set[int] = set()
         if self.missing_grad == "error":
@@ -393,7 +404,9 @@ class DistributedDataParallel:
         for i, (p, avg) in enumerate(zip(self._params, averaged)):
             if i in keep_none:
                 continue
-            if self.gradient_as_bucket_view:
+            if i in handed:
+                _average_into_handed(p, handed[i], avg)
+            elif self.gradient_as_bucket_view:
                 p.grad = avg
             elif p.grad is not None and _writable_like(p.grad, avg):
                 # a torch .grad is written through its view, so it stays the user's tensor
@@ -663,6 +676,7 @@ class DistributedDataParallel:
     def _abandon(self) -> None:
         """Leave a failed step: wait for what is in flight, close the step."""
         self._in_step = False
+        self._handed.clear()
         self.synchronizer.clear()
 
     def __repr__(self) -> str:
@@ -704,6 +718,29 @@ def _pair(item: Any) -> tuple[int, Any]:
         raise TypeError("DistributedDataParallel.backward: a generator grad_fn must yield "
                         f"(index, grad) pairs, got {type(item).__name__}") from None
     return int(index), grad
+
+
+def _average_into_handed(p: Parameter, handed: Any, avg: Any) -> None:
+    """Give the torch tensor or JAX array the user handed over as ``p``'s gradient the
+    average ``avg``: a torch tensor is written in place (and stays ``p.grad`` when it was),
+    a JAX array, immutable, is replaced by a new one. Whatever the bucket setting, the
+    object a torch optimizer or the user reads next holds the average, not the local
+    gradient."""
+    framework = framework_of(handed)
+    assert framework is not None
+    if framework.writable and _writable_like(handed, avg):
+        framework.array_to_write(handed, "DistributedDataParallel")[...] = avg
+        if p.grad is handed:
+            return
+        if p.grad is None or type(p.grad) is not np.ndarray:
+            p.grad = handed
+            return
+        p.grad = avg  # .grad is the bucket view; the tensor handed over holds a copy
+        return
+    if p.grad is handed:
+        p.grad = framework.wrap(avg.copy(), handed)  # a copy: the bucket is reused
+    else:
+        p.grad = avg
 
 
 def _writable_like(dst: Any, src: Any) -> bool:
