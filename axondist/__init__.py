@@ -96,7 +96,8 @@ _LAZY = {
 }
 
 
-_SUBMODULES = {"amp", "backends", "checkpoint", "clip", "comm", "data", "ddp", "fsdp", "log",
+_SUBMODULES = {"amp", "backends", "checkpoint", "clip", "comm", "context_parallel", "data",
+               "ddp", "fsdp", "log",
                "mesh", "optim", "pipeline", "tensor_parallel", "trace", "tune", "zero"}
 
 
