@@ -146,7 +146,20 @@ class JaxFramework(Framework):
     def _on_gpu(x: Any) -> bool:
         return any(d.platform == "gpu" for d in x.devices())
 
+    @staticmethod
+    def is_tracer(x: Any) -> bool:
+        """True when ``x`` is a JAX tracer (an abstract value inside ``jax.jit``, ``grad``
+        or ``vmap``), which has no data to cross."""
+        jax = sys.modules.get("jax")
+        return jax is not None and isinstance(x, jax.core.Tracer)
+
     def array(self, x: Any, where: str) -> Any:
+        if self.is_tracer(x):
+            raise InvalidBufferError(
+                f"{where}: got a JAX tracer (inside jax.jit, grad or vmap), which holds no "
+                "data; inside jit use axondist's all_reduce, all_gather, reduce_scatter, "
+                "broadcast or all_to_all (axondist.differentiable's under grad), or call "
+                f"{where} outside the transformation")
         try:
             if self._on_gpu(x):
                 return _cupy().from_dlpack(x)

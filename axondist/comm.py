@@ -25,8 +25,8 @@ from typing import Any
 
 import numpy as np
 
-from . import _array, _tree
-from ._frameworks import any_framework, framework_of
+from . import _array, _jax_traced, _tree
+from ._frameworks import JAX, any_framework, framework_of
 from ._validate import as_rank, check_tag, positive_seconds
 from .backends.base import Backend, default_timeout
 from .backends.plan import CallKey, exchange_row_counts, split_sizes
@@ -87,6 +87,8 @@ def in_callers_framework(collective: Any, x: Any, *args: Any, in_place: bool = F
     """
     where = getattr(collective, "__name__", "prepared call")
     x_framework = framework_of(x)
+    if x_framework is JAX and JAX.is_tracer(x):  # inside jax.jit: an ordered host callback
+        return _jax_traced.run_traced(collective, x, args, kwargs, out)
     array = x
     if x_framework is not None:
         array = (x_framework.array_to_write(x, where) if in_place
