@@ -97,6 +97,7 @@ _LAZY = {
 
 
 _SUBMODULES = {"amp", "backends", "checkpoint", "clip", "comm", "context_parallel", "data",
+               "differentiable",
                "ddp", "fsdp", "log",
                "mesh", "optim", "pipeline", "tensor_parallel", "trace", "tune", "zero"}
 
