@@ -20,6 +20,7 @@ SLOW_FILES = frozenset({
     "tests/integration/test_docs_build.py",
     "tests/integration/test_examples.py",
     "tests/integration/test_benchmarks_runner.py",
+    "tests/integration/test_launch_doors.py",
 })
 
 #: Single tests (any parameters) that launch processes, run an example-sized training, rerun
