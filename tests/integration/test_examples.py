@@ -32,7 +32,8 @@ NEEDS = {**FRAMEWORK, "resume.py": "sklearn"}
 # Shorter runs than the defaults: the check against one process is the same.
 QUICK = {"digits_ddp_fsdp.py": ["--epochs", "2"], "char_lm.py": ["--steps", "3"],
          "pipeline_schedules.py": ["-p", "2", "-m", "3", "--repeats", "1", "--no-pictures",
-                                   "--tolerance", "1"]}
+                                   "--tolerance", "1"],
+         "context_parallel_char_lm.py": ["--steps", "3"]}
 
 # The examples start their own worlds: running them once per MPI rank would only repeat them.
 pytestmark = mock_only
