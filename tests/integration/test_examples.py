@@ -33,6 +33,7 @@ NEEDS = {**FRAMEWORK, "resume.py": "sklearn"}
 QUICK = {"digits_ddp_fsdp.py": ["--epochs", "2"], "char_lm.py": ["--steps", "3"],
          "pipeline_schedules.py": ["-p", "2", "-m", "3", "--repeats", "1", "--no-pictures",
                                    "--tolerance", "1"],
+         "moe_expert_data_parallel.py": ["--steps", "3"],
          "context_parallel_char_lm.py": ["--steps", "3"]}
 
 # The examples start their own worlds: running them once per MPI rank would only repeat them.
@@ -119,6 +120,7 @@ def test_numpy_example_under_mpiexec():
     ("digits_ddp_fsdp.py", 3, ["--epochs", "1"]),
     ("char_lm.py", 2, ["--steps", "3"]),
     ("char_lm.py", 3, ["--steps", "2"]),
+    ("moe_expert_data_parallel.py", 2, ["--ep", "2", "--steps", "2"]),
 ])
 def test_real_data_examples_under_mpiexec(name, n, args):
     if name in NEEDS:
@@ -129,6 +131,18 @@ def test_real_data_examples_under_mpiexec(name, n, args):
     assert f"on {n} ranks" in proc.stdout or proc.stdout.startswith(f"{n} ranks"), proc.stdout
     assert "single-process training" in proc.stdout and ": yes" in proc.stdout, proc.stdout
     assert "FAILED" not in proc.stdout
+
+
+def test_moe_example_detects_a_wrong_result(monkeypatch, capsys):
+    moe = _example("moe_expert_data_parallel")
+    real = moe.Model.dense
+
+    def nudged(self):  # the one-process model's weights, off by 1e-6
+        return [a + 1e-6 for a in real(self)] if self.moe.group.world_size == 1 else real(self)
+
+    monkeypatch.setattr(moe.Model, "dense", nudged)
+    assert moe.main(["--world-size", "2", "--ep", "2", "--steps", "1"]) == 1
+    assert "NO (FAILED)" in capsys.readouterr().out
 
 
 # --- digits ------------------------------------------------------------------------------
