@@ -179,8 +179,9 @@ def plan_dispatch(experts: Array, num_experts: int, group: ProcessGroup, *,
     else:
         recv_sizes = [int(v) for v in received.sum(axis=1)]
         row_expert = np.repeat(np.tile(np.arange(local), w), received.reshape(-1))
-    row_expert = row_expert.astype(np.int64)
-    expert_rows = tuple(xp.asarray(np.flatnonzero(row_expert == j)) for j in range(local))
+    by_expert = np.argsort(row_expert, kind="stable")  # rows of expert 0, then 1, ...
+    cuts = np.cumsum(np.bincount(row_expert, minlength=local))[:-1]
+    expert_rows = tuple(xp.asarray(rows) for rows in np.split(by_expert, cuts))
     stats = DispatchStats(
         capacity=capacity, routed=tuple(_host_ints(routed_counts)),
         kept=tuple(_host_ints(kept_counts)), received=tuple(int(v) for v in received.sum(0)),
