@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import contextlib
 import json
 import os
 import threading
@@ -122,7 +123,9 @@ class TraceWriter:
         self._call_fields: dict[Any, tuple[str, str]] = {}
         self._describe = describe or (lambda detail, op: "" if detail is None else str(detail))
         for stale in (self.path, rank_file(self.directory, self.rank, old=True)):
-            if os.path.exists(stale):  # a previous run's trace of this rank
+            # a previous run's trace of this rank; another process tracing into the same
+            # folder (a second job, a spawn world per process) may remove it first
+            with contextlib.suppress(FileNotFoundError):
                 os.remove(stale)
         with self._lock:
             self._open_segment()

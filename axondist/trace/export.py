@@ -91,6 +91,27 @@ def _span_depths(spans: list[Any]) -> list[int]:
     return depths
 
 
+#: Qualitative colour maps the legend's colours are drawn from: tab10's ten first, then
+#: whichever colour of the others lies farthest from every colour already taken.
+_PALETTES = ("tab10", "Dark2", "Set1", "Set2", "Accent", "tab20")
+
+
+def legend_colours(plt: Any, count: int) -> list[Any]:
+    """``count`` colours for the picture's legend, each as far from the ones before it as the
+    palettes allow (tab10's ten are far apart; a near-twin of one, such as tab20's blues
+    beside tab10's, comes only once the distinct ones run out)."""
+    pool = [tuple(cmap.colors[i])[:3] for cmap in map(plt.get_cmap, _PALETTES)
+            for i in range(len(cmap.colors))]
+    taken = list(dict.fromkeys(pool[:10]))
+    rest = [c for c in dict.fromkeys(pool[10:]) if c not in taken]
+    while len(taken) < count and rest:
+        far = max(rest, key=lambda c: min(sum((a - b) ** 2 for a, b in zip(c, t))
+                                          for t in taken))
+        rest.remove(far)
+        taken.append(far)
+    return [taken[i % len(taken)] for i in range(count)]
+
+
 def write_png(timeline: Timeline, path: str, title: str = "") -> None:
     """Draw the timeline: per rank a row of calls (coloured by op, the time spent waiting
     for the last rank hatched in red) and a row of spans.
@@ -112,10 +133,10 @@ def write_png(timeline: Timeline, path: str, title: str = "") -> None:
     waits = _waits(timeline)
     ranks = list(timeline.ranks)
     ops = sorted({c.op for c in timeline.calls})
-    cmap = plt.get_cmap("tab10")
-    colour = {op: cmap(i % 10) for i, op in enumerate(ops)}
     span_names = sorted({s.name for s in timeline.spans})
-    span_colour = {n: plt.get_cmap("tab20")(i % 20) for i, n in enumerate(span_names)}
+    colours = legend_colours(plt, len(ops) + len(span_names))
+    colour = dict(zip(ops, colours))
+    span_colour = dict(zip(span_names, colours[len(ops):]))
     fig, ax = plt.subplots(figsize=(12, 1.2 + 0.9 * len(ranks)))
     for row, rank in enumerate(ranks):
         base = (len(ranks) - 1 - row) * 2

@@ -222,3 +222,47 @@ def test_environment_variable_gives_every_new_recorder_a_writer(
     rec.sink.close()
     monkeypatch.delenv("AXONDIST_TRACE")
     assert FlightRecorder(3, 4).sink is None
+
+
+_OPEN_AND_CLOSE = """
+import sys
+from axondist.backends.recorder import FlightRecorder
+from axondist.backends.trace_file import TraceWriter
+for _ in range(int(sys.argv[2])):
+    rec = FlightRecorder(0, 2, "host-a")
+    TraceWriter(sys.argv[1], rec).close()
+print("done")
+"""
+
+
+def test_several_processes_trace_into_one_folder(tmp_path: Path) -> None:
+    """Jobs (or spawn worlds in several processes) sharing a trace folder each clear their rank's
+    stale file; one removing it first must not crash the other."""
+    import subprocess
+    import sys
+
+    folder = tmp_path / "trace"
+    folder.mkdir()
+    procs = [subprocess.Popen([sys.executable, "-c", _OPEN_AND_CLOSE, str(folder), "150"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(4)]
+    for proc in procs:
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0 and "done" in out, err
+
+
+def test_the_pictures_colours_are_told_apart() -> None:
+    """No two legend entries (ops, then spans) share a colour or a near-twin of one."""
+    import itertools
+
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from axondist.trace.export import legend_colours
+
+    for count in (2, 10, 16, 20):
+        colours = np.array([c[:3] for c in legend_colours(plt, count)])
+        nearest = min(float(np.linalg.norm(a - b))
+                      for a, b in itertools.combinations(colours, 2))
+        assert nearest > 0.2, (count, nearest)
