@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import Any
 
 # Many mock-world ranks on threads each calling BLAS would oversubscribe the
 # cores with BLAS threads; one BLAS thread per rank, set before NumPy loads.
@@ -40,7 +41,38 @@ def pytest_configure(config: pytest.Config) -> None:
     if rank is not None and config.option.basetemp is None:
         import tempfile
 
-        config.option.basetemp = tempfile.mkdtemp(prefix=f"axondist-rank{rank}-")
+        global _RANK_BASETEMP
+        _RANK_BASETEMP = tempfile.mkdtemp(prefix=f"axondist-rank{rank}-")
+        config.option.basetemp = _RANK_BASETEMP
+
+
+#: The temporary folder made for this rank of a launched run (removed when the run ends).
+_RANK_BASETEMP: str | None = None
+#: Seconds each test took (setup, call and teardown), by node id, for the timing summary.
+_SECONDS: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    _SECONDS[report.nodeid] = _SECONDS.get(report.nodeid, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int,
+                            config: pytest.Config) -> None:
+    """Where the time went, in every single-process run (CI's log keeps it): seconds per
+    folder and the 25 slowest tests."""
+    if _RANK_BASETEMP is not None or not _SECONDS:
+        return
+    by_folder: dict[str, float] = {}
+    for nodeid, seconds in _SECONDS.items():
+        folder = nodeid.split("::")[0].rsplit("/", 1)[0]
+        by_folder[folder] = by_folder.get(folder, 0.0) + seconds
+    write = terminalreporter.write_line
+    terminalreporter.section("time per folder")
+    for folder, seconds in sorted(by_folder.items(), key=lambda kv: -kv[1]):
+        write(f"{seconds:8.1f} s  {folder}")
+    terminalreporter.section("25 slowest tests")
+    for nodeid, seconds in sorted(_SECONDS.items(), key=lambda kv: -kv[1])[:25]:
+        write(f"{seconds:8.1f} s  {nodeid}")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -87,6 +119,10 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     from axondist._environment import env_launch_size
     from axondist.launch import launched_by_mpi
 
+    if _RANK_BASETEMP is not None:  # nothing left behind in the system's temp folder
+        import shutil
+
+        shutil.rmtree(_RANK_BASETEMP, ignore_errors=True)
     if exitstatus not in (0, 5) and not launched_by_mpi() and env_launch_size() is not None:
         from axondist.backends._watchdog import silence_all
 

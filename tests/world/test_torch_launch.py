@@ -76,7 +76,9 @@ def test_world_tests_pass_under_torchrun(tmp_path: Path, n: int) -> None:
     args = [str(RANK_PYTEST), "tests/world", "-q", "-p", "no:cacheprovider", "-x",
             "-m", "not gpu"]
     examples = os.environ.get("AXONDIST_TORCH_TEST_EXAMPLES", "5")
-    run = launch(tmp_path, n, args, {"AXONDIST_TEST_EXAMPLES": examples})
+    temp = tmp_path / "temp"  # the ranks' system temp folder: left empty
+    temp.mkdir()
+    run = launch(tmp_path, n, args, {"AXONDIST_TEST_EXAMPLES": examples, "TMPDIR": str(temp)})
     summaries = [pytest_summary(text) for text in run.ranks]
     for r, summary in enumerate(summaries):
         assert summary is not None, f"rank {r} printed no pytest summary\n{run.tail()}"
@@ -85,6 +87,7 @@ def test_world_tests_pass_under_torchrun(tmp_path: Path, n: int) -> None:
     assert run.returncode == 0, f"torchrun exited with {run.returncode}\n{run.tail()}"
     counts = {re.sub(r" in [\d.]+s.*", "", s or "") for s in summaries}
     assert len(counts) == 1, f"ranks ran different tests: {summaries}"
+    assert not list(temp.glob("axondist-rank*")), "a rank left its temporary folder behind"
 
 
 @pytest.mark.parametrize("n", [2, 3])
