@@ -2,6 +2,7 @@
 
     python examples/torch_autograd.py                 # 4 ranks of the in-process mock world
     axondist run -n 2 examples/torch_autograd.py      # 2 processes (or mpiexec -n 2 python ...)
+    torchrun --nproc-per-node 2 examples/torch_autograd.py   # 2 processes, the torch backend
 
 axondist never imports torch: it reads a CPU tensor through DLPack, as a NumPy
 array *sharing the tensor's memory*. So the collectives take the tensors
