@@ -214,9 +214,9 @@ def prepare(where: str, method: str, layout: str, q: Array, k: Array, v: Array,
         problem = exc
     everyone = backend.allgather_object((problem, record, int(q.shape[-2]) if q.ndim >= 2
                                          else 0))
-    for r, (exc, _, _) in enumerate(everyone):
-        if exc is not None:
-            raise type(exc)(f"{exc} (on rank {r})" if g.world_size > 1 else str(exc))
+    for r, (found, _, _) in enumerate(everyone):
+        if found is not None:
+            raise type(found)(f"{found} (on rank {r})" if g.world_size > 1 else str(found))
     for i, (name, _) in enumerate(record):
         values = [rec[i][1] for _, rec, _ in everyone]
         if any(x != values[0] for x in values):
