@@ -25,6 +25,7 @@ from axondist import comm
 from axondist import context_parallel as cp
 from axondist.context_parallel.ring_link import GRAD_TAG, KV_TAG
 from axondist.errors import CollectiveMismatchError, InvalidBufferError, UnsupportedDTypeError
+from axondist.mesh import DeviceMesh
 
 TOL = dict(rtol=1e-10, atol=1e-10)
 METHODS = list(cp.METHODS)
@@ -278,7 +279,7 @@ def test_the_ring_sends_w_minus_1_blocks_forward_and_the_accumulators_home():
         assert backward == sorted(kv + accumulators)
 
 
-def test_all_gather_and_ulysses_make_one_collective_each_way(monkeypatch):
+def test_all_gather_and_ulysses_collectives_and_their_bytes(monkeypatch):
     calls: list[tuple[int, str, int]] = []
     lock = threading.Lock()
     for name in ("all_gather", "reduce_scatter_sum", "all_to_all"):
@@ -298,13 +299,47 @@ def test_all_gather_and_ulysses_make_one_collective_each_way(monkeypatch):
         cp.attention_backward(q, k, v, out, lse, go, world, method=method)
         return True
 
-    for method, expected in (("all_gather", ["all_gather", "all_gather", "reduce_scatter_sum"]),
-                             ("ulysses", ["all_to_all"] * 4)):
+    size = current_size(w)
+    counts = cp.token_counts(12, size)
+    row = w * (4 + 3) * 2 * 8  # a token's keys and values: w heads x (4 + 3) x 2 batches, float64
+    qkv_row = w * (4 + 4 + 3) * 2 * 8
+    grads_row = w * (4 + 4 + 3) * 2 * 8
+    back_row = w * (4 + 4 + 3 + 3 + 1 + 3) * 2 * 8  # q, k, v, out, lse, dO
+    for method in ("all_gather", "ulysses"):
         calls.clear()
         run_world(body, w, method)
-        me = range(current_size(w)) if not LAUNCHED else [ad.rank()]
-        for r in me:
-            assert [c[1] for c in calls if c[0] == r] == expected, calls
+        for r in range(size) if not LAUNCHED else [ad.rank()]:
+            mine = [c[1:] for c in calls if c[0] == r]
+            t = counts[r]
+            if method == "all_gather":  # K/V gathered twice, dK/dV padded to the longest
+                expected = [("all_gather", t * row), ("all_gather", t * row),
+                            ("reduce_scatter_sum", size * max(counts) * row)]
+            else:  # out and lse back; then q, k, v, out, lse, dO over and dq, dk, dv back
+                expected = [("all_to_all", t * qkv_row), ("all_to_all", t * w * 4 * 2 * 8),
+                            ("all_to_all", t * back_row), ("all_to_all", t * grads_row)]
+            assert mine == expected, (method, r, mine)
+
+
+def mesh_rank(world: ad.ProcessGroup) -> bool:
+    """Context x data parallel: each data-parallel replica attends over its own sequence."""
+    mesh = DeviceMesh(world, (world.world_size // 2, 2), ("dp", "cp"))
+    cp_group, replica = mesh.group("cp"), mesh.group("dp").rank
+    q, k, v, go = problem(20 + replica, 10)
+    out, lse, grads = reference(q, k, v, go)
+    mine = [cp.shard(a, 2, cp_group.rank) for a in (q, k, v, go)]
+    got_out, got_lse = cp.attention(*mine[:3], cp_group)
+    got = cp.attention_backward(*mine[:3], got_out, got_lse, mine[3], cp_group)
+    np.testing.assert_allclose(got_out, cp.shard(out, 2, cp_group.rank), **TOL)
+    for a, b in zip(got, grads):
+        np.testing.assert_allclose(a, cp.shard(b, 2, cp_group.rank), **TOL)
+    return True
+
+
+def test_context_by_data_parallel_on_a_mesh():
+    size = current_size(4)
+    if size % 2:
+        pytest.skip("a (dp, cp=2) mesh needs an even number of ranks")
+    assert all(run_world(mesh_rank, size))
 
 
 # --- bad input: our error on every rank -----------------------------------------------------
