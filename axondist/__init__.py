@@ -85,6 +85,7 @@ _LAZY = {
     "PipelineMemoryStats": "pipeline",
     "ColumnParallelLinear": "tensor_parallel", "RowParallelLinear": "tensor_parallel",
     "TensorParallelMLP": "tensor_parallel", "TensorParallelAttention": "tensor_parallel",
+    "MixtureOfExperts": "expert_parallel",
     "DeviceMesh": "mesh", "make_mesh": "mesh",
     "HierarchicalAllReduce": "hierarchical",
     "DistributedSampler": "data",
@@ -98,7 +99,7 @@ _LAZY = {
 
 
 _SUBMODULES = {"amp", "backends", "checkpoint", "clip", "comm", "context_parallel", "data",
-               "differentiable",
+               "differentiable", "expert_parallel",
                "ddp", "fsdp", "log",
                "mesh", "optim", "pipeline", "tensor_parallel", "trace", "tune", "zero"}
 

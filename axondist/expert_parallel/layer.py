@@ -15,8 +15,15 @@ from ..parameter import Parameter
 from ..process_group import ProcessGroup, resolve_group
 from ..tensor_parallel import ACTIVATIONS
 from . import router as rt
-from .dispatch import DispatchStats, combine, dispatch, expert_capacity, pack, \
-    plan_dispatch, unpack
+from .dispatch import (
+    DispatchStats,
+    combine,
+    dispatch,
+    expert_capacity,
+    pack,
+    plan_dispatch,
+    unpack,
+)
 from .experts import EXPERT_TENSORS, LocalExperts, router_weight, store_grad
 
 Array = Any
