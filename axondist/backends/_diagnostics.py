@@ -9,7 +9,8 @@ import json
 import math
 import os
 import socket
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from .._environment import launched_on_one_host
@@ -21,6 +22,15 @@ MAX_LINE = 1 << 20
 GONE = "refused"
 NO_ANSWER = "no answer"
 NO_SERVER = "no diagnostics server"
+#: What each of those means, for messages.
+WHY_SILENT = {
+    GONE: "its diagnostics port refuses connections: its process ended, or a firewall rejects "
+          "the connection",
+    NO_ANSWER: "its diagnostics port did not reply: its host is cut off, or it is stuck in code "
+               "that holds the GIL",
+    NO_SERVER: "it runs with AXONDIST_DIAGNOSTICS=off: only the timeout ends a wait for it"}
+#: The least one question of a look that is out of time waits for its reply (seconds).
+SHORTEST_ASK = 0.1
 _OFF = ("0", "off", "no", "false")
 _AUTO = ("", "1", "on", "yes", "true", "auto")
 
@@ -145,6 +155,37 @@ def send_to_peer(address: Address, message: dict[str, Any], timeout: float,
     return GONE if refused else NO_ANSWER
 
 
-__all__ = ["GONE", "MAX_LINE", "NO_ANSWER", "NO_SERVER", "Address", "cut_off_timeout",
-           "diagnostics_address", "diagnostics_ports", "host_addresses", "listen", "process_gone",
-           "send_to_peer"]
+class Look:
+    """One inspection's questions to the peers: each peer is asked once however many checks
+    want its status (a silent peer, whose port takes the connection and never replies,
+    costs the look its wait once), and no question waits past ``until``
+    (``time.monotonic``) by more than :data:`SHORTEST_ASK`.
+
+    Args:
+        query: asks ranks with a timeout (``Watchdog.query``).
+        until: when the look must be over (a warning or the timeout is due).
+        longest: the most seconds one question waits.
+        known: statuses the look has already.
+    """
+
+    def __init__(self, query: Callable[[Sequence[int], float], dict[int, Any]], until: float,
+                 longest: float, known: Mapping[int, Any] | None = None) -> None:
+        self._query = query
+        self.until = until
+        self.longest = longest
+        self.replies: dict[int, Any] = dict(known or {})
+
+    def ask(self, ranks: Sequence[int], again: bool = False) -> dict[int, Any]:
+        """The statuses of ``ranks`` (or what came instead); ``again``: the ranks that
+        answered before are asked anew."""
+        wanted = [r for r in ranks if r not in self.replies
+                  or (again and isinstance(self.replies[r], dict))]
+        if wanted:
+            left = self.until - time.monotonic()
+            self.replies.update(self._query(wanted, min(self.longest, max(SHORTEST_ASK, left))))
+        return {r: self.replies[r] for r in ranks if r in self.replies}
+
+
+__all__ = ["GONE", "MAX_LINE", "NO_ANSWER", "NO_SERVER", "SHORTEST_ASK", "WHY_SILENT", "Address",
+           "Look", "cut_off_timeout", "diagnostics_address", "diagnostics_ports",
+           "host_addresses", "listen", "process_gone", "send_to_peer"]

@@ -82,4 +82,35 @@ def unknown_waited_for(known: Mapping[int, Status],
             if r not in known}
 
 
-__all__ = ["find_cycle", "unknown_waited_for", "waits_for"]
+def different_calls(me: int, call: Mapping[str, Any], mine: Sequence[Mapping[str, Any]],
+                    statuses: Mapping[int, Any]) -> str | None:
+    """Text naming the ranks whose collective of ``call``'s number on its group differs
+    from this rank's (``me``; ``mine``: its recent entries), from the peers' ``statuses``,
+    or None. The cross-rank check cannot see a blocking call meet a non-blocking one: MPI
+    never matches them, so both wait."""
+    group, seq = call["group"], call["seq"]
+
+    def issued(entries: Sequence[Mapping[str, Any]]) -> Mapping[str, Any] | None:
+        return next((e for e in entries if e["group"] == group and e["seq"] == seq
+                     and not e["op"].startswith("wait ")), None)
+
+    found = issued(mine)
+    if found is None:
+        return None
+    calls = {me: found}
+    for r, status in statuses.items():
+        if isinstance(status, dict):
+            theirs = issued(list(status.get("recent", [])) + list(status.get("running", [])))
+            if theirs is not None:
+                calls[r] = theirs
+    if len({(e["op"], e.get("detail"), bool(e["blocking"])) for e in calls.values()}) < 2:
+        return None
+    described = "; ".join(f"rank {r}: {e['op']} ({e.get('detail') or 'no arguments'}, "
+                          f"{'blocking' if e['blocking'] else 'async_op=True'})"
+                          for r, e in sorted(calls.items()))
+    return (f"ranks called different collectives as call #{seq} on {group}: {described}. "
+            "Every rank must make the same call with the same arguments, and pass the same "
+            "async_op: MPI never matches a non-blocking collective with a blocking one")
+
+
+__all__ = ["different_calls", "find_cycle", "unknown_waited_for", "waits_for"]

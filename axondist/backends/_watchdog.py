@@ -1,16 +1,16 @@
 """The watchdog of a multi-process job: stall warnings, departures, deadlocks, the deadline.
 
-Each rank runs two daemon threads. A diagnostics server answers peers'
-questions over TCP (what this rank's flight recorder says; "I am leaving")
-whatever the rank's main thread is doing, since blocking MPI calls release
-the GIL. A monitor looks at this rank's running calls every ``tick``: when a
-peer the call needs has announced that it left, its process is gone from
-this host, the peers show a wait cycle through this rank, or no rank of a
-peer's host has answered for ``AXONDIST_CUT_OFF_TIMEOUT`` seconds, it ends
-the job at once; otherwise it warns after ``stall`` seconds (and every
-``stall`` seconds after) naming the missing ranks, and ends the job at
-``timeout``. Requests carry a per-job token, so nothing outside the job can
-end it. Settings and the server's address: docs/backends.md ("The watchdog").
+Each rank runs two daemon threads. A diagnostics server answers peers' questions over TCP
+(what this rank's flight recorder says; "I am leaving") whatever the rank's main thread is
+doing, since blocking MPI calls release the GIL. A monitor looks at this rank's running calls:
+when a peer the call needs has announced that it left, its process is gone from this host,
+the peers show a wait cycle through this rank, or no rank of a peer's host has answered for
+``AXONDIST_CUT_OFF_TIMEOUT`` seconds, it ends the job at once; otherwise it warns after
+``stall`` seconds (and every ``stall`` seconds after) naming the missing ranks, and ends the
+job at ``timeout``, each on time: a silent peer (stopped, or cut off) is asked once per look,
+never past the moment the next warning or the timeout is due. Requests carry a per-job
+token, so nothing outside the job can end it. Settings and the server's address:
+docs/backends.md ("The watchdog").
 """
 
 from __future__ import annotations
@@ -33,7 +33,9 @@ from ._diagnostics import (
     MAX_LINE,
     NO_ANSWER,
     NO_SERVER,
+    WHY_SILENT,
     Address,
+    Look,
     cut_off_timeout,
     diagnostics_address,
     diagnostics_ports,
@@ -42,22 +44,16 @@ from ._diagnostics import (
     process_gone,
     send_to_peer,
 )
-from ._wait_graph import find_cycle, unknown_waited_for
+from ._wait_graph import different_calls, find_cycle, unknown_waited_for
 from .recorder import FlightRecorder, describe_call, describe_status, format_entries
 
 log = logging.getLogger("axondist.watchdog")
 
-_QUERY_TIMEOUT = 3.0
+_QUERY_TIMEOUT = 3.0  # the longest one look waits for a peer's reply
+_LAST_LOOK = 0.5  # how long a look that is due now (a warning, the timeout) may still take
 _GONE_FOR = 3.0  # seconds a peer's process must be seen gone before the job ends for it
 _EXIT_PAUSE = 0.3  # os._exit waits this long after announcing, so waiting peers can say why
 _ORPHAN_GRACE = 5.0  # an orphaned rank waits at most this long for the other hosts' ranks to end
-_WHY = {GONE: "its diagnostics port refuses connections: its process ended, or a firewall "
-              "rejects the connection",
-        NO_ANSWER: "its diagnostics port did not reply: its host is cut off, or it is stuck in "
-                   "code that holds the GIL",
-        NO_SERVER: "it runs with AXONDIST_DIAGNOSTICS=off: only the timeout ends a wait for it"}
-
-
 _RUNNING: list[Watchdog] = []
 _real_exit = os._exit
 
@@ -110,7 +106,11 @@ class Watchdog:
         self.orphans: dict[int, dict[str, Any]] = {}
         self._wake = threading.Event()
         self._stopped = False
-        self._state: dict[tuple[Any, ...], float] = {}  # call -> when it is next looked at
+        #: The call being watched (group, number, op), and when (time.monotonic) it is next
+        #: looked at, warned about, and when the monitor wakes next.
+        self._watched: tuple[Any, ...] | None = None
+        self._look_at = self._warn_at = 0.0
+        self._wake_at = math.inf
         self._gone_since: dict[int, float] = {}
         #: (rank, how) of the peers a verdict found gone: told to the launcher at the end.
         self._lost: list[tuple[int, str]] = []
@@ -216,16 +216,18 @@ class Watchdog:
         return True
 
     # --- asking peers -----------------------------------------------------------------------
-    def query(self, ranks: Sequence[int]) -> dict[int, Any]:
+    def query(self, ranks: Sequence[int], timeout: float | None = None) -> dict[int, Any]:
         """Each rank's recorder status, or what came instead: GONE (its port refuses),
-        NO_ANSWER (no reply in time) or NO_SERVER (it runs none)."""
+        NO_ANSWER (no reply within ``timeout`` seconds, default 3) or NO_SERVER (it runs
+        none)."""
         message = {"kind": "status", "token": self._token, "rank": self.recorder.rank}
         targets = [r for r in ranks if r in self.peers]
         if not targets:
             return {}
+        wait = _QUERY_TIMEOUT if timeout is None else timeout
         with concurrent.futures.ThreadPoolExecutor(min(16, len(targets))) as pool:
             replies = dict(zip(targets, pool.map(
-                lambda r: send_to_peer(self.peers[r], message, _QUERY_TIMEOUT, True), targets)))
+                lambda r: send_to_peer(self.peers[r], message, wait, True), targets)))
         now = time.monotonic()
         for r, reply in list(replies.items()):
             if isinstance(reply, dict) and reply.get("rank") != r:
@@ -254,7 +256,7 @@ class Watchdog:
                 first[p[2]] = r
         self.query(sorted(first.values()))
         while not self._stopped:
-            self._wake.wait(self._tick)
+            self._wake.wait(min(self._tick, max(0.01, self._wake_at - time.monotonic())))
             self._wake.clear()
             if self._stopped:
                 return
@@ -311,6 +313,8 @@ class Watchdog:
         return [r for r in members if r != self.recorder.rank]
 
     def _inspect(self) -> None:
+        """Look at the longest-running call (see the module docstring): each time is read on
+        one clock after the peers answered, and a call that completed meanwhile is let be."""
         running = self.recorder.running()
         orphans = self._orphans_text()
         if orphans is not None:
@@ -319,35 +323,43 @@ class Watchdog:
                       0.0, orphans, None)
             return
         if not running:
-            self._state.clear()
+            self._watched, self._wake_at = None, math.inf
             return
         call = max(running, key=lambda e: e["started_s_ago"])
-        waited = call["started_s_ago"]
+        now = time.monotonic()
+        started = now - call["started_s_ago"]
+        key = (call["group"], call["seq"], call["op"])
+        if key != self._watched:
+            self._watched = key
+            self._look_at = started + self._probe_after
+            self._warn_at = started + self.stall
         needs = self._needs(call)
         departed = self._departed(call, needs)
         if departed:
-            self._end(call, waited, departed, None)
+            self._end(call, now - started, departed, None)
             return
-        key = (call["group"], call["seq"], call["op"])
-        due = self._state.get(key)
-        if due is None:
-            self._state = {key: self._probe_after}
-            due = self._probe_after
-        if waited < due and waited < self.timeout:
+        due = min(self._warn_at, started + self.timeout)  # when something must be said
+        self._wake_at = min(self._look_at, due)
+        if now < self._wake_at:
             return
-        statuses = self.query(needs)
-        verdict = self._verdict(call, statuses)
+        look = Look(self.query, max(due, now + _LAST_LOOK), _QUERY_TIMEOUT)
+        statuses = look.ask(needs)
+        verdict = self._verdict(call, statuses, look)
+        if not any((e["group"], e["seq"], e["op"]) == key for e in self.recorder.running()):
+            return  # it completed while the peers were asked: nothing to report
+        now = time.monotonic()
+        waited = now - started
         if verdict is not None or waited >= self.timeout:
-            self._end(call, waited, verdict, statuses)
+            self._end(call, waited, verdict, statuses, now)
             return
-        if waited >= self.stall and waited >= self._state.get(("warned",), 0.0):
+        if now >= self._warn_at:
             rank, size = self.recorder.rank, self.recorder.world_size
-            warn(self._stall_text(call, waited, statuses), f"[axondist rank {rank}/{size}] ")
-            self._state[("warned",)] = waited + self.stall
-        if any(not isinstance(s, dict) and s != NO_SERVER for s in statuses.values()):
-            self._state[key] = waited + 1.0  # look again soon: is it gone, or cut off?
-        else:
-            self._state[key] = max(self.stall, self._state.get(("warned",), 0.0))
+            warn(self._stall_text(call, waited, statuses, now), f"[axondist rank {rank}/{size}] ")
+            self._warn_at = now + self.stall
+        silent = any(not isinstance(s, dict) and s != NO_SERVER for s in statuses.values())
+        # a silent peer is looked at again soon (is it gone, or cut off?); else at the warning
+        self._look_at = now + 1.0 if silent else self._warn_at
+        self._wake_at = min(self._look_at, self._warn_at, started + self.timeout)
 
     def _departed(self, call: dict[str, Any], needs: Sequence[int]) -> str | None:
         """Text naming the needed ranks that announced they left before this call."""
@@ -367,11 +379,14 @@ class Watchdog:
                             f"left{after}: its process exited ({how}) and will never join")
         return "; ".join(gone) or None
 
-    def _verdict(self, call: dict[str, Any], statuses: dict[int, Any]) -> str | None:
+    def _verdict(self, call: dict[str, Any], statuses: dict[int, Any],
+                 look: Look | None = None) -> str | None:
         """Text of a certain failure the peers' statuses show (a departure, a host cut off,
-        different calls, or a wait cycle), or None."""
-        return (self._gone(statuses) or self._cut_off_host(statuses)
-                or self._different_calls(call, statuses) or self._wait_cycle(statuses))
+        different calls, or a wait cycle), or None. ``look``: the inspection's questions
+        so far (the peers in ``statuses`` are not asked again)."""
+        look = look or self._new_look(statuses)
+        return (self._gone(statuses) or self._cut_off_host(statuses, look)
+                or self._different_calls(call, statuses) or self._wait_cycle(statuses, look))
 
     def _gone(self, statuses: dict[int, Any]) -> str | None:
         """Text naming the peers whose process is gone from this host (their port refuses
@@ -395,11 +410,12 @@ class Watchdog:
                 f"{self.recorder.host} any more ({pids}): killed, or exited without a word "
                 "(a signal, the OOM killer)")
 
-    def _last_sign_of_life(self, rank: int) -> float:
+    def _last_sign_of_life(self, rank: int, now: float | None = None) -> float:
         """When (time.monotonic) ``rank`` last answered this rank, asked it something, or
-        completed a call with it; the start of watching when never."""
+        completed a call with it; the start of watching when never. ``now``: when the
+        recorder's ages are counted from (the current time when None)."""
         heard = max(self._heard.get(rank, self._started), self._started)
-        now = time.monotonic()
+        now = time.monotonic() if now is None else now
         for entry in reversed(self.recorder.entries()):
             members = self.recorder.groups.get(entry["group"], ())
             if entry["state"] == "done" and (entry.get("peer") == rank or (
@@ -407,7 +423,11 @@ class Watchdog:
                 return max(heard, now - entry["started_s_ago"] + entry["duration_s"])
         return heard
 
-    def _cut_off_host(self, statuses: dict[int, Any]) -> str | None:
+    def _new_look(self, statuses: dict[int, Any]) -> Look:
+        """A look outside an inspection, that knows ``statuses`` already."""
+        return Look(self.query, time.monotonic() + _QUERY_TIMEOUT, _QUERY_TIMEOUT, statuses)
+
+    def _cut_off_host(self, statuses: dict[int, Any], look: Look | None = None) -> str | None:
         """Text naming a peer host none of whose ranks has answered for ``cut_off`` seconds
         since its last sign of life (a rank busy in its own code still answers: its server
         is a thread of its own), or None."""
@@ -418,12 +438,14 @@ class Watchdog:
             if any(isinstance(statuses.get(r), dict) or statuses.get(r) == NO_SERVER
                    for r in ranks):
                 continue
-            quiet = time.monotonic() - max(self._last_sign_of_life(r) for r in ranks)
+            now = time.monotonic()
+            quiet = now - max(self._last_sign_of_life(r, now) for r in ranks)
             if quiet < self.cut_off:
                 continue
             others = [r for r in ranks if r not in statuses]
+            look = look or self._new_look(statuses)
             if others and any(isinstance(s, dict) or s == NO_SERVER
-                              for s in self.query(others).values()):
+                              for s in look.ask(others).values()):
                 continue
             return (f"host {host} (ranks {ranks}) is cut off: none of its ranks has answered "
                     f"this rank (host {self.recorder.host}) for {quiet:.1f} s, counted from "
@@ -431,23 +453,24 @@ class Watchdog:
                     "its network link is down, or the host has stopped")
         return None
 
-    def _wait_cycle(self, statuses: dict[int, Any]) -> str | None:
+    def _wait_cycle(self, statuses: dict[int, Any], look: Look | None = None) -> str | None:
         """Text naming a cycle of waits through this rank, of any length, seen twice (the
         second look rules out ranks caught between calls), or None."""
+        look = look or self._new_look(statuses)
         me = self.recorder.rank
         known = {r: s for r, s in statuses.items() if isinstance(s, dict)}
         known[me] = self.recorder.status()
         groups = self.recorder.groups
         for _ in range(self.recorder.world_size):
             wanted = sorted(r for r in unknown_waited_for(known, groups) if r in self.peers)
-            found = {r: s for r, s in self.query(wanted).items() if isinstance(s, dict)}
+            found = {r: s for r, s in look.ask(wanted).items() if isinstance(s, dict)}
             if not found:
                 break
             known.update(found)
         cycle = find_cycle(me, known, groups)
         if cycle is None:
             return None
-        again = self.query([rank for rank, _, _ in cycle if rank != me])
+        again = look.ask([rank for rank, _, _ in cycle if rank != me], again=True)
         again[me] = self.recorder.status()
 
         def still_in(rank: int, entry: dict[str, Any]) -> bool:
@@ -468,71 +491,44 @@ class Watchdog:
                 "matching send")
 
     def _different_calls(self, call: dict[str, Any], statuses: dict[int, Any]) -> str | None:
-        """Text naming the ranks whose call of the same number differs from this rank's
-        (the check cannot see a blocking call meet a non-blocking one: MPI never
-        matches them, so both wait), or None."""
+        """Text naming the ranks whose call of the same number differs from this rank's,
+        or None (see :func:`~._wait_graph.different_calls`)."""
         if "peer" in call:
             return None
-        group, seq = call["group"], call["seq"]
+        return different_calls(self.recorder.rank, call, self.recorder.entries(32), statuses)
 
-        def issued(entries: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
-            return next((e for e in entries if e["group"] == group and e["seq"] == seq
-                         and not e["op"].startswith("wait ")), None)
-
-        mine = issued(self.recorder.entries(32))
-        if mine is None:
-            return None
-        calls = {self.recorder.rank: mine}
-        for r, status in statuses.items():
-            if isinstance(status, dict):
-                theirs = issued(list(status.get("recent", [])) + list(status.get("running", [])))
-                if theirs is not None:
-                    calls[r] = theirs
-
-        def what(e: dict[str, Any]) -> tuple[Any, ...]:
-            return (e["op"], e.get("detail"), bool(e["blocking"]))
-
-        if len({what(e) for e in calls.values()}) < 2:
-            return None
-        described = "; ".join(f"rank {r}: {e['op']} ({e.get('detail') or 'no arguments'}, "
-                              f"{'blocking' if e['blocking'] else 'async_op=True'})"
-                              for r, e in sorted(calls.items()))
-        return (f"ranks called different collectives as call #{seq} on {group}: {described}. "
-                "Every rank must make the same call with the same arguments, and pass the "
-                "same async_op: MPI never matches a non-blocking collective with a blocking "
-                "one")
-
-    def _present(self, call: dict[str, Any], status: dict[str, Any]) -> bool:
-        if "peer" in call:
-            return False
-        return int(status.get("issued", {}).get(call["group"], 0)) >= call["seq"]
-
-    def _stall_text(self, call: dict[str, Any], waited: float, statuses: dict[int, Any]) -> str:
+    def _stall_text(self, call: dict[str, Any], waited: float, statuses: dict[int, Any],
+                    now: float) -> str:
         lines = [f"stall: rank {self.recorder.rank} has waited {waited:.1f} s in "
                  f"{describe_call(call)} (the job ends at AXONDIST_TIMEOUT={self.timeout:g} s)"]
-        lines += self._peer_lines(call, statuses)
+        lines += self._peer_lines(call, statuses, now)
         return "\n".join(lines)
 
-    def _peer_lines(self, call: dict[str, Any], statuses: dict[int, Any] | None) -> list[str]:
+    def _peer_lines(self, call: dict[str, Any], statuses: dict[int, Any] | None,
+                    now: float | None = None) -> list[str]:
+        """What each peer of ``statuses`` is doing, as lines; ages counted back from ``now``
+        (``time.monotonic``; the current time when None)."""
         if statuses is None:
             return []
+        now = time.monotonic() if now is None else now
         missing, lines = [], []
         for r in sorted(statuses):
             status = statuses[r]
             if isinstance(status, dict):
-                if self._present(call, status):
+                if "peer" not in call and int(status.get("issued", {}).get(
+                        call["group"], 0)) >= call["seq"]:  # it has joined the call
                     continue
                 missing.append(r)
                 lines.append("  " + describe_status(status))
             else:
                 missing.append(r)
                 host = self.peers[r][2] if r in self.peers else "?"
-                quiet = time.monotonic() - self._last_sign_of_life(r)
+                quiet = now - self._last_sign_of_life(r, now)
                 never = ("" if host in self._answered_hosts or status == NO_SERVER else
                          f"; no rank of host {host} has ever answered this rank: the address "
                          "its server listens on may not be reachable from here (set "
                          "AXONDIST_DIAGNOSTICS), so only the timeout ends this wait")
-                lines.append(f"  rank {r} (host {host}): {status} ({_WHY[status]}); its last "
+                lines.append(f"  rank {r} (host {host}): {status} ({WHY_SILENT[status]}); its last "
                              f"sign of life was {quiet:.1f} s ago{never}")
         if missing:
             return [f"  missing ranks: {missing}"] + lines
@@ -548,7 +544,7 @@ class Watchdog:
                 + ["  " + describe_status(statuses[r]) for r in busy])
 
     def _end(self, call: dict[str, Any] | None, waited: float, reason: str | None,
-             statuses: dict[int, Any] | None) -> None:
+             statuses: dict[int, Any] | None, now: float | None = None) -> None:
         rank, size = self.recorder.rank, self.recorder.world_size
         if call is None:
             head = f"rank {rank} of {size} ends the job: {reason}"
@@ -557,7 +553,7 @@ class Watchdog:
                     f"{waited:.1f} s (AXONDIST_TIMEOUT={self.timeout:g} s)")
         else:
             head = f"{describe_call(call)} on rank {rank} of {size} cannot complete: {reason}"
-        lines = [head] + (self._peer_lines(call, statuses) if call is not None else [])
+        lines = [head] + (self._peer_lines(call, statuses, now) if call is not None else [])
         lines.append(f"last calls of rank {rank} (flight recorder, oldest first):")
         lines.append(format_entries(self.recorder.entries(8)))
         lines.append("ending the job on every rank")

@@ -237,6 +237,7 @@ def test_a_host_that_stops_answering_is_cut_off_after_the_setting(monkeypatch):
     try:
         dogs, ended = _ring(3, ["a", "b", "b"], AXONDIST_CUT_OFF_TIMEOUT="1.5")
         try:
+            _wait_for(lambda: "b" in dogs[0]._answered_hosts)  # the first look is over
             dogs[2].close()
             for r in (1, 2):
                 dogs[0].peers[r] = (["127.0.0.1"], silent.getsockname()[1], "b", os.getpid())
@@ -373,3 +374,31 @@ def test_a_busy_rank_on_another_host_keeps_the_timeout():
     finally:
         for d in dogs:
             d.close()
+
+
+def test_a_call_that_completes_while_a_silent_peer_is_asked_ends_nothing(capsys):
+    """The look that would end the job (the timeout passes while rank 1 is asked) finds the
+    call completed by then: no end, no warning."""
+    dogs, ended = _pair(timeout=1.0, stall=0.5)
+    silent = socket.create_server(("127.0.0.1", 0))  # accepts, never replies
+    kept: list[socket.socket] = []
+    try:
+        rec = dogs[0].recorder
+        dogs[0].peers[1] = (["127.0.0.1"], silent.getsockname()[1], "host1", os.getpid())
+        slot = rec.begin("world", 1, "all_reduce", None)
+
+        def complete_once_asked() -> None:
+            kept.append(silent.accept()[0])
+            time.sleep(0.3)  # the look waits on; the call completes meanwhile
+            rec.end(slot)
+
+        threading.Thread(target=complete_once_asked, daemon=True).start()
+        time.sleep(2.5)
+        assert ended == [], ended[0]
+        assert "stall:" not in capsys.readouterr().err
+    finally:
+        for d in dogs:
+            d.close()
+        for conn in kept:
+            conn.close()
+        silent.close()
