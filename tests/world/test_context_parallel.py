@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -415,3 +416,39 @@ def test_mixed_frameworks_are_refused():
     q = np.zeros((1, 4, 2))
     with pytest.raises(InvalidBufferError, match="mix array frameworks"):
         ad.spawn(lambda world: cp.attention(q, torch.zeros(1, 4, 2), q, world), 1)
+
+
+def stand_in_rank(world: ad.ProcessGroup, method: str, causal: bool) -> bool:
+    import cupy  # the stand-in's
+
+    w, r = world.world_size, world.rank
+    q, k, v, go = problem(14, 11, 2 * w, w)
+    out, lse, grads = reference(q, k, v, go, causal)
+
+    def mine(a):
+        return cupy.asarray(cp.shard(a, w, r))
+
+    opts = dict(method=method, causal=causal)
+    got_out, got_lse = cp.attention(mine(q), mine(k), mine(v), world, **opts)
+    got = cp.attention_backward(mine(q), mine(k), mine(v), got_out, got_lse, mine(go), world,
+                                **opts)
+    assert all(isinstance(a, cupy.ndarray) for a in (got_out, got_lse, *got))
+    np.testing.assert_allclose(got_out.get(), cp.shard(out, w, r), **TOL)
+    for a, b in zip(got, grads):
+        np.testing.assert_allclose(a.get(), cp.shard(b, w, r), **TOL)
+    return True
+
+
+@mock_only
+@pytest.mark.parametrize("method", METHODS)
+def test_cupy_arrays_over_nccl_on_the_cpu_stand_in(method, monkeypatch):
+    """The NCCL backend (its sends and receives paired in grouped calls) on
+    tests/integration/nccl_fake.py's CPU stand-in for CuPy and NCCL."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "integration"))
+    import nccl_fake
+
+    nccl_fake.install(monkeypatch, device_count=4)
+    from axondist.launch import spawn_on_devices
+
+    for w, causal in itertools.product((2, 3), (True, False)):
+        assert all(spawn_on_devices(stand_in_rank, list(range(w)), method, causal, timeout=30))
