@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 import axondist as ad
 from axondist import comm
 from axondist import context_parallel as cp
+from axondist._array import bfloat16
 from axondist.context_parallel.ring_link import GRAD_TAG, KV_TAG
 from axondist.errors import CollectiveMismatchError, InvalidBufferError, UnsupportedDTypeError
 from axondist.mesh import DeviceMesh
@@ -202,19 +203,21 @@ def low_precision_rank(world: ad.ProcessGroup, dtype: str) -> bool:
     w, r = world.world_size, world.rank
     q, k, v, go = problem(8, 12, heads=w)
     out, lse, grads = reference(q, k, v, go)
-    mine = [cp.shard(a, w, r).astype(dtype) for a in (q, k, v, go)]
+    low = bfloat16 if dtype == "bfloat16" else np.dtype(dtype)
+    mine = [cp.shard(a, w, r).astype(low) for a in (q, k, v, go)]
     got_out, got_lse = cp.attention(*mine[:3], world)
-    assert got_out.dtype == np.dtype(dtype) and got_lse.dtype == np.float32
+    assert got_out.dtype == low and got_lse.dtype == np.float32
     got = cp.attention_backward(*mine[:3], got_out, got_lse, mine[3], world)
-    tol = dict(rtol=2e-2, atol=2e-2) if dtype == "float16" else dict(rtol=1e-4, atol=1e-4)
+    tol = {"float16": dict(rtol=2e-2, atol=2e-2), "bfloat16": dict(rtol=6e-2, atol=6e-2),
+           "float32": dict(rtol=1e-4, atol=1e-4)}[dtype]
     np.testing.assert_allclose(got_out.astype(np.float64), cp.shard(out, w, r), **tol)
     for a, b in zip(got, grads):
-        assert a.dtype == np.dtype(dtype)
+        assert a.dtype == low
         np.testing.assert_allclose(a.astype(np.float64), cp.shard(b, w, r), **tol)
     return True
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 def test_lower_precision_merges_in_float32(dtype):
     assert all(run_world(low_precision_rank, SIZES[-1], dtype))
 
@@ -377,6 +380,15 @@ def raises_on_every_rank(world: ad.ProcessGroup, case: str) -> str:
     elif case == "unknown method":
         error = ValueError
         kwargs["method"] = "tree"
+    elif case == "cu_seqlens past the end":
+        error = ValueError
+        kwargs["cu_seqlens"] = [0, 3, 9]
+    elif case == "cu_seqlens decreasing":
+        error = ValueError
+        kwargs["cu_seqlens"] = [0, 5, 3]
+    elif case == "bad scale":
+        error = ValueError
+        kwargs["scale"] = -1.0
     with pytest.raises(error) as info:
         cp.attention(q, k, v, world, **kwargs)
     return str(info.value)
@@ -384,13 +396,17 @@ def raises_on_every_rank(world: ad.ProcessGroup, case: str) -> str:
 
 @pytest.mark.parametrize("case", ["layout differs", "heads differ", "one rank's bad shape",
                                   "ulysses heads", "counts off the layout", "integer dtype",
-                                  "unknown method"])
+                                  "unknown method", "cu_seqlens past the end",
+                                  "cu_seqlens decreasing", "bad scale"])
 def test_bad_input_raises_our_error_on_every_rank(case):
     messages = [m for m in run_world(raises_on_every_rank, SIZES[-1], case) if m != "skip"]
     words = {"layout differs": "layout", "heads differ": "q leading shape",
              "one rank's bad shape": "on rank", "ulysses heads": "does not divide",
              "counts off the layout": "cp.shard", "integer dtype": "floating",
-             "unknown method": "ring, all_gather, ulysses"}
+             "unknown method": "ring, all_gather, ulysses",
+             "cu_seqlens past the end": "past the sequence's 8 tokens",
+             "cu_seqlens decreasing": "must start at 0 and not decrease",
+             "bad scale": "scale=-1.0 must be a positive number"}
     for message in messages:
         assert "attention" in message
         expected = words[case].replace("cp.shard", "context_parallel.shard")
