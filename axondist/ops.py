@@ -28,17 +28,46 @@ class ReduceOp(enum.Enum):
     AVG = "average"
 
     @classmethod
-    def parse(cls, op: ReduceOp | str) -> ReduceOp:
-        """Accept a ReduceOp or its name (``"sum"``, ``"mean"``, ``"avg"`` ...)."""
+    def parse(cls, op: Any, where: str = "") -> ReduceOp:
+        """The member ``op`` names: a ReduceOp, its name (``"sum"``, ``"mean"``, ``"avg"``
+        ...) in any case, or a ``torch.distributed.ReduceOp`` member of the same meaning
+        (recognized by its type, without importing torch).
+
+        Args:
+            op: what the caller passed as ``op``.
+            where: the calling function, for the message (``"all_reduce"``).
+
+        Raises:
+            ValueError: ``op`` names no reduction (None, a typo, torch's bitwise ops); the
+                message names the argument and the valid ops.
+        """
         if isinstance(op, cls):
             return op
-        name = str(op).lower()
-        aliases = {"mean": "average", "avg": "average", "prod": "product"}
-        try:
-            return cls(aliases.get(name, name))
-        except ValueError:
-            valid = ", ".join(m.name for m in cls)
-            raise ValueError(f"unknown reduce op {op!r}; use one of {valid}") from None
+        name = _torch_op_name(op) if not isinstance(op, str) else op.strip().lower()
+        if name is not None:
+            try:
+                return cls(_ALIASES.get(name, name))
+            except ValueError:
+                pass
+        valid = ", ".join(m.name for m in cls)
+        raise ValueError(
+            f"{where + ': ' if where else ''}op={op!r} is an unknown reduce op; pass a "
+            f"ReduceOp ({valid}), its name in any case ('sum', 'mean', 'avg', 'prod'...), or "
+            "torch.distributed.ReduceOp.SUM/AVG/MIN/MAX/PRODUCT") from None
+
+
+_ALIASES = {"mean": "average", "avg": "average", "prod": "product"}
+
+
+def _torch_op_name(op: Any) -> str | None:
+    """The lower-case name of a ``torch.distributed.ReduceOp`` member (``"sum"``), or None
+    for anything else. Told by its type's module and name: torch is not imported."""
+    kind = type(op)
+    if kind.__module__.startswith("torch") and kind.__qualname__.startswith("ReduceOp"):
+        name = getattr(op, "name", None)
+        if isinstance(name, str) and name in ("SUM", "AVG", "MIN", "MAX", "PRODUCT"):
+            return name.lower()
+    return None
 
 
 def check_op_dtype(op: ReduceOp, dtype: Any, where: str) -> None:

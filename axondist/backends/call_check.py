@@ -101,14 +101,15 @@ class CallLog:
 
 
 def raise_if_different(op: str, calls: list[Any], named: bool = False) -> None:
-    """Raise the mismatch error for the ranks' ``calls`` (their keys, or with ``named``
-    their ``(op, key)`` pairs), if they differ; with ``named`` (the check said they
-    differ) also when they do not, as a bug report."""
-    pairs = calls if named else [(op, key) for key in calls]
-    # the debug exchange names values as the caller gave them (shapes as tuples, as the
-    # mock world does); the hashed check's keys print as the flight recorder shows them
-    signatures = [(("op", name),) + (printable(key) if named else tuple(key))
-                  for name, key in pairs]
+    """Raise the mismatch error for the ranks' ``calls``, if they differ.
+
+    ``calls`` holds each rank's ``(op, key)`` pair, in rank order, so ranks that called
+    different collectives are told so (a bare key per rank, as an older caller sends,
+    is read as a call of this rank's ``op``). ``named``: the hashed check said the calls
+    differ, so equal calls are a bug, reported as such instead of going on.
+    """
+    pairs = calls if all(_is_call(c) for c in calls) else [(op, key) for key in calls]
+    signatures = [(("op", name),) + printable(key) for name, key in pairs]
     error = compare_signatures(op, signatures)
     if error is None and named:  # equal calls cannot disagree: say so, never go on
         error = CollectiveMismatchError(
@@ -118,10 +119,26 @@ def raise_if_different(op: str, calls: list[Any], named: bool = False) -> None:
         raise error
 
 
+def _is_call(item: Any) -> bool:
+    """Whether ``item`` is an ``(op, key)`` pair (a key's items are pairs themselves)."""
+    return (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
+            and isinstance(item[1], tuple))
+
+
 def printable(key: Key) -> Key:
-    """The key's values as they print in messages (dtypes by name, shapes as lists)."""
-    return tuple((name, str(v) if isinstance(v, np.dtype) else list(v) if isinstance(v, tuple)
-                  else v) for name, v in key)
+    """The key's values as every backend's mismatch message prints them: dtypes by name,
+    shapes as NumPy prints them (``(3,)``), row counts as the list a caller passes as
+    ``sizes=`` (``[2, 2]``), and a field named twice once (the last value)."""
+    fields = dict(key)
+    return tuple((name, _printable_value(name, value)) for name, value in fields.items())
+
+
+def _printable_value(name: str, value: Any) -> Any:
+    if isinstance(value, np.dtype):
+        return str(value)
+    if isinstance(value, (tuple, list)):
+        return list(value) if name == "counts" else tuple(value)
+    return value
 
 
 __all__ = ["CallLog", "Key", "agreed", "check_words", "printable", "raise_if_different"]

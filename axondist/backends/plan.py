@@ -67,9 +67,10 @@ class CallKey(NamedTuple):
            root: int | None = None, counts: tuple[int, ...] | None = None,
            async_op: bool = False) -> CallKey:
         """The key of ``collective`` on array ``x`` (a NumPy or CuPy array)."""
-        op = None if reduce_op is None else (  # _name_: the enum's plain attribute, no property
-            reduce_op._name_ if reduce_op.__class__ is ReduceOp
-            else ReduceOp.parse(reduce_op)._name_)
+        # _name_: the enum's plain attribute, no property
+        op = reduce_op._name_ if reduce_op.__class__ is ReduceOp else (
+            None if reduce_op is None and collective not in REDUCTIONS
+            else ReduceOp.parse(reduce_op, collective)._name_)
         library, layout = _array.layout_of(x)
         # tuple.__new__ straight: the generated NamedTuple.__new__ is a Python frame more
         return _new_tuple(cls, (collective, x.dtype, x.shape, library, layout, op, root,
@@ -235,11 +236,15 @@ class GeneralPlan(Plan):
 
     __slots__ = ("_backend", "_start", "_signature", "_out_shape", "_xp")
 
-    def __init__(self, backend: Backend, key: CallKey) -> None:
+    def __init__(self, backend: Backend, key: CallKey, signature: Signature | None = None
+                 ) -> None:
         super().__init__(key)
         self._backend = backend
         self._start = _STARTS[key.collective]
-        self._signature = key.signature() if backend.needs_signature else ()
+        #: ``signature``: the call the ranks compare, when it is not ``key``'s own (an
+        #: unsized all-gather's exchange of row counts stands for the caller's call).
+        self._signature = (() if not backend.needs_signature else
+                           key.signature() if signature is None else signature)
         self._out_shape = output_shape(key, backend.rank, backend.world_size)
         self._xp = _array.module_named(key.library)
 
@@ -308,9 +313,13 @@ class UnsizedAllGatherPlan(Plan):
         trailing = tuple(key.shape[1:])
         self._header = np.array((0,) + row_fingerprint(key.dtype, trailing), _INT64)
         self._headers = np.empty(4 * n, _INT64)
-        self._header_plan = (backend.plan(CallKey.of("all_gather", self._header,
-                                                     counts=(4,) * n))
-                             if backend.host_collectives else None)
+        self._header_plan: Plan | None = None
+        if backend.host_collectives:
+            header_key = CallKey.of("all_gather", self._header, counts=(4,) * n)
+            self._header_plan = backend.plan(header_key)
+            if isinstance(self._header_plan, GeneralPlan):  # the backend compares signatures:
+                # the ranks compare the caller's call (a rank with sizes= meets its counts)
+                self._header_plan = GeneralPlan(backend, header_key, key.signature())
 
     def counts(self, rows: int) -> tuple[int, ...]:
         """Every rank's row count, given this rank's ``rows``."""

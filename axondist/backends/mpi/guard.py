@@ -84,7 +84,7 @@ class CallGuard(CallLog):
         if comm is None:
             return
         if self.debug:
-            self._compare(op, comm.allgather(key))
+            self._compare(op, comm.allgather((op, key)))
             return
         if self.peer is not None:
             header = self._header
@@ -121,7 +121,7 @@ class CallGuard(CallLog):
         if comm is None:
             return None
         if self.debug:
-            self._compare(op, comm.allgather(key))
+            self._compare(op, comm.allgather((op, key)))
             return None
         out = np.empty(2, dtype=np.int64)  # its own: blocking checks may run meanwhile
         request = comm.Iallreduce([words, self._mpi.INT64_T], [out, self._mpi.INT64_T],

@@ -116,22 +116,25 @@ def create_world_backend(*, comm: Any = None, abort_on_exception: bool = True,
 def unreceived(backend: MPIBackend, settle: float = 0.05) -> dict[tuple[int, int], int]:
     """Messages of :func:`axondist.send` that reached this rank and were never received,
     as ``{(source rank, user tag): messages}``; drained, so MPI can finalize. Looks for
-    ``settle`` seconds (an eager message still in flight lands meanwhile)."""
+    ``settle`` seconds (an eager message still in flight lands meanwhile). Each message
+    is a header (an object, on the odd tag) and its data (the even tag): counted once."""
     comm = backend.comm
     if comm is None:
         return {}
     mpi = backend.mpi
     status = mpi.Status()
-    found: dict[tuple[int, int], int] = {}
+    found: dict[tuple[int, int, int], int] = {}
     deadline = time.monotonic() + settle
     while True:
         if comm.Iprobe(mpi.ANY_SOURCE, mpi.ANY_TAG, status):
             source, tag = status.Get_source(), status.Get_tag()
             comm.Recv(bytearray(status.Get_count(mpi.BYTE)), source, tag)
-            key = (source, tag // 2)  # the data's and the header's tags share a user tag
+            key = (source, tag // 2, tag % 2)  # the data's and the header's tags share a tag
             found[key] = found.get(key, 0) + 1
         elif time.monotonic() >= deadline:
-            return found
+            return {(source, tag): max(found.get((source, tag, 0), 0),
+                                       found.get((source, tag, 1), 0))
+                    for source, tag, _ in found}
         else:
             time.sleep(1e-3)
 
