@@ -106,6 +106,8 @@ class DispatchPlan:
     Attributes:
         keep: ``(T, k)`` bool, the assignments within capacity.
         send_index: ``(T, k)`` each kept assignment's row in the send buffer (-1: dropped).
+        send_token: ``(S,)`` the token each send-buffer row holds (-1: padding).
+        send_slot: ``(S,)`` the flat assignment ``t * k + j`` each row holds (-1: padding).
         send_sizes: rows sent to each rank, in rank order.
         recv_sizes: rows received from each rank.
         expert_rows: for each local expert, the received rows it processes (index arrays,
@@ -115,6 +117,8 @@ class DispatchPlan:
 
     keep: Array
     send_index: Array
+    send_token: Array
+    send_slot: Array
     send_sizes: tuple[int, ...]
     recv_sizes: tuple[int, ...]
     expert_rows: tuple[Array, ...]
@@ -166,6 +170,9 @@ def plan_dispatch(experts: Array, num_experts: int, group: ProcessGroup, *,
         row = starts[experts] + position
         send_sizes = _host_ints(kept_counts.reshape(w, local).sum(axis=1))
     send_index = xp.where(keep, row, -1)
+    send_slot = xp.full(sum(send_sizes), -1, dtype=xp.int64)
+    send_slot[send_index[keep]] = xp.flatnonzero(keep.reshape(-1))
+    send_token = xp.where(send_slot >= 0, send_slot // max(k, 1), -1)
     # to each rank: the kept rows for each of its experts, and this rank's capacity (-1: none)
     table = xp.empty((w, local + 1), dtype=xp.int64)
     table[:, :local] = kept_counts.reshape(w, local)
@@ -186,22 +193,23 @@ def plan_dispatch(experts: Array, num_experts: int, group: ProcessGroup, *,
         capacity=capacity, routed=tuple(_host_ints(routed_counts)),
         kept=tuple(_host_ints(kept_counts)), received=tuple(int(v) for v in received.sum(0)),
         send_rows=tuple(send_sizes), recv_rows=tuple(recv_sizes), row_bytes=int(row_bytes))
-    return DispatchPlan(keep, send_index, tuple(send_sizes), tuple(recv_sizes), expert_rows,
-                        stats)
+    return DispatchPlan(keep, send_index, send_token, send_slot, tuple(send_sizes),
+                        tuple(recv_sizes), expert_rows, stats)
 
 
 def pack(rows: Array, plan: DispatchPlan, weights: Array | None = None) -> Array:
     """The send buffer ``(S, d)``: ``rows[t]`` (times ``weights[t, j]`` when given) at the
-    row of each kept assignment ``(t, j)``; zeros at padding rows."""
+    row of each kept assignment ``(t, j)``; zeros at padding rows. One gather."""
     xp = _array.namespace(rows)
-    buf = xp.zeros((plan.send_total, rows.shape[1]), dtype=rows.dtype)
-    if rows.shape[0] == 0:
-        return buf
-    tokens = xp.broadcast_to(xp.arange(rows.shape[0])[:, None], plan.keep.shape)[plan.keep]
-    values = rows[tokens]
+    if plan.send_total == 0:
+        return xp.zeros((0, rows.shape[1]), dtype=rows.dtype)
+    padding = plan.send_token < 0
+    buf = rows[xp.where(padding, 0, plan.send_token)]
     if weights is not None:
-        values = values * weights[plan.keep][:, None]
-    buf[plan.send_index[plan.keep]] = values
+        per_row = weights.reshape(-1)[xp.where(padding, 0, plan.send_slot)]
+        buf *= per_row.astype(buf.dtype, copy=False)[:, None]
+    if plan.stats.capacity is not None and padding.any():
+        buf[padding] = 0
     return buf
 
 
