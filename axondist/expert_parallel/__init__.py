@@ -19,7 +19,7 @@ from .dispatch import (
     unpack,
 )
 from .experts import LocalExperts, expert_weights, router_weight
-from .layer import MixtureOfExperts, experts_of_rank
+from .layer import MixtureOfExperts
 from .router import (
     BalanceTotals,
     Routing,
@@ -41,7 +41,6 @@ __all__ = [
     "dispatch",
     "expert_capacity",
     "expert_weights",
-    "experts_of_rank",
     "load_balancing_loss",
     "pack",
     "plan_dispatch",

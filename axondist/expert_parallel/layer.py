@@ -315,10 +315,4 @@ class MixtureOfExperts:
         return self
 
 
-def experts_of_rank(num_experts: int, world_size: int, rank: int) -> range:
-    """The experts rank ``rank`` holds when ``num_experts`` split over ``world_size`` ranks."""
-    local = num_experts // world_size
-    return range(rank * local, (rank + 1) * local)
-
-
-__all__ = ["MixtureOfExperts", "experts_of_rank"]
+__all__ = ["MixtureOfExperts"]
