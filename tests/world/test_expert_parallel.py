@@ -271,6 +271,39 @@ def test_padded_and_unpadded_modes_agree(n, seed, tokens, cf):
     run_world(_body_modes, n, seed, (tokens * 2)[:n], cf)
 
 
+def _body_messages(world, aux):
+    """The collectives one forward and one backward issue, from the flight recorder:
+    the count exchange, dispatch and combine forward, the two all-to-alls and the router's
+    all-reduce backward, and the auxiliary losses' one all-reduce."""
+    n = world.world_size
+    moe = MixtureOfExperts(D, H, E, 2, world, aux_loss_coeff=aux, seed=1)
+    x = normal(1, 1, (3 + world.rank, D), world.rank).astype(np.float32)
+
+    def moving(entries):  # allgather_object is the size agreement every all_to_all makes
+        return [e["op"] for e in entries if e["op"] != "allgather_object"]
+
+    before = len(ad.flight_recorder(world))
+    y = moe.forward(x)
+    after_forward = ad.flight_recorder(world)
+    moe.backward(y)
+    entries = ad.flight_recorder(world)
+    if not entries:  # a backend that records nothing
+        return
+    forward = moving(after_forward[before:])
+    backward = moving(entries[len(after_forward):])
+    exchange = {"all_to_all", "all_gather"}  # the mock world runs all_to_all as all_gather
+    reduce_forward = ["all_reduce"] if aux and n > 1 else []
+    assert [op for op in forward if op not in exchange] == reduce_forward, forward
+    assert sum(op in exchange for op in forward) == 3, forward
+    assert sum(op in exchange for op in backward) == 2, backward
+    assert [op for op in backward if op not in exchange] == (["all_reduce"] if n > 1 else [])
+
+
+@pytest.mark.parametrize("aux", [0.0, 0.01])
+def test_collectives_per_step_are_counted(aux):
+    run_world(_body_messages, current_size(3), aux)
+
+
 # --- the outputs do not depend on the world size ----------------------------------------
 
 def _body_split(world, seed, total, k):
