@@ -1,0 +1,58 @@
+"""A rank that strays inside ``jax.jit(jax.grad(f))`` (another collective, another shape)
+is caught by the cross-rank check on the mock world and under ``mpiexec -n 2``: the job ends
+non-zero within the fault limit with the mismatch named, never a hang. Each run is a
+subprocess under its own timeout (``faults.runner``)."""
+
+from __future__ import annotations
+
+import functools
+import re
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from axondist.launch import launched_by_mpi
+from faults.runner import LIMIT, MISSING, Outcome, run_case, start_all
+
+SCRIPT = Path(__file__).resolve().parent / "scripts" / "jit_cases.py"
+SAID = {
+    "different_collective": r"CollectiveMismatchError: \w+: ranks called different "
+                            r"collectives at the same point \(rank 0 called all_reduce, rank 1 "
+                            r"called allgather_object",
+    "different_shape": r"CollectiveMismatchError: all_reduce: ranks disagree on shape "
+                       r"\(rank 0: \(4,\), rank 1: \(8,\)",
+}
+RUNS = [(case, mode, n) for case in (*SAID, "agree") for mode, n in
+        (("mock", 2), ("mock", 3), ("mpi", 2))]
+
+pytestmark = [pytest.mark.skipif(launched_by_mpi(), reason="launches its own mpiexec jobs"),
+              pytest.mark.skipif(importlib.util.find_spec("jax") is None,
+                                 reason="JAX is not installed")]
+
+
+@functools.cache
+def _outcomes() -> dict:
+    return start_all(RUNS, run_case_of_script)
+
+
+def run_case_of_script(case: str, mode: str, n: int) -> Outcome:
+    return run_case(SCRIPT, case, mode, n)
+
+
+@pytest.mark.parametrize("case,mode,n", RUNS, ids=[f"{c}-{m}{n}" for c, m, n in RUNS])
+def test_a_rank_that_strays_inside_jit_is_named_and_nothing_hangs(case: str, mode: str,
+                                                                  n: int) -> None:
+    if MISSING[mode]() is not None:
+        pytest.skip(MISSING[mode]() or "")
+    outcome = _outcomes()[(case, mode, n)].result()
+    tail = outcome.output[-6000:]
+    assert outcome.returncode != -999, tail
+    if case == "agree":
+        assert outcome.returncode == 0, tail
+        assert outcome.output.count("agree OK") == n, tail
+        return
+    assert outcome.returncode != 0, tail
+    assert outcome.fault_seconds < LIMIT, tail
+    assert re.search(SAID[case], outcome.output), tail
+    assert "OK rank" not in outcome.output, tail
