@@ -6,8 +6,8 @@ subprocess under its own timeout (``faults.runner``)."""
 from __future__ import annotations
 
 import functools
-import re
 import importlib.util
+import re
 from pathlib import Path
 
 import pytest

@@ -16,10 +16,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from fault_cases import main  # noqa: E402
-
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+from fault_cases import main  # noqa: E402
 
 import axondist as ad  # noqa: E402
 from axondist import differentiable as dd  # noqa: E402
