@@ -117,7 +117,7 @@ class CallContext:
 
     group: ProcessGroup | None = None
     in_shape: tuple[int, ...] = ()
-    op: ReduceOp | None = None
+    op: ReduceOp = ReduceOp.SUM
     src: int = 0
     rows: tuple[int, ...] | None = None
     recv_rows: tuple[int, ...] | None = None
