@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from .. import _array
+from .._frameworks import framework_of
 from .._validate import as_rank
 from ..errors import InvalidBufferError
 
@@ -117,20 +118,27 @@ def token_counts(seq_len: int, world_size: int, layout: str = "zigzag") -> list[
     return [len(chosen.indices(seq_len, world_size, r)) for r in range(world_size)]
 
 
+def _like(result: Any, original: Any) -> Any:
+    """``result`` as an array of ``original``'s framework (torch, JAX), or itself."""
+    framework = framework_of(original)
+    return result if framework is None else framework.wrap(
+        _array.namespace(result).ascontiguousarray(result), original)
+
+
 def shard(x: Any, world_size: int, rank: int, layout: str = "zigzag", axis: int = -2) -> Any:
     """Rank ``rank``'s tokens of the whole sequence ``x`` (tokens along ``axis``), in
-    the layout's order; a new array of ``x``'s library.
+    the layout's order; a new array of ``x``'s library or framework.
 
     Raises:
         InvalidBufferError: ``x`` has no axis ``axis``.
     """
-    x = _array.as_array(x)
+    given, x = x, _array.as_array(x)
     if not -x.ndim <= axis < x.ndim:
         raise InvalidBufferError(f"shard: x of shape {tuple(x.shape)} has no axis {axis}; "
                                  "pass the token axis (-2 for (..., T, d))")
     idx = layout_indices(x.shape[axis], world_size, rank, layout)
     xp = _array.namespace(x)
-    return xp.take(x, xp.asarray(idx), axis=axis)
+    return _like(xp.take(x, xp.asarray(idx), axis=axis), given)
 
 
 def unshard(shards: Sequence[Any], layout: str = "zigzag", axis: int = -2) -> Any:
@@ -140,9 +148,9 @@ def unshard(shards: Sequence[Any], layout: str = "zigzag", axis: int = -2) -> An
     Raises:
         InvalidBufferError: the shards' token counts are not the layout's for their total.
     """
-    arrays = [_array.as_array(s) for s in shards]
-    if not arrays:
+    if not shards:
         raise InvalidBufferError("unshard: shards is empty; pass one array per rank")
+    arrays = [_array.as_array(s) for s in shards]
     counts = [a.shape[axis] for a in arrays]
     total, world_size = sum(counts), len(arrays)
     expected = token_counts(total, world_size, layout)
@@ -155,7 +163,7 @@ def unshard(shards: Sequence[Any], layout: str = "zigzag", axis: int = -2) -> An
     order = np.concatenate([layout_indices(total, world_size, r, layout)
                             for r in range(world_size)])
     joined = xp.concatenate(arrays, axis=axis)
-    return xp.take(joined, xp.asarray(np.argsort(order)), axis=axis)
+    return _like(xp.take(joined, xp.asarray(np.argsort(order)), axis=axis), shards[0])
 
 
 def padded_length(seq_len: int, world_size: int, layout: str = "zigzag") -> int:
@@ -173,7 +181,7 @@ def pad(x: Any, world_size: int, layout: str = "zigzag", axis: int = -2) -> tupl
     :func:`~axondist.context_parallel.attention`: the padded tokens then attend to
     nothing and nothing attends to them, so their outputs and gradients are exact zeros.
     """
-    x = _array.as_array(x)
+    given, x = x, _array.as_array(x)
     if not -x.ndim <= axis < x.ndim:
         raise InvalidBufferError(f"pad: x of shape {tuple(x.shape)} has no axis {axis}; "
                                  "pass the token axis (-2 for (..., T, d))")
@@ -182,7 +190,7 @@ def pad(x: Any, world_size: int, layout: str = "zigzag", axis: int = -2) -> tupl
     xp = _array.namespace(x)
     shape = list(x.shape)
     shape[axis] = extra
-    return xp.concatenate([x, xp.zeros(shape, dtype=x.dtype)], axis=axis), length
+    return _like(xp.concatenate([x, xp.zeros(shape, dtype=x.dtype)], axis=axis), given), length
 
 
 __all__ = ["LAYOUTS", "Layout", "contiguous_indices", "layout_indices", "layout_named", "pad",

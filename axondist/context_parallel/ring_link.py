@@ -6,7 +6,8 @@ worker threads (NumPy's matmuls and the transports release the GIL, so the block
 compute and the transfer overlap). Every rank posts its receive as it posts its send,
 so a ring of blocking sends cannot wait on itself. A backend whose sends and receives
 share one queue (``Backend.serial_p2p``: NCCL's stream, where the GPU overlaps them)
-pairs the two in one grouped call instead.
+pairs the two in one grouped call instead (or, without grouped calls, orders them so that
+rank 0 sends first).
 """
 
 from __future__ import annotations
@@ -54,10 +55,18 @@ class RingLink:
         """Send ``send`` to the next rank and receive the previous rank's into ``recv``
         (contiguous, of the sizes the two agree on); returns at once where it can."""
         b = self.backend
-        if self._pool is None:  # one queue per rank: NCCL pairs the two in one group
-            with b.grouped():  # type: ignore[attr-defined]
-                b.send(send, self.next, tag)
+        if self._pool is None:  # one queue per rank (or one rank): in order, here
+            grouped = getattr(b, "grouped", None)  # NCCL pairs the two in one launch
+            if grouped is not None:
+                with grouped():
+                    b.send(send, self.next, tag)
+                    b.recv(recv, self.prev, tag)
+            elif b.rank == 0:  # no grouping: rank 0 sends first, the others receive first,
+                b.send(send, self.next, tag)  # so the ring of waits always has an end
                 b.recv(recv, self.prev, tag)
+            else:
+                b.recv(recv, self.prev, tag)
+                b.send(send, self.next, tag)
             done: concurrent.futures.Future[Any] = concurrent.futures.Future()
             done.set_result(None)
             return Transfer([done])

@@ -109,3 +109,16 @@ def test_merged_blocks_equal_one_softmax(n, cuts, causal, seed, data):
         merge(out[..., mask.rows, :], lse[..., mask.rows], bo, bl)
     np.testing.assert_allclose(out, expected[0], rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(lse, expected[1], rtol=1e-12, atol=1e-12)
+
+
+def test_torch_and_jax_sequences_are_sharded_in_their_framework():
+    torch = pytest.importorskip("torch")
+    jnp = pytest.importorskip("jax.numpy")
+    x = np.arange(24.0).reshape(2, 6, 2)
+    for convert, kind in ((torch.from_numpy, torch.Tensor), (jnp.asarray, type(jnp.ones(1)))):
+        shards = [cp.shard(convert(x), 3, r) for r in range(3)]
+        assert all(isinstance(s, kind) for s in shards)
+        whole = cp.unshard(shards)
+        padded, length = cp.pad(convert(x), 4)
+        assert isinstance(whole, kind) and isinstance(padded, kind) and length == 6
+        np.testing.assert_array_equal(np.asarray(whole), x)

@@ -283,6 +283,21 @@ def test_the_ring_sends_w_minus_1_blocks_forward_and_the_accumulators_home():
         assert backward == sorted(kv + accumulators)
 
 
+def serial_queue_rank(world: ad.ProcessGroup) -> bool:
+    backend = world.backend_for("test")
+    backend.serial_p2p = True  # as NCCL's one stream: no worker threads, sends in order
+    try:
+        return check_rank(world, 15, 13, "ring", "zigzag", True, 2, 1)
+    finally:
+        del backend.serial_p2p
+
+
+@mock_only
+def test_a_backend_with_one_queue_passes_the_ring_in_order():
+    for w in SIZES:
+        assert all(run_world(serial_queue_rank, w))
+
+
 def test_all_gather_and_ulysses_collectives_and_their_bytes(monkeypatch):
     calls: list[tuple[int, str, int]] = []
     lock = threading.Lock()
