@@ -201,8 +201,8 @@ def pack(rows: Array, plan: DispatchPlan, weights: Array | None = None) -> Array
     """The send buffer ``(S, d)``: ``rows[t]`` (times ``weights[t, j]`` when given) at the
     row of each kept assignment ``(t, j)``; zeros at padding rows. One gather."""
     xp = _array.namespace(rows)
-    if plan.send_total == 0:
-        return xp.zeros((0, rows.shape[1]), dtype=rows.dtype)
+    if plan.send_total == 0 or rows.shape[0] == 0:  # nothing, or padding only
+        return xp.zeros((plan.send_total, rows.shape[1]), dtype=rows.dtype)
     padding = plan.send_token < 0
     buf = rows[xp.where(padding, 0, plan.send_token)]
     if weights is not None:
