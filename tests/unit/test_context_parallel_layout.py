@@ -122,3 +122,24 @@ def test_torch_and_jax_sequences_are_sharded_in_their_framework():
         padded, length = cp.pad(convert(x), 4)
         assert isinstance(whole, kind) and isinstance(padded, kind) and length == 6
         np.testing.assert_array_equal(np.asarray(whole), x)
+
+
+@given(chunk=st.integers(1, 6), w=st.integers(2, 6))
+def test_zigzag_ring_steps_cost_every_rank_the_same(chunk, w):
+    """Under a causal mask the ring's trimmed blocks: with zigzag, at every step after the
+    first every rank computes half a block; contiguous leaves some ranks idle."""
+    n = 2 * w * chunk
+    t = 2 * chunk
+
+    def areas(layout, step):
+        found = []
+        for r in range(w):
+            mine, theirs = (cp.layout_indices(n, w, x % w, layout) for x in (r, r - step))
+            mask = block_mask(MaskRule(True), mine, theirs, np)
+            found.append(0 if mask.empty else (mask.rows.stop - mask.rows.start)
+                         * (mask.cols.stop - mask.cols.start))
+        return found
+
+    for step in range(1, w):
+        assert areas("zigzag", step) == [t * t // 2] * w
+        assert 0 in areas("contiguous", step)
