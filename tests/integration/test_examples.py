@@ -27,14 +27,16 @@ ROOT = Path(__file__).resolve().parents[2]
 _LAUNCH_PREFIXES = ("PMI_", "PMIX_", "OMPI_", "HYDI_", "HYDRA_", "MPI_LOCAL", "SLURM_")
 EXAMPLES = sorted((ROOT / "examples").glob("*.py"))
 # Examples that print "... is not installed; skipping" and exit 0 without their module.
-FRAMEWORK = {"jax_grad.py": "jax", "torch_autograd.py": "torch", "digits_ddp_fsdp.py": "sklearn"}
+FRAMEWORK = {"jax_grad.py": "jax", "torch_autograd.py": "torch", "digits_ddp_fsdp.py": "sklearn",
+             "jax_tp_mlp_jit.py": "jax", "torch_tp_autograd.py": "torch"}
 NEEDS = {**FRAMEWORK, "resume.py": "sklearn"}
 # Shorter runs than the defaults: the check against one process is the same.
 QUICK = {"digits_ddp_fsdp.py": ["--epochs", "2"], "char_lm.py": ["--steps", "3"],
          "pipeline_schedules.py": ["-p", "2", "-m", "3", "--repeats", "1", "--no-pictures",
                                    "--tolerance", "1"],
          "moe_expert_data_parallel.py": ["--steps", "3"],
-         "context_parallel_char_lm.py": ["--steps", "3"]}
+         "context_parallel_char_lm.py": ["--steps", "3"],
+         "jax_tp_mlp_jit.py": ["--steps", "6"], "torch_tp_autograd.py": ["--steps", "6"]}
 
 # The examples start their own worlds: running them once per MPI rank would only repeat them.
 pytestmark = mock_only
@@ -121,6 +123,8 @@ def test_numpy_example_under_mpiexec():
     ("char_lm.py", 2, ["--steps", "3"]),
     ("char_lm.py", 3, ["--steps", "2"]),
     ("moe_expert_data_parallel.py", 2, ["--ep", "2", "--steps", "2"]),
+    ("jax_tp_mlp_jit.py", 2, ["--steps", "6"]),
+    ("torch_tp_autograd.py", 2, ["--steps", "6"]),
 ])
 def test_real_data_examples_under_mpiexec(name, n, args):
     if name in NEEDS:
@@ -404,3 +408,23 @@ def test_pipeline_schedules_example_under_mpiexec(n, tmp_path):
     else:
         assert "matplotlib is not installed; skipping the pictures" in proc.stdout
     assert proc.stdout.rstrip().endswith("yes"), proc.stdout
+
+
+# --- tensor parallelism through autodiff ---------------------------------------------------
+
+@pytest.mark.parametrize("name, module", [("jax_tp_mlp_jit", "jax"),
+                                          ("torch_tp_autograd", "torch")])
+def test_autodiff_tp_examples_detect_a_wrong_result(monkeypatch, capsys, name, module):
+    pytest.importorskip(module)
+    example = _example(name)
+    real = example.train_single_process
+
+    def nudged(steps):
+        losses, weights = real(steps)
+        if isinstance(weights, dict):
+            return losses, {k: v + 1e-4 for k, v in weights.items()}
+        return losses, [w + 1e-4 for w in weights]
+
+    monkeypatch.setattr(example, "train_single_process", nudged)
+    assert example.main(["--world-size", "2", "--steps", "2"]) == 1
+    assert "NO (FAILED)" in capsys.readouterr().out
