@@ -15,6 +15,7 @@ from ._environment import env_launch_size, launched_by_mpi
 from .backends import nccl
 from .backends.base import Backend
 from .backends.mock import MockBackend
+from .backends.mock.process_end import ProcessEndWatch
 from .errors import CollectiveMismatchError, RankExitedError, WorldAbortedError
 from .process_group import World, init, peek_world, use_world
 
@@ -70,8 +71,9 @@ def spawn(fn: Callable[..., T], world_size: int, *args: Any, timeout: float | No
             "launcher, threads otherwise) or axondist.init()", RuntimeWarning, stacklevel=2)
     backends = MockBackend.create_world(world_size, timeout)
     mock_world = backends[0].world
-    results = run_ranks(backends, fn, args, kwargs, abort=mock_world.abort,
-                        left=mock_world.mark_left, label="axondist.spawn")
+    with ProcessEndWatch(mock_world, "axondist.spawn") as watch:  # a rank ending the process
+        results = run_ranks(backends, watch.wrap(fn), args, kwargs, abort=mock_world.abort,
+                            left=mock_world.mark_left, label="axondist.spawn")
     leftover = mock_world.unreceived()
     if leftover:
         raise CollectiveMismatchError(

@@ -2,8 +2,8 @@
 
 :mod:`.world` holds what the ranks share (the rounds of collectives in progress, the
 mailboxes of messages, the flight recorders); :mod:`.backend` puts one
-:class:`MockBackend` per rank on top of it. Always available; it imports no
-communication library.
+:class:`MockBackend` per rank on top of it; :mod:`.process_end` names a rank that
+ends the whole process. Always available; it imports no communication library.
 """
 
 from .backend import MockBackend, create_world_backend
