@@ -282,15 +282,20 @@ def _body_messages(world, aux):
     def moving(entries):  # allgather_object is the size agreement every all_to_all makes
         return [e["op"] for e in entries if e["op"] != "allgather_object"]
 
-    before = len(ad.flight_recorder(world))
+    def last_seq():  # the recorder is a ring: entries are told apart by number
+        return max((e["seq"] for e in ad.flight_recorder(world)), default=0)
+
+    def since(seq):
+        return [e for e in ad.flight_recorder(world) if e["seq"] > seq]
+
+    start = last_seq()
     y = moe.forward(x)
-    after_forward = ad.flight_recorder(world)
+    middle = last_seq()
     moe.backward(y)
-    entries = ad.flight_recorder(world)
-    if not entries:  # a backend that records nothing
+    if not ad.flight_recorder(world):  # a backend that records nothing
         return
-    forward = moving(after_forward[before:])
-    backward = moving(entries[len(after_forward):])
+    forward = moving([e for e in since(start) if e["seq"] <= middle])
+    backward = moving(since(middle))
     exchange = {"all_to_all", "all_gather"}  # the mock world runs all_to_all as all_gather
     reduce_forward = ["all_reduce"] if aux and n > 1 else []
     assert [op for op in forward if op not in exchange] == reduce_forward, forward
