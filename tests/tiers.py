@@ -33,6 +33,11 @@ SLOW_TESTS = frozenset({
     "tests/world/test_one_loop.py::test_the_script_under_mpiexec_matches_threads",
     "tests/world/test_one_loop.py::test_the_script_under_axondist_run",
     "tests/world/test_fsdp.py::test_hybrid_shard_built_and_closed_many_times",
+    "tests/world/test_differentiable.py::test_gradients_match_one_process_and_finite_differences",
+    "tests/world/test_differentiable.py::"
+    "test_every_case_at_two_and_three_ranks_in_both_frameworks",
+    "tests/world/test_differentiable.py::"
+    "test_plain_collectives_inside_jit_and_vmap_equal_the_eager_call",
     "tests/world/test_expert_parallel.py::test_torch_and_jax_arrays_come_back_in_their_framework",
     "tests/world/test_expert_parallel.py::"
     "test_expert_shards_reshard_from_two_ranks_to_four_and_one",
