@@ -38,6 +38,8 @@ SLOW_TESTS = frozenset({
     "test_every_case_at_two_and_three_ranks_in_both_frameworks",
     "tests/world/test_differentiable.py::"
     "test_plain_collectives_inside_jit_and_vmap_equal_the_eager_call",
+    "tests/world/test_differentiable.py::"
+    "test_jit_of_vmap_of_grad_equals_the_per_example_gradients",
     "tests/world/test_expert_parallel.py::test_torch_and_jax_arrays_come_back_in_their_framework",
     "tests/world/test_expert_parallel.py::"
     "test_expert_shards_reshard_from_two_ranks_to_four_and_one",

@@ -209,6 +209,24 @@ def test_jit_of_grad_called_many_times_equals_eager(case: str) -> None:
     run_world(_jit_grad_many_times, current_size(3), case, 4)
 
 
+def _vmap_of_grad(world: ad.World, case: str) -> None:
+    me, n = world.rank, world.world_size
+    with jax.enable_x64(True):
+        call = collective(case, n, 0, me)
+        grad = jax.grad(lambda v: local_loss(call(v), jnp, me, 0))
+        x = jnp.asarray(inputs(case, me, n, 0))
+        batch = jnp.stack([x, 2 * x, x - 1])
+        per_example = np.stack([np.asarray(grad(b)) for b in batch])
+        got = jax.jit(jax.vmap(grad))(batch)
+        np.testing.assert_allclose(np.asarray(got), per_example, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("case", ["all_reduce_sum", "all_reduce_max", "all_gather",
+                                  "reduce_scatter_average", "broadcast", "all_to_all_sizes"])
+def test_jit_of_vmap_of_grad_equals_the_per_example_gradients(case: str) -> None:
+    run_world(_vmap_of_grad, current_size(2), case)
+
+
 def _plain_collectives_in_jit(world: ad.World) -> None:
     me, n = world.rank, world.world_size
     x = jnp.asarray(np.random.default_rng(me).standard_normal((4, 3)), dtype=jnp.float32)
