@@ -43,6 +43,8 @@ SLOW_TESTS = frozenset({
     "tests/world/test_expert_parallel.py::test_torch_and_jax_arrays_come_back_in_their_framework",
     "tests/world/test_expert_parallel.py::"
     "test_expert_shards_reshard_from_two_ranks_to_four_and_one",
+    "tests/world/test_expert_parallel.py::"
+    "test_expert_shards_saved_from_a_mesh_load_in_one_process",
     "tests/integration/test_nccl_fake_backend.py::test_the_gpu_test_file_passes_on_the_cpu_stand_in",
     "tests/integration/test_nccl_fake_backend.py::"
     "test_the_cupy_world_test_files_pass_on_the_cpu_stand_in",

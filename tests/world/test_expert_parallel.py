@@ -478,6 +478,32 @@ def _body_load(world, root):
     return moe.full_weights()
 
 
+def _body_save_mesh(world, root):
+    """Experts on a (dp=2, ep=2) mesh: both copies of an expert claim it, one writes it."""
+    mesh = DeviceMesh(world, (2, 2), ("dp", "ep"))
+    moe = MixtureOfExperts(D, H, E, 2, mesh["ep"], data_group=mesh["dp"], aux_loss_coeff=0.01,
+                           seed=9, dtype=np.float64)
+    opt = Adam(moe.parameters(), lr=0.01)
+    _train_steps(moe, opt, world, 2, 0)
+    save_sharded_checkpoint(root, moe, opt, group=world, step=2)
+    _train_steps(moe, opt, world, 1, 2)
+    return moe.full_weights()
+
+
+@mock_only
+def test_expert_shards_saved_from_a_mesh_load_in_one_process():
+    root = tempfile.mkdtemp()
+    try:
+        want = ad.spawn(_body_save_mesh, 4, root)
+        assert all(np.array_equal(w["w1"], want[0]["w1"]) for w in want)
+        got = ad.spawn(_body_load, 1, root)[0]
+        for name in want[0]:
+            np.testing.assert_allclose(got[name], want[0][name], rtol=1e-12, atol=1e-14,
+                                       err_msg=name)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
 @mock_only
 def test_expert_shards_reshard_from_two_ranks_to_four_and_one():
     root = tempfile.mkdtemp()
