@@ -245,6 +245,30 @@ def test_zero_and_uneven_token_counts(tokens):
     run_world(_body_layer, n, 12, (tokens * 2)[:n], 2, 1.0, True, 0.0, 0.0)
 
 
+def _body_float32(world, seed, tokens):
+    """float32 parameters compute in float32 and stay near the float64 reference."""
+    n, r = world.world_size, world.rank
+    blocks = [normal(seed, 1, (tokens[q], D), q) for q in range(n)]
+    gys = [normal(seed, 2, (tokens[q], D), q) for q in range(n)]
+    ref = reference(dense_weights(seed), blocks, gys, 2, None, 0.01, 0.001)
+    moe = MixtureOfExperts(D, H, E, 2, world, aux_loss_coeff=0.01, z_loss_coeff=0.001,
+                           seed=seed)
+    y = moe.forward(blocks[r])  # float64 tokens are computed in the layer's float32
+    dx = moe.backward(gys[r])
+    assert y.dtype == dx.dtype == np.float32
+    assert all(p.grad.dtype == np.float32 for p in moe.parameters())
+    np.testing.assert_allclose(y, ref["y"][r], rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(dx, ref["dx"][r], rtol=1e-4, atol=1e-5)
+    for name, value in moe.full_grads().items():
+        np.testing.assert_allclose(value, ref["grads"][name], rtol=1e-4, atol=1e-5,
+                                   err_msg=name)
+
+
+def test_float32_layer_is_near_the_float64_reference():
+    n = current_size(3)
+    run_world(_body_float32, n, 21, ([6, 0, 9, 4] * 2)[:n])
+
+
 def _body_modes(world, seed, tokens, cf):
     """Padded and unpadded: the same outputs, input gradients and parameter gradients."""
     r = world.rank
