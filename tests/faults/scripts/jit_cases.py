@@ -6,6 +6,8 @@ jit_cases.py CASE mpi`` on MPI (see ``fault_cases.main``).
 all-gathers where the others' all-reduce. ``different_shape``: rank 1's step all-reduces
 a longer array from the fourth step on. ``agree``: every rank runs the same step eight
 times. Each step is its own ``jax.jit`` of ``jax.grad``, made inside the rank's function.
+``shared_jit``: one module-level jitted step for every rank (fine where each rank is a
+process; on threads the trace of one rank would run on another, which is refused).
 """
 
 from __future__ import annotations
@@ -47,6 +49,22 @@ def _steps(world: ad.World, astray: str) -> None:
     print(f"{astray or 'agree'} OK rank {world.rank}", flush=True)
 
 
+@jax.jit
+def _shared_step(x: jax.Array) -> jax.Array:
+    return ad.all_reduce(x) * 2
+
+
+def shared_jit(world: ad.World) -> None:
+    """One jitted function for every rank: right under a launcher (a process per rank);
+    on threads the first rank's trace would run on the others, which is refused."""
+    print(f"shared ready at {time.time():.3f}", flush=True)
+    x = jnp.ones(3) * world.rank
+    for _ in range(STEPS):
+        x = _shared_step(x) / (2 * world.world_size)
+        x.block_until_ready()
+    print(f"shared OK rank {world.rank}", flush=True)
+
+
 def different_collective(world: ad.World) -> None:
     _steps(world, "collective")
 
@@ -60,4 +78,5 @@ def agree(world: ad.World) -> None:
 
 
 if __name__ == "__main__":
-    main({f.__name__: f for f in (different_collective, different_shape, agree)})
+    main({f.__name__: f for f in (different_collective, different_shape, agree,
+                                 shared_jit)})
