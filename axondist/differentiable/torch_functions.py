@@ -3,7 +3,8 @@ whose backward is the row of :mod:`~axondist.differentiable.adjoints` for its fo
 
 Each forward reduces a copy (the input is left as it was, as an autograd graph needs);
 each backward makes its collective over the group its forward used, so the ranks must
-call ``backward`` alike, as they called the forward.
+call ``backward`` alike, as they called the forward. The backward passes are not themselves
+differentiated (``create_graph=True`` through them raises torch's own error).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from .. import comm
 from ..ops import ReduceOp
@@ -30,6 +32,7 @@ class AllReduce(torch.autograd.Function):
         return y
 
     @staticmethod
+    @once_differentiable
     def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
         saved = ctx.saved_tensors if ctx.call.op in (ReduceOp.MIN, ReduceOp.MAX) else ()
         return adjoints.all_reduce_backward(g.contiguous(), ctx.call, *saved), None
@@ -44,6 +47,7 @@ class AllGather(torch.autograd.Function):
         return comm.all_gather(x.detach(), call.group, sizes=call.rows)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
         return adjoints.all_gather_backward(g.contiguous(), ctx.call), None
 
@@ -57,6 +61,7 @@ class ReduceScatter(torch.autograd.Function):
         return comm.reduce_scatter(x.detach().contiguous(), call.op, call.group)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
         return adjoints.reduce_scatter_backward(g.contiguous(), ctx.call), None
 
@@ -70,6 +75,7 @@ class Broadcast(torch.autograd.Function):
         return comm.broadcast(fresh(x), call.group, src=call.src)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
         return adjoints.broadcast_backward(g.contiguous(), ctx.call), None
 
@@ -84,6 +90,7 @@ class AllToAll(torch.autograd.Function):
                                send_sizes=call.rows, recv_sizes=call.recv_rows)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
         return adjoints.all_to_all_backward(g.contiguous(), ctx.call), None
 
