@@ -115,7 +115,9 @@ def plan_call(collective: Callable[..., Any], x: Any, args: tuple[Any, ...],
                       f"{name} outside the transformation")
     if type(x).__name__ in _DIFFERENTIATING:
         raise _refuse(name, "jax.grad/jvp is differentiating an axondist.comm collective, "
-                      "which has no gradient; use axondist.differentiable." + name)
+                      "which has no gradient (nor have the backward passes of "
+                      "axondist.differentiable: no second derivatives); for a first derivative "
+                      "use axondist.differentiable." + name)
     arguments = _arguments(collective, x, args, kwargs)
     if arguments.pop("async_op", False):
         raise _refuse(name, "async_op=True has no meaning inside jax.jit (JAX orders the "
