@@ -17,7 +17,7 @@ from __future__ import annotations
 import inspect
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -26,13 +26,13 @@ from .backends.plan import split_sizes
 from .errors import CollectiveMismatchError, InvalidBufferError
 from .process_group import ProcessGroup, peek_world, resolve_group
 
-#: The collectives that have a traced form, and the ones that refuse with a reason.
+#: The collectives that have a traced form (the others refuse, naming these).
 TRACED = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "reduce")
 #: Tracer types that mean a transformation is differentiating the call.
 _DIFFERENTIATING = ("JVPTracer", "LinearizeTracer")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class TracedCall:
     """One traced collective: which, with what arguments, over which group.
 
@@ -41,15 +41,13 @@ class TracedCall:
         arguments: its arguments but ``x`` and ``group``, sizes filled in.
         group: the group, resolved while tracing.
         implicit_group: the caller passed no group (the world current while tracing).
-        rows_in: leading size of the input (None for 0-d).
         rows_out: leading size of the result (None when it keeps the input's shape).
     """
 
     collective: Callable[..., Any]
-    arguments: dict[str, Any] = field(hash=False)
-    group: ProcessGroup = field(hash=False)
+    arguments: dict[str, Any]
+    group: ProcessGroup
     implicit_group: bool
-    rows_in: int | None
     rows_out: int | None
 
     @property
@@ -126,9 +124,8 @@ def plan_call(collective: Callable[..., Any], x: Any, args: tuple[Any, ...],
     given = arguments.pop("group")
     group = resolve_group(given)
     shape = tuple(int(d) for d in x.shape)
-    rows_in = shape[0] if shape else None
     rows_out = _rows_out(name, shape, arguments, group)
-    return TracedCall(collective, arguments, group, given is None, rows_in, rows_out)
+    return TracedCall(collective, arguments, group, given is None, rows_out)
 
 
 def _exchange(group: ProcessGroup, value: Any) -> list[Any]:
