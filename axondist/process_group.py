@@ -62,12 +62,20 @@ def _out_of_communicators(exc: BaseException) -> str:
     return "" if at < 0 else text[at:].splitlines()[0].strip()
 
 
-def too_many_groups(alive: int, why: str) -> TooManyGroupsError:
-    """The error ``new_group`` raises when no more groups can be made (``why``: the limit)."""
+#: What a group holds, by backend (MPI's for the others).
+_GROUP_HOLDS = {"torch": "on the torch backend each group holds a gloo process group: three "
+                         "threads and a connection to every other member"}
+_MPI_GROUP_HOLDS = ("on MPI each group holds two communicators: its own and a private duplicate "
+                    "for the argument checks")
+
+
+def too_many_groups(alive: int, why: str, backend: str = "mpi") -> TooManyGroupsError:
+    """The error ``new_group`` raises when no more groups can be made (``why``: the limit;
+    ``backend``: its name, for what a group holds there)."""
     return TooManyGroupsError(
         f"new_group: cannot make another group: {alive} groups made by new_group are alive on "
-        f"this rank and {why} (on MPI each group holds two communicators: its own and a private "
-        "duplicate for the argument checks). Free the groups you no longer need: "
+        f"this rank and {why} ({_GROUP_HOLDS.get(backend, _MPI_GROUP_HOLDS)}). Free the groups "
+        "you no longer need: "
         "group.destroy() (every member calls it), or make them with `with world.new_group("
         "ranks) as group:`; FSDP wrappers that made groups free them with fsdp.close()")
 
@@ -164,9 +172,12 @@ class ProcessGroup:
         parent = self.backend_for("new_group")
         limit = _max_groups()
         if limit is not None and self._live.count >= limit:
-            raise too_many_groups(self._live.count, f"{MAX_GROUPS_ENV}={limit} allows no more")
+            raise too_many_groups(self._live.count, f"{MAX_GROUPS_ENV}={limit} allows no more",
+                                  parent.name)
         try:
             backend = parent.new_group(ranks)
+        except TooManyGroupsError as exc:  # the backend's own limit (the torch backend's)
+            raise too_many_groups(self._live.count, str(exc), parent.name) from None
         except Exception as exc:
             said = _out_of_communicators(exc)
             if not said:

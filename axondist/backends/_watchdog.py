@@ -52,6 +52,7 @@ log = logging.getLogger("axondist.watchdog")
 _QUERY_TIMEOUT = 3.0  # the longest one look waits for a peer's reply
 _LAST_LOOK = 0.5  # how long a look that is due now (a warning, the timeout) may still take
 _GONE_FOR = 3.0  # seconds a peer's process must be seen gone before the job ends for it
+_IN_FLIGHT = 1.0  # seconds a message a departed peer sent last may still take to land
 _EXIT_PAUSE = 0.3  # os._exit waits this long after announcing, so waiting peers can say why
 _ORPHAN_GRACE = 5.0  # an orphaned rank waits at most this long for the other hosts' ranks to end
 _RUNNING: list[Watchdog] = []
@@ -106,8 +107,7 @@ class Watchdog:
         self.orphans: dict[int, dict[str, Any]] = {}
         self._wake = threading.Event()
         self._stopped = False
-        #: The call being watched (group, number, op), and when (time.monotonic) it is next
-        #: looked at, warned about, and when the monitor wakes next.
+        #: The call watched, and when (time.monotonic) it is next looked at, warned of, woken for.
         self._watched: tuple[Any, ...] | None = None
         self._look_at = self._warn_at = 0.0
         self._wake_at = math.inf
@@ -153,9 +153,8 @@ class Watchdog:
         self._wake.set()
 
     def close(self) -> None:
-        """Stop watching and serving, and forget this watchdog: for a world that ends while
-        its process goes on (in-process worlds), so no thread or socket outlives it. Its
-        peers' ports then refuse."""
+        """Stop watching and serving, and forget this watchdog (a world that ends while its
+        process goes on): no thread or socket outlives it, and the peers' questions refuse."""
         self.stop()
         atexit.unregister(self.announce_left)
         if self in _RUNNING:
@@ -194,7 +193,7 @@ class Watchdog:
             self.asked[sender] = time.monotonic()
             return self.recorder.status()
         if kind == "left":
-            self.left[sender] = request
+            self.left[sender] = {**request, "heard": time.monotonic()}
             self._wake.set()
         if kind == "orphaned":
             self.orphans[sender] = request
@@ -362,11 +361,13 @@ class Watchdog:
         self._wake_at = min(self._look_at, self._warn_at, started + self.timeout)
 
     def _departed(self, call: dict[str, Any], needs: Sequence[int]) -> str | None:
-        """Text naming the needed ranks that announced they left before this call."""
+        """Text naming the needed ranks that announced they left before this call (a
+        receive's peer ``_IN_FLIGHT`` seconds ago: a send returns before its message lands)."""
         gone = []
         for r in needs:
             note = self.left.get(r)
-            if note is None:
+            grace = _IN_FLIGHT if "peer" in call else 0.0
+            if note is None or time.monotonic() - note["heard"] < grace:
                 continue
             done = int(note.get("completed", {}).get(call["group"], 0))
             if "peer" in call or done < call["seq"]:
@@ -382,8 +383,7 @@ class Watchdog:
     def _verdict(self, call: dict[str, Any], statuses: dict[int, Any],
                  look: Look | None = None) -> str | None:
         """Text of a certain failure the peers' statuses show (a departure, a host cut off,
-        different calls, or a wait cycle), or None. ``look``: the inspection's questions
-        so far (the peers in ``statuses`` are not asked again)."""
+        different calls, a wait cycle), or None; ``look``: the inspection's questions."""
         look = look or self._new_look(statuses)
         return (self._gone(statuses) or self._cut_off_host(statuses, look)
                 or self._different_calls(call, statuses) or self._wait_cycle(statuses, look))

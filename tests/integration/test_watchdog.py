@@ -402,3 +402,21 @@ def test_a_call_that_completes_while_a_silent_peer_is_asked_ends_nothing(capsys)
         for conn in kept:
             conn.close()
         silent.close()
+
+
+def test_a_receive_whose_peer_left_gets_a_moment_for_the_last_message():
+    """A send returns before its message lands: the receiver's call may still complete
+    after its peer announced its exit, so the job ends only if it is still waiting a
+    moment later."""
+    dogs, ended = _ring(2)
+    try:
+        dogs[0].recorder.begin("world:p2p", 1, "recv", (("peer", 1), ("tag", 0)))
+        dogs[1].announce_left()
+        _wait_for(lambda: 1 in dogs[0].left)
+        time.sleep(0.5)
+        assert ended == []
+        _wait_for(lambda: ended, 10)
+        assert "rank 1 (host host1" in ended[0] and "left" in ended[0], ended[0]
+    finally:
+        for d in dogs:
+            d.close()

@@ -31,6 +31,7 @@ from ...errors import (
     CollectiveMismatchError,
     CollectiveTimeoutError,
     InvalidBufferError,
+    TooManyGroupsError,
     WorldAbortedError,
 )
 from ...ops import ReduceOp
@@ -63,6 +64,10 @@ _GONE_WITHIN = 1.0
 EAGER_BYTES = 64 << 10
 #: Tags a user tag maps to: a message's header and data, and an object's header and bytes.
 _TAG_KINDS = 4
+#: The most groups made by ``new_group`` that may be alive at once on a rank: each holds a
+#: gloo process group, with its threads (two workers and a socket loop) and a connection to
+#: every other member, for as long as it lives.
+MAX_GROUPS = 1000
 
 
 def _tags(tag: int) -> tuple[int, int, int, int]:
@@ -317,6 +322,8 @@ class TorchBackend(PlannedBackend):
         timeout: torch's timeout of the subgroups made from this one (a ``timedelta``;
             None: torch's default).
         owns_group: destroy ``pg`` in :meth:`close`.
+        live: the open backends of this rank's world by group name, shared by the world and
+            its groups (a new dict for the world's).
     """
 
     name = "torch"
@@ -324,9 +331,12 @@ class TorchBackend(PlannedBackend):
     def __init__(self, pg: Any, *, recorder: FlightRecorder, group_name: str = "world",
                  members: Sequence[int], hosts: Sequence[str], uid: str = "",
                  timeout: Any = None, checks: bool = True, debug: bool = False,
-                 owns_group: bool = False) -> None:
+                 owns_group: bool = False, live: dict[str, TorchBackend] | None = None) -> None:
         self.torch, self.dist = load_torch()
         self.pg = pg
+        #: The open backends of this rank's world, by group name (see :meth:`release`).
+        self.live = {} if live is None else live
+        self.live[group_name] = self
         self.members = tuple(members)
         self.uid = uid
         self.timeout = timeout
@@ -697,6 +707,9 @@ class TorchBackend(PlannedBackend):
         ranks = tuple(int(r) for r in ranks)
         for r in ranks:
             as_rank(r, self.world_size, "new_group", "rank")
+        alive = sum(b._owns_group for b in self.live.values())
+        if alive >= MAX_GROUPS:
+            raise TooManyGroupsError(f"the torch backend allows at most {MAX_GROUPS}")
         guard = self.guard
         name = f"{guard.group}.{guard.groups_made}"
         guard.groups_made += 1
@@ -712,7 +725,7 @@ class TorchBackend(PlannedBackend):
         sub = TorchBackend(made[0], recorder=guard.rec, group_name=name, members=members,
                            hosts=[self._hosts[r] for r in ranks], uid=self.uid,
                            timeout=self.timeout, checks=self.options["checks"],
-                           debug=self.options["debug"], owns_group=True)
+                           debug=self.options["debug"], owns_group=True, live=self.live)
         sub.watchdog = self.watchdog
         sub.outbox = self.outbox
         return sub
@@ -745,6 +758,7 @@ class TorchBackend(PlannedBackend):
         if self._closed:
             return
         self._closed = True
+        self.live.pop(self.guard.group, None)
         self.order.close()
         self.free_plans()
         self.guard.forget()
@@ -753,6 +767,29 @@ class TorchBackend(PlannedBackend):
                 self.dist.barrier(group=self.pg)
             finally:
                 self.dist.destroy_process_group(self.pg)
+
+    def release(self, default_group: bool) -> None:
+        """At interpreter exit: destroy the process group of every open group of this rank's
+        world here and now, without a word to the other ranks (they may be gone), and let go
+        of them, ``default_group`` (torch's, which ``init`` made) too. Until then this
+        module's objects hold the groups, so torch's threads would still run inside gloo
+        while Python finalizes and frees them, which aborts the process ("terminate called
+        without an active exception"). A group with calls still queued, or sends not yet
+        received, is left as it is: its threads are inside gloo, and would never join."""
+        busy = self.outbox.busy()
+        for backend in sorted(self.live.values(), key=lambda b: not b._owns_group):
+            if backend.order.busy() or busy:
+                continue
+            backend._closed = True
+            backend.order.close()
+            backend.free_plans()
+            if backend._owns_group and self.dist.is_initialized():
+                self.dist.destroy_process_group(backend.pg)
+            backend.pg = backend.guard.pg = backend.guard.checks_group = None
+        if not any(b.order.busy() for b in self.live.values()) and not busy:
+            self.live.clear()
+            if default_group and self.dist.is_initialized():
+                self.dist.destroy_process_group()
 
 
 class SerialThread:
@@ -841,6 +878,11 @@ class Outbox:
             else:
                 future.set_result(None)
 
+    def busy(self) -> bool:
+        """Whether a send is still being sent (its thread is inside torch.distributed)."""
+        with self._lock:
+            return bool(self._running)
+
     def unreceived(self, settle: float = 0.05) -> dict[tuple[int, int, int], int]:
         """The sends not received yet after ``settle`` seconds, as ``{(this world rank,
         destination world rank, user tag): messages}``."""
@@ -871,15 +913,22 @@ class CallOrder:
         self._name = name
         self._thread: SerialThread | None = None
         self._queued = 0
+        self._last: concurrent.futures.Future | None = None
         self._lock = threading.Lock()
 
     def later(self, issue: Callable[[], Any]) -> concurrent.futures.Future:
-        """Queue ``issue()``; its future."""
+        """Queue ``issue()``; its future. The thread lives while calls are queued (a thread
+        per group for the group's life would grow with the groups)."""
         with self._lock:
             if self._thread is None:
                 self._thread = SerialThread(self._name)
             self._queued += 1
-            return self._thread.submit(lambda: self._issue(issue))
+            self._last = self._thread.submit(lambda: self._issue(issue))
+            return self._last
+
+    def busy(self) -> bool:
+        """Whether calls are queued (their thread may be inside torch.distributed)."""
+        return self._queued > 0
 
     def now(self, issue: Callable[[], Any]) -> Any:
         """``issue()`` once every queued call was issued; its value."""
@@ -893,15 +942,14 @@ class CallOrder:
         finally:
             with self._lock:
                 self._queued -= 1
+                if not self._queued and self._thread is not None:
+                    self._thread.stop()  # it ends after this call; the next makes another
+                    self._thread = None
 
     def close(self) -> None:
-        """Issue what is queued, then stop the thread."""
-        thread = self._thread
-        if thread is not None:
-            if self._queued:
-                thread.submit(lambda: None).result()
-            self._thread = None
-            thread.stop()
+        """Wait until what is queued was issued (the thread then ends)."""
+        if self._last is not None:
+            concurrent.futures.wait([self._last])
 
 
 class QueuedWork(Work):

@@ -27,6 +27,9 @@ _OPTIONS = ("timeout", "checks", "debug", "abort_on_exception")
 #: timeout itself when it is shorter): the watchdog, which names the ranks, speaks first.
 _TORCH_TIMEOUT_MARGIN = 30.0
 _HOOK_INSTALLED = False
+#: Seconds a rank at its exit waits for the receivers of its last sends to take them (gloo's
+#: send waits for its receive, and a receiver may lag behind) before it names them unreceived.
+_SENDS_SETTLE = 2.0
 
 
 def create_world_backend(**options: Any) -> TorchBackend:
@@ -61,11 +64,13 @@ def create_world_backend(**options: Any) -> TorchBackend:
     checks = bool(options.get("checks", checks_enabled()))
     debug = bool(options.get("debug", debug_enabled()))
     limit = None
-    if not dist.is_initialized():
+    made_default = not dist.is_initialized()
+    if made_default:
         limit = _init_default_group(torch, dist, wait)
-        # torch's own threads must stop before the interpreter tears down (else an abort
-        # at exit, "terminate called without an active exception")
-        atexit.register(_destroy_default_group, dist)
+    live: dict[str, TorchBackend] = {}
+    # runs after the watchdog's farewell and the unreceived sends' report (atexit: last in,
+    # first out), before the interpreter finalizes: see TorchBackend.release
+    atexit.register(_release_at_exit, dist, live, made_default)
     rank, size = dist.get_rank(), dist.get_world_size()
     if options.get("abort_on_exception", True) and size > 1:
         install_abort_hook(rank, size)
@@ -90,7 +95,7 @@ def create_world_backend(**options: Any) -> TorchBackend:
         watchdog.start([t[2] for t in table])
     backend = TorchBackend(dist.group.WORLD, recorder=recorder, members=range(size),
                            hosts=[t[1] for t in table], uid=str(box[0])[:12], timeout=limit,
-                           checks=checks, debug=debug)
+                           checks=checks, debug=debug, live=live)
     backend.watchdog = watchdog
     if size > 1:
         atexit.register(report_unreceived, backend)  # runs before the group's destruction
@@ -100,7 +105,7 @@ def create_world_backend(**options: Any) -> TorchBackend:
 def report_unreceived(backend: TorchBackend) -> None:
     """At a clean exit: name this rank's sends that no rank received, and end with status 1
     (a send without its receive is a bug the mock world and MPI report too)."""
-    found = backend.outbox.unreceived()
+    found = backend.outbox.unreceived(_SENDS_SETTLE)
     if not found:
         return
     silence_all()  # this rank ends the job: its peers must not read it as a departure
@@ -137,8 +142,13 @@ def _init_default_group(torch: Any, dist: Any, wait: float) -> datetime.timedelt
     return limit
 
 
-def _destroy_default_group(dist: Any) -> None:
-    if dist.is_initialized():
+def _release_at_exit(dist: Any, live: dict[str, TorchBackend], default_group: bool) -> None:
+    """Destroy this rank's groups, and torch's default group when ``init`` made it, before
+    the interpreter finalizes (:meth:`TorchBackend.release`)."""
+    world = live.get("world")
+    if world is not None:
+        world.release(default_group)
+    elif default_group and dist.is_initialized():  # init failed before its backend was made
         dist.destroy_process_group()
 
 
