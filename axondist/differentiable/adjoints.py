@@ -34,7 +34,7 @@ from typing import Any
 from .. import comm
 from .._frameworks import framework_of
 from ..backends.plan import split_sizes
-from ..errors import UnsupportedDTypeError
+from ..errors import InvalidBufferError, UnsupportedDTypeError
 from ..ops import ReduceOp
 from ..process_group import ProcessGroup
 
@@ -196,15 +196,23 @@ def all_to_all_rows(rows: int, group: ProcessGroup | None,
                     send_sizes: Sequence[int] | None,
                     recv_sizes: Sequence[int] | None) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """The rows an all-to-all sends to and receives from each rank (asking the others
-    for theirs when ``recv_sizes`` is None)."""
+    for theirs when ``recv_sizes`` is None).
+
+    Raises:
+        InvalidBufferError: ``send_sizes`` does not split ``rows`` over the group.
+    """
     n = _size(group)
     send = tuple(int(s) for s in send_sizes) if send_sizes is not None \
         else tuple(split_sizes(rows, n))
+    if len(send) != n or sum(send) != rows or min(send) < 0:
+        raise InvalidBufferError(
+            f"all_to_all: send_sizes={list(send)} must list {n} row counts >= 0 adding up to "
+            f"x's {rows} rows")
     if recv_sizes is not None:
         return send, tuple(int(r) for r in recv_sizes)
     table = comm.all_gather_object(send, group)
     me = comm.rank(group)
-    return send, tuple(int(t[me]) if len(t) > me else 0 for t in table)
+    return send, tuple(int(t[me]) for t in table)
 
 
 def all_gather_rows(rows: int, group: ProcessGroup | None,

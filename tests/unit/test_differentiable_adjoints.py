@@ -160,3 +160,13 @@ def test_differentiable_refuses_numpy_input_naming_the_plain_collective() -> Non
 
     with pytest.raises(TypeError, match="use axondist.broadcast"):
         dd.broadcast(np.ones(2), ad.World.mock())
+
+
+def test_differentiable_all_to_all_checks_send_sizes_before_asking_anyone() -> None:
+    from axondist.differentiable.adjoints import all_to_all_rows
+
+    backend = TableBackend(1, 3)  # fails if asked
+    with pytest.raises(InvalidBufferError, match=r"send_sizes=\[2, 2\] must list 3 row counts "
+                                                 r">= 0 adding up to x's 5 rows"):
+        all_to_all_rows(5, group_of(backend), [2, 2], None)
+    assert all_to_all_rows(5, group_of(backend), [1, 1, 3], [2, 0, 1]) == ((1, 1, 3), (2, 0, 1))
