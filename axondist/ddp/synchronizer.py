@@ -440,7 +440,10 @@ class GradientSynchronizer(PersistentPieces):
                     xp.multiply(view, factor, out=view, casting="unsafe")
         state.launched = True
         fused = self._fused_backend(data, async_op)
-        if fused is not None:
+        if fused is not None and whole != 1.0 and self._halved_mean(data):
+            all_reduce(data, ReduceOp.AVERAGE, self._group)  # the sum halved in its own pass
+            state.work = None
+        elif fused is not None:
             fused.scaled_sum_blocking(data, whole)
             state.work = None
         else:
@@ -448,6 +451,15 @@ class GradientSynchronizer(PersistentPieces):
                 _array.namespace(data).multiply(data, whole, out=data, casting="unsafe")
             work = self.hook(data, self._group, async_op)  # type: ignore[arg-type]
             state.work = work if isinstance(work, Work) else None
+
+    def _halved_mean(self, data: Any) -> bool:
+        """Whether a bucket none of whose slots is weighted yet is averaged as the sum
+        halved (``AVERAGE``) rather than weighted and summed: an unweighted mean of a
+        float32/64 bucket in a group of two, where both give the same bits (halving is
+        exact) except where a value is subnormal or the sum overflows, and where the MPI
+        backend sums and halves in the data's one pass. The same on every rank."""
+        return (self._num_samples is None and self._group.world_size == 2  # type: ignore[union-attr]
+                and data.dtype.itemsize >= 4 and data.dtype.kind == "f")
 
     def _fused_backend(self, data: Any, async_op: bool) -> Backend | None:
         """The backend when it can weight and sum this bucket in one call

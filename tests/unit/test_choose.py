@@ -22,6 +22,8 @@ from axondist import _array
 from axondist.backends.mpi import guard
 from axondist.backends.mpi.backend import PLANS
 from axondist.backends.mpi.choose import (
+    HALVES_DTYPES,
+    HALVES_FROM_BYTES,
     NODE_CHUNK_BYTES,
     PAIR_FROM_BYTES,
     PAIR_GATHER_MAX_BYTES,
@@ -64,7 +66,8 @@ def keys(draw: st.DrawFn, layout: Layout | None = None) -> CallKey:
     """A call's key, its size drawn log-uniformly or on a threshold (of ``layout``'s too)."""
     collective = draw(st.sampled_from(COLLECTIVES))
     dtype = draw(st.sampled_from(DTYPES))
-    limits = [RIDE_MAX_BYTES, PIECES_FROM_BYTES, PAIR_FROM_BYTES, PAIR_GATHER_MAX_BYTES]
+    limits = [RIDE_MAX_BYTES, PIECES_FROM_BYTES, PAIR_FROM_BYTES, PAIR_GATHER_MAX_BYTES,
+              HALVES_FROM_BYTES]
     if layout is not None and layout.chunk:
         limits.append(2 * layout.chunk)
     target = draw(st.one_of(st.integers(0, 40).map(lambda e: int(2 ** (e * 0.7)) - 1),
@@ -100,6 +103,15 @@ def _in_pieces(key: CallKey, layout: Layout) -> bool:
             and layout.chunk > 0 and nbytes(key) >= max(PIECES_FROM_BYTES, 2 * layout.chunk))
 
 
+def _halves(key: CallKey, layout: Layout) -> bool:
+    """The halves rule: a blocking float32/64 NumPy AVERAGE all-reduce of two checked
+    ranks on one node, from HALVES_FROM_BYTES up to (not including) PIECES_FROM_BYTES."""
+    return (key.collective == "all_reduce" and key.reduce_op == "AVERAGE"
+            and layout.world_size == 2 and layout.nodes == 1 and layout.checks
+            and not key.async_op and key.library == "numpy" and key.dtype in HALVES_DTYPES
+            and HALVES_FROM_BYTES <= nbytes(key) < PIECES_FROM_BYTES)
+
+
 def _exchanges(key: CallKey, layout: Layout) -> bool:
     """The pair-exchange rule: two checked ranks on one node, blocking NumPy; a
     reduce-scatter in a ride dtype and op from PAIR_FROM_BYTES, an all-gather with sizes
@@ -117,6 +129,8 @@ def _exchanges(key: CallKey, layout: Layout) -> bool:
 def _expected(key: CallKey, layout: Layout) -> Algorithm:
     if _rides(key, layout):
         return Algorithm.PAIR_RIDE
+    if _halves(key, layout):
+        return Algorithm.PAIR_HALVES
     if _in_pieces(key, layout):
         return Algorithm.PIECES
     if _exchanges(key, layout):
@@ -150,17 +164,18 @@ def test_every_rules_algorithm_has_a_plan_for_the_collectives_it_applies_to():
     layout = Layout(2)
     applied = set()
     for rule in TABLE:
-        for collective in PLANNED:
-            for size in (4, RIDE_MAX_BYTES, PAIR_FROM_BYTES, PIECES_FROM_BYTES,
-                         2 * PIECES_FROM_BYTES):
+        for collective, op in [(c, o) for c in PLANNED for o in ("SUM", "AVERAGE")]:
+            for size in (4, RIDE_MAX_BYTES, PAIR_FROM_BYTES, HALVES_FROM_BYTES,
+                         PIECES_FROM_BYTES, 2 * PIECES_FROM_BYTES):
                 key = CallKey(collective, np.dtype(np.float32), (size // 4,), "numpy",
-                              reduce_op="SUM" if collective in ("all_reduce", "reduce_scatter",
-                                                                "reduce") else None,
+                              reduce_op=op if collective in ("all_reduce", "reduce_scatter",
+                                                             "reduce") else None,
                               root=0 if collective in ("broadcast", "reduce") else None,
                               counts=(size // 4,) * 2 if collective == "all_gather" else None)
                 if rule.applies(key, layout):
                     applied.add((collective, rule.algorithm))
     assert applied == {("all_reduce", Algorithm.PAIR_RIDE), ("all_reduce", Algorithm.PIECES),
+                       ("all_reduce", Algorithm.PAIR_HALVES),
                        ("all_gather", Algorithm.PAIR_EXCHANGE),
                        ("reduce_scatter", Algorithm.PAIR_EXCHANGE)} | {
                            (c, Algorithm.MPI) for c in PLANNED}
@@ -214,6 +229,34 @@ def test_riding_dtypes_and_ops_are_those_numpy_combines_as_mpi_does():
             assert (choose(key, pair) is Algorithm.PAIR_RIDE) == rides, (dtype, op)
     assert RIDE_DTYPES == {np.dtype(t) for t in ("float32", "float64", "int32", "int64")}
     assert RIDE_OPS == set(OPS)
+
+
+@pytest.mark.parametrize("dtype", sorted(str(d) for d in HALVES_DTYPES))
+def test_halves_take_two_rank_means_from_halves_from_bytes_to_pieces(dtype):
+    itemsize = np.dtype(dtype).itemsize
+    pair = Layout(2)
+    mean = _all_reduce(dtype, HALVES_FROM_BYTES // itemsize)._replace(reduce_op="AVERAGE")
+    assert choose(mean, pair) is Algorithm.PAIR_HALVES
+    assert choose(mean._replace(shape=(HALVES_FROM_BYTES // itemsize - 1,)), pair) \
+        is Algorithm.MPI
+    last = mean._replace(shape=(PIECES_FROM_BYTES // itemsize - 1,))
+    assert choose(last, pair) is Algorithm.PAIR_HALVES
+    assert choose(last._replace(shape=(PIECES_FROM_BYTES // itemsize,)), pair) \
+        is Algorithm.PIECES
+    assert choose(mean._replace(reduce_op="SUM"), pair) is Algorithm.MPI  # a sum: MPI's
+
+
+@pytest.mark.parametrize("change", [
+    {"world_size": 3}, {"checks": False}, {"nodes": 2}, {"async_op": True},
+    {"library": "cupy"}, {"dtype": np.dtype("float16")}, {"dtype": np.dtype("int64")},
+])
+def test_halves_need_two_checked_ranks_on_one_node_and_a_blocking_numpy_float(change):
+    layout = Layout(**{"world_size": 2, **{k: v for k, v in change.items()
+                                           if k in ("world_size", "checks", "nodes")}})
+    key = _all_reduce("float32", (1 << 20) // 4)._replace(
+        reduce_op="AVERAGE", **{k: v for k, v in change.items()
+                                if k in ("async_op", "library", "dtype")})
+    assert choose(key, layout) is Algorithm.MPI
 
 
 def test_a_riding_message_fits_the_checks_receive_buffer():
@@ -285,8 +328,10 @@ def test_two_rank_gathers_and_scatters_go_point_to_point_where_measured(collecti
 
 def test_the_rows_state_the_thresholds_they_use():
     """A reader of one row's reason sees the sizes the code uses."""
-    ride, pieces, exchange, last = TABLE
+    ride, halves, pieces, exchange, last = TABLE
     assert ride.algorithm is Algorithm.PAIR_RIDE and f"<= {RIDE_MAX_BYTES >> 10} KiB" in ride.why
+    assert halves.algorithm is Algorithm.PAIR_HALVES
+    assert f"{HALVES_FROM_BYTES >> 10} KiB to {PIECES_FROM_BYTES >> 20} MiB" in halves.why
     assert pieces.algorithm is Algorithm.PIECES
     assert f">= {PIECES_FROM_BYTES >> 20} MiB" in pieces.why
     assert f"{NODE_CHUNK_BYTES >> 20} MiB pieces" in pieces.why

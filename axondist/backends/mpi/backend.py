@@ -25,6 +25,7 @@ from ..plan import CallKey, Plan, WidenedMeanPlan, general_plan
 from ..recorder import FlightRecorder
 from ..work import CompletedWork, PolledWork, Work
 from .algorithms.pair_exchange import PairAllGatherPlan, PairReduceScatterPlan
+from .algorithms.pair_halves import PairHalvesMeanPlan
 from .algorithms.pair_ride import PairRidePlan
 from .algorithms.pieces import AllReducePiecesPlan
 from .choose import Algorithm, Layout, choose
@@ -57,6 +58,7 @@ from .transport import (
 PLANS: dict[tuple[str, Algorithm], Callable[[Any, CallKey], Plan]] = {
     ("all_reduce", Algorithm.MPI): AllReducePlan,
     ("all_reduce", Algorithm.PAIR_RIDE): PairRidePlan,
+    ("all_reduce", Algorithm.PAIR_HALVES): PairHalvesMeanPlan,
     ("all_reduce", Algorithm.PIECES): AllReducePiecesPlan,
     ("broadcast", Algorithm.MPI): BroadcastPlan,
     ("all_gather", Algorithm.MPI): AllGatherPlan,

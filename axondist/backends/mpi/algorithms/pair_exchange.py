@@ -5,6 +5,8 @@ buffer (its block for an all-gather; the other rank's block for a reduce-scatter
 receives into the caller's result, one ``Sendrecv`` on the checks' communicator; a
 reduce-scatter then adds the two halves with NumPy (for two ranks ``a + b`` is ``b + a``
 bit for bit: the bits of MPI's own ``Reduce_scatter``, and of ``Allreduce``'s block).
+Neither keeps memory between calls: a reduce-scatter receives the other rank's part of
+its block straight into the result and combines it there.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ _UFUNCS = {"SUM": np.add, "AVERAGE": np.add, "MAX": np.maximum, "MIN": np.minimu
            "PRODUCT": np.multiply}
 
 
-def _pair(backend: MPIBackend) -> tuple[int, Any]:
+def pair_of(backend: MPIBackend) -> tuple[int, Any]:
     """The other rank and the checks' communicator (the table's rule: a checked pair)."""
     guard = backend.guard
     assert guard.peer is not None and guard.comm is not None
@@ -40,7 +42,7 @@ class PairAllGatherPlan(AllGatherPlan):
 
     def __init__(self, backend: MPIBackend, key: CallKey) -> None:
         super().__init__(backend, key)
-        self._peer, self._private = _pair(backend)
+        self._peer, self._private = pair_of(backend)
         lo = self._displs[backend.rank]
         self._mine = slice(lo, lo + self._counts[backend.rank])
         peer = 1 - backend.rank
@@ -56,31 +58,31 @@ class PairAllGatherPlan(AllGatherPlan):
 
 
 class PairReduceScatterPlan(ReduceScatterPlan):
-    """The other rank's block sent, this rank's block of theirs received into scratch
-    memory the plan keeps, then combined into the result."""
+    """The other rank's block sent, this rank's block of theirs received into the result
+    (into a temporary when the result overlaps the input), then combined there."""
 
-    __slots__ = ("_peer", "_private", "_mine", "_theirs", "_scratch", "_ufunc")
+    __slots__ = ("_peer", "_private", "_mine", "_theirs", "_ufunc")
 
     def __init__(self, backend: MPIBackend, key: CallKey) -> None:
         super().__init__(backend, key)
-        self._peer, self._private = _pair(backend)
+        self._peer, self._private = pair_of(backend)
         rank, peer = backend.rank, 1 - backend.rank
         first = self._counts[0]
         self._mine = slice(0, first) if rank == 0 else slice(first, None)
         self._theirs = slice(0, first) if peer == 0 else slice(first, None)
-        self._scratch = np.empty(self._counts[rank], key.dtype)
         self._ufunc = _UFUNCS[key.reduce_op]  # type: ignore[index]
 
     def _move(self, send: Any, recv: Any) -> Any:
         out = self._output(recv)
-        flat = send.reshape(-1)
+        flat, result = send.reshape(-1), out.reshape(-1)
+        landing = np.empty_like(result) if np.may_share_memory(send, out) else result
         self._private.Sendrecv([self._wire(flat[self._theirs]), self._mtype], self._peer,
-                               DATA_TAG, [self._wire(self._scratch), self._mtype], self._peer,
+                               DATA_TAG, [self._wire(landing), self._mtype], self._peer,
                                DATA_TAG)
         with np.errstate(invalid="ignore"):  # MIN and MAX propagate NaN on purpose
-            self._ufunc(flat[self._mine], self._scratch, out=out.reshape(-1))
+            self._ufunc(flat[self._mine], landing, out=result)
         self._finish(out)
         return out
 
 
-__all__ = ["DATA_TAG", "PairAllGatherPlan", "PairReduceScatterPlan"]
+__all__ = ["DATA_TAG", "PairAllGatherPlan", "PairReduceScatterPlan", "pair_of"]
