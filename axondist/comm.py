@@ -556,12 +556,16 @@ def sync_gradients(grads: Any, group: ProcessGroup | None = None, *,
             "count it as zero on this rank")
     if missing_grad == "zeros":
         given = _fill_missing(given, paths, group)
-    present = [i for i, gr in enumerate(given) if gr is not None]
     frameworks = [None if type(gr) is np.ndarray else framework_of(gr) for gr in given]
-    arrays = [None if gr is None else _array.as_array(gr) for gr in given]
+    arrays: dict[int, Any] = {}
+    for i, gr in enumerate(given):
+        if gr is not None:
+            framework = frameworks[i]
+            arrays[i] = (_array.as_array(gr) if framework is None
+                         else framework.array(gr, "sync_gradients"))
     by_dtype: dict[str, list[int]] = {}
-    for i in present:
-        by_dtype.setdefault(str(arrays[i].dtype), []).append(i)
+    for i, array in arrays.items():
+        by_dtype.setdefault(str(array.dtype), []).append(i)
     results = list(given)
     for idx in by_dtype.values():
         buffer, layout = _array.flatten([arrays[i] for i in idx])

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_run_launcher import ROOT, _LAUNCH_PREFIXES, axondist_run, script
+from test_run_launcher import _LAUNCH_PREFIXES, ROOT, axondist_run, script
 
 from axondist._environment import env_launch_size, launched_by_mpi
 
@@ -61,13 +61,15 @@ def _torch() -> str | None:
 
 
 def _python(path: str, *launch: str) -> subprocess.CompletedProcess[str]:
-    """``python path``, or ``LAUNCH... path``, from the checkout, in its own session, under a timeout."""
+    """``python path``, or ``LAUNCH... path``, from the checkout, in its own session, under a
+    timeout."""
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(_LAUNCH_PREFIXES) and k not in ("RANK", "WORLD_SIZE",
                                                                "LOCAL_RANK", "AXONDIST_BACKEND")}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    proc = subprocess.Popen([*launch, path] if launch else [sys.executable, path], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+    command = [*launch, path] if launch else [sys.executable, path]
+    proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=TIMEOUT)
     except subprocess.TimeoutExpired:
