@@ -24,6 +24,9 @@ Gradient synchronization alone (gradients already in place):
   hook that sums like the default one, so each bucket is one ``Iallreduce``
   per step (MPI allocates its temporary buffers per call): the path before
   persistent requests.
+* ``axondist weighted sum``: each of the same DDP's buckets weighted by 1/world, then
+  summed (``Backend.scaled_sum_blocking``): the synchronous sync before a group of two
+  averaged through the backend's ``AVERAGE`` (``sync / weighted sum`` is the change).
 * ``raw (a)``: the best raw mpi4py case: in-place ``Allreduce`` SUM over the
   same bytes already living in 25 MiB buffers (no packing, no mean).
 * ``raw (a)+mean``: (a) followed by the in-place division a mean needs.
@@ -163,6 +166,13 @@ def sync_variants(shapes: list[tuple[int, ...]], comm: Any, mpi: Any,
             comm.Allreduce(mpi.IN_PLACE, b, mpi.SUM)
             np.multiply(b, 1.0 / n, out=b)
 
+    backend = sync.process_group.backend_for("bench_ddp")
+    flats = [state.flat for state in sync.synchronizer.buckets]
+
+    def weighted_sum() -> None:
+        for flat in flats:
+            backend.scaled_sum_blocking(flat, 1.0 / n)
+
     def raw_b() -> None:
         for a in arrays_b:
             comm.Allreduce(mpi.IN_PLACE, a, mpi.SUM)
@@ -171,6 +181,7 @@ def sync_variants(shapes: list[tuple[int, ...]], comm: Any, mpi: Any,
         "axondist sync": sync.sync_gradients,
         "axondist overlapped": over.sync_gradients,
         "axondist overlapped (Iallreduce per call)": per_call.sync_gradients,
+        "axondist weighted sum": weighted_sum,
         "raw (a)": raw_a,
         "raw (a)+mean": raw_a_mean,
         "raw (b)": raw_b,
@@ -286,6 +297,9 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
         "sync / raw (b)": ratio_spread(ours, sync["raw (b)"]),
         "sync / raw (c)": ratio_spread(ours, sync["raw (c)"]),
         "overlapped / sync (sync_gradients)": ratio_spread(over, ours),
+        "weighted sum / best raw (the sync before halves)": ratio_spread(
+            sync["axondist weighted sum"], sync[best]),
+        "sync / weighted sum": ratio_spread(ours, sync["axondist weighted sum"]),
         "overlapped with Iallreduce per call / sync": ratio_spread(
             sync["axondist overlapped (Iallreduce per call)"], ours),
         "overlapped / sync (step extra)": spread([o / s if s > 0 else float("nan") for o, s in

@@ -16,7 +16,9 @@ Rows (raw mpi4py on ``COMM_WORLD``, with the buffers axondist gets):
 * ``all_reduce``: ``all_reduce(buf)`` vs ``Allreduce(IN_PLACE, buf, SUM)``; column
   ``prepared`` is the same call prepared once (``ad.prepare``), without finding its plan.
 * ``all_reduce_mean``: ``all_reduce_mean(buf)`` vs the raw SUM, and vs the raw
-  SUM followed by ``np.divide(buf, n, out=buf)`` (column ``sum+divide``).
+  SUM followed by ``np.divide(buf, n, out=buf)`` (column ``sum+divide``); column
+  ``MPI plan`` is the table's last row forced (the checked ``Allreduce`` then the mean's
+  pass), so ``axondist/MPI plan`` is what the table's choice gains.
 * ``scaled_sum``: the world backend's ``scaled_sum_blocking(buf, 1/n)``
   (DDP's weighted gradient sum) vs the raw SUM and vs ``sum+divide``.
 * ``reduce_scatter``: ``reduce_scatter(buf, out=mine)`` vs ``Reduce_scatter_block``
@@ -72,7 +74,8 @@ OPS = ("all_reduce", "all_reduce_mean", "scaled_sum", "reduce_scatter", "all_gat
 #: op -> the (numerator, denominator) ratios its table shows.
 RATIOS: dict[str, list[tuple[str, str]]] = {
     "all_reduce": [("axondist", "mpi4py"), ("prepared", "mpi4py"), ("gloo", "axondist")],
-    "all_reduce_mean": [("axondist", "mpi4py"), ("axondist", "sum+divide")],
+    "all_reduce_mean": [("axondist", "mpi4py"), ("axondist", "sum+divide"),
+                        ("MPI plan", "mpi4py"), ("axondist", "MPI plan")],
     "scaled_sum": [("axondist", "mpi4py"), ("axondist", "sum+divide")],
     "reduce_scatter": [("axondist", "mpi4py"), ("prepared", "mpi4py")],
     "all_gather": [("axondist", "mpi4py"), ("no sizes", "mpi4py"), ("gloo", "axondist")],
@@ -101,6 +104,8 @@ def _variants(op: str, nbytes: int, comm: Any, mpi: Any,
         fns["axondist"] = lambda: ad.all_reduce_mean(buf)
         fns["mpi4py"] = raw_sum
         fns["sum+divide"] = sum_divide
+        plain = _plain_mean_plan(backend, buf)
+        fns["MPI plan"] = lambda: plain.run(buf)
     elif op == "scaled_sum":
         fns["axondist"] = lambda: backend.scaled_sum_blocking(buf, 1.0 / n)
         fns["mpi4py"] = raw_sum
@@ -124,6 +129,16 @@ def _variants(op: str, nbytes: int, comm: Any, mpi: Any,
     if dist is not None and op in ("all_reduce", "broadcast", "all_gather"):
         fns["gloo"] = _gloo(op, dist, buf, n)
     return fns
+
+
+def _plain_mean_plan(backend: Any, buf: np.ndarray) -> Any:
+    """The table's last row for a mean of ``buf`` whatever the table chose: the checked
+    ``Allreduce`` then the division's pass (what a two-rank mean ran before PAIR_HALVES)."""
+    from axondist.backends.mpi.plans import AllReducePlan
+    from axondist.backends.plan import CallKey
+
+    key = CallKey("all_reduce", buf.dtype, buf.shape, "numpy", reduce_op="AVERAGE")
+    return AllReducePlan(backend, key)
 
 
 def _gloo(op: str, dist: Any, buf: np.ndarray, n: int) -> Callable[[], Any]:

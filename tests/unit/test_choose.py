@@ -332,6 +332,7 @@ def test_the_rows_state_the_thresholds_they_use():
     assert ride.algorithm is Algorithm.PAIR_RIDE and f"<= {RIDE_MAX_BYTES >> 10} KiB" in ride.why
     assert halves.algorithm is Algorithm.PAIR_HALVES
     assert f"{HALVES_FROM_BYTES >> 10} KiB to {PIECES_FROM_BYTES >> 20} MiB" in halves.why
+    assert HALVES_FROM_BYTES > RIDE_MAX_BYTES  # a mean the ride takes never gets here
     assert pieces.algorithm is Algorithm.PIECES
     assert f">= {PIECES_FROM_BYTES >> 20} MiB" in pieces.why
     assert f"{NODE_CHUNK_BYTES >> 20} MiB pieces" in pieces.why
