@@ -1,8 +1,9 @@
 """Correct torch jobs end with status 0, every time: 50 launches of two small scripts
 (``scripts/exit_cases.py``) under ``torchrun --nproc-per-node 2``, a few at a time, each
-under its own limit. A rank whose threads are still inside gloo when the interpreter
-finalizes dies of SIGABRT after its script finished ("terminate called without an active
-exception"), in a few launches out of a hundred.
+under its own limit. No rank may die of SIGABRT after its script ended ("terminate called
+without an active exception": torch's threads still inside gloo as the interpreter
+finalizes), nor be ended at exit because its peer's last message was still landing (the
+peer's watchdog naming it "left", or the peer naming its send unreceived).
 """
 
 from __future__ import annotations
