@@ -6,9 +6,10 @@ half and receives theirs of its own into a temporary (one ``Sendrecv``: the redu
 then, block by block while the block is in cache, adds the two and scales the sum into the
 mean in place; a second ``Sendrecv`` swaps the finished halves (the all-gather). Every
 element is summed once and scaled once, by the rank that owns it: for two ranks ``a + b``
-is ``b + a`` bit for bit, and the scaling is the one :class:`~axondist.backends.mpi.plans.AllReducePlan` applies
-after MPI's SUM, so the result has the bits of ``Allreduce`` then the division, without the
-separate pass over the whole buffer. The temporary is half the buffer, allocated per call
+is ``b + a`` bit for bit, and the scaling is the one
+:class:`~axondist.backends.mpi.plans.AllReducePlan` applies after MPI's SUM, so the result
+has the bits of ``Allreduce`` then the division, without the separate pass over the whole
+buffer. The temporary is half the buffer, allocated per call
 and not kept.
 """
 
