@@ -65,16 +65,17 @@ def _owner(array: np.ndarray) -> np.ndarray:
 
 def _kept_arrays(backend: object) -> list[str]:
     """Every NumPy array of more than 1 KiB a cached plan of ``backend`` holds (views of the
-    group's one receive buffer for checks, which lives with the group, aside)."""
+    two buffers a two-rank group's checks send and receive through, which live with the
+    group, aside)."""
     guard = getattr(backend, "guard", None)
-    shared = getattr(guard, "received", None)
+    shared = [getattr(guard, name, None) for name in ("received", "outgoing")]
     found = []
     for key, plan in (getattr(backend, "_call_plans", None) or {}).items():
         for cls in type(plan).__mro__:
             for name in getattr(cls, "__slots__", ()):
                 value = getattr(plan, name, None)
                 if (isinstance(value, np.ndarray) and value.nbytes > 1024
-                        and _owner(value) is not shared):
+                        and not any(_owner(value) is buf for buf in shared)):
                     found.append(f"{type(plan).__name__}.{name} ({value.nbytes} B) for {key}")
     return found
 
@@ -116,8 +117,8 @@ def test_wrappers_leave_no_plan_buffers_and_count_what_they_hold(strategy):
 @pytest.mark.parametrize("numel", [300, 4099, 16384])
 def test_collective_plans_keep_no_arrays(numel):
     """Every collective on shapes of its own: the plans cached afterwards hold no array of
-    more than 1 KiB (a riding all-reduce makes its message per call, a pair reduce-scatter
-    receives into its result)."""
+    more than 1 KiB (a riding all-reduce builds its message in the group's buffer, a pair
+    reduce-scatter receives into its result)."""
     world = mpi_world()
     n = world.world_size
     x = np.full(numel * n, world.rank + 1.0, np.float32)

@@ -68,6 +68,8 @@ class CallGuard(CallLog):
         if self.comm is not None and comm.Get_size() == 2 and not debug:
             self.peer = 1 - comm.Get_rank()
             self.received = np.zeros(HEADER + RIDE_ROOM, np.uint8)
+            #: Where a riding all-reduce builds its message (one per group: plans keep none).
+            self.outgoing = np.zeros(HEADER + RIDE_ROOM, np.uint8)
             self.seen = self.received[:HEADER].view(np.int64)
             self._header = np.zeros(3, np.int64)
             self.receive = self.comm.Recv_init(self.received, self.peer, PAIR_TAG)
