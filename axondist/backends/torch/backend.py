@@ -852,7 +852,7 @@ class Outbox:
         channel's earlier ones; its future."""
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
-            self._pending = [p for p in self._pending if not p[2].done()]
+            self._pending = [p for p in self._pending if not _delivered(p[2])]
             self._pending.append((dst, tag, future))
             self._channels.setdefault(channel, collections.deque()).append((send, future))
             if channel not in self._running:
@@ -884,19 +884,25 @@ class Outbox:
             return bool(self._running)
 
     def unreceived(self, settle: float = 0.05) -> dict[tuple[int, int, int], int]:
-        """The sends not received yet after ``settle`` seconds, as ``{(this world rank,
-        destination world rank, user tag): messages}``."""
+        """The sends not received after ``settle`` seconds (still waiting, or failed: the
+        receiver ended without taking them), as ``{(this world rank, destination world
+        rank, user tag): messages}``."""
         deadline = time.monotonic() + settle
         while True:
             with self._lock:
-                pending = [p for p in self._pending if not p[2].done()]
-            if not pending or time.monotonic() >= deadline:
+                pending = list(self._pending)
+            if all(p[2].done() for p in pending) or time.monotonic() >= deadline:
                 break
             time.sleep(1e-3)
         found: dict[tuple[int, int, int], int] = {}
-        for dst, tag, _ in pending:
+        for dst, tag, _ in (p for p in pending if not _delivered(p[2])):
             found[(self.me, dst, tag)] = found.get((self.me, dst, tag), 0) + 1
         return found
+
+
+def _delivered(sent: concurrent.futures.Future) -> bool:
+    """Whether a send's future says its message was taken by its receiver."""
+    return sent.done() and sent.exception() is None
 
 
 class CallOrder:
