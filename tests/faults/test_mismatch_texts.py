@@ -46,11 +46,6 @@ SAID: dict[str, str | None] = {
                               r"\(tag 0\)",
     "waits_in_all_reduce": r"waits in all_reduce #1 on world \([^)]*reduce_op=MAX\)",
 }
-#: The torch backend's guard still exchanges keys alone under AXONDIST_DEBUG=1, and its outbox
-#: counts a send's header and data apart (both in axondist/backends/torch/).
-TORCH_PENDING = {("reduce_vs_broadcast", True), ("reduce_vs_reduce_scatter", True),
-                 ("one_unreceived_send", False)}
-
 DIFFERENT = ("reduce_vs_broadcast", "reduce_vs_gather", "reduce_vs_reduce_scatter")
 # (case, mode, ranks, AXONDIST_DEBUG)
 RUNS = sorted(
@@ -82,10 +77,7 @@ def _outcomes() -> dict:
 
 
 def _params() -> list:
-    return [pytest.param(*r, id=f"{r[0]}-{r[1]}{r[2]}{'-debug' if r[3] else ''}",
-                         marks=[pytest.mark.xfail(strict=True, reason="a change in the torch "
-                                                  "backend's own files")]
-                         if r[1] == "torch" and (r[0], r[3]) in TORCH_PENDING else [])
+    return [pytest.param(*r, id=f"{r[0]}-{r[1]}{r[2]}{'-debug' if r[3] else ''}")
             for r in RUNS]
 
 

@@ -58,8 +58,8 @@ class TorchGuard(CallLog):
         group = self.checks_group
         if group is None:
             return
-        if self.debug:
-            raise_if_different(op, self._all_gather(key, group))
+        if self.debug:  # the whole call, so ranks in different collectives are told so
+            raise_if_different(op, self._all_gather((op, key), group))
             return
         self._sent[...] = words
         self._dist.all_reduce(self._tensor, self._max, group=group)
