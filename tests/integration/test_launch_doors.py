@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from test_run_launcher import _LAUNCH_PREFIXES, ROOT, axondist_run, script
+from test_run_launcher import _LAUNCH_PREFIXES, ROOT, axondist_run, run_in_session, script
 
 from axondist._environment import env_launch_size, launched_by_mpi
 
@@ -67,16 +66,8 @@ def _python(path: str, *launch: str) -> subprocess.CompletedProcess[str]:
            if not k.startswith(_LAUNCH_PREFIXES) and k not in ("RANK", "WORLD_SIZE",
                                                                "LOCAL_RANK", "AXONDIST_BACKEND")}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    command = [*launch, path] if launch else [sys.executable, path]
-    proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"{path} under {launch or 'python'} hung for {TIMEOUT} s:\n{out}\n{err}")
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    return run_in_session([*launch, path] if launch else [sys.executable, path], env,
+                          TIMEOUT)
 
 
 def _lines(out: str, key: str) -> list[str]:

@@ -59,15 +59,22 @@ def axondist_run(*args: str, cwd: Path | None = None, path_first: Path | None = 
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(path_first or ""), str(ROOT),
                                                       env.get("PYTHONPATH")]))
     env.pop(launcher.RESTART_COUNT_VAR, None)
-    proc = subprocess.Popen([sys.executable, "-m", "axondist", "run", *args], cwd=cwd or ROOT,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    return run_in_session([sys.executable, "-m", "axondist", "run", *args], env, timeout,
+                          cwd or ROOT)
+
+
+def run_in_session(command: list[str], env: dict[str, str], timeout: float,
+                   cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
+    """Run ``command`` in its own session; kill the whole session and fail the test when it
+    outlives ``timeout`` seconds."""
+    proc = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
-        pytest.fail(f"axondist run {' '.join(args)} hung for {timeout} s:\n{out}\n{err}")
+        pytest.fail(f"{' '.join(command)} hung for {timeout} s:\n{out}\n{err}")
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
