@@ -210,6 +210,7 @@ class _Job:
         #: rank -> its tail when its last traceback began (the summary quotes these lines)
         self.before_traceback: dict[int, list[str]] = {}
         self.failure: RankFailure | None = None
+        self.reported: set[int] = set()  # ranks that reported their own failure
         #: (rank, how) of a rank whose peers' watchdog saw it leave (when it said nothing).
         self.lost: tuple[int, str] | None = None
         self.banner: dict[str, int | str] = {}  # what the launcher reported of a failure
@@ -279,9 +280,11 @@ class _Job:
             self.ended.add(rank)
         elif fields[1] == "lost" and len(fields) >= 3 and fields[2].isdigit() and not self.lost:
             self.lost = (int(fields[2]), fields[3] if len(fields) > 3 else "")
-        elif fields[1] == "failed" and len(fields) >= 3 and self.failure is None:
-            reason = fields[3] if len(fields) > 3 else ""
-            self.failure = RankFailure(rank, exit_code=int(fields[2]), reason=reason)
+        elif fields[1] == "failed" and len(fields) >= 3:
+            self.reported.add(rank)
+            if self.failure is None:
+                reason = fields[3] if len(fields) > 3 else ""
+                self.failure = RankFailure(rank, exit_code=int(fields[2]), reason=reason)
 
     def _fault_line(self, rank: int, line: str) -> None:
         """A fatal signal's report (faulthandler's "Fatal Python error: Segmentation fault")."""
@@ -389,6 +392,12 @@ class _Job:
         """The first failure, from the ranks' own report, the launcher's (hydra's banner,
         torchrun's root cause) or the exit status."""
         failure = self.failure
+        if (failure is not None and self.lost is not None and self.lost[0] != failure.rank
+                and self.lost[0] not in self.reported
+                and failure.reason.startswith(_CAUSED_BY_A_PEER)):
+            # the first report is a peer's error about a rank that left without a word
+            # (os._exit, a signal): that rank is the failure, as its peers' watchdog saw it
+            failure = self._left_without_a_word(code)
         if failure is None and (self.banner or code != 0):
             failure = self._unreported_failure(code)
         if failure is not None and failure.rank is not None:
@@ -407,6 +416,18 @@ class _Job:
             return None
         return next((line.strip() for line in reversed(self.launcher_lines)
                      if pattern.search(line)), None)
+
+    def _left_without_a_word(self, code: int) -> RankFailure:
+        """The rank its peers' watchdog saw leave (:attr:`lost`), as the job's failure."""
+        assert self.lost is not None
+        rank, why = self.lost
+        sig = self.banner.get("signal")
+        own = self.banner.get("pid") == self.pids.get(rank, (None,))[0]
+        signum = int(sig) if sig is not None and own else None
+        number = int(m[1]) if (m := re.search(r"_exit\((\d+)\)", why)) else code
+        return RankFailure(rank, exit_code=None if signum else number or 1, signal_number=signum,
+                           reason=f"its peers saw it leave ({why})" if why
+                           else "its peers saw it leave")
 
     def _unreported_failure(self, code: int) -> RankFailure:
         """A rank died without a word (SIGKILL, the OOM killer, ``os._exit``): the one rank
@@ -448,6 +469,10 @@ class _Job:
             failure.tail = list(self.launcher_lines)[-self.cfg.tail_lines:]
             failure.tail_of = launcher
         return failure
+
+
+#: Errors a rank raises because another rank failed or left (their class as reported).
+_CAUSED_BY_A_PEER = ("axondist.errors.WorldAbortedError", "axondist.errors.RankExitedError")
 
 
 def _last_lines(n: int) -> str:

@@ -493,3 +493,41 @@ def test_hosts_and_hostfile_reach_mpiexec(tmp_path):
     by_name = axondist_run("--nproc-per-node", "2", "--hosts", "localhost", path)
     assert by_name.returncode == 0, by_name.stdout + by_name.stderr
     assert sorted(by_name.stdout.splitlines()) == [f"[rank {r}] on {r}" for r in range(2)]
+
+
+def _job_without_a_launch(nprocs: int) -> launcher._Job:
+    """A job's bookkeeping with nothing started: what its markers make of a failure."""
+    import collections
+
+    job = object.__new__(launcher._Job)
+    job.cfg = RunConfig(nprocs=nprocs, target=("t.py",))
+    job.tails = [collections.deque() for _ in range(nprocs)]
+    job.pids = {r: (1000 + r, "host") for r in range(nprocs)}
+    job.ended, job.reported, job.before_traceback = set(), set(), {}
+    job.failure, job.lost, job.banner = None, None, {}
+    job.launcher_lines = collections.deque()
+    return job
+
+
+@pytest.mark.parametrize("lost_first", [True, False])
+def test_a_peers_error_about_a_rank_that_left_names_the_rank_that_left(lost_first):
+    """Rank 1 calls os._exit(3); rank 0's collective fails first ("rank 1 ended") or its
+    watchdog reports the departure first: either way the summary names rank 1."""
+    job = _job_without_a_launch(2)
+    failed = (f"{launcher._MARK} 0 failed 1 axondist.errors.WorldAbortedError: all_reduce on "
+              "rank 0 of 2 (group world) cannot complete: rank 1 ended")
+    lost = f"{launcher._MARK} 0 lost 1 it called os._exit(3)"
+    for line in ([lost, failed] if lost_first else [failed, lost]):
+        job._marker(0, line)
+    failure = job.outcome(1)
+    assert failure is not None and failure.rank == 1
+    assert failure.describe() == "exit code 3: its peers saw it leave (it called os._exit(3))"
+
+
+def test_a_rank_that_reported_its_own_error_stays_the_failure():
+    job = _job_without_a_launch(2)
+    job._marker(1, f"{launcher._MARK} 1 failed 1 ValueError: bad input")
+    job._marker(0, f"{launcher._MARK} 0 failed 1 axondist.errors.WorldAbortedError: rank 1 "
+                   "failed")
+    failure = job.outcome(1)
+    assert failure is not None and failure.rank == 1 and "ValueError" in failure.reason
