@@ -186,8 +186,14 @@ def test_a_none_gradient_is_named_or_counted_as_zero(framework: str) -> None:
 # --- DDP with a torch optimizer ---------------------------------------------------------------
 
 def _torch_model() -> Any:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 1))
+    """The same weights on every rank and in the one-process run, drawn from NumPy (torch's
+    global generator is shared by the mock world's rank threads)."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 1))
+    rng = np.random.default_rng(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.tensor(rng.uniform(-0.5, 0.5, tuple(p.shape)), dtype=p.dtype))
+    return model
 
 
 def _batch(rank: int) -> tuple[Any, Any]:
