@@ -586,14 +586,14 @@ def sync_gradients(grads: Any, group: ProcessGroup | None = None, *,
 def _fill_missing(given: list[Any], paths: list[str], group: ProcessGroup | None) -> list[Any]:
     """Zeros for this rank's None gradients that another rank has (``missing_grad="zeros"``),
     their shape and dtype learnt from one exchange; a gradient every rank lacks stays None."""
-    mine = [None if gr is None else (tuple(_array.as_array(gr).shape),
-                                     str(_array.as_array(gr).dtype)) for gr in given]
+    arrays = [None if gr is None else _array.as_array(gr) for gr in given]
+    mine = [None if a is None else (tuple(a.shape), str(a.dtype)) for a in arrays]
     table = all_gather_object(mine, group)
     if len({len(t) for t in table}) > 1:
         raise CollectiveMismatchError(
             "sync_gradients: ranks passed different numbers of gradients ("
             + ", ".join(f"rank {r}: {len(t)}" for r, t in enumerate(table)) + ")")
-    like = next((_array.as_array(gr) for gr in given if gr is not None), None)
+    like = next((a for a in arrays if a is not None), None)
     xp = np if like is None else _array.namespace(like)
     filled = list(given)
     for i, path in enumerate(paths):

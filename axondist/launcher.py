@@ -424,10 +424,9 @@ class _Job:
         sig = self.banner.get("signal")
         own = self.banner.get("pid") == self.pids.get(rank, (None,))[0]
         signum = int(sig) if sig is not None and own else None
-        number = int(m[1]) if (m := re.search(r"_exit\((\d+)\)", why)) else code
-        return RankFailure(rank, exit_code=None if signum else number or 1, signal_number=signum,
-                           reason=f"its peers saw it leave ({why})" if why
-                           else "its peers saw it leave")
+        reason, exit_code = _seen_leaving(why)
+        return RankFailure(rank, exit_code=None if signum else exit_code or code or 1,
+                           signal_number=signum, reason=reason)
 
     def _unreported_failure(self, code: int) -> RankFailure:
         """A rank died without a word (SIGKILL, the OOM killer, ``os._exit``): the one rank
@@ -446,12 +445,11 @@ class _Job:
         reason, launcher = "", self.style.name
         if rank is None and self.lost is not None and self.lost[0] in silent:
             rank = self.lost[0]
-            reason = (f"its peers saw it leave ({self.lost[1]})" if self.lost[1]
-                      else "its peers saw it leave")
+            reason, exit_code = _seen_leaving(self.lost[1])
             if pid not in (None, self.pids[rank][0]):  # the banner names a rank killed after
                 signum, number = None, code
-            if m := re.search(r"_exit\((\d+)\)", self.lost[1]):
-                signum, number = None, int(m[1])
+            if exit_code is not None:
+                signum, number = None, exit_code
         elif rank is None and first is not None and 0 <= int(first) < self.cfg.nprocs:
             rank = int(first)
         elif len(silent) > 1:
@@ -469,6 +467,14 @@ class _Job:
             failure.tail = list(self.launcher_lines)[-self.cfg.tail_lines:]
             failure.tail_of = launcher
         return failure
+
+
+def _seen_leaving(how: str) -> tuple[str, int | None]:
+    """The reason for a rank its peers' watchdog saw leave (``how``: what they saw), and its
+    exit status when that says ``os._exit(N)``."""
+    m = re.search(r"_exit\((\d+)\)", how)
+    return (f"its peers saw it leave ({how})" if how else "its peers saw it leave",
+            int(m[1]) if m else None)
 
 
 #: Errors a rank raises because another rank failed or left (their class as reported).

@@ -730,12 +730,8 @@ def _average_into_handed(p: Parameter, handed: Any, avg: Any) -> None:
     assert framework is not None
     if framework.writable and _writable_like(handed, avg):
         framework.array_to_write(handed, "DistributedDataParallel")[...] = avg
-        if p.grad is handed:
-            return
-        if p.grad is None or type(p.grad) is not np.ndarray:
-            p.grad = handed
-            return
-        p.grad = avg  # .grad is the bucket view; the tensor handed over holds a copy
+        # .grad stays (or becomes) the tensor, unless it is the bucket view, which holds it too
+        p.grad = avg if type(p.grad) is np.ndarray else handed
         return
     if p.grad is handed:
         p.grad = framework.wrap(avg.copy(), handed)  # a copy: the bucket is reused
