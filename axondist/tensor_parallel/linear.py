@@ -29,11 +29,11 @@ from typing import Any
 
 import numpy as np
 
-from . import _array, clip
-from ._validate import positive_int
-from .comm import all_gather, all_reduce_sum, reduce_scatter_sum, split_sizes
-from .parameter import Parameter
-from .process_group import ProcessGroup, resolve_group
+from .. import _array, clip
+from .._validate import positive_int
+from ..comm import all_gather, all_reduce_sum, reduce_scatter_sum, split_sizes
+from ..parameter import Parameter
+from ..process_group import ProcessGroup, resolve_group
 
 Array = Any
 Init = Callable[[np.random.Generator, tuple[int, int]], np.ndarray]
