@@ -60,7 +60,7 @@ from .errors import (
     UnsupportedDTypeError,
     WorldAbortedError,
 )
-from .launch import init, run, spawn, spawn_on_devices
+from .launching.worlds import init, run, spawn, spawn_on_devices
 from .ops import ReduceOp
 from .parameter import Parameter, parameters_of
 from .process_group import ProcessGroup, World, current_world

@@ -7,7 +7,7 @@ ranks are threads of a mock world in this process; under
 world and only rank 0 prints.
 
 ``run`` launches a script on N processes through mpiexec, or torchrun with
-``--launcher torchrun`` (see :mod:`axondist.launcher`); it exits with the
+``--launcher torchrun`` (see :mod:`axondist.launching.supervisor`); it exits with the
 failed rank's status. ``tune``
 measures all-reduce bandwidth per size and saves DDP's bucket size (see
 :mod:`axondist.tune`). ``checkpoint repair ROOT`` rebuilds a checkpoint root's
@@ -25,7 +25,8 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from . import launcher, tune
+from . import tune
+from .launching import supervisor as launcher
 from .pipeline.schedules import schedule_names
 from .trace import cli as trace_cli
 

@@ -21,7 +21,7 @@ from .comm import split_sizes
 from .data import DistributedSampler
 from .ddp import DistributedDataParallel
 from .fsdp import FullyShardedDataParallel
-from .launch import init, spawn
+from .launching.worlds import init, spawn
 from .log import all_reduce_scalar
 from .optim import SGD
 from .parameter import Parameter

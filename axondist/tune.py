@@ -34,7 +34,7 @@ from . import comm
 from ._environment import launched_by_mpi
 from ._validate import positive_number
 from .ddp import DEFAULT_BUCKET_CAP_MB, GradientSynchronizer, GradSyncStrategy
-from .launch import spawn
+from .launching.worlds import spawn
 from .log import all_reduce_scalar
 from .process_group import ProcessGroup, init, resolve_group
 

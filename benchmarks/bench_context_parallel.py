@@ -43,7 +43,7 @@ import axondist as ad  # noqa: E402
 from axondist import context_parallel as cp  # noqa: E402
 from axondist.context_parallel.kernel import MaskRule, block_forward, block_mask  # noqa: E402
 from axondist.context_parallel.ring_link import KV_TAG, RingLink  # noqa: E402
-from axondist.launch import launched_by_mpi  # noqa: E402
+from axondist.launching.worlds import launched_by_mpi  # noqa: E402
 
 #: How benchmarks/run.py runs this file.
 RUNNER = {"ranks": 4, "quick_args": ["--repeats", "3", "--tokens", "64", "256"]}

@@ -79,7 +79,7 @@ from _common import (  # noqa: E402
 import axondist as ad  # noqa: E402
 from axondist import comm  # noqa: E402
 from axondist.fsdp import FSDP, MixedPrecision, ShardingStrategy  # noqa: E402
-from axondist.launch import launched_by_mpi  # noqa: E402
+from axondist.launching.worlds import launched_by_mpi  # noqa: E402
 from axondist.optim import Adam  # noqa: E402
 from axondist.pipeline import PipelineStage  # noqa: E402
 

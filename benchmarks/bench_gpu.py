@@ -63,7 +63,7 @@ from axondist.backends.base import checks_enabled  # noqa: E402
 from axondist.backends.nccl import NcclBackend  # noqa: E402
 from axondist.backends.nccl.basics import NCCL_DTYPES, NCCL_OPS  # noqa: E402
 from axondist.fsdp import FSDP, ShardingStrategy  # noqa: E402
-from axondist.launch import launched_by_mpi  # noqa: E402
+from axondist.launching.worlds import launched_by_mpi  # noqa: E402
 from axondist.optim import SGD  # noqa: E402
 from axondist.pipeline import PipelineStage  # noqa: E402
 

@@ -94,8 +94,8 @@ def gpu_unavailable_reason() -> str | None:
 
 
 def _launched() -> bool:
-    from axondist.backends._rendezvous import LaunchEnv
-    from axondist.launch import launched_by_mpi
+    from axondist.backends.rendezvous import LaunchEnv
+    from axondist.launching.worlds import launched_by_mpi
 
     return launched_by_mpi() or LaunchEnv.present(os.environ)
 

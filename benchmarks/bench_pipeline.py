@@ -45,7 +45,7 @@ import numpy as np  # noqa: E402
 from _common import format_spread, format_table, median, spread, write_json  # noqa: E402
 
 import axondist as ad  # noqa: E402
-from axondist.launch import launched_by_mpi  # noqa: E402
+from axondist.launching.worlds import launched_by_mpi  # noqa: E402
 from axondist.pipeline import (  # noqa: E402
     SCHEDULES,
     Pipeline,

@@ -39,8 +39,8 @@ from _common import (  # noqa: E402
 )
 
 import axondist as ad  # noqa: E402
-from axondist.backends.recorder import FlightRecorder, describe_detail  # noqa: E402
-from axondist.backends.trace_file import TraceWriter  # noqa: E402
+from axondist.backends.recording.recorder import FlightRecorder, describe_detail  # noqa: E402
+from axondist.backends.recording.trace_file import TraceWriter  # noqa: E402
 
 RUNNER = {"ranks": 2, "quick_args": ["--repeats", "20"], "timeout": 600}
 

@@ -2,7 +2,7 @@
 
 axondist's docstrings are Google style with Sphinx roles (:func:`~axondist.init`).
 mkdocstrings renders Markdown, so each role is rewritten before rendering: to a
-cross-reference (``[`init`][axondist.launch.init]``) when its target resolves to a
+cross-reference (``[`init`][axondist.launching.worlds.init]``) when its target resolves to a
 public object that the reference renders, else to a plain code span. Targets are
 resolved as Sphinx does: as written, then relative to the documented object and each
 of its parents, then under ``axondist``. A cross-reference that does not resolve at

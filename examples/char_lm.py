@@ -61,7 +61,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # a checkout's axo
 import axondist as ad
 from axondist import comm
 from axondist import tensor_parallel as tp
-from axondist.launch import launched_by_mpi
+from axondist.launching.worlds import launched_by_mpi
 from axondist.mesh import DeviceMesh, make_mesh
 from axondist.optim import Adam
 from axondist.pipeline import Pipeline, PipelineStage

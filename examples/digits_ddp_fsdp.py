@@ -50,7 +50,7 @@ except ImportError:
 import axondist as ad
 from axondist import comm
 from axondist.data import DistributedSampler
-from axondist.launch import launched_by_mpi
+from axondist.launching.worlds import launched_by_mpi
 from axondist.optim import Adam
 from axondist.zero import ZeroRedundancyOptimizer
 

@@ -43,7 +43,7 @@ except ImportError:  # run from a checkout without installing
     import axondist as ad
 
 from axondist.checkpoint import Checkpointer, load_sharded_checkpoint
-from axondist.launch import launched_by_mpi
+from axondist.launching.worlds import launched_by_mpi
 from axondist.optim import Adam
 
 IN, HIDDEN, CLASSES = 64, 32, 10

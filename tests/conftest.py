@@ -117,14 +117,14 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """Under ``mpiexec`` or ``torchrun``, a failing rank ends the job instead of leaving its
     peers waiting (torchrun stops the others when one rank exits with an error)."""
     from axondist._environment import env_launch_size
-    from axondist.launch import launched_by_mpi
+    from axondist.launching.worlds import launched_by_mpi
 
     if _RANK_BASETEMP is not None:  # nothing left behind in the system's temp folder
         import shutil
 
         shutil.rmtree(_RANK_BASETEMP, ignore_errors=True)
     if exitstatus not in (0, 5) and not launched_by_mpi() and env_launch_size() is not None:
-        from axondist.backends._watchdog import silence_all
+        from axondist.backends.watchdog.watchdog import silence_all
 
         silence_all()
         sys.stdout.flush()
@@ -133,7 +133,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if exitstatus not in (0, 5) and launched_by_mpi():
         from mpi4py import MPI
 
-        from axondist.backends._watchdog import silence_all
+        from axondist.backends.watchdog.watchdog import silence_all
 
         silence_all()  # this rank fails the run: not a departure for the others to report
 

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 import axondist
 from axondist._environment import env_launch_size
-from axondist.launch import launched_by_mpi
+from axondist.launching.worlds import launched_by_mpi
 
 #: The session runs on one rank of an MPI world (under mpiexec).
 UNDER_MPI = launched_by_mpi()

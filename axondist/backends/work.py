@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..errors import CollectiveTimeoutError
-from .recorder import FlightRecorder
+from .recording.recorder import FlightRecorder
 
 
 class Work:

@@ -16,8 +16,8 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from ..backends.recorder import describe_detail
-from ..backends.trace_file import TraceWriter
+from ..backends.recording.recorder import describe_detail
+from ..backends.recording.trace_file import TraceWriter
 from ..process_group import ProcessGroup, peek_world, resolve_group
 from . import clock
 from .report import format_report, straggler_report

@@ -17,7 +17,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..backends.trace_file import rank_file
+from ..backends.recording.trace_file import rank_file
 
 
 @dataclass(frozen=True)

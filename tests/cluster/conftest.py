@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from axondist.launch import launched_by_mpi
+from axondist.launching.worlds import launched_by_mpi
 from cluster.simcluster import SimCluster, why_no_cluster
 
 

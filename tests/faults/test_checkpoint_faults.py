@@ -38,7 +38,7 @@ from axondist.checkpoint import (
     save_sharded_checkpoint,
 )
 from axondist.checkpoint.files import RELEASE_ENV
-from axondist.launch import launched_by_mpi
+from axondist.launching.worlds import launched_by_mpi
 from axondist.optim import Adam
 from faults.runner import LIMIT, run_case
 

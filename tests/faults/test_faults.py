@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from axondist.launch import launched_by_mpi
+from axondist.launching.worlds import launched_by_mpi
 from faults.runner import (
     ENV,
     HARD_LIMIT,

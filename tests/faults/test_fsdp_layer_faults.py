@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from axondist.launch import launched_by_mpi
+from axondist.launching.worlds import launched_by_mpi
 
 REPO = Path(__file__).resolve().parents[2]
 MPIEXEC = Path(sys.executable).parent / "mpiexec"
@@ -30,7 +30,7 @@ SCRIPT = textwrap.dedent('''
     import numpy as np
     import axondist as ad
     from axondist.fsdp import FSDP
-    from axondist.launch import launched_by_mpi
+    from axondist.launching.worlds import launched_by_mpi
     from axondist.optim import SGD
     from axondist.pipeline import PipelineStage
 

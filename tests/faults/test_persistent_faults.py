@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from axondist.launch import launched_by_mpi
+from axondist.launching.worlds import launched_by_mpi
 from faults.runner import MISSING, run_case, start_all
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "fault_cases.py"

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from axondist.launch import launched_by_mpi
+from axondist.launching.worlds import launched_by_mpi
 from faults.runner import ENV, HARD_LIMIT, LAUNCHERS, MISSING, REPO
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "stop_cases.py"

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from axondist.launch import launched_by_mpi
+from axondist.launching.worlds import launched_by_mpi
 from faults.runner import MISSING, Outcome, run_case, start_all
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "exit_cases.py"

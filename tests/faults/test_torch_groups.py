@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from axondist.backends.torch.backend import MAX_GROUPS
-from axondist.launch import launched_by_mpi
+from axondist.launching.worlds import launched_by_mpi
 from faults.runner import MISSING, Outcome, run_case, start_all
 
 HERE = Path(__file__).resolve().parent / "scripts"

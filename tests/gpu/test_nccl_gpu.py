@@ -53,7 +53,7 @@ def _cupy_has_bfloat16() -> bool:
 
 
 def spawn(body, world_size, *args):
-    from axondist.launch import spawn_on_devices
+    from axondist.launching.worlds import spawn_on_devices
 
     return spawn_on_devices(body, list(range(world_size)), *args, timeout=120.0)
 
@@ -178,9 +178,9 @@ def test_two_ranks_on_one_gpu_are_refused_naming_the_gpu():
 
     import cupy
 
-    from axondist.backends._rendezvous import LaunchEnv
     from axondist.backends.nccl import bootstrap_from_env
     from axondist.backends.nccl.runtime import gpu_identity
+    from axondist.backends.rendezvous import LaunchEnv
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -319,7 +319,7 @@ def _mismatch_body(world):
 
 
 def test_mismatched_dtype_and_op_raise_on_every_gpu_before_data_moves():
-    from axondist.launch import spawn_on_devices
+    from axondist.launching.worlds import spawn_on_devices
 
     results = spawn_on_devices(_mismatch_body, _two_gpus(), timeout=120.0)
     for errors, value in results:
@@ -332,7 +332,7 @@ _FAULT = """
 import sys, time
 import numpy as np
 import axondist as ad
-from axondist.launch import spawn_on_devices
+from axondist.launching.worlds import spawn_on_devices
 
 def body(world):
     import cupy

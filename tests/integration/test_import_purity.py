@@ -29,8 +29,8 @@ def test_every_public_name_resolves_and_wrappers_load_lazily():
 LOADED_ON_USE = ("axondist.ddp", "axondist.fsdp", "axondist.zero", "axondist.optim",
                  "axondist.pipeline", "axondist.checkpoint", "axondist.tune",
                  "axondist.tensor_parallel", "axondist.mesh", "axondist.data", "axondist.demo",
-                 "axondist.launcher", "axondist.trace", "tqdm", "matplotlib", "shutil", "bz2",
-                 "lzma")
+                 "axondist.launching.supervisor", "axondist.trace", "tqdm", "matplotlib",
+                 "shutil", "bz2", "lzma")
 
 
 def test_import_and_init_load_only_what_a_job_uses():

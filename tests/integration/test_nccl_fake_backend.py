@@ -30,7 +30,8 @@ from hypothesis import strategies as st
 
 import axondist as ad
 from axondist import _array
-from axondist.backends._rendezvous import (
+from axondist.backends.nccl import basics as nt
+from axondist.backends.rendezvous import (
     KeyValueClient,
     KeyValueServer,
     LaunchEnv,
@@ -38,7 +39,6 @@ from axondist.backends._rendezvous import (
     allgather_over_rendezvous,
     exchange_from_rank0,
 )
-from axondist.backends.nccl import basics as nt
 from axondist.errors import (
     AxondistError,
     BackendUnavailableError,
@@ -91,7 +91,7 @@ def assert_close(got: np.ndarray, want: np.ndarray) -> None:
 # --- import and availability ---------------------------------------------------------
 
 def test_importing_the_backend_imports_neither_cupy_nor_mpi4py():
-    code = ("import sys, axondist, axondist.backends.nccl, axondist.backends._rendezvous; "
+    code = ("import sys, axondist, axondist.backends.nccl, axondist.backends.rendezvous; "
             "print(sorted(m for m in ('cupy', 'mpi4py') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                          check=True, timeout=60, env=child_env())
@@ -347,7 +347,7 @@ def test_rendezvous_between_processes():
     port = free_port()
     code = textwrap.dedent(f"""
         import sys
-        from axondist.backends._rendezvous import LaunchEnv, exchange_from_rank0
+        from axondist.backends.rendezvous import LaunchEnv, exchange_from_rank0
         r = int(sys.argv[1])
         env = LaunchEnv("127.0.0.1", {port}, 2, r)
         print(exchange_from_rank0(env, "uid", lambda: b"made-by-%d" % r, 30.0).decode())
@@ -465,7 +465,7 @@ def test_two_ranks_on_one_gpu_are_refused_under_mpiexec(tmp_path):
 # --- the backend on the CPU stand-in --------------------------------------------------------
 
 def spawn(body, world_size, *args, timeout=20.0):
-    from axondist.launch import spawn_on_devices
+    from axondist.launching.worlds import spawn_on_devices
 
     return spawn_on_devices(body, list(range(world_size)), *args, timeout=timeout)
 
@@ -949,7 +949,7 @@ def test_create_world_backend_without_a_launcher_and_with_options(fake, monkeypa
     monkeypatch.setattr("axondist.process_group._process_world", None)  # restored afterwards
     for var in LaunchEnv.REQUIRED + ("LOCAL_RANK",):
         monkeypatch.delenv(var, raising=False)
-    monkeypatch.setattr("axondist.launch.launched_by_mpi", lambda: False)
+    monkeypatch.setattr("axondist.launching.worlds.launched_by_mpi", lambda: False)
     with pytest.raises(TypeError, match=r"unknown options \['devcie'\]"):
         nccl.create_world_backend(devcie=1)
     b = nccl.create_world_backend(device=2, timeout=5)
@@ -1313,7 +1313,7 @@ import nccl_fake
 
 nccl_fake.install_for_process(device_count=2)
 import axondist as ad
-from axondist.launch import spawn_on_devices
+from axondist.launching.worlds import spawn_on_devices
 
 def body(world):
     ad.barrier()

@@ -39,7 +39,7 @@ TIMEOUT = 30.0
 
 def on_nccl(body: Any, n: int, *args: Any) -> list[Any]:
     """``body(world, to_array, *args)`` on ``n`` fake GPUs, arrays made on the device."""
-    from axondist.launch import spawn_on_devices
+    from axondist.launching.worlds import spawn_on_devices
 
     return spawn_on_devices(body, list(range(n)), ad.to_device, *args, timeout=TIMEOUT)
 
@@ -364,7 +364,7 @@ import nccl_fake
 
 nccl_fake.install_for_process(device_count=4)
 import axondist as ad
-from axondist.launch import spawn_on_devices
+from axondist.launching.worlds import spawn_on_devices
 from axondist.pipeline import Pipeline, PipelineStage
 
 

@@ -17,10 +17,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from axondist import launcher
 from axondist._environment import launched_by_mpi
 from axondist.errors import LaunchError
-from axondist.launcher import RankFailure, RunConfig, build_command, parse_args, summary
+from axondist.launching import supervisor as launcher
+from axondist.launching.supervisor import RankFailure, RunConfig, build_command, parse_args, summary
 
 ROOT = Path(__file__).resolve().parents[2]
 _LAUNCH_PREFIXES = ("PMI_", "PMIX_", "OMPI_", "HYDI_", "HYDRA_", "MPI_LOCAL", "SLURM_")
@@ -206,7 +206,7 @@ def test_an_exception_on_one_rank_ends_the_job_with_one_summary_line(tmp_path):
     assert proc.stderr.count("Traceback (most recent call last):") == 1, proc.stderr
     assert proc.stderr.count("RuntimeError: loss is nan") == 2, proc.stderr  # its last line
     assert "[rank 1] Traceback (most recent call last):" in proc.stderr
-    assert "runpy" not in proc.stderr and "_rank_entry" not in proc.stderr
+    assert "runpy" not in proc.stderr and "in_rank" not in proc.stderr
     assert "BAD TERMINATION" not in proc.stdout + proc.stderr
 
 

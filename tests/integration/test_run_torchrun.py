@@ -16,13 +16,13 @@ from pathlib import Path
 import pytest
 from test_run_launcher import _alive, _start_and_wait_ready, axondist_run, script
 
-from axondist import launcher
 from axondist._environment import env_launch_size, launched_by_mpi
-from axondist._launch_styles import STYLES
-from axondist._run_args import LAUNCHER_NAMES
 from axondist.backends.registry import backend_names
 from axondist.errors import LaunchError
-from axondist.launcher import RunConfig, build_command, parse_args
+from axondist.launching import supervisor as launcher
+from axondist.launching.command_line import LAUNCHER_NAMES
+from axondist.launching.styles import STYLES
+from axondist.launching.supervisor import RunConfig, build_command, parse_args
 
 TIMEOUT = 60  # one torchrun launch takes 3-5 s on two busy cores
 

@@ -14,9 +14,9 @@ import time
 
 import pytest
 
-from axondist.backends import _watchdog
-from axondist.backends._watchdog import GONE, Watchdog
-from axondist.backends.recorder import FlightRecorder
+from axondist.backends.recording.recorder import FlightRecorder
+from axondist.backends.watchdog import watchdog as _watchdog
+from axondist.backends.watchdog.watchdog import GONE, Watchdog
 
 
 def _pair(timeout: float = 30.0, stall: float = 20.0) -> tuple[list[Watchdog], list[str]]:
@@ -338,8 +338,8 @@ def test_without_a_server_a_peer_is_left_to_the_timeout():
 def test_os_exit_tells_the_peers_how_the_rank_left():
     code = textwrap.dedent("""
         import os, sys
-        from axondist.backends._watchdog import Watchdog
-        from axondist.backends.recorder import FlightRecorder
+        from axondist.backends.watchdog.watchdog import Watchdog
+        from axondist.backends.recording.recorder import FlightRecorder
         rec = FlightRecorder(1, 2, "host1")
         dog = Watchdog(rec, timeout=30, stall=20, abort=print, token="t",
                        environ={"AXONDIST_DIAGNOSTICS": "127.0.0.1"})

@@ -39,7 +39,7 @@ from hypothesis import strategies as st
 import axondist as ad
 from axondist import comm
 from axondist.fsdp import FSDP
-from axondist.launch import launched_by_mpi
+from axondist.launching.worlds import launched_by_mpi
 from axondist.optim import Adam
 from axondist.pipeline import PipelineStage
 

@@ -88,3 +88,15 @@ def test_no_import_cycles_in_the_package():
 def test_the_checker_finds_a_cycle():
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert _cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_the_backends_import_nothing_from_the_launcher():
+    """The launcher (``axondist.launching``) sits above the backends: a backend that needs
+    what the launcher also uses finds it below both (the watchdog's launcher report)."""
+    modules = _modules()
+    known = set(modules)
+    upward = sorted(f"{name} -> {target}" for name, path in modules.items()
+                    if name.startswith("axondist.backends")
+                    for target in _imports(name, path, known)
+                    if target.startswith("axondist.launching"))
+    assert not upward, "backends import the launcher: " + "; ".join(upward)

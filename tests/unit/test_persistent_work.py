@@ -14,7 +14,7 @@ from axondist.backends.base import (
     PolledWork,
     _piece_bounds,
 )
-from axondist.backends.recorder import FlightRecorder
+from axondist.backends.recording.recorder import FlightRecorder
 from axondist.errors import CollectiveTimeoutError
 
 

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from axondist.backends.recorder import (
+from axondist.backends.recording.recorder import (
     FlightRecorder,
     describe_call,
     describe_detail,

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from axondist.backends.recorder import FlightRecorder, describe_detail
+from axondist.backends.recording.recorder import FlightRecorder, describe_detail
 
 
 @given(capacity=st.sampled_from([1, 2, 4, 8]),

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from axondist.__main__ import main
-from axondist.backends import trace_file
-from axondist.backends.recorder import FlightRecorder, describe_detail
-from axondist.backends.trace_file import TraceWriter, payload_bytes, rank_file
+from axondist.backends.recording import trace_file
+from axondist.backends.recording.recorder import FlightRecorder, describe_detail
+from axondist.backends.recording.trace_file import TraceWriter, payload_bytes, rank_file
 from axondist.trace.export import TRACKS, perfetto_trace
 from axondist.trace.report import format_report, straggler_report
 from axondist.trace.timeline import read_rank, read_timeline
@@ -226,8 +226,8 @@ def test_environment_variable_gives_every_new_recorder_a_writer(
 
 _OPEN_AND_CLOSE = """
 import sys
-from axondist.backends.recorder import FlightRecorder
-from axondist.backends.trace_file import TraceWriter
+from axondist.backends.recording.recorder import FlightRecorder
+from axondist.backends.recording.trace_file import TraceWriter
 for _ in range(int(sys.argv[2])):
     rec = FlightRecorder(0, 2, "host-a")
     TraceWriter(sys.argv[1], rec).close()

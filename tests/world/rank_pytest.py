@@ -83,7 +83,7 @@ class _PrintFailuresNow:
 def _abort(status: int) -> None:
     """End the whole job now (as ``tests/conftest.py`` does when a rank's session fails)."""
     from axondist._environment import launched_by_mpi
-    from axondist.backends._watchdog import silence_all
+    from axondist.backends.watchdog.watchdog import silence_all
 
     silence_all()  # this rank fails the run: not a departure for the others to report
     sys.stdout.flush()

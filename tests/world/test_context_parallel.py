@@ -479,7 +479,7 @@ def test_cupy_arrays_over_nccl_on_the_cpu_stand_in(method, monkeypatch):
     import nccl_fake
 
     nccl_fake.install(monkeypatch, device_count=4)
-    from axondist.launch import spawn_on_devices
+    from axondist.launching.worlds import spawn_on_devices
 
     for w, causal in itertools.product((2, 3), (True, False)):
         assert all(spawn_on_devices(stand_in_rank, list(range(w)), method, causal, timeout=30))

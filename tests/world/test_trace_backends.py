@@ -30,7 +30,7 @@ def fake_nccl(monkeypatch: pytest.MonkeyPatch) -> Any:
 
 @pytest.mark.skipif(LAUNCHED, reason="runs its own NCCL world on threads")
 def test_nccl_calls_are_traced(fake_nccl: Any, tmp_path: Path) -> None:
-    from axondist.launch import spawn_on_devices
+    from axondist.launching.worlds import spawn_on_devices
 
     def body(world: ad.World) -> None:
         ad.trace.start(str(tmp_path))

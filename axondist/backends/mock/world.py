@@ -18,13 +18,13 @@ from ...errors import (
     RankExitedError,
     WorldAbortedError,
 )
-from .._watchdog import warn
 from ..base import (
     Signature,
     default_timeout,
     stall_warning_after,
 )
-from ..recorder import FlightRecorder, describe_call, describe_status
+from ..recording.recorder import FlightRecorder, describe_call, describe_status
+from ..watchdog.watchdog import warn
 
 # Stages of a round.
 _GATHERING, _SHARING, _DONE = range(3)

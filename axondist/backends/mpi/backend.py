@@ -22,7 +22,7 @@ from ...errors import CollectiveMismatchError, InvalidBufferError
 from ...ops import ReduceOp
 from ..base import PersistentAllReduce, PlannedBackend, Signature
 from ..plan import CallKey, Plan, WidenedMeanPlan, general_plan
-from ..recorder import FlightRecorder
+from ..recording.recorder import FlightRecorder
 from ..work import CompletedWork, PolledWork, Work
 from .algorithms.pair_exchange import PairAllGatherPlan, PairReduceScatterPlan
 from .algorithms.pair_halves import PairHalvesMeanPlan

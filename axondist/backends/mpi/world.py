@@ -12,9 +12,9 @@ import traceback
 from typing import Any
 
 from ..._validate import positive_seconds
-from .._watchdog import Watchdog, exit_soon, print_and_flush, silence_all
 from ..base import default_timeout, stall_warning_after
-from ..recorder import FlightRecorder
+from ..recording.recorder import FlightRecorder
+from ..watchdog.watchdog import Watchdog, exit_soon, print_and_flush, silence_all
 from .backend import MPIBackend
 from .transport import MPIOptions, load_mpi
 

@@ -1,13 +1,14 @@
-"""NcclBackend: one rank's NCCL communicator on one GPU (see :mod:`axondist.backends.nccl`):
-its construction, queries, sub-groups and close, on the collectives and messages of
-``collectives`` and ``messages`` and the launch machinery of ``core``."""
+"""NcclBackend: one rank's endpoint on one GPU (see :mod:`axondist.backends.nccl`), made of
+parts it holds: its communicator (:class:`~.communicator.Communicator`: launch, recording,
+checks), the plans its collectives run as (:mod:`.plans`), its rooted collectives
+(:mod:`.collectives`) and its messages (:class:`~.messages.Messages`). Here: construction,
+queries, sub-groups and close."""
 
 from __future__ import annotations
 
 import secrets
 import socket
 from collections.abc import Sequence
-from types import ModuleType
 from typing import Any
 
 from ...errors import (
@@ -16,21 +17,15 @@ from ...errors import (
     RankError,
     WorldAbortedError,
 )
-from ..base import (
-    checks_enabled,
-    debug_enabled,
-    default_timeout,
-)
-from ..plan import CallKey, Plan
-from ..recorder import FlightRecorder
-from .basics import (
-    GroupedCallError,
-    NcclError,
-    NcclUniqueId,
-    node_info_from_hosts,
-)
-from .messages import MessagesMixin
-from .plans import prepared
+from ...ops import ReduceOp
+from ..base import PlannedBackend, Signature, Work, checks_enabled, debug_enabled, default_timeout
+from ..plan import CallKey, Plan, general_plan
+from ..recording.recorder import FlightRecorder
+from .basics import GroupedCallError, NcclError, NcclUniqueId, node_info_from_hosts
+from .collectives import check_counts, gather, scatter
+from .communicator import Communicator
+from .messages import Messages
+from .plans import plan_for
 from .runtime import (
     NcclCall,
     RankState,
@@ -43,7 +38,7 @@ from .runtime import (
 )
 
 
-class NcclBackend(MessagesMixin):
+class NcclBackend(PlannedBackend):
     """One rank's endpoint in an NCCL communicator, on one GPU, for CuPy arrays.
 
     Args:
@@ -97,25 +92,32 @@ class NcclBackend(MessagesMixin):
         host = socket.gethostname()
         state = RankState(rank, world_size, host, wait, checks=checks_enabled(),
                           debug=debug_enabled())
-        self._setup(cupy, nccl, comm, rank, world_size, device, None, WorldLink(), state,
-                    "world", range(world_size), is_world=True)
+        self._hold(Communicator(cupy, nccl, comm, rank, world_size, device, None, WorldLink(),
+                                state, "world", range(world_size), is_world=True))
         self._join_job(host)
 
-
     @classmethod
-    def _wrap(cls, cupy: ModuleType, nccl: ModuleType, comm: Any, rank: int, world_size: int,
-              device: int, hosts: tuple[str, ...] | None, link: WorldLink, state: RankState,
-              group: str, members: Sequence[int], *, is_world: bool) -> NcclBackend:
+    def _around(cls, comm: Communicator) -> NcclBackend:
+        """A backend holding ``comm`` (a sub-group's, or one of :meth:`create_world`'s)."""
         self = cls.__new__(cls)
-        self._setup(cupy, nccl, comm, rank, world_size, device, hosts, link, state, group,
-                    members, is_world=is_world)
+        self._hold(comm)
         return self
+
+    def _hold(self, comm: Communicator) -> None:
+        #: This rank's communicator: launch, recording and checks (what the plans use).
+        self.comm = comm
+        #: Point-to-point and object messages over it.
+        self.messages = Messages(comm)
+        self.rank, self.world_size, self.device = comm.rank, comm.world_size, comm.device
+        self.timeout = comm.timeout
+        #: axondist.comm builds signature tuples only for the debug comparison.
+        self.needs_signature = comm.state.debug
 
     def _join_job(self, host: str) -> None:
         """Exchange host names and settings (which must agree), then start the watchdog."""
-        state, n = self._state, self.world_size
+        state, n = self.comm.state, self.world_size
         settings = (state.checks, state.debug, self.timeout)
-        table = self._allgather_object_raw((host, settings))
+        table = self.comm.allgather_object_raw((host, settings))
         if any(t[1] != settings for t in table):
             state.abort_all()
             detail = "; ".join(f"rank {k}: checks={t[1][0]}, debug={t[1][1]}, timeout={t[1][2]:g}"
@@ -123,11 +125,12 @@ class NcclBackend(MessagesMixin):
             raise ValueError(f"NcclBackend: the ranks were started with different axondist "
                              f"settings ({detail}); set AXONDIST_CHECKS, AXONDIST_DEBUG and "
                              "AXONDIST_TIMEOUT (or timeout=) alike on every rank")
-        self._hosts = tuple(t[0] for t in table)
+        self.comm.hosts = tuple(t[0] for t in table)
         if n > 1:
-            token = self._broadcast_object_raw(secrets.token_hex(16) if self.rank == 0 else "", 0)
+            token = self.comm.broadcast_object_raw(secrets.token_hex(16) if self.rank == 0 else "",
+                                                   0)
             watchdog = state.make_watchdog(token)
-            watchdog.start(self._allgather_object_raw(watchdog.address))
+            watchdog.start(self.comm.allgather_object_raw(watchdog.address))
 
     # --- construction helpers -------------------------------------------------------------
     @staticmethod
@@ -166,49 +169,108 @@ class NcclBackend(MessagesMixin):
             comms = nccl.NcclCommunicator.initAll(devices)
         host = socket.gethostname()
         link = WorldLink()
-        backends = [cls._wrap(cupy, nccl, comm, r, n, d, (host,) * n, link,
-                              RankState(r, n, host, wait, checks=checks, debug=debug), "world",
-                              range(n), is_world=True)
+        backends = [cls._around(Communicator(
+                        cupy, nccl, comm, r, n, d, (host,) * n, link,
+                        RankState(r, n, host, wait, checks=checks, debug=debug), "world",
+                        range(n), is_world=True))
                     for r, (comm, d) in enumerate(zip(comms, devices))]
         if n > 1:
             token = secrets.token_hex(16)
-            dogs = [b._state.make_watchdog(token) for b in backends]
+            dogs = [b.comm.state.make_watchdog(token) for b in backends]
             for dog in dogs:
                 dog.start([d.address for d in dogs])
         return backends
 
-    # --- prepared calls -------------------------------------------------------------------
+    # --- collectives: plans, and the rooted calls -------------------------------------------
     def make_plan(self, key: CallKey) -> Plan:
-        """In-place all-reduces and broadcasts of CuPy arrays get a plan that resolves the
-        NCCL arguments and the check's buffer once (:mod:`.plans`); other calls the
-        generic plans over this backend's collectives."""
-        return prepared(self, key) or super().make_plan(key)
+        """The NCCL plan of ``key`` (:mod:`.plans`: every collective on CuPy arrays), or the
+        generic one where there is none (a half-precision mean, widened; an all-gather
+        whose row counts are exchanged first)."""
+        return plan_for(self.comm, key) or general_plan(self, key)
+
+    def reduce_scatter(self, send: Any, recv: Any, counts: Sequence[int], op: ReduceOp, *,
+                       signature: Signature = (), async_op: bool = False) -> Work:
+        """The reduce-scatter of flat ``send`` into blocks of ``counts`` elements (its plan's
+        call)."""
+        self.comm.require_on_device(send, "reduce_scatter")
+        self.comm.require_on_device(recv, "reduce_scatter", writable=True)
+        counts = check_counts(self.comm, "reduce_scatter", counts, recv, send, "recv", "send")
+        flat = send.reshape(-1)
+        key = CallKey.of("reduce_scatter", flat, reduce_op=op, counts=tuple(counts),
+                         async_op=async_op)
+        return self._planned(key, flat, recv.reshape(-1), recv)
+
+    def gather(self, send: Any, recv: Any | None, counts: Sequence[int], root: int, *,
+               signature: Signature = (), async_op: bool = False) -> Work:
+        """Sends to ``root`` and receives there, in one NCCL group; None off the root."""
+        return gather(self.comm, send, recv, counts, root, signature, async_op)
+
+    def scatter(self, send: Any | None, recv: Any, counts: Sequence[int], root: int, *,
+                signature: Signature = (), async_op: bool = False) -> Work:
+        """Sends from ``root`` to every rank's ``recv``, in one NCCL group."""
+        return scatter(self.comm, send, recv, counts, root, signature, async_op)
+
+    def barrier(self) -> None:
+        """An all-reduce of one number, waited for on the host."""
+        require_no_group("barrier")
+        self.comm.barrier()
+
+    def metadata_buffer(self, values: Any) -> Any:
+        """A copy of the host array ``values`` on this backend's GPU (NCCL reads device
+        memory only), made on the caller's stream, which the collectives follow."""
+        with self.comm.cupy.cuda.Device(self.device):
+            return self.comm.cupy.asarray(values)
+
+    # --- messages -------------------------------------------------------------------------
+    def send(self, buf: Any, dst: int, tag: int = 0) -> None:
+        """See :meth:`.messages.Messages.send`."""
+        self.messages.send(buf, dst, tag)
+
+    def recv(self, buf: Any, src: int, tag: int = 0) -> None:
+        """See :meth:`.messages.Messages.recv`."""
+        self.messages.recv(buf, src, tag)
+
+    def allgather_object(self, obj: Any) -> list[Any]:
+        """See :meth:`.messages.Messages.allgather_object`."""
+        return self.messages.allgather_object(obj)
+
+    def broadcast_object(self, obj: Any, root: int) -> Any:
+        """See :meth:`.messages.Messages.broadcast_object`."""
+        return self.messages.broadcast_object(obj, root)
+
+    def send_object(self, obj: Any, dst: int, tag: int = 0) -> None:
+        """See :meth:`.messages.Messages.send_object`."""
+        self.messages.send_object(obj, dst, tag)
+
+    def recv_object(self, src: int, tag: int = 0) -> Any:
+        """See :meth:`.messages.Messages.recv_object`."""
+        return self.messages.recv_object(src, tag)
 
     # --- queries --------------------------------------------------------------------------
     def nccl_version(self) -> tuple[int, int, int]:
         """The NCCL library's ``(major, minor, patch)``."""
-        return self._version
+        return self.comm.version
 
     @property
     def stream(self) -> Any:
         """The ``cupy.cuda.Stream`` this backend's operations run on."""
-        return self._stream
+        return self.comm.stream
 
     @property
     def communicator(self) -> Any:
         """The underlying ``cupy.cuda.nccl.NcclCommunicator`` (for what axondist lacks)."""
-        return self._comm
+        return self.comm.nccl_comm
 
     def node_info(self) -> tuple[int, int, int]:
         """``(node_id, local_rank, local_size)`` from the host names the ranks exchanged."""
-        return node_info_from_hosts(self._hosts or (socket.gethostname(),) * self.world_size,
+        return node_info_from_hosts(self.comm.hosts or (socket.gethostname(),) * self.world_size,
                                     self.rank)
 
     @property
     def recorder(self) -> FlightRecorder:  # type: ignore[override]
         """This rank's flight recorder (shared by its groups), completed calls stamped."""
-        self._sweep()
-        return self._state.recorder
+        self.comm.sweep()
+        return self.comm.state.recorder
 
     def grouped(self) -> group_calls:
         """Context manager bracketing calls in ``ncclGroupStart``/``ncclGroupEnd``."""
@@ -217,12 +279,7 @@ class NcclBackend(MessagesMixin):
     def synchronize(self) -> None:
         """Block until every operation issued on this backend has completed."""
         require_no_group("synchronize")
-        with self._cupy.cuda.Device(self.device):
-            event = self._cupy.cuda.Event(disable_timing=True)
-            event.record(self._stream)
-        self._wait_event(event, "synchronize", None)
-        while self._inflight:
-            self._inflight.popleft().is_completed()  # stamps each one's recorder entry
+        self.comm.synchronize()
 
     def __repr__(self) -> str:
         return f"NcclBackend(rank={self.rank}, world_size={self.world_size}, device={self.device})"
@@ -239,7 +296,7 @@ class NcclBackend(MessagesMixin):
         require_no_group("new_group")
         ranks = tuple(int(r) for r in ranks)
         for r in ranks:
-            self._check_root(r, "new_group", "rank")
+            self.comm.check_rank(r, "new_group", "rank")
         if not ranks or len(set(ranks)) != len(ranks):
             raise RankError(f"new_group: ranks {list(ranks)} must be distinct and non-empty")
         all_ranks = self.allgather_object(ranks)
@@ -249,19 +306,20 @@ class NcclBackend(MessagesMixin):
                 + ", ".join(f"rank {k} passed {list(r)}" for k, r in enumerate(all_ranks)))
         uid = self.generate_unique_id() if self.rank == ranks[0] else None
         uid = self.broadcast_object(uid, ranks[0])
-        name = f"{self._group}.{self._groups_made}"
-        self._groups_made += 1
+        c = self.comm
+        name = f"{c.group}.{c.groups_made}"
+        c.groups_made += 1
         if self.rank not in ranks:
             return None
         sub_rank, size = ranks.index(self.rank), len(ranks)
         where = f"sub-group rank {sub_rank} of {size} (GPU {self.device})"
-        with self._cupy.cuda.Device(self.device), \
-                NcclCall(self._nccl, "new_group (ncclCommInitRank)", where):
-            comm = new_communicator(self._nccl, size, uid, sub_rank)
-        hosts = tuple(self._hosts[r] for r in ranks) if self._hosts else None
-        return NcclBackend._wrap(self._cupy, self._nccl, comm, sub_rank, size, self.device,
-                                 hosts, self._link, self._state, name,
-                                 [self._members[r] for r in ranks], is_world=False)
+        with c.cupy.cuda.Device(self.device), \
+                NcclCall(c.nccl, "new_group (ncclCommInitRank)", where):
+            comm = new_communicator(c.nccl, size, uid, sub_rank)
+        hosts = tuple(c.hosts[r] for r in ranks) if c.hosts else None
+        return NcclBackend._around(Communicator(
+            c.cupy, c.nccl, comm, sub_rank, size, self.device, hosts, c.link, c.state, name,
+            [c.members[r] for r in ranks], is_world=False))
 
     def close(self) -> None:
         """Finish outstanding work and destroy the communicator (idempotent).
@@ -273,32 +331,32 @@ class NcclBackend(MessagesMixin):
         close it tells the peers this rank left (a peer still waiting for it
         then fails at once, naming it).
         """
-        if self._closed:
+        c = self.comm
+        if c.closed:
             return
-        state = self._state
-        abort = (self._link.reason is not None or state.verdict is not None
-                 or self._broken is not None)
+        state = c.state
+        abort = c.link.reason is not None or state.verdict is not None or c.broken is not None
         if not abort:
             try:
                 self.synchronize()
             except (CollectiveTimeoutError, CollectiveMismatchError, WorldAbortedError, NcclError,
                     GroupedCallError):
                 abort = True
-        self._closed = True
-        self._inflight.clear()
+        c.closed = True
+        c.inflight.clear()
         self.free_plans()
-        state.recorder.groups.pop(self._group, None)
-        state.recorder.groups.pop(self._p2p_group, None)
-        if self._comm in state.comms:
-            state.comms.remove(self._comm)
-        with self._cupy.cuda.Device(self.device):
-            if state.verdict is not None or self._broken is not None:
+        state.recorder.groups.pop(c.group, None)
+        state.recorder.groups.pop(c.p2p_group, None)
+        if c.nccl_comm in state.comms:
+            state.comms.remove(c.nccl_comm)
+        with c.cupy.cuda.Device(self.device):
+            if state.verdict is not None or c.broken is not None:
                 pass  # aborted already
-            elif abort and hasattr(self._comm, "abort"):
-                self._comm.abort()
+            elif abort and hasattr(c.nccl_comm, "abort"):
+                c.nccl_comm.abort()
             else:
-                self._comm.destroy()
-        if self._is_world and state.watchdog is not None:
+                c.nccl_comm.destroy()
+        if c.is_world and state.watchdog is not None:
             if abort:
                 state.watchdog.stop()
             else:

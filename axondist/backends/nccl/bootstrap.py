@@ -14,8 +14,8 @@ from typing import Any
 
 from ..._environment import launched_by_mpi
 from ...errors import BackendUnavailableError, RankError
-from .._rendezvous import LaunchEnv, allgather_over_rendezvous
 from ..base import default_timeout
+from ..rendezvous import LaunchEnv, allgather_over_rendezvous
 from .backend import NcclBackend
 from .basics import NcclUniqueId, RankGpu, select_device, shared_gpu_message
 from .runtime import device_count, gpu_identity, load_cupy
@@ -69,7 +69,7 @@ def create_world_backend(**options: Any) -> NcclBackend:
         backend = NcclBackend(NcclBackend.generate_unique_id(), 0, 1,
                               0 if device is None else int(device), timeout=timeout)
     cupy.cuda.Device(backend.device).use()
-    backend._state.end_process = True  # a launched job: a watchdog abort ends this process
+    backend.comm.state.end_process = True  # a launched job: a watchdog abort ends this process
     return backend
 
 

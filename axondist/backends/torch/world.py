@@ -15,10 +15,10 @@ from typing import Any
 
 from ..._validate import positive_seconds
 from ...errors import CollectiveTimeoutError, WorldAbortedError
-from .._rendezvous import LaunchEnv
-from .._watchdog import Watchdog, exit_soon, print_and_flush, silence_all
 from ..base import checks_enabled, debug_enabled, default_timeout, stall_warning_after
-from ..recorder import FlightRecorder
+from ..recording.recorder import FlightRecorder
+from ..rendezvous import LaunchEnv
+from ..watchdog.watchdog import Watchdog, exit_soon, print_and_flush, silence_all
 from .backend import TorchBackend
 from .interop import load_torch
 

@@ -15,13 +15,8 @@ import traceback
 from collections.abc import Sequence
 from typing import Any
 
-#: The environment variable a launched script reads to know how often the job was restarted.
-RESTART_COUNT_VAR = "AXONDIST_RESTART_COUNT"
-#: Where ranks on the launching host also leave their reports (hydra may drop the last output
-#: of an aborting job; a file cannot be dropped).
-RUN_DIR_VAR = "AXONDIST_RUN_DIR"
-#: Starts a line meant for the launcher only (never shown): "<MARK> rank event fields...".
-MARK = "\x1eaxondist-run"
+from ..backends.watchdog.launcher_report import MARK, RESTART_COUNT_VAR, RUN_DIR_VAR
+from ..backends.watchdog.launcher_report import report as _report
 
 # MPI launchers first; torchrun's RANK last (a leftover RANK must not win under mpiexec).
 _RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID", "RANK")
@@ -34,29 +29,6 @@ def _env_rank() -> int:
         if value is not None and value.isdigit():
             return int(value)
     return -1
-
-
-def report_lost(rank: int, lost: int, how: str) -> None:
-    """Tell the launcher that rank ``lost`` left the job (``how``: what its peers saw), when
-    ``axondist run`` started this rank: a rank that ends without a word (``os._exit``, a
-    signal) cannot say so itself, and the launcher cannot tell it from the ranks killed in
-    the clean-up."""
-    if os.environ.get(RUN_DIR_VAR):
-        _report(rank, "lost", lost, " ".join(how.split()))
-
-
-def _report(rank: int, *fields: object) -> None:
-    line = " ".join([MARK, str(rank), *map(str, fields)]) + "\n"
-    sys.stdout.flush()
-    sys.stderr.write(line)
-    sys.stderr.flush()
-    run_dir = os.environ.get(RUN_DIR_VAR)
-    if run_dir and os.path.isdir(run_dir):  # on the launching host only
-        try:
-            with open(os.path.join(run_dir, f"status.{rank}"), "a") as f:
-                f.write(line)
-        except OSError:
-            pass
 
 
 def _exit_code(code: Any) -> int:
@@ -148,4 +120,4 @@ def rank_main(argv: Sequence[str] | None = None) -> None:
     _report(rank, "end", 0)
 
 
-__all__ = ["MARK", "RESTART_COUNT_VAR", "RUN_DIR_VAR", "rank_main", "report_lost"]
+__all__ = ["MARK", "RESTART_COUNT_VAR", "RUN_DIR_VAR", "rank_main"]

@@ -1,8 +1,9 @@
 """``axondist run``: launch a script on N processes through ``mpiexec`` or ``torchrun``, tag
 each output line with its rank, say in one line which rank failed and how, and relaunch the
 whole job after a failure (``--max-restarts``) so a script that resumes from its latest
-checkpoint carries on. Its command line: ``axondist._run_args``; how each launcher is
-driven: ``axondist._launch_styles``. Design notes: docs/launching.md."""
+checkpoint carries on. Its command line: :mod:`axondist.launching.command_line`; how each
+launcher is driven: :mod:`axondist.launching.styles`; how a failure is told:
+:mod:`axondist.launching.failure`. Design notes: docs/launching.md."""
 
 from __future__ import annotations
 
@@ -21,57 +22,20 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from ._launch_styles import STYLES, LaunchStyle
-from ._rank_entry import MARK as _MARK
-from ._rank_entry import RESTART_COUNT_VAR, RUN_DIR_VAR
-from ._run_args import RunConfig, parse_args
-from .errors import LaunchError
+from ..errors import LaunchError
+from .command_line import RunConfig, parse_args
+from .failure import CAUSED_BY_A_PEER, RankFailure, seen_leaving, summary
+from .in_rank import MARK as _MARK
+from .in_rank import RESTART_COUNT_VAR, RUN_DIR_VAR
+from .styles import STYLES, LaunchStyle
 
 _POLL_S = 0.05
 _KILL_AFTER_S = 5.0  # after asking mpiexec to stop, how long before it is killed outright
 _RUN_DIR_PREFIX = "axondist-run-"
 _PR_SET_PDEATHSIG = 1
-
-
-@dataclass
-class RankFailure:
-    """Which rank failed first, and how."""
-
-    rank: int | None
-    exit_code: int | None = None
-    signal_number: int | None = None
-    reason: str = ""
-    tail: list[str] = field(default_factory=list)
-    before_traceback: bool = False
-    """The tail stops where the rank's traceback began (the traceback was shown once, live)."""
-    tail_of: str = ""
-    """Who printed the tail when it is not the rank's (the launcher, say ``"torchrun"``)."""
-
-    def describe(self) -> str:
-        """"exit code 3" or "signal 9 (SIGKILL)", plus the reason when one is known."""
-        if self.signal_number is not None:
-            how = f"killed by signal {self.signal_number} ({_signal_name(self.signal_number)})"
-        else:
-            how = f"exit code {self.exit_code}"
-        return f"{how}: {self.reason}" if self.reason else how
-
-    @property
-    def exit_status(self) -> int:
-        """The status the launcher exits with (128 + N for signal N, as a shell reports it)."""
-        if self.signal_number is not None:
-            return 128 + self.signal_number
-        return self.exit_code if self.exit_code else 1
-
-
-def _signal_name(number: int) -> str:
-    try:
-        return signal.Signals(number).name
-    except ValueError:
-        return "unknown signal"
 
 
 # --- finding and driving mpiexec -------------------------------------------------------------
@@ -122,7 +86,7 @@ def mpiexec_flavour(mpiexec: str) -> str:
     return "unknown"
 
 
-_RANK_ENTRY = "from axondist._rank_entry import rank_main; rank_main()"
+_RANK_ENTRY = "from axondist.launching.in_rank import rank_main; rank_main()"
 
 
 def build_command(cfg: RunConfig, program: str, flavour: str, outdir: str | None,
@@ -140,7 +104,7 @@ def build_command(cfg: RunConfig, program: str, flavour: str, outdir: str | None
         outdir: the run folder (None: none).
         python: the interpreter the ranks run (overrides ``cfg.python``).
 
-    Every rank runs the target through ``axondist._rank_entry``, which reports how it ended
+    Every rank runs the target through ``axondist.launching.in_rank``, which reports how it ended
     (with ``no_python``, the program itself runs).
     """
     rank_argv = (list(cfg.target) if cfg.no_python
@@ -394,7 +358,7 @@ class _Job:
         failure = self.failure
         if (failure is not None and self.lost is not None and self.lost[0] != failure.rank
                 and self.lost[0] not in self.reported
-                and failure.reason.startswith(_CAUSED_BY_A_PEER)):
+                and failure.reason.startswith(CAUSED_BY_A_PEER)):
             # the first report is a peer's error about a rank that left without a word
             # (os._exit, a signal): that rank is the failure, as its peers' watchdog saw it
             failure = self._left_without_a_word(code)
@@ -424,7 +388,7 @@ class _Job:
         sig = self.banner.get("signal")
         own = self.banner.get("pid") == self.pids.get(rank, (None,))[0]
         signum = int(sig) if sig is not None and own else None
-        reason, exit_code = _seen_leaving(why)
+        reason, exit_code = seen_leaving(why)
         return RankFailure(rank, exit_code=None if signum else exit_code or code or 1,
                            signal_number=signum, reason=reason)
 
@@ -445,7 +409,7 @@ class _Job:
         reason, launcher = "", self.style.name
         if rank is None and self.lost is not None and self.lost[0] in silent:
             rank = self.lost[0]
-            reason, exit_code = _seen_leaving(self.lost[1])
+            reason, exit_code = seen_leaving(self.lost[1])
             if pid not in (None, self.pids[rank][0]):  # the banner names a rank killed after
                 signum, number = None, code
             if exit_code is not None:
@@ -467,35 +431,6 @@ class _Job:
             failure.tail = list(self.launcher_lines)[-self.cfg.tail_lines:]
             failure.tail_of = launcher
         return failure
-
-
-def _seen_leaving(how: str) -> tuple[str, int | None]:
-    """The reason for a rank its peers' watchdog saw leave (``how``: what they saw), and its
-    exit status when that says ``os._exit(N)``."""
-    m = re.search(r"_exit\((\d+)\)", how)
-    return (f"its peers saw it leave ({how})" if how else "its peers saw it leave",
-            int(m[1]) if m else None)
-
-
-#: Errors a rank raises because another rank failed or left (their class as reported).
-_CAUSED_BY_A_PEER = ("axondist.errors.WorldAbortedError", "axondist.errors.RankExitedError")
-
-
-def _last_lines(n: int) -> str:
-    return "last line" if n == 1 else f"last {n} lines"
-
-
-def summary(failure: RankFailure, nprocs: int, seconds: float) -> list[str]:
-    """The failure summary: one line, then the failed rank's last output lines indented."""
-    who = (f"rank {failure.rank} of {nprocs}" if failure.rank is not None
-           else f"the job ({nprocs} ranks)")
-    whose = failure.tail_of or (f"rank {failure.rank}" if failure.rank is not None
-                                else "that rank")
-    before = " before its traceback" if failure.before_traceback else ""
-    lines = [f"axondist run: {who} failed after {seconds:.1f} s ({failure.describe()})"
-             + (f"; {_last_lines(len(failure.tail))} of {whose}{before}:" if failure.tail
-                else "")]
-    return lines + [f"    | {line}" for line in failure.tail]
 
 
 def run_job(cfg: RunConfig, out: TextIO | None = None, err: TextIO | None = None) -> int:

@@ -10,14 +10,13 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from . import log
-from ._environment import env_launch_size, launched_by_mpi
-from .backends import nccl
-from .backends.base import Backend
-from .backends.mock import MockBackend
-from .backends.mock.process_end import ProcessEndWatch
-from .errors import CollectiveMismatchError, RankExitedError, WorldAbortedError
-from .process_group import World, init, peek_world, use_world
+from .. import log
+from .._environment import env_launch_size, launched_by_mpi
+from ..backends.base import Backend
+from ..backends.mock import MockBackend
+from ..backends.mock.process_end import ProcessEndWatch
+from ..errors import CollectiveMismatchError, RankExitedError, WorldAbortedError
+from ..process_group import World, init, peek_world, use_world
 
 T = TypeVar("T")
 
@@ -95,6 +94,8 @@ def spawn_on_devices(fn: Callable[..., T], devices: Sequence[int], *args: Any,
     Raises:
         As :func:`spawn`; the communicators of the other ranks are aborted.
     """
+    from ..backends import nccl  # CuPy's backend: loaded only by the call that uses it
+
     backends = nccl.NcclBackend.create_world(list(devices), timeout=timeout)
     link = backends[0]._link
 

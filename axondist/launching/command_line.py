@@ -12,9 +12,9 @@ import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ._rank_entry import RESTART_COUNT_VAR
+from .in_rank import RESTART_COUNT_VAR
 
-#: What ``--launcher`` may name (``axondist.launcher.LAUNCHERS`` says how each finds its
+#: What ``--launcher`` may name (``axondist.launching.supervisor.LAUNCHERS`` says how each finds its
 #: program).
 LAUNCHER_NAMES = ("mpiexec", "torchrun")
 _PYTHON = re.compile(r"^python[0-9.]*$")
@@ -41,7 +41,7 @@ class RunConfig:
     max_restarts: int = 0
     """Relaunches of the whole job after a failure."""
     mpiexec: str | None = None
-    """The mpiexec to use; None finds one (see ``axondist.launcher.find_mpiexec``)."""
+    """The mpiexec to use; None finds one (see ``axondist.launching.supervisor.find_mpiexec``)."""
     tail_lines: int = 10
     """Lines of the failed rank's output quoted in the failure summary."""
     stop_grace: float = 5.0

@@ -5,7 +5,7 @@ peer of a ``send``/``recv`` (unless that peer is in the matching ``recv``/``send
 members of a collective's group that have not issued its number. A cycle of such waits
 through blocked ranks, of any length (0 -> 1 -> 0, or 0 -> 1 -> 2 -> 0), can never
 resolve: every rank in it waits for the next. Statuses are the flight recorders' (see
-:meth:`axondist.backends.recorder.FlightRecorder.status`); the functions are pure.
+:meth:`axondist.backends.recording.recorder.FlightRecorder.status`); the functions are pure.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ._run_args import RunConfig
+    from .command_line import RunConfig
 
 #: What a launcher reported of a failed rank: ``pid``, ``host``, ``code`` (exit code),
 #: ``signal``, and ``rank`` when the launcher names the first failure itself.
@@ -186,8 +186,8 @@ STYLES: dict[str, LaunchStyle] = {
                             "(or `pip install torch`), or launch through MPI with "
                             "--launcher mpiexec"),
 }
-"""The launch style of each launcher, by :func:`axondist.launcher.mpiexec_flavour`'s name or
-``"torchrun"``."""
+"""The launch style of each launcher, by
+:func:`axondist.launching.supervisor.mpiexec_flavour`'s name or ``"torchrun"``."""
 
 
 __all__ = ["STYLES", "LaunchStyle", "Report"]

@@ -27,8 +27,8 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NoReturn
 
-from .._rank_entry import report_lost
-from ._diagnostics import (
+from ..recording.recorder import FlightRecorder, describe_call, describe_status, format_entries
+from .diagnostics import (
     GONE,
     MAX_LINE,
     NO_ANSWER,
@@ -44,8 +44,8 @@ from ._diagnostics import (
     process_gone,
     send_to_peer,
 )
-from ._wait_graph import different_calls, find_cycle, unknown_waited_for
-from .recorder import FlightRecorder, describe_call, describe_status, format_entries
+from .launcher_report import report_lost
+from .wait_graph import different_calls, find_cycle, unknown_waited_for
 
 log = logging.getLogger("axondist.watchdog")
 
@@ -492,7 +492,7 @@ class Watchdog:
 
     def _different_calls(self, call: dict[str, Any], statuses: dict[int, Any]) -> str | None:
         """Text naming the ranks whose call of the same number differs from this rank's,
-        or None (see :func:`~._wait_graph.different_calls`)."""
+        or None (see :func:`~.wait_graph.different_calls`)."""
         if "peer" in call:
             return None
         return different_calls(self.recorder.rank, call, self.recorder.entries(32), statuses)

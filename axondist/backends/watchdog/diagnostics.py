@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from .._environment import launched_on_one_host
+from ..._environment import launched_on_one_host
 
 #: The longest line a server or a client reads.
 MAX_LINE = 1 << 20
