@@ -1,9 +1,10 @@
 """Checking and splitting what a Pipeline is given: counts, stages, loss function, batches.
 
 Pure helpers of :mod:`axondist.pipeline.runtime` (no communication): the
-microbatch and chunk counts a schedule implies, the stage list, the loss
-function, the batch-size codes the ranks exchange before a step, the split
-into microbatches and the forward-only schedule used for inference.
+microbatch and chunk counts a schedule implies, the validated schedule, the
+stage list, the loss function, the batch-size codes the ranks exchange before
+a step and the verdict on them, the split into microbatches and the
+forward-only schedule used for inference.
 """
 
 from __future__ import annotations
@@ -19,12 +20,15 @@ from axondist.pipeline.schedules import (
     ActionKind,
     PipelineSchedule,
     Schedule,
+    build_schedule,
     schedule_names,
 )
 from axondist.pipeline.stage import PipelineStage
+from axondist.pipeline.validation import validate
 
-__all__ = ["ABSENT", "NONE", "NO_LOSS_FN", "SCALAR", "check_loss_fn", "forwards_only", "rows_code",
-           "shape_of", "split_rows", "stage_list"]
+__all__ = ["ABSENT", "NONE", "NO_LOSS_FN", "SCALAR", "check_batch_rows", "check_loss_fn",
+           "forwards_only", "rows_code", "schedule_for", "shape_of", "split_rows",
+           "stage_list"]
 
 #: Codes the ranks exchange before a step in place of a row count: not held here, None, a
 #: 0-d array, and (for the last stage's target) no loss function to apply to it.
@@ -52,6 +56,24 @@ def shape_of(what: str, schedule: Any, num_microbatches: Any, chunks: Any) -> tu
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{what}: {name} must be an int >= 1, got {value!r}")
     return num_microbatches, chunks
+
+
+def schedule_for(what: str, schedule: PipelineSchedule | str | Schedule, p: int, m: int,
+                 v: int) -> Schedule:
+    """The validated schedule a pipeline of ``p`` ranks, ``m`` microbatches and ``v`` chunks
+    runs: ``schedule`` itself when it is a :class:`Schedule` (for ``p`` ranks), else the one
+    its kind or name builds."""
+    if isinstance(schedule, Schedule):
+        if schedule.num_ranks != p:
+            raise ScheduleError(
+                f"{what}: the schedule is for {schedule.num_ranks} rank(s) but the pipeline "
+                f"has {p} (the group's size, or len(stages) // chunks); build it for {p}")
+        built = schedule
+    else:
+        kind = PipelineSchedule.parse(schedule, f"{what}: schedule")
+        built = build_schedule(kind, p, m, v)
+    validate(built)
+    return built
 
 
 def check_loss_fn(loss_fn: Any, where: str) -> LossFn | None:
@@ -86,6 +108,34 @@ def rows_code(x: Any) -> int:
     if shape is None:
         shape = _array.as_array(x).shape
     return SCALAR if len(shape) == 0 else int(shape[0])
+
+
+def check_batch_rows(what: str, x_rows: int, t_rows: int, m: int, last: int) -> None:
+    """Refuse a batch from the row codes of ``x`` and ``target`` every rank agreed on (so
+    every rank raises alike): no loss function on the last stage's rank ``last``, no ``x``,
+    a 0-d one or fewer rows than the ``m`` microbatches, a 0-d target or one whose rows
+    differ from ``x``'s."""
+    if t_rows == NO_LOSS_FN:
+        raise TypeError(f"{what}: no loss_fn where the last stage lives (rank {last}); "
+                        "pass loss_fn=... to the Pipeline (or to this call): "
+                        "loss_fn(y, target) -> (loss, grad_y) for one microbatch")
+    if x_rows == NONE:
+        raise ValueError(f"{what}: the rank holding stage 0 (rank 0) passed x=None; it "
+                         "must pass the input batch")
+    if x_rows == SCALAR:
+        raise ValueError(f"{what}: x must have a leading batch axis, got a 0-d array")
+    if x_rows < m:
+        raise ValueError(
+            f"{what}: x has {x_rows} rows, fewer than num_microbatches={m}; every "
+            f"microbatch needs at least one row (numpy.array_split would make empty "
+            f"ones): pass at least {m} rows or build the Pipeline with "
+            f"num_microbatches <= {x_rows}")
+    if t_rows == SCALAR:
+        raise ValueError(f"{what}: target (on rank {last}) must have a leading batch axis "
+                         "to split into microbatches, got a 0-d array")
+    if t_rows >= 0 and t_rows != x_rows:
+        raise ValueError(f"{what}: target has {t_rows} rows but x has {x_rows}; they are "
+                         "split into microbatches together and must match")
 
 
 def split_rows(x: Any, m: int) -> list[Any]:

@@ -18,14 +18,14 @@ from typing import Any
 
 from axondist import _array
 from axondist.parameter import Parameter
-from axondist.pipeline.communication import CommKind, CommOp, Payload
+from axondist.pipeline.communication import CommKind, CommOp, CommunicationPlan, Payload
 from axondist.pipeline.memory import ActivationMeter, PipelineRunStats
 from axondist.pipeline.schedules import Action, ActionKind, Schedule
 from axondist.pipeline.simulate import TimedAction
 from axondist.pipeline.stage import PipelineStage
 from axondist.pipeline.transport import Transport
 
-__all__ = ["LossFn", "RankRunner", "StepState"]
+__all__ = ["LossFn", "RankRunner", "StepState", "run_programs"]
 
 #: ``loss_fn(y, target) -> (loss, grad_y)`` for one microbatch (see Pipeline.train_step).
 LossFn = Callable[[Any, Any], tuple[Any, Any]]
@@ -264,3 +264,25 @@ class RankRunner:
             self._inbox[key] = x
         else:
             self._outbox[key] = x
+
+
+def run_programs(step: StepState, plan: CommunicationPlan, ranks: Sequence[int],
+                 transport: Transport) -> None:
+    """Run the programs of ``ranks`` (this process's) for one step over ``transport``.
+
+    Finishes the transport on success and abandons it on any error.
+    """
+    runners = [RankRunner(step, r, plan.program[r], transport) for r in ranks]
+    try:
+        # One rank: runs to the end (recvs block).  All ranks in one thread: each
+        # runs until it needs a message not yet sent; a valid plan always progresses.
+        while not all(rr.done for rr in runners):
+            if not any([rr.advance() for rr in runners]):
+                stuck = {rr.rank: rr.next_entry for rr in runners if not rr.done}
+                raise RuntimeError(f"Pipeline: no rank can progress ({stuck}); the "
+                                   "communication plan is inconsistent (a bug: please report)")
+        transport.finish()
+    except BaseException:
+        transport.abandon()
+        raise
+    step.finish()

@@ -12,7 +12,6 @@ sends go through a helper thread: ``docs/guide.md`` ("Pipeline runtime").
 from __future__ import annotations
 
 import contextlib
-import logging
 import math
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
@@ -23,16 +22,15 @@ import numpy as np
 from axondist import _array, clip, comm
 from axondist._step import check_optimizer
 from axondist._validate import positive_number
-from axondist.errors import ScheduleError
 from axondist.parameter import Parameter
 from axondist.pipeline._arguments import (
     ABSENT,
     NO_LOSS_FN,
-    NONE,
-    SCALAR,
+    check_batch_rows,
     check_loss_fn,
     forwards_only,
     rows_code,
+    schedule_for,
     shape_of,
     split_rows,
     stage_list,
@@ -43,23 +41,19 @@ from axondist.pipeline.communication import (
     check_channels,
     communication_plan,
 )
-from axondist.pipeline.executor import LossFn, RankRunner, StepState
+from axondist.pipeline.executor import LossFn, StepState, run_programs
 from axondist.pipeline.memory import PipelineRunStats
 from axondist.pipeline.render import render_text
 from axondist.pipeline.schedules import (
     PipelineSchedule,
     Schedule,
-    build_schedule,
 )
-from axondist.pipeline.simulate import SimulationResult, simulate
+from axondist.pipeline.simulate import log_dry_run, simulate
 from axondist.pipeline.stage import PipelineStage
 from axondist.pipeline.transport import GroupTransport, InProcessTransport, Transport
-from axondist.pipeline.validation import validate
 from axondist.process_group import ProcessGroup, resolve_group
 
 __all__ = ["LossFn", "Pipeline"]
-
-logger = logging.getLogger("axondist.pipeline")
 
 
 class Pipeline:
@@ -188,16 +182,7 @@ class Pipeline:
 
     def _setup(self, what: str, schedule: PipelineSchedule | str | Schedule, p: int, m: int,
                v: int, stages: dict[int, PipelineStage], ranks: tuple[int, ...]) -> None:
-        if isinstance(schedule, Schedule):
-            if schedule.num_ranks != p:
-                raise ScheduleError(
-                    f"{what}: the schedule is for {schedule.num_ranks} rank(s) but the pipeline "
-                    f"has {p} (the group's size, or len(stages) // chunks); build it for {p}")
-            self._schedule = schedule
-        else:
-            kind = PipelineSchedule.parse(schedule, f"{what}: schedule")
-            self._schedule = build_schedule(kind, p, m, v)
-        validate(self._schedule)
+        self._schedule = schedule_for(what, schedule, p, m, v)
         self._plan = communication_plan(self._schedule)
         self._forward_schedule = forwards_only(self._schedule)
         self._forward_plan = communication_plan(self._forward_schedule)
@@ -205,7 +190,7 @@ class Pipeline:
         simulate(self._forward_schedule)  # raises on deadlock (never, for a valid schedule)
         dry_run = simulate(self._schedule)
         self._expected_peaks = dry_run.peak_activations
-        _log_schedule(dry_run)
+        log_dry_run(dry_run)
         self._stages = stages
         self._ranks = ranks
         self._no_sync_depth = 0
@@ -570,28 +555,7 @@ class Pipeline:
             x_rows = int(table[0, 0])
             t_rows = int(table[(self.num_stages - 1) % self.num_ranks, 1])
         m = self.num_microbatches
-        last = (self.num_stages - 1) % self.num_ranks
-        if t_rows == NO_LOSS_FN:
-            raise TypeError(f"{what}: no loss_fn where the last stage lives (rank {last}); "
-                            "pass loss_fn=... to the Pipeline (or to this call): "
-                            "loss_fn(y, target) -> (loss, grad_y) for one microbatch")
-        if x_rows == NONE:
-            raise ValueError(f"{what}: the rank holding stage 0 (rank 0) passed x=None; it "
-                             "must pass the input batch")
-        if x_rows == SCALAR:
-            raise ValueError(f"{what}: x must have a leading batch axis, got a 0-d array")
-        if x_rows < m:
-            raise ValueError(
-                f"{what}: x has {x_rows} rows, fewer than num_microbatches={m}; every "
-                f"microbatch needs at least one row (numpy.array_split would make empty "
-                f"ones): pass at least {m} rows or build the Pipeline with "
-                f"num_microbatches <= {x_rows}")
-        if t_rows == SCALAR:
-            raise ValueError(f"{what}: target (on rank {last}) must have a leading batch axis "
-                             "to split into microbatches, got a 0-d array")
-        if t_rows >= 0 and t_rows != x_rows:
-            raise ValueError(f"{what}: target has {t_rows} rows but x has {x_rows}; they are "
-                             "split into microbatches together and must match")
+        check_batch_rows(what, x_rows, t_rows, m, (self.num_stages - 1) % self.num_ranks)
         return comm.split_sizes(x_rows, m)
 
     def _step_state(self, schedule: Schedule, training: bool, rows: list[int], x: Any,
@@ -607,32 +571,4 @@ class Pipeline:
     def _execute(self, step: StepState, plan: CommunicationPlan) -> None:
         transport: Transport = (
             InProcessTransport() if self._transport is None else self._transport)
-        runners = [RankRunner(step, r, plan.program[r], transport) for r in self._ranks]
-        try:
-            # One rank: runs to the end (recvs block).  All ranks in one thread: each
-            # runs until it needs a message not yet sent; a valid plan always progresses.
-            while not all(rr.done for rr in runners):
-                if not any([rr.advance() for rr in runners]):
-                    stuck = {rr.rank: rr.next_entry for rr in runners if not rr.done}
-                    raise RuntimeError(f"Pipeline: no rank can progress ({stuck}); the "
-                                       "communication plan is inconsistent (a bug: please report)")
-            transport.finish()
-        except BaseException:
-            transport.abandon()
-            raise
-        step.finish()
-
-
-# --- helpers ---------------------------------------------------------------------------
-
-
-def _log_schedule(dry_run: SimulationResult) -> None:
-    """The schedule at INFO on ``axondist.pipeline``: its shape, dry-run numbers and actions."""
-    if not logger.isEnabledFor(logging.INFO):
-        return
-    s = dry_run.schedule
-    logger.info(
-        "pipeline schedule %s: %d rank(s) x %d chunk(s), %d microbatch(es); dry run (F=1, "
-        "B=2): bubble %.3f, peak activations per rank %s\n%s",
-        s.kind.value if s.kind is not None else "custom", s.num_ranks, s.chunks,
-        s.num_microbatches, dry_run.bubble_fraction, list(dry_run.peak_activations), s.text())
+        run_programs(step, plan, self._ranks, transport)

@@ -10,13 +10,16 @@ on an in-order transport, once the plan's channels check out.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 
 from axondist.pipeline.schedules import Action, ActionKind, Schedule, ScheduleError
 
-__all__ = ["DEFAULT_COSTS", "SimulationResult", "TimedAction", "simulate"]
+__all__ = ["DEFAULT_COSTS", "SimulationResult", "TimedAction", "log_dry_run", "simulate"]
+
+logger = logging.getLogger("axondist.pipeline")
 
 #: Default duration of each action kind, in arbitrary time units.  B = I + W.
 DEFAULT_COSTS: Mapping[ActionKind, float] = {
@@ -189,3 +192,15 @@ def simulate(
         busy=busy,
         peak_activations=tuple(_peak_activations(row) for row in rows),
     )
+
+
+def log_dry_run(dry_run: SimulationResult) -> None:
+    """The schedule at INFO on ``axondist.pipeline``: its shape, dry-run numbers and actions."""
+    if not logger.isEnabledFor(logging.INFO):
+        return
+    s = dry_run.schedule
+    logger.info(
+        "pipeline schedule %s: %d rank(s) x %d chunk(s), %d microbatch(es); dry run (F=1, "
+        "B=2): bubble %.3f, peak activations per rank %s\n%s",
+        s.kind.value if s.kind is not None else "custom", s.num_ranks, s.chunks,
+        s.num_microbatches, dry_run.bubble_fraction, list(dry_run.peak_activations), s.text())
