@@ -253,7 +253,7 @@ def all_to_all(x: Any, group: ProcessGroup | None = None, *,
     row = prod(trailing)
     out = _array.namespace(x).empty((sum(recv_rows),) + trailing, dtype=x.dtype)
     work = b.all_to_all(x, out, [r * row for r in send_rows], [r * row for r in recv_rows],
-                        signature=(("dtype", x.dtype),), async_op=async_op)
+                        async_op=async_op)
     return finished(work, out, async_op)
 
 
@@ -336,8 +336,7 @@ def gather_tensor(x: Any, group: ProcessGroup | None = None, dst: int = 0,
     out = None
     if g.rank == dst:
         out = _array.namespace(x).empty((sum(rows),) + tuple(x.shape[1:]), dtype=x.dtype)
-    work = b.gather(x, out, [r * row_size for r in rows], dst,
-                    signature=(("dtype", x.dtype),), async_op=async_op)
+    work = b.gather(x, out, [r * row_size for r in rows], dst, async_op=async_op)
     return finished(work, out, async_op)
 
 
@@ -375,8 +374,7 @@ def scatter_tensor(x: Any, group: ProcessGroup | None = None, src: int = 0,
     row_size = prod(shape[1:])
     xp = _array.namespace(send) if send is not None else _array.module_named(lib)
     out = xp.empty((rows[g.rank],) + tuple(shape[1:]), dtype=_array.dtype_named(dtype))
-    work = b.scatter(send, out, [r * row_size for r in rows], src,
-                     signature=(("dtype", dtype), ("shape", shape)), async_op=async_op)
+    work = b.scatter(send, out, [r * row_size for r in rows], src, async_op=async_op)
     return finished(work, out, async_op)
 
 

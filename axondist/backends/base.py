@@ -1,11 +1,20 @@
 """The backend contract: what every communication backend implements.
 
-A backend object is one rank's endpoint in one communicator; it moves bytes between
-C-contiguous NumPy/CuPy buffers (shapes, uneven splits and argument checks live in
-:mod:`axondist.comm`). Ranks (``root``, ``src``, ``dst``) are ranks inside the
-communicator; ``counts`` lists each rank's element count in rank order; ``signature``
-holds ``(field, value)`` pairs every rank must agree on; ``async_op=True`` returns a
-:class:`Work` at once, otherwise the call has completed when it returns.
+A backend is one rank's endpoint in one communicator. It implements five methods:
+:meth:`~Backend.make_plan` (the one door of every collective), :meth:`~Backend.barrier`,
+:meth:`~Backend.send`, :meth:`~Backend.recv` and :meth:`~Backend.new_group`; everything
+else has a default built on them. ``make_plan(key)`` returns a
+:class:`~axondist.backends.plan.Plan` for a validated :class:`~axondist.backends.plan.CallKey`
+(what the call is: collective, dtype, shape, op, root, row counts, ``async_op``); its
+``run(send, recv=None)`` does the call on buffers that match the key and returns the
+result (``send`` for in-place collectives, else ``recv``, allocated when None; with
+``key.async_op`` a :class:`Work` whose ``wait()`` returns it); the key's ``signature()``
+is what the ranks must agree on. A backend specialises the keys it can run faster and
+returns :func:`axondist.backends.p2p_plans.p2p_plan` for every other: those plans are
+correct over ``send``/``recv`` alone. The general methods (``all_reduce``, ``gather``...)
+take flat buffers and element counts, build the key and run its plan
+(:meth:`Backend.plan`, which keeps it). Ranks (``root``, ``src``, ``dst``) are ranks
+inside the communicator.
 """
 
 from __future__ import annotations
@@ -13,14 +22,19 @@ from __future__ import annotations
 import abc
 import math
 import os
+import pickle
 from collections.abc import Callable, Sequence
-from typing import Any, ClassVar, TypeAlias
+from typing import Any, ClassVar
 
+import numpy as np
+
+from .. import _array
 from .._array import describe, namespace
-from ..errors import CollectiveMismatchError
+from .._validate import as_rank
+from ..errors import CollectiveMismatchError, InvalidBufferError
 from ..ops import ReduceOp
-from .plan import CallKey, Plan, Signature, general_plan, validate
-from .recorder import FlightRecorder
+from .plan import CallKey, Plan, Signature, general_plan, validate  # Signature: until torch
+from .recording.recorder import FlightRecorder
 from .work import CompletedWork, FutureWork, MappedWork, PolledWork, ThenWork, Work, finished
 
 #: Plans a backend keeps at once (each key is one call shape; past this many, the cache
@@ -160,7 +174,7 @@ class PersistentAllReduce:
 
 
 class Backend(abc.ABC):
-    """One rank's endpoint in one communicator.
+    """One rank's endpoint in one communicator (see the module docstring for the contract).
 
     Attributes:
         name: registry name (``"mock"``, ``"mpi"``, ``"nccl"``).
@@ -171,9 +185,6 @@ class Backend(abc.ABC):
     name: ClassVar[str]
     rank: int
     world_size: int
-    #: False when the backend ignores ``signature`` (MPI computes its own), so
-    #: callers may skip building it.
-    needs_signature: bool = True
     #: The rank's flight recorder (None for a backend that records nothing).
     recorder: FlightRecorder | None = None
     #: True when collectives accept host (NumPy) buffers: callers may exchange
@@ -183,56 +194,43 @@ class Backend(abc.ABC):
     #: one stream), so a receive still waiting holds back every send issued after it:
     #: callers that send and receive concurrently give each direction its own group.
     serial_p2p: ClassVar[bool] = False
-    #: The handle :meth:`persistent_all_reduce` returns (an alias backends build theirs from).
-    Persistent: TypeAlias = PersistentAllReduce
-    #: The Work of a request completed by polling (an alias for the same reason).
-    Polled: TypeAlias = PolledWork
+    #: Whether plans made by :func:`~axondist.backends.plan.general_plan` pass the key's
+    #: signature to the backend's own methods (kept while the NCCL backend's methods
+    #: still compare signatures; removed with ``general_plan``).
+    needs_signature: bool = True
 
-    # --- collectives on buffers -------------------------------------------------
+    # --- the contract -------------------------------------------------------------------
     @abc.abstractmethod
-    def all_reduce(self, buf: Any, op: ReduceOp, *, signature: Signature = (),
-                   async_op: bool = False) -> Work:
-        """Reduce ``buf`` over all ranks, in place."""
+    def make_plan(self, key: CallKey) -> Plan:
+        """A new plan for a validated ``key`` (see the module docstring); called once per
+        key by :meth:`plan`. A backend returns :func:`~axondist.backends.p2p_plans.p2p_plan`
+        for the keys it does not run its own way.
 
-    @abc.abstractmethod
-    def broadcast(self, buf: Any, root: int, *, signature: Signature = (),
-                  async_op: bool = False) -> Work:
-        """Copy root's ``buf`` into every rank's ``buf``."""
-
-    @abc.abstractmethod
-    def all_gather(self, send: Any, recv: Any, counts: Sequence[int], *,
-                   signature: Signature = (), async_op: bool = False) -> Work:
-        """Concatenate every rank's ``send`` into each rank's ``recv`` (rank order)."""
-
-    @abc.abstractmethod
-    def reduce_scatter(self, send: Any, recv: Any, counts: Sequence[int], op: ReduceOp, *,
-                       signature: Signature = (), async_op: bool = False) -> Work:
-        """Reduce ``send`` over ranks; rank r receives elements of block r into ``recv``."""
-
-    @abc.abstractmethod
-    def gather(self, send: Any, recv: Any | None, counts: Sequence[int], root: int, *,
-               signature: Signature = (), async_op: bool = False) -> Work:
-        """Concatenate every rank's ``send`` into root's ``recv`` (None elsewhere)."""
-
-    @abc.abstractmethod
-    def scatter(self, send: Any | None, recv: Any, counts: Sequence[int], root: int, *,
-                signature: Signature = (), async_op: bool = False) -> Work:
-        """Block r of root's ``send`` goes to rank r's ``recv``."""
+        Raises:
+            the error naming why this backend cannot run the call (dtype, op...).
+        """
+        return general_plan(self, key)  # the methods' own path, until NCCL's plans take it
 
     @abc.abstractmethod
     def barrier(self) -> None:
         """Return once every rank has entered the barrier."""
 
-    def metadata_buffer(self, values: Any) -> Any:
-        """``values`` (a small NumPy array: counts, flags, a loss) as a buffer this backend's
-        collectives take; read the result back with ``axondist._array.to_host``.
+    @abc.abstractmethod
+    def send(self, buf: Any, dst: int, tag: int = 0) -> None:
+        """Send ``buf`` (C-contiguous) to ``dst``; returns once ``buf`` may be reused.
+        Messages from one rank to another with one tag arrive in the order sent."""
 
-        Wrappers exchange such metadata next to the arrays they were given, which may
-        live elsewhere (offloaded to the host, or absent on a rank). The default returns
-        ``values`` itself, since host backends take NumPy buffers; a backend that takes
-        device memory only (NCCL) returns a copy on its device.
+    @abc.abstractmethod
+    def recv(self, buf: Any, src: int, tag: int = 0) -> None:
+        """Receive the next message from ``src`` with ``tag`` into ``buf`` (C-contiguous,
+        of the message's size)."""
+
+    @abc.abstractmethod
+    def new_group(self, ranks: Sequence[int]) -> Backend | None:
+        """A communicator over ``ranks`` (of this one); every rank must call it.
+
+        Returns None on ranks that are not members.
         """
-        return values
 
     # --- prepared calls -------------------------------------------------------------------
     #: This backend's plans by key (made on first use; see :meth:`plan`).
@@ -240,8 +238,7 @@ class Backend(abc.ABC):
 
     def plan(self, key: CallKey) -> Plan:
         """The prepared call of ``key`` on this backend: validated and made by
-        :meth:`make_plan` the first time, then kept (every public collective runs
-        through here).
+        :meth:`make_plan` the first time, then kept (every collective runs through here).
 
         Raises:
             the error naming what is wrong with the call (dtype, op, buffer, root...);
@@ -259,161 +256,11 @@ class Backend(abc.ABC):
             plan = plans[key] = self.make_plan(key)
         return plan
 
-    def make_plan(self, key: CallKey) -> Plan:
-        """A new plan for a validated ``key``. The default runs the call through the general
-        methods below (see :func:`axondist.backends.plan.general_plan`); a backend with
-        algorithms to choose from overrides it."""
-        return general_plan(self, key)
-
     def free_plans(self) -> None:
         """Free and forget every plan this backend keeps (part of :meth:`close`)."""
         plans, self._call_plans = self._call_plans, None
         for plan in (plans or {}).values():
             plan.free()
-
-    # --- collectives with a default built on the ones above --------------------------------
-    def reduce(self, buf: Any, op: ReduceOp, root: int, *, signature: Signature = (),
-               async_op: bool = False) -> Work:
-        """Reduce ``buf`` over all ranks into ``root``'s ``buf`` (others' are unchanged).
-
-        The default all-reduces a copy; backends with a rooted reduction override it.
-        """
-        copy = namespace(buf).array(buf, copy=True)
-        work = self.all_reduce(copy, op, signature=signature + (("root", root),),
-                               async_op=async_op)
-
-        def finish(_: Any = None) -> Any:
-            if self.rank == root:
-                buf[...] = copy
-            return buf
-
-        if not async_op:
-            work.wait()
-            return CompletedWork(finish())
-        return ThenWork(work, finish)
-
-    def all_to_all(self, send: Any, recv: Any, send_counts: Sequence[int],
-                   recv_counts: Sequence[int], *, signature: Signature = (),
-                   async_op: bool = False) -> Work:
-        """Block k of ``send`` (``send_counts[k]`` elements) goes to rank k; ``recv`` gets
-        the blocks every rank sent this one, in rank order (``recv_counts[k]`` from rank k).
-
-        The default all-gathers every rank's whole ``send`` (n times the traffic);
-        backends with an all-to-all override it.
-        """
-        n = self.world_size
-        sizes = self.allgather_object((list(send_counts),))
-        totals = [sum(s[0]) for s in sizes]
-        everything = namespace(send).empty(sum(totals), dtype=send.dtype)
-        self.all_gather(send.reshape(-1), everything, totals, signature=signature).wait()
-        flat, out, start = recv.reshape(-1), 0, 0
-        for k in range(n):
-            counts = sizes[k][0]
-            lo = start + sum(counts[: self.rank])
-            take = counts[self.rank]
-            if take != recv_counts[k]:
-                raise CollectiveMismatchError(
-                    f"all_to_all: rank {k} sends {take} elements to rank {self.rank}, which "
-                    f"expects {recv_counts[k]}")
-            flat[out:out + take] = everything[lo:lo + take]
-            out += take
-            start += totals[k]
-        return CompletedWork(recv)
-
-    def monitored_barrier(self, timeout: float) -> None:
-        """A barrier that fails after ``timeout`` seconds naming the ranks that did not
-        arrive. The default is :meth:`barrier` (which the watchdog still ends)."""
-        self.barrier()
-
-    def scaled_sum_blocking(self, buf: Any, factor: float = 1.0) -> None:
-        """``buf *= factor`` (unless 1), then a SUM all-reduce of ``buf`` in place.
-
-        Ranks may pass different factors (sample weights). Backends may fuse the
-        multiplication with the reduction (the MPI backend weights each piece
-        just before sending it).
-        """
-        if factor != 1.0:
-            xp = namespace(buf)
-            xp.multiply(buf, factor, out=buf, casting="unsafe")
-        self.all_reduce(buf, ReduceOp.SUM,
-                        signature=(("dtype", buf.dtype), ("shape", buf.shape),
-                                   ("weighted", True))).wait()
-
-    def persistent_all_reduce(self, buf: Any, op: ReduceOp = ReduceOp.SUM, *,
-                              piece_bytes: int | None = None) -> PersistentAllReduce:
-        """Set up the in-place all-reduce of ``buf`` for many starts (see
-        :class:`PersistentAllReduce`); collective: every rank calls it, in the same order.
-
-        The default starts an ordinary non-blocking :meth:`all_reduce` of the
-        piece each time, with its usual checks; one piece unless
-        ``piece_bytes`` asks for more. The MPI backend overrides it with MPI-4
-        persistent collectives (``Allreduce_init``), set up and checked across
-        ranks once, in pieces (of 512 KiB unless ``piece_bytes`` says otherwise)
-        that a caller can weight just before they leave.
-
-        Args:
-            buf: contiguous buffer, reduced in place at every start.
-            op: the reduction.
-            piece_bytes: the largest piece in bytes (None: the backend's choice).
-        """
-        flat = buf.reshape(-1)
-        bounds = _piece_bounds(int(flat.size), flat.dtype.itemsize, piece_bytes)
-        shapes = [(hi - lo,) for lo, hi in bounds]
-
-        def start(k: int) -> Work:
-            piece = flat[bounds[k][0]:bounds[k][1]]
-            signature: Signature = ((("dtype", piece.dtype), ("shape", shapes[k]))
-                                    if self.needs_signature else ())
-            return self.all_reduce(piece, op, signature=signature, async_op=True)
-
-        return PersistentAllReduce(buf, bounds, start)
-
-    # --- point to point -----------------------------------------------------------
-    @abc.abstractmethod
-    def send(self, buf: Any, dst: int, tag: int = 0) -> None:
-        """Send ``buf`` to ``dst``; returns once ``buf`` may be reused."""
-
-    @abc.abstractmethod
-    def recv(self, buf: Any, src: int, tag: int = 0) -> None:
-        """Receive a message from ``src`` into ``buf`` (whose size must match)."""
-
-    # --- small Python objects (metadata) ------------------------------------------
-    @abc.abstractmethod
-    def allgather_object(self, obj: Any) -> list[Any]:
-        """Every rank's ``obj``, in rank order (for metadata, not bulk data)."""
-
-    @abc.abstractmethod
-    def broadcast_object(self, obj: Any, root: int) -> Any:
-        """Root's ``obj`` on every rank."""
-
-    @abc.abstractmethod
-    def send_object(self, obj: Any, dst: int, tag: int = 0) -> None:
-        """Send a small picklable object."""
-
-    @abc.abstractmethod
-    def recv_object(self, src: int, tag: int = 0) -> Any:
-        """Receive a small picklable object."""
-
-    # --- groups and life cycle ------------------------------------------------------
-    @abc.abstractmethod
-    def new_group(self, ranks: Sequence[int]) -> Backend | None:
-        """A communicator over ``ranks`` (of this one); every rank must call it.
-
-        Returns None on ranks that are not members.
-        """
-
-    def node_info(self) -> tuple[int, int, int]:
-        """``(node_id, local_rank, local_size)``: which machine this rank is on."""
-        return 0, self.rank, self.world_size
-
-    def close(self) -> None:  # noqa: B027 - an optional hook: backends without resources keep it
-        """Release resources (idempotent)."""
-
-
-class PlannedBackend(Backend):
-    """A backend whose general collective methods run through its own plans
-    (:meth:`Backend.plan`), so a caller of ``backend.all_reduce(...)`` and a caller of
-    ``axondist.all_reduce`` take the same path. The MPI and torch backends build on it."""
 
     def _planned(self, key: CallKey, send: Any, recv: Any = None, result: Any = None) -> Work:
         """Run ``key``'s plan; its Work, answering ``result`` (when given) instead of the
@@ -423,30 +270,228 @@ class PlannedBackend(Backend):
             return out if result is None else MappedWork(out, result)
         return CompletedWork(out if result is None else result)
 
-    def all_reduce(self, buf: Any, op: ReduceOp, *, signature: Signature = (),
-                   async_op: bool = False) -> Work:
-        """The in-place all-reduce of ``buf`` (its plan's call)."""
+    # --- collectives on flat buffers, each the plan of its key ------------------------------
+    def all_reduce(self, buf: Any, op: ReduceOp, *, async_op: bool = False) -> Work:
+        """Reduce ``buf`` over all ranks, in place."""
         return self._planned(CallKey.of("all_reduce", buf, reduce_op=op, async_op=async_op),
                              buf)
 
-    def broadcast(self, buf: Any, root: int, *, signature: Signature = (),
-                  async_op: bool = False) -> Work:
-        """The broadcast of ``root``'s ``buf`` (its plan's call)."""
+    def broadcast(self, buf: Any, root: int, *, async_op: bool = False) -> Work:
+        """Copy root's ``buf`` into every rank's ``buf``."""
         return self._planned(CallKey.of("broadcast", buf, root=root, async_op=async_op), buf)
 
-    def reduce(self, buf: Any, op: ReduceOp, root: int, *, signature: Signature = (),
-               async_op: bool = False) -> Work:
-        """The reduce into ``root``'s ``buf`` (its plan's call)."""
+    def reduce(self, buf: Any, op: ReduceOp, root: int, *, async_op: bool = False) -> Work:
+        """Reduce ``buf`` over all ranks into ``root``'s ``buf`` (others' are unchanged)."""
         return self._planned(CallKey.of("reduce", buf, reduce_op=op, root=root,
                                         async_op=async_op), buf)
 
     def all_gather(self, send: Any, recv: Any, counts: Sequence[int], *,
-                   signature: Signature = (), async_op: bool = False) -> Work:
-        """The all-gather of flat ``send`` blocks of ``counts`` elements into ``recv``."""
+                   async_op: bool = False) -> Work:
+        """Concatenate every rank's ``send`` (``counts[k]`` elements from rank k) into each
+        rank's ``recv``, in rank order."""
         flat = send.reshape(-1)
         key = CallKey.of("all_gather", flat, counts=tuple(int(c) for c in counts),
                          async_op=async_op)
         return self._planned(key, flat, recv.reshape(-1), recv)
+
+    def reduce_scatter(self, send: Any, recv: Any, counts: Sequence[int], op: ReduceOp, *,
+                       async_op: bool = False) -> Work:
+        """Reduce ``send`` over ranks; rank r receives the ``counts[r]`` elements of block r
+        into ``recv``."""
+        counts = [int(c) for c in counts]
+        if len(counts) != self.world_size or sum(counts) != send.size \
+                or recv.size != counts[self.rank]:
+            raise self._bad_counts("reduce_scatter", counts, (("send", send, sum(counts)),
+                                                              ("recv", recv, counts[self.rank])))
+        flat = send.reshape(-1)
+        key = CallKey.of("reduce_scatter", flat, reduce_op=op, counts=tuple(counts),
+                         async_op=async_op)
+        return self._planned(key, flat, recv.reshape(-1), recv)
+
+    def gather(self, send: Any, recv: Any | None, counts: Sequence[int], root: int, *,
+               async_op: bool = False) -> Work:
+        """Concatenate every rank's ``send`` (``counts[k]`` elements from rank k) into root's
+        ``recv``; the result is None elsewhere."""
+        counts, recv = self._rooted("gather", root, counts, send, recv, "send", "recv")
+        flat = send.reshape(-1)
+        key = CallKey.of("gather", flat, root=root, counts=tuple(counts), async_op=async_op)
+        return self._planned(key, flat, None if recv is None else recv.reshape(-1), recv)
+
+    def scatter(self, send: Any | None, recv: Any, counts: Sequence[int], root: int, *,
+                async_op: bool = False) -> Work:
+        """Block r of root's ``send`` (``counts[r]`` elements) goes to rank r's ``recv``."""
+        counts, send = self._rooted("scatter", root, counts, recv, send, "recv", "send")
+        library, layout = _array.layout_of(recv)
+        key = CallKey("scatter", recv.dtype, (sum(counts),), library, layout, None, root,
+                      tuple(counts), bool(async_op))
+        return self._planned(key, None if send is None else send.reshape(-1),
+                             recv.reshape(-1), recv)
+
+    def all_to_all(self, send: Any, recv: Any, send_counts: Sequence[int],
+                   recv_counts: Sequence[int], *, async_op: bool = False) -> Work:
+        """Block k of ``send`` (``send_counts[k]`` elements) goes to rank k; ``recv`` gets
+        the blocks every rank sent this one, in rank order (``recv_counts[k]`` from rank k).
+
+        The ranks first all-gather their ``send_counts`` (the key holds every rank's).
+        """
+        n = self.world_size
+        sc, rc = [int(c) for c in send_counts], [int(c) for c in recv_counts]
+        if len(sc) != n or len(rc) != n or send.size != sum(sc) or recv.size != sum(rc):
+            raise self._bad_counts("all_to_all", sc, (("send", send, sum(sc)),
+                                                      ("recv", recv, sum(rc))))
+        mine = np.array(sc, np.int64)
+        table = self.plan(CallKey.of("all_gather", mine, counts=(n,) * n)).run(mine).tolist()
+        came = table[self.rank::n]
+        if came != rc:
+            raise CollectiveMismatchError(
+                f"all_to_all: the ranks send rank {self.rank} {came} elements, but its "
+                f"recv_counts are {rc}")
+        flat = send.reshape(-1)
+        key = CallKey.of("all_to_all", flat, counts=tuple(table), async_op=async_op)
+        return self._planned(key, flat, recv.reshape(-1), recv)
+
+    def _bad_counts(self, what: str, counts: list[int],
+                    sizes: Sequence[tuple[str, Any, int]]) -> Exception:
+        if len(counts) != self.world_size:
+            return CollectiveMismatchError(f"{what}: counts lists {len(counts)} ranks, the "
+                                           f"group has {self.world_size}")
+        for arg, buf, expected in sizes:
+            if buf is not None and buf.size != expected:
+                return InvalidBufferError(
+                    f"{what}: {arg} has {buf.size} elements but counts={counts} asks for "
+                    f"{expected} on rank {self.rank}")
+        return CollectiveMismatchError(f"{what}: counts={counts} do not fit")
+
+    def _rooted(self, what: str, root: int, counts: Sequence[int], mine: Any,
+                full: Any | None, mine_arg: str, full_arg: str) -> tuple[list[int], Any]:
+        """``counts`` as ints and the root's whole buffer (None elsewhere), checked."""
+        as_rank(root, self.world_size, what, "root")
+        counts = [int(c) for c in counts]
+        if self.rank != root:
+            full = None
+        elif full is None:
+            raise InvalidBufferError(f"{what}: the root (rank {root}) must pass a {full_arg} "
+                                     "buffer")
+        if (len(counts) != self.world_size or mine.size != counts[self.rank]
+                or (full is not None and full.size != sum(counts))):
+            raise self._bad_counts(what, counts, ((mine_arg, mine, counts[self.rank]),
+                                                  (full_arg, full, sum(counts))))
+        return counts, full
+
+    def metadata_buffer(self, values: Any) -> Any:
+        """``values`` (a small NumPy array: counts, flags, a loss) as a buffer this backend's
+        collectives take; read the result back with ``axondist._array.to_host``.
+
+        Wrappers exchange such metadata next to the arrays they were given, which may
+        live elsewhere (offloaded to the host, or absent on a rank). The default returns
+        ``values`` itself, since host backends take NumPy buffers; a backend that takes
+        device memory only (NCCL) returns a copy on its device.
+        """
+        return values
+
+    # --- defaults a backend may override ---------------------------------------------------
+    def monitored_barrier(self, timeout: float) -> None:
+        """A barrier that fails after ``timeout`` seconds naming the ranks that did not
+        arrive. The default is :meth:`barrier` (which the watchdog still ends)."""
+        self.barrier()
+
+    def scaled_sum_blocking(self, buf: Any, factor: float = 1.0) -> None:
+        """``buf *= factor`` (unless 1), then a SUM all-reduce of ``buf`` in place (ranks
+        may pass different factors: sample weights)."""
+        if factor != 1.0:
+            namespace(buf).multiply(buf, factor, out=buf, casting="unsafe")
+        self.plan(CallKey.of("all_reduce", buf, reduce_op=ReduceOp.SUM)).run(buf)
+
+    def persistent_all_reduce(self, buf: Any, op: ReduceOp = ReduceOp.SUM, *,
+                              piece_bytes: int | None = None) -> PersistentAllReduce:
+        """Set up the in-place all-reduce of ``buf`` for many starts (see
+        :class:`PersistentAllReduce`); collective: every rank calls it, in the same order.
+
+        The default starts the plan of a non-blocking all-reduce of the piece each time;
+        one piece unless ``piece_bytes`` asks for more. The MPI backend overrides it with
+        MPI-4 persistent collectives (``Allreduce_init``), set up and checked across ranks
+        once, in pieces (of 2 MiB unless ``piece_bytes`` says otherwise).
+
+        Args:
+            buf: contiguous buffer, reduced in place at every start.
+            op: the reduction.
+            piece_bytes: the largest piece in bytes (None: the backend's choice).
+        """
+        flat = buf.reshape(-1)
+        bounds = _piece_bounds(int(flat.size), flat.dtype.itemsize, piece_bytes)
+        pieces = [flat[lo:hi] for lo, hi in bounds]
+        keys = [CallKey.of("all_reduce", piece, reduce_op=op, async_op=True) for piece in pieces]
+
+        def start(k: int) -> Work:
+            work: Work = self.plan(keys[k]).run(pieces[k])
+            return work
+
+        return PersistentAllReduce(buf, bounds, start)
+
+    # --- small Python objects (metadata): pickled into bytes, sizes first --------------------
+    def allgather_object(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj`` (copies), in rank order (for metadata, not bulk data). The
+        default all-gathers the pickles' sizes, then the pickles padded to one width (a
+        power of two, so the plans kept stay few)."""
+        data = _pickled(obj)
+        n = self.world_size
+        size = np.array([data.size], np.int64)
+        sizes = self.plan(CallKey.of("all_gather", size, counts=(1,) * n)).run(size).tolist()
+        width = _width(max(sizes))
+        mine = np.zeros(width, np.uint8)
+        mine[:data.size] = data
+        every = self.plan(CallKey.of("all_gather", mine, counts=(width,) * n)).run(mine)
+        return [pickle.loads(every[k * width:k * width + sizes[k]].tobytes()) for k in range(n)]
+
+    def broadcast_object(self, obj: Any, root: int) -> Any:
+        """``root``'s ``obj`` on every rank (a copy, also on ``root``). The default
+        broadcasts the pickle's size, then the pickle padded to a power of two."""
+        as_rank(root, self.world_size, "broadcast_object", "root")
+        data = _pickled(obj) if self.rank == root else None
+        size = np.array([0 if data is None else data.size], np.int64)
+        self.plan(CallKey.of("broadcast", size, root=root)).run(size)
+        payload = np.zeros(_width(int(size[0])), np.uint8)
+        if data is not None:
+            payload[:data.size] = data
+        self.plan(CallKey.of("broadcast", payload, root=root)).run(payload)
+        return pickle.loads(payload[:int(size[0])].tobytes())
+
+    def send_object(self, obj: Any, dst: int, tag: int = 0) -> None:
+        """Send a small picklable object: its size, then its pickle (two messages)."""
+        data = _pickled(obj)
+        self.send(np.array([data.size], np.int64), dst, tag)
+        self.send(data, dst, tag)
+
+    def recv_object(self, src: int, tag: int = 0) -> Any:
+        """Receive an object :meth:`send_object` sent (a copy of it)."""
+        size = np.empty(1, np.int64)
+        self.recv(size, src, tag)
+        data = np.empty(int(size[0]), np.uint8)
+        self.recv(data, src, tag)
+        return pickle.loads(data.tobytes())
+
+    # --- where and how long -----------------------------------------------------------------
+    def node_info(self) -> tuple[int, int, int]:
+        """``(node_id, local_rank, local_size)``: which machine this rank is on."""
+        return 0, self.rank, self.world_size
+
+    def close(self) -> None:
+        """Release resources (idempotent); the default frees the plans."""
+        self.free_plans()
+
+
+#: Kept while the torch backend still names its base class so; the same class.
+PlannedBackend = Backend
+
+
+def _pickled(obj: Any) -> np.ndarray:
+    """``obj``'s pickle as a uint8 array."""
+    return np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
+
+
+def _width(size: int) -> int:
+    """The padded width of a pickle of ``size`` bytes: the next power of two (at least 64)."""
+    return max(64, 1 << max(0, size - 1).bit_length())
 
 
 def _piece_bounds(numel: int, itemsize: int, piece_bytes: int | None) -> list[tuple[int, int]]:
@@ -459,37 +504,8 @@ def _piece_bounds(numel: int, itemsize: int, piece_bytes: int | None) -> list[tu
     return [(k * numel // pieces, (k + 1) * numel // pieces) for k in range(pieces)]
 
 
-def compare_signatures(op_name: str,
-                       signatures: Sequence[Signature | None]) -> CollectiveMismatchError | None:
-    """The error every rank raises when ranks disagree on a collective's arguments.
-
-    ``signatures`` holds each rank's signature in rank order, each starting
-    with ``("op", name_of_the_collective)``; None when they all agree.
-    Backends call it on the gathered signatures (the mock world always, MPI
-    under ``AXONDIST_DEBUG=1``) so every rank raises the same message.
-    """
-    first = signatures[0]
-    if all(s == first for s in signatures):
-        return None
-    fields: dict[str, list[Any]] = {}
-    for sig in signatures:
-        for name, _value in sig or ():
-            fields.setdefault(name, [])
-    for name in fields:
-        fields[name] = [dict(sig or ()).get(name) for sig in signatures]
-    differing = [name for name, vals in fields.items() if any(v != vals[0] for v in vals)]
-    if "op" in differing:
-        detail = ", ".join(f"rank {k} called {v}" for k, v in enumerate(fields["op"]))
-        return CollectiveMismatchError(
-            f"{op_name}: ranks called different collectives at the same point ({detail}); "
-            "every rank must make the same collective calls in the same order")
-    name = differing[0]
-    detail = ", ".join(f"rank {k}: {v}" for k, v in enumerate(fields[name]))
-    return CollectiveMismatchError(f"{op_name}: ranks disagree on {name} ({detail})")
-
-
 __all__ = ["PLAN_CACHE_LIMIT", "Backend", "CallKey", "CompletedWork", "FutureWork", "MappedWork",
            "PersistentAllReduce", "Plan", "PlannedBackend", "PolledWork", "Signature", "ThenWork",
            "Work",
-           "checks_enabled", "compare_signatures", "debug_enabled", "default_timeout",
-           "finished", "stall_warning_after"]
+           "checks_enabled", "debug_enabled", "default_timeout", "finished",
+           "stall_warning_after"]

@@ -83,11 +83,12 @@ class CallKey(NamedTuple):
 
     def signature(self) -> tuple[tuple[str, Any], ...]:
         """The ``(field, value)`` pairs every rank must agree on, as mismatch messages and
-        the flight recorder name them."""
+        the flight recorder name them (the leading size of a call whose ranks pass
+        different numbers of rows is left out: their counts say it)."""
         fields: list[tuple[str, Any]] = [("dtype", self.dtype)]
-        if self.collective in ("all_reduce", "broadcast", "reduce_scatter", "reduce"):
+        if self.collective in _WHOLE_SHAPE:
             fields.append(("shape", self.shape))
-        elif self.collective == "all_gather":
+        else:
             fields.append(("trailing shape", self.shape[1:]))
         if self.reduce_op is not None:
             fields.append(("reduce_op", self.reduce_op))
@@ -102,12 +103,21 @@ class CallKey(NamedTuple):
         return tuple(fields)
 
 
+#: Collectives whose ranks all pass the same shape.
+_WHOLE_SHAPE = frozenset({"all_reduce", "broadcast", "reduce_scatter", "reduce", "scatter"})
+
+
 class Plan:
     """A prepared call: :meth:`run` on buffers that match :attr:`key`.
 
     ``run(send, recv)`` returns the call's result (``send`` itself for in-place
     collectives, else ``recv``, allocated when None), or with ``key.async_op`` a Work
-    whose ``wait()`` returns it. :meth:`free` releases what the plan keeps.
+    whose ``wait()`` returns it. ``send`` has the key's shape on every rank, except: a
+    scatter's is the root's whole array (None elsewhere, the key's shape being the
+    whole's); a gather's result is None except on the root. Row counts (``key.counts``)
+    are per rank in rank order; an all-to-all's are every rank's rows for every rank,
+    flattened (``counts[s * n + d]``: rows rank s sends rank d). :meth:`free` releases
+    what the plan keeps.
     """
 
     __slots__ = ("key",)
@@ -146,12 +156,25 @@ def validate(key: CallKey, rank: int, world_size: int) -> None:
         raise InvalidBufferError(
             f"reduce_scatter: counts={list(key.counts)} must list {world_size} row counts "
             f"adding up to the {key.shape[0]} rows of send")
-    if what == "all_gather" and key.counts is not None:
-        counts = key.counts
-        if len(counts) != world_size or counts[rank] != key.shape[0]:
-            raise CollectiveMismatchError(
-                f"all_gather: sizes={list(counts)} must list {world_size} row counts with this "
-                f"rank's ({key.shape[0]}) at index {rank}")
+    counts = key.counts
+    if what in ("all_gather", "gather") and counts is not None and (
+            len(counts) != world_size or counts[rank] != key.shape[0]):
+        raise CollectiveMismatchError(
+            f"{what}: sizes={list(counts)} must list {world_size} row counts with this "
+            f"rank's ({key.shape[0]}) at index {rank}")
+    if what == "gather" and counts is None:
+        raise InvalidBufferError("gather: the key must hold every rank's row count")
+    if what == "scatter" and counts is not None and (
+            len(counts) != world_size or sum(counts) != key.shape[0]):
+        raise InvalidBufferError(
+            f"scatter: counts={list(counts)} must list {world_size} row counts adding up to "
+            f"the {key.shape[0]} rows of the source's array")
+    if what == "all_to_all" and (counts is None or len(counts) != world_size * world_size
+                                 or sum(counts[rank * world_size:][:world_size])
+                                 != key.shape[0]):
+        raise InvalidBufferError(
+            f"all_to_all: counts must list {world_size} row counts for each of the "
+            f"{world_size} ranks, this rank's adding up to its {key.shape[0]} rows")
 
 
 _LAYOUT_ERRORS = {
@@ -176,12 +199,15 @@ def element_counts(key: CallKey, world_size: int) -> list[int]:
 
 
 def output_shape(key: CallKey, rank: int, world_size: int) -> tuple[int, ...]:
-    """The shape of the array a collective of ``key`` returns on ``rank``."""
+    """The shape of the array a collective of ``key`` returns on ``rank`` (a gather's on
+    its root)."""
     if key.collective in IN_PLACE:
         return key.shape
     trailing = tuple(key.shape[1:])
-    if key.collective == "all_gather":
+    if key.collective in ("all_gather", "gather"):
         return (sum(key.counts or ()),) + trailing
+    if key.collective == "all_to_all":
+        return (sum((key.counts or ())[rank::world_size]),) + trailing
     rows = key.counts if key.counts is not None else split_sizes(key.shape[0], world_size)
     return (rows[rank],) + trailing
 
@@ -193,7 +219,12 @@ def checked_out(out: Any, key: CallKey, shape: tuple[int, ...], what: str) -> An
     ok = (is_array and _array.library_name(out) == key.library and tuple(out.shape) == shape
           and out.dtype == key.dtype)
     if ok:
-        _array.check_writable(out, what)
+        flags = out.flags
+        if not flags.c_contiguous or not flags.writeable:
+            why = "not C-contiguous" if not flags.c_contiguous else "read-only"
+            raise InvalidBufferError(
+                f"{what}: out of shape {tuple(out.shape)} is {why}, so the result cannot be "
+                "written into it; pass a writable, C-contiguous out, or no out")
     if not ok:
         got = _array.describe(out) if is_array else f"a {type(out).__name__}"
         raise InvalidBufferError(

@@ -2,7 +2,7 @@
 case; torch.distributed's members told by their type alone, so no torch is needed here, while
 the cases of ``tests/faults/test_mismatch_texts.py`` pass torch's own; an error naming ``op``
 and the valid ops for anything else, None included), and
-:func:`call_check.raise_if_different` with :func:`call_check.printable` (ranks that called
+:func:`checks.raise_if_different` with :func:`checks.printable` (ranks that called
 different collectives are told so whatever their keys hold; dtypes by name, shapes as NumPy
 prints them, row counts as lists; a field named twice is named once). No communication.
 """
@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from axondist.backends.call_check import printable, raise_if_different
+from axondist.backends.checks import printable, raise_if_different
 from axondist.errors import CollectiveMismatchError
 from axondist.ops import ReduceOp
 

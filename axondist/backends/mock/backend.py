@@ -29,17 +29,11 @@ from ...errors import (
     CollectiveTimeoutError,
     InvalidBufferError,
 )
-from ...ops import ReduceOp, combine_into
-from ..base import (
-    Backend,
-    CompletedWork,
-    FutureWork,
-    Signature,
-    Work,
-    compare_signatures,
-)
-from ..call_check import printable
-from ..recorder import FlightRecorder
+from ..base import Backend, FutureWork
+from ..checks import compare_signatures, printable
+from ..plan import CallKey, Plan, Signature, WidenedMeanPlan
+from ..recording.recorder import FlightRecorder
+from .plans import PLANS, UnsizedAllGatherPlan
 from .world import (
     _DONE,
     _GATHERING,
@@ -58,20 +52,17 @@ _CYCLE_STILL = 1.0
 #: waking the other ranks to help costs more than the work they would take.
 _SHARED_MIN_BYTES = 1 << 20
 
-#: Bytes of one buffer per part of a large all-reduce (parts are claimed one at a time,
-#: so a rank that wakes late finds less left to do).
-_PART_BYTES = 256 << 10
+#: Dtypes whose AVERAGE is summed widened to float32.
+_HALF = frozenset(d for d in _array.SUPPORTED_DTYPES if d.itemsize == 2 and d.kind != "i")
+
+#: The calls of the rounds that are not collectives on arrays, as the ranks compare them.
+_BARRIER = (("op", "barrier"), ("async_op", False))
+_ALLGATHER_OBJECT = (("op", "allgather_object"), ("async_op", False))
 
 Part = Callable[[_Round, int], None]
 Whole = Callable[[_Round], None]
 
 
-
-def _with(signature: Signature, *fields: tuple[str, Any]) -> Signature:
-    """``signature`` and those of ``fields`` it does not name already (a planned call's
-    signature holds its reduce op and row counts: they are described once)."""
-    named = {name for name, _ in signature}
-    return tuple(signature) + tuple(f for f in fields if f[0] not in named)
 
 class MockBackend(Backend):
     """One rank's endpoint in a :class:`MockWorld` communicator.
@@ -107,13 +98,13 @@ class MockBackend(Backend):
         return (f"{op_name} #{seq + 1} on {self.group_name} of ranks {list(self.global_ranks)} "
                 f"(rank {self.global_ranks[self.rank]})")
 
-    def _join(self, op_name: str, seq: int, payload: Any, signature: Signature,
-              async_op: bool, part: Part | None, whole: Whole | None, parts: int,
+    def _join(self, op_name: str, seq: int, payload: Any, call: Signature,
+              part: Part | None, whole: Whole | None, parts: int,
               work_bytes: int, timeout: float | None) -> _Round:
         """Deposit this rank's payload and take part in the round until it is done.
 
-        The last rank to arrive checks the signatures (``async_op`` among
-        them: MPI never matches a blocking call with a non-blocking one); then
+        The last rank to arrive checks the calls (``async_op`` among their fields:
+        MPI never matches a blocking call with a non-blocking one); then
         it does the whole round itself (small) or opens its parts to every
         rank (large), and each rank claims parts until none is left and waits
         for the last to finish.
@@ -131,8 +122,7 @@ class MockBackend(Backend):
                 rnd = w.rounds[key] = _Round(op_name, n)
         with rnd.signal:
             rnd.payloads[me] = payload
-            rnd.signatures[me] = ((("op", op_name),) + tuple(signature)
-                                  + (("async_op", async_op),))
+            rnd.signatures[me] = call
             rnd.arrived += 1
             last = rnd.arrived == n
             if not last:
@@ -214,146 +204,72 @@ class MockBackend(Backend):
                     rnd.stage = _DONE
                     signal.notify_all()
 
-    def _run(self, op_name: str, payload: Any, signature: Signature,
-             result: Callable[[_Round], Any], async_op: bool, part: Part | None = None,
-             parts: int = 0, whole: Whole | None = None, work_bytes: int = 0,
-             timeout: float | None = None) -> Work:
-        """Run one collective round (see :meth:`_join`); each rank returns ``result(round)``.
+    def _run(self, op_name: str, payload: Any, call: Signature, async_op: bool,
+             part: Part | None = None, parts: int = 0, whole: Whole | None = None,
+             work_bytes: int = 0, timeout: float | None = None) -> Any:
+        """Run one collective round (see :meth:`_join`): the round once done, or with
+        ``async_op`` a Work whose ``wait()`` returns it.
 
-        ``part(round, i)`` does part ``i`` of ``parts`` of the round's outputs
-        (every rank's), from ``round.payloads`` (the ranks' payloads, in rank
-        order); any rank's thread may run it. ``whole(round)``, when given,
-        does every part at once. ``work_bytes`` (what the round reads and
-        writes) decides whether the ranks share the parts.
+        ``call`` is the call as the ranks compare it: ``("op", op_name)``, the fields
+        every rank must agree on, then ``("async_op", async_op)``. ``part(round, i)``
+        does part ``i`` of ``parts`` of the round's outputs (every rank's), from
+        ``round.payloads`` (the ranks' payloads, in rank order); any rank's thread may
+        run it. ``whole(round)``, when given, does every part at once. ``work_bytes``
+        (what the round reads and writes) decides whether the ranks share the parts.
         """
         seq = self._seq
         self._seq += 1
         recorder = self.recorder
-
-        def execute() -> Any:
-            slot = recorder.begin(self.group_name, seq + 1, op_name, signature)
+        if not async_op:
+            slot = recorder.begin(self.group_name, seq + 1, op_name, call[1:-1])
             try:
-                return result(self._join(op_name, seq, payload, signature, async_op, part,
-                                         whole, parts, work_bytes, timeout))
+                return self._join(op_name, seq, payload, call, part, whole, parts,
+                                  work_bytes, timeout)
             finally:
                 recorder.end(slot)
 
-        if not async_op:
-            return CompletedWork(execute())
+        def execute() -> Any:
+            slot = recorder.begin(self.group_name, seq + 1, op_name, call[1:-1])
+            try:
+                return self._join(op_name, seq, payload, call, part, whole, parts,
+                                  work_bytes, timeout)
+            finally:
+                recorder.end(slot)
+
         if self._executor is None:
             self._executor = concurrent.futures.ThreadPoolExecutor(
                 max_workers=1, thread_name_prefix=f"axondist-mock-r{self.rank}")
         return FutureWork(self._executor.submit(execute),
                           what=self._describe(op_name, seq))
 
-    # --- collectives -----------------------------------------------------------------
-    def all_reduce(self, buf: Any, op: ReduceOp, *, signature: Signature = (),
-                   async_op: bool = False) -> Work:
-        """Reduce ``buf`` in place over the group, combining in rank order.
-
-        Every element is the same rank-ordered combination on every run. The
-        result is built in rank 0's buffer and copied into the others'; a large
-        buffer part by part (slices of about 256 KiB), the ranks taking parts
-        in parallel.
-        """
-        n = self.world_size
-
-        def part(rnd: _Round, i: int) -> None:
-            numel, m = rnd.payloads[0].size, rnd.parts
-            lo, hi = i * numel // m, (i + 1) * numel // m
-            _reduce_and_copy([f[lo:hi] for f in rnd.payloads], op)
-
-        parts = max(1, min(buf.nbytes // _PART_BYTES, 4 * n))
-        return self._run("all_reduce", buf.reshape(-1), _with(signature, ("reduce_op", op.name)),
-                         lambda rnd: buf, async_op, part, parts,
-                         lambda rnd: _reduce_and_copy(rnd.payloads, op), 2 * n * buf.nbytes)
-
-    def broadcast(self, buf: Any, root: int, *, signature: Signature = (),
-                  async_op: bool = False) -> Work:
-        """Copy ``root``'s ``buf`` into every other rank's ``buf`` (``root``'s is untouched)."""
-        self._check_rank(root, "broadcast", "root")
-
-        def part(rnd: _Round, k: int) -> None:
-            if k != root:
-                rnd.payloads[k][...] = rnd.payloads[root]
-
-        n = self.world_size
-        return self._run("broadcast", buf, _with(signature, ("root", root)), lambda rnd: buf,
-                         async_op, part, n, work_bytes=2 * n * buf.nbytes)
-
-    def all_gather(self, send: Any, recv: Any, counts: Sequence[int], *,
-                   signature: Signature = (), async_op: bool = False) -> Work:
-        """Write each rank's ``send`` (``counts[k]`` elements from rank k) into ``recv``."""
-        def part(rnd: _Round, k: int) -> None:
-            _concatenate(rnd.payloads[k][1], [p[0] for p in rnd.payloads], counts)
-
-        n = self.world_size
-        return self._run("all_gather", (send, recv), _with(signature, ("counts", tuple(counts))),
-                         lambda rnd: recv, async_op, part, n, work_bytes=2 * n * recv.nbytes)
-
-    def reduce_scatter(self, send: Any, recv: Any, counts: Sequence[int], op: ReduceOp, *,
-                       signature: Signature = (), async_op: bool = False) -> Work:
-        """Reduce the ranks' ``send``; ``recv`` gets this rank's block (``counts[rank]`` long)."""
-        def part(rnd: _Round, k: int) -> None:
-            lo = sum(counts[:k])
-            hi = lo + counts[k]
-            combine_into(rnd.payloads[k][1].reshape(-1),
-                         [p[0].reshape(-1)[lo:hi] for p in rnd.payloads], op)
-
-        n = self.world_size
-        return self._run("reduce_scatter", (send, recv),
-                         _with(signature, ("counts", tuple(counts)), ("reduce_op", op.name)),
-                         lambda rnd: recv, async_op, part, n, work_bytes=2 * n * send.nbytes)
-
-    def gather(self, send: Any, recv: Any | None, counts: Sequence[int], root: int, *,
-               signature: Signature = (), async_op: bool = False) -> Work:
-        """Concatenate the ranks' ``send`` into ``root``'s ``recv``; other ranks' result is None."""
-        self._check_rank(root, "gather", "root")
-
-        def whole(rnd: _Round) -> None:
-            target = rnd.payloads[root][1]
-            assert target is not None  # the root always passes its receive buffer
-            _concatenate(target, [p[0] for p in rnd.payloads], counts)
-
-        return self._run("gather", (send, recv),
-                         _with(signature, ("root", root), ("counts", tuple(counts))),
-                         lambda rnd: recv if self.rank == root else None, async_op,
-                         lambda rnd, i: whole(rnd), 1, whole)
-
-    def scatter(self, send: Any | None, recv: Any, counts: Sequence[int], root: int, *,
-                signature: Signature = (), async_op: bool = False) -> Work:
-        """Copy this rank's block (``counts[rank]`` long) of ``root``'s ``send`` into ``recv``."""
-        self._check_rank(root, "scatter", "root")
-
-        def part(rnd: _Round, k: int) -> None:
-            lo = sum(counts[:k])
-            rnd.payloads[k][1].reshape(-1)[...] = rnd.payloads[root][0].reshape(-1)[
-                lo:lo + counts[k]]
-
-        n = self.world_size
-        return self._run("scatter", (send, recv),
-                         _with(signature, ("root", root), ("counts", tuple(counts))),
-                         lambda rnd: recv, async_op, part, n, work_bytes=2 * n * recv.nbytes)
+    # --- the contract ---------------------------------------------------------------
+    def make_plan(self, key: CallKey) -> Plan:
+        """The round of ``key`` (:mod:`.plans`): a widened mean for half-precision AVERAGEs,
+        else the plan of its collective."""
+        if key.reduce_op == "AVERAGE" and key.dtype in _HALF:
+            return WidenedMeanPlan(self, key)
+        if key.collective == "all_gather" and key.counts is None:
+            return UnsizedAllGatherPlan(self, key)
+        return PLANS[key.collective](self, key)
 
     def barrier(self) -> None:
         """Return once every rank of the group has arrived (or fail after the world's timeout)."""
-        self._run("barrier", None, (), _nothing, False)
+        self._run("barrier", None, _BARRIER, False)
 
     def monitored_barrier(self, timeout: float) -> None:
         """:meth:`barrier` failing after ``timeout`` seconds, naming the absent ranks."""
-        self._run("barrier", None, (), _nothing, False, timeout=timeout)
+        self._run("barrier", None, _BARRIER, False, timeout=timeout)
 
     # --- objects -----------------------------------------------------------------------
     def allgather_object(self, obj: Any) -> list[Any]:
         """Every rank's ``obj`` (the objects themselves, not copies), in rank order."""
-        return self._run("allgather_object", obj, (), lambda rnd: list(rnd.payloads),
-                         False).wait()
+        return list(self._run("allgather_object", obj, _ALLGATHER_OBJECT, False).payloads)
 
     def broadcast_object(self, obj: Any, root: int) -> Any:
         """``root``'s ``obj`` on every rank (the same object, not a copy)."""
         self._check_rank(root, "broadcast_object", "root")
-        return self._run("broadcast_object", obj, (("root", root),),
-                         lambda rnd: rnd.payloads[root], False).wait()
+        call = (("op", "broadcast_object"), ("root", root), ("async_op", False))
+        return self._run("broadcast_object", obj, call, False).payloads[root]
 
     # --- point to point ----------------------------------------------------------------
     def _mailbox(self, src: int, dst: int, tag: int) -> _Mailbox:
@@ -491,10 +407,6 @@ class MockBackend(Backend):
             self._executor = None
 
 
-def _nothing(rnd: _Round) -> None:
-    return None
-
-
 #: The rounds that compute on the ranks' arrays (object rounds hand objects over as they are).
 _ARRAY_ROUNDS = frozenset({"all_reduce", "broadcast", "all_gather", "reduce_scatter", "gather",
                            "scatter"})
@@ -523,21 +435,6 @@ def _arrays_in(payload: Any) -> list[Any]:
     if isinstance(payload, (tuple, list)):
         return [a for item in payload for a in _arrays_in(item)]
     return [payload] if isinstance(payload, np.ndarray) or _array.is_cupy(payload) else []
-
-
-def _reduce_and_copy(parts: Sequence[Any], op: ReduceOp) -> None:
-    """Combine ``parts`` into ``parts[0]`` in rank order, then copy it into the others."""
-    combine_into(parts[0], parts, op)
-    for part in parts[1:]:
-        part[...] = parts[0]
-
-
-def _concatenate(recv: Any, sends: Sequence[Any], counts: Sequence[int]) -> None:
-    """Write ``sends`` (``counts[k]`` elements from the k-th) one after another into ``recv``."""
-    flat, off = recv.reshape(-1), 0
-    for send, c in zip(sends, counts):
-        flat[off:off + c] = send.reshape(-1)
-        off += c
 
 
 def _group_name(group_key: Any) -> str:

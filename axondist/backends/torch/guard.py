@@ -2,7 +2,7 @@
 and the cross-rank check that the ranks called the same thing with the same arguments.
 
 The check is one small all-reduce (MAX of the call's check words ``[h, -h]``, see
-:mod:`~axondist.backends.call_check`) on the group's own check group, before the call's
+:mod:`~axondist.backends.checks`) on the group's own check group, before the call's
 data moves; a non-blocking call is checked before it starts. When the ranks differ they
 exchange their keys (pickled) and raise the same
 :class:`~axondist.errors.CollectiveMismatchError`, before any data reaches a caller's
@@ -17,8 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from ..call_check import CallLog, Key, agreed, raise_if_different
-from ..recorder import FlightRecorder
+from ..checks import CallLog, Key, agreed, raise_if_different
+from ..recording.recorder import FlightRecorder
 
 
 class TorchGuard(CallLog):

@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
 
 from ..errors import CollectiveMismatchError, CollectiveTimeoutError
-from .base import compare_signatures
-from .recorder import FlightRecorder, describe_status
+from .recording.recorder import FlightRecorder, describe_status
 
 Key = tuple[tuple[str, Any], ...]
 
@@ -100,6 +99,35 @@ class CallLog:
         self.rec.groups.pop(self.p2p_group, None)
 
 
+def compare_signatures(op_name: str,
+                       signatures: Sequence[Key | None]) -> CollectiveMismatchError | None:
+    """The error every rank raises when ranks disagree on a collective's arguments.
+
+    ``signatures`` holds each rank's signature in rank order, each starting
+    with ``("op", name_of_the_collective)``; None when they all agree.
+    Backends call it on the gathered signatures (the mock world always, MPI
+    under ``AXONDIST_DEBUG=1``) so every rank raises the same message.
+    """
+    first = signatures[0]
+    if all(s == first for s in signatures):
+        return None
+    fields: dict[str, list[Any]] = {}
+    for sig in signatures:
+        for name, _value in sig or ():
+            fields.setdefault(name, [])
+    for name in fields:
+        fields[name] = [dict(sig or ()).get(name) for sig in signatures]
+    differing = [name for name, vals in fields.items() if any(v != vals[0] for v in vals)]
+    if "op" in differing:
+        detail = ", ".join(f"rank {k} called {v}" for k, v in enumerate(fields["op"]))
+        return CollectiveMismatchError(
+            f"{op_name}: ranks called different collectives at the same point ({detail}); "
+            "every rank must make the same collective calls in the same order")
+    name = differing[0]
+    detail = ", ".join(f"rank {k}: {v}" for k, v in enumerate(fields[name]))
+    return CollectiveMismatchError(f"{op_name}: ranks disagree on {name} ({detail})")
+
+
 def raise_if_different(op: str, calls: list[Any], named: bool = False) -> None:
     """Raise the mismatch error for the ranks' ``calls``, if they differ.
 
@@ -141,4 +169,5 @@ def _printable_value(name: str, value: Any) -> Any:
     return value
 
 
-__all__ = ["CallLog", "Key", "agreed", "check_words", "printable", "raise_if_different"]
+__all__ = ["CallLog", "Key", "agreed", "check_words", "compare_signatures", "printable",
+           "raise_if_different"]
