@@ -108,3 +108,35 @@ def _body_overlapping_scatter(world: ad.World, seed: int, rows: int, dtype: str,
 def test_a_pair_reduce_scatter_into_its_own_input_block(seed, dtype, op, extra):
     rows = PAIR_FROM_BYTES // np.dtype(dtype).itemsize // 2 + extra
     run_world(_body_overlapping_scatter, 2, seed, rows, dtype, op)
+
+
+def _body_refused_then_used(world: ad.World, extra: int, other: str) -> None:
+    """Rank 1 makes another call than rank 0's two-rank mean (whose first block leaves
+    ahead of its check): both raise the mismatch naming it, and the next mean of every rank
+    finds no message of the refused call."""
+    size = HALVES_FROM_BYTES // 4 + extra
+    x = np.full(size, world.rank + 1.0, np.float32)
+    with pytest.raises(ad.CollectiveMismatchError, match=other if other != "shape" else
+                       r"ranks disagree on shape"):
+        if world.rank == 0:
+            ad.all_reduce_mean(x)
+        elif other == "shape":
+            ad.all_reduce_mean(np.ones(size + 7, np.float32))
+        elif other == "broadcast":
+            ad.broadcast(np.ones(16, np.float32), src=0)
+        else:
+            ad.all_reduce(np.ones(16, np.float32))
+    np.testing.assert_array_equal(x, np.full(size, world.rank + 1.0, np.float32))
+    ad.all_reduce_mean(x)
+    np.testing.assert_array_equal(x, np.full(size, 1.5, np.float32))
+    y = np.full(100, world.rank + 1.0, np.float32)
+    ad.all_reduce(y)
+    np.testing.assert_array_equal(y, np.full(100, 3.0, np.float32))
+
+
+@pytest.mark.skipif(not UNDER_MPI or mpi_world().world_size != 2,
+                    reason="the block sent ahead of the check is the two-rank MPI mean's")
+@pytest.mark.parametrize("other", ["shape", "broadcast", "all_reduce"])
+@pytest.mark.parametrize("extra", [0, HALVES_FROM_BYTES // 4 + 3])
+def test_a_refused_mean_leaves_no_message_behind(other, extra):
+    run_world(_body_refused_then_used, 2, extra, other)

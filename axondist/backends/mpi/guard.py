@@ -23,8 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from ..call_check import CallLog, Key, check_words, raise_if_different
-from ..recorder import FlightRecorder
+from ..checks import CallLog, Key, check_words, raise_if_different
+from ..recording.recorder import FlightRecorder
 from .choose import RIDE_MAX_BYTES
 from .transport import raise_mpi_error
 
@@ -35,6 +35,11 @@ HEADER = 24
 RIDE_ROOM = RIDE_MAX_BYTES
 #: The swaps' tag on the checks' communicator.
 PAIR_TAG = 1
+#: The tag of data a two-rank call sends ahead of its check (see :meth:`CallGuard.swap`).
+AHEAD_TAG = 2
+#: Room after the header of :attr:`CallGuard.received`: the most data a call sends ahead of
+#: its check, and the room a two-rank mean's blocks land in (:mod:`.algorithms.pair_halves`).
+RECEIVE_ROOM = 1 << 20
 
 
 class CallGuard(CallLog):
@@ -67,7 +72,7 @@ class CallGuard(CallLog):
         self.peer: int | None = None
         if self.comm is not None and comm.Get_size() == 2 and not debug:
             self.peer = 1 - comm.Get_rank()
-            self.received = np.zeros(HEADER + RIDE_ROOM, np.uint8)
+            self.received = np.zeros(HEADER + RECEIVE_ROOM, np.uint8)
             #: Where a riding all-reduce builds its message (one per group: plans keep none).
             self.outgoing = np.zeros(HEADER + RIDE_ROOM, np.uint8)
             self.seen = self.received[:HEADER].view(np.int64)
@@ -105,14 +110,30 @@ class CallGuard(CallLog):
     def swap(self, requests: list[Any], h: int, nbytes: int) -> bool:
         """Run a two-rank group's swap (``requests``: a persistent send of this rank's
         message and :attr:`receive`); true when the other rank's call differs from this
-        one's (hash ``h``, ``nbytes`` of data after the header)."""
+        one's (hash ``h``; ``nbytes`` of data after the header, or minus the bytes that
+        left ahead of it on AHEAD_TAG, which a disagreeing rank receives and drops)."""
         try:
             self._mpi.Prequest.Startall(requests)
             self._mpi.Request.Waitall(requests)
         except self._mpi.Exception as exc:
             raise_mpi_error(self._mpi, exc, "the cross-rank check")
         seen = self.seen
-        return bool(seen[1] or seen[0] != h or seen[2] != nbytes)
+        if seen[1] or seen[0] != h or seen[2] != nbytes:
+            self._drop_ahead()
+            return True
+        return False
+
+    def _drop_ahead(self) -> None:
+        """After a swap that disagreed, receive and drop what the other rank sent ahead of
+        its check (a header's negative byte count: that many bytes on AHEAD_TAG, at most
+        RECEIVE_ROOM), so no message of a refused call is left for a later one to meet."""
+        ahead = -int(self.seen[2])
+        if 0 < ahead <= RECEIVE_ROOM:
+            try:
+                self.comm.Recv([self.received[HEADER:HEADER + ahead], self._mpi.BYTE],
+                               self.peer, AHEAD_TAG)
+            except self._mpi.Exception as exc:
+                raise_mpi_error(self._mpi, exc, "the cross-rank check")
 
     def agree_later(self, op: str, key: Key,
                     words: np.ndarray) -> tuple[Any, Callable[[], None]] | None:
@@ -186,4 +207,5 @@ def wait_until(done: Any, deadline: float, error: Any) -> None:
         pause = min(pause * 2, 1e-3)
 
 
-__all__ = ["HEADER", "PAIR_TAG", "CallGuard", "Key", "check_words", "wait_until"]
+__all__ = ["AHEAD_TAG", "HEADER", "PAIR_TAG", "RECEIVE_ROOM", "CallGuard", "Key", "check_words",
+           "wait_until"]
