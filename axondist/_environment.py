@@ -1,6 +1,7 @@
 """What launched this process (an MPI launcher, an env-style launcher such as torchrun, or
-nothing), read from the environment only; it imports nothing but :mod:`axondist.errors`, so
-every layer may ask without an import cycle."""
+nothing), read from the environment only; it imports nothing but :mod:`axondist.errors` and
+:mod:`axondist.backends.settings` (which imports nothing), so every layer may ask without an
+import cycle."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import importlib.util
 import os
 from collections.abc import Mapping
 
+from .backends import settings
 from .errors import LaunchError
 
 # Environment variables set by MPI launchers (MPICH/Hydra, Open MPI, PMIx, Slurm's srun).
@@ -117,7 +119,7 @@ def default_backend(env: Mapping[str, str] | None = None) -> str:
         env: the environment to read (``os.environ`` when None).
     """
     env = os.environ if env is None else env
-    named = env.get("AXONDIST_BACKEND", "").strip()
+    named: str | None = settings.read("AXONDIST_BACKEND", env)
     if named:
         return named
     if launched_by_mpi(env):

@@ -17,6 +17,7 @@ import numpy as np
 
 from . import _array, comm
 from ._validate import parse_choice
+from .backends import settings
 from .ops import ReduceOp
 from .process_group import ProcessGroup, resolve_group
 
@@ -156,7 +157,7 @@ def setup_from_env() -> logging.Handler | None:
     Raises:
         ValueError: the variable names no level (the message says which it was).
     """
-    value = os.environ.get(LEVEL_VAR, "").strip()
+    value: str | None = settings.read(LEVEL_VAR)
     if not value:
         return None
     try:

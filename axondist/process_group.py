@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import numbers
-import os
 import sys
 import threading
 from collections.abc import Sequence
@@ -12,8 +11,8 @@ from typing import Any
 
 from ._environment import check_env_launch, default_backend
 from ._validate import as_members
+from .backends import settings
 from .backends.base import Backend
-from .backends.mock import MockBackend
 from .backends.registry import create_backend
 from .errors import LaunchError, NotAMemberError, TooManyGroupsError
 
@@ -42,16 +41,7 @@ class LiveGroups:
 
 
 def _max_groups() -> int | None:
-    raw = os.environ.get(MAX_GROUPS_ENV, "").strip()
-    if not raw:
-        return None
-    try:
-        limit = int(raw)
-    except ValueError:
-        raise ValueError(f"{MAX_GROUPS_ENV}={raw!r} must be an int >= 0 (the most groups alive "
-                         "at once), or unset") from None
-    if limit < 0:
-        raise ValueError(f"{MAX_GROUPS_ENV}={raw!r} must be an int >= 0, or unset")
+    limit: int | None = settings.read(MAX_GROUPS_ENV)
     return limit
 
 
@@ -243,6 +233,8 @@ class World(ProcessGroup):
     @classmethod
     def mock(cls, timeout: float | None = None) -> World:
         """A one-rank in-process world (collectives are identities)."""
+        from .backends.mock import MockBackend  # loaded only by a job that uses it
+
         return cls(MockBackend.create_world(1, timeout)[0])
 
     def __repr__(self) -> str:

@@ -33,6 +33,7 @@ import numpy as np
 from . import comm
 from ._environment import launched_by_mpi
 from ._validate import positive_number
+from .backends import settings
 from .ddp import DEFAULT_BUCKET_CAP_MB, GradientSynchronizer, GradSyncStrategy
 from .launching.worlds import spawn
 from .log import all_reduce_scalar
@@ -300,7 +301,7 @@ def tune(group: ProcessGroup | None = None, sizes: Sequence[int] = DEFAULT_SIZES
 
 def settings_path(path: str | os.PathLike[str] | None = None) -> Path:
     """``path``, else ``$AXONDIST_TUNE_FILE``, else ``axondist-tune.json`` here."""
-    return Path(path if path is not None else os.environ.get("AXONDIST_TUNE_FILE", DEFAULT_FILE))
+    return Path(path if path is not None else settings.read("AXONDIST_TUNE_FILE") or DEFAULT_FILE)
 
 
 def save_settings(settings: TuneSettings, path: str | os.PathLike[str] | None = None) -> Path:

@@ -13,6 +13,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+from . import settings
 from .base import Backend
 
 BackendFactory = Callable[..., Backend]
@@ -60,10 +61,13 @@ _TORCH_NAMES = {
 
 
 def create_backend(name: str, **options: Any) -> Backend:
-    """This process's world backend from the factory registered as ``name``.
+    """This process's world backend from the factory registered as ``name``. Every
+    ``AXONDIST_*`` variable is read first (:func:`axondist.backends.settings.load`): a bad
+    value fails here, and a misspelt name is warned about.
 
     Raises:
-        ValueError: no backend of that name (the message lists the valid ones).
+        ValueError: no backend of that name (the message lists the valid ones), or a bad
+            ``AXONDIST_*`` value (the message names the variable).
         BackendUnavailableError: the backend's library is missing.
     """
     key = str(name).strip().lower()
@@ -72,6 +76,7 @@ def create_backend(name: str, **options: Any) -> Backend:
         hint = _TORCH_NAMES.get(key, "")
         raise ValueError(f"init: unknown backend {name!r}; choose one of {backend_names()} "
                          f"(or register one with axondist.backends.register_backend){hint}")
+    settings.load()
     backend = factory(**options)
     if not isinstance(backend, Backend):
         raise TypeError(f"init: the factory of backend {key!r} returned "

@@ -7,7 +7,7 @@ set to ``KIND:K`` the K-th such step of this process is made to fail in the
 way KIND names (``kill`` and ``kill-tmp``: SIGKILL after or before the file
 is renamed into place; ``enospc``, ``erofs``: the OSError a full disk or a
 read-only file system raises; ``pause``: wait until the file named by
-``AXONDIST_CHECKPOINT_RELEASE`` exists). Unset, it costs one dictionary look-up.
+``AXONDIST_CHECKPOINT_RELEASE`` exists). Unset, it costs one look-up of the variable.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+from ..backends import settings
 from ..errors import CheckpointError
 
 FAULT_ENV = "AXONDIST_CHECKPOINT_FAULT"
@@ -38,7 +39,7 @@ def fault_point(stage: str) -> None:
     ``stage`` is ``"tmp"`` (bytes written, not yet renamed) or ``"done"``
     (the change is in place). Only ``kill-tmp`` acts on ``"tmp"``.
     """
-    spec = os.environ.get(FAULT_ENV)
+    spec: str | None = settings.read(FAULT_ENV)  # per call: a test sets it between steps
     if not spec:
         return
     kind, _, k = spec.partition(":")
@@ -53,7 +54,7 @@ def fault_point(stage: str) -> None:
     elif kind == "erofs":
         raise OSError(errno.EROFS, "Read-only file system (injected)")
     elif kind == "pause":
-        release = os.environ.get(RELEASE_ENV, "")
+        release: str = settings.read(RELEASE_ENV) or ""
         deadline = time.monotonic() + 120
         while not os.path.exists(release) and time.monotonic() < deadline:
             time.sleep(0.01)

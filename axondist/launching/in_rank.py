@@ -15,6 +15,7 @@ import traceback
 from collections.abc import Sequence
 from typing import Any
 
+from ..backends import settings
 from ..backends.watchdog.launcher_report import MARK, RESTART_COUNT_VAR, RUN_DIR_VAR
 from ..backends.watchdog.launcher_report import report as _report
 
@@ -65,7 +66,7 @@ def _enable_faulthandler(rank: int) -> None:
     when this rank runs on the launching host (so it knows which rank crashed), else on
     stderr."""
     global _fault_file
-    run_dir = os.environ.get(RUN_DIR_VAR)
+    run_dir = settings.read(RUN_DIR_VAR)
     if run_dir and os.path.isdir(run_dir):
         try:
             _fault_file = open(os.path.join(run_dir, f"fault.{rank}"), "w")  # noqa: SIM115

@@ -12,9 +12,8 @@ from typing import Any, TypeVar
 
 from .. import log
 from .._environment import env_launch_size, launched_by_mpi
+from ..backends import settings
 from ..backends.base import Backend
-from ..backends.mock import MockBackend
-from ..backends.mock.process_end import ProcessEndWatch
 from ..errors import CollectiveMismatchError, RankExitedError, WorldAbortedError
 from ..process_group import World, init, peek_world, use_world
 
@@ -68,6 +67,10 @@ def spawn(fn: Callable[..., T], world_size: int, *args: Any, timeout: float | No
             f"{launcher} started, as separate worlds that train separate models; to use the "
             "launched world, call axondist.run(fn, world_size) (the launched world under a "
             "launcher, threads otherwise) or axondist.init()", RuntimeWarning, stacklevel=2)
+    from ..backends.mock import MockBackend  # threads' world: loaded by the call that uses it
+    from ..backends.mock.process_end import ProcessEndWatch
+
+    settings.load()  # a bad AXONDIST_* value fails here; a misspelt name is warned about
     backends = MockBackend.create_world(world_size, timeout)
     mock_world = backends[0].world
     with ProcessEndWatch(mock_world, "axondist.spawn") as watch:  # a rank ending the process
@@ -97,7 +100,7 @@ def spawn_on_devices(fn: Callable[..., T], devices: Sequence[int], *args: Any,
     from ..backends import nccl  # CuPy's backend: loaded only by the call that uses it
 
     backends = nccl.NcclBackend.create_world(list(devices), timeout=timeout)
-    link = backends[0]._link
+    link = backends[0].comm.link
 
     def use_device(rank: int) -> None:
         nccl.use_device(backends[rank].device)

@@ -16,6 +16,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from ..backends import settings
 from ..backends.recording.recorder import describe_detail
 from ..backends.recording.trace_file import TraceWriter
 from ..process_group import ProcessGroup, peek_world, resolve_group
@@ -67,7 +68,7 @@ def start(directory: str | os.PathLike[str] | None = None, *, max_mb: float | No
     """
     backend, recorder = _recorder(group, "trace.start")
     if directory is None:
-        directory = os.environ.get("AXONDIST_TRACE") or None
+        directory = settings.read("AXONDIST_TRACE")
         if directory is None:
             raise ValueError("trace.start: give a folder, start(directory), or set "
                              "AXONDIST_TRACE=DIR")

@@ -72,7 +72,7 @@ def test_options_read_the_piece_size_from_the_environment(monkeypatch):
     assert MPIOptions.from_env().piece_bytes == 4 << 20
     assert MPIOptions.from_env(piece_bytes=100).piece_bytes == 100  # arguments win
     monkeypatch.setenv("AXONDIST_PIECE_MB", "four")
-    with pytest.raises(ValueError, match="AXONDIST_PIECE_MB='four' is not a number"):
+    with pytest.raises(ValueError, match="AXONDIST_PIECE_MB='four' must be a number of MiB > 0"):
         MPIOptions.from_env()
 
 

@@ -8,7 +8,6 @@ arrays on an MPI that is not CUDA-aware.
 from __future__ import annotations
 
 import importlib
-import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields, replace
@@ -25,6 +24,7 @@ from ...errors import (
     UnsupportedDTypeError,
 )
 from ...ops import ReduceOp
+from .. import settings
 from ..base import Work, checks_enabled, debug_enabled
 
 # dtype name -> mpi4py datatype attribute; float16/bfloat16 travel as 2-byte units.
@@ -103,14 +103,14 @@ class MPIOptions:
         if unknown:
             raise TypeError(f"mpi backend: unknown option(s) {unknown}; valid options are "
                             f"{valid + ['comm', 'abort_on_exception', 'timeout']}")
-        env = os.environ
-        opts = cls(debug=debug_enabled(), checks=checks_enabled())
-        if "AXONDIST_MPI_CHUNK_BYTES" in env:
-            opts = replace(opts, chunk_bytes=int(env["AXONDIST_MPI_CHUNK_BYTES"]))
-        if env.get("AXONDIST_PIECE_MB"):
-            opts = replace(opts, piece_bytes=piece_bytes_from_env(env["AXONDIST_PIECE_MB"]))
-        if "AXONDIST_MPI_HOST_STAGING" in env:
-            opts = replace(opts, host_staging=env["AXONDIST_MPI_HOST_STAGING"].lower())
+        opts = cls(debug=debug_enabled(), checks=checks_enabled(),
+                   host_staging=settings.read("AXONDIST_MPI_HOST_STAGING"))
+        chunk_bytes = settings.read("AXONDIST_MPI_CHUNK_BYTES")
+        if chunk_bytes is not None:
+            opts = replace(opts, chunk_bytes=chunk_bytes)
+        piece_mb = settings.read("AXONDIST_PIECE_MB")
+        if piece_mb is not None:
+            opts = replace(opts, piece_bytes=max(1, round(piece_mb * 2**20)))
         return replace(opts, **overrides)
 
 

@@ -17,7 +17,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from .trace_file import writer_from_environment
+from .. import settings as _settings
 
 _monotonic = time.monotonic
 _trace = logging.getLogger("axondist.trace")
@@ -25,17 +25,6 @@ _trace = logging.getLogger("axondist.trace")
 # Fields of a ring slot (a tuple, so a reader never sees half of an update); _ORDER
 # numbers the calls of the rank (readers sort by it: the writers keep no "next" index).
 _GROUP, _SEQ, _OP, _DETAIL, _START, _BLOCKING, _ORDER = range(7)
-
-
-def _capacity() -> int:
-    text = os.environ.get("AXONDIST_FLIGHT_RECORDER", "256")
-    try:
-        value = int(text)
-    except ValueError:
-        raise ValueError(f"AXONDIST_FLIGHT_RECORDER={text!r} must be a number of calls") from None
-    if value < 1:
-        raise ValueError(f"AXONDIST_FLIGHT_RECORDER={text!r} must be >= 1")
-    return 1 << (value - 1).bit_length()  # a power of two: slots by masking
 
 
 #: The arguments each call's key holds, in order (what a mismatch message names).
@@ -105,14 +94,19 @@ class FlightRecorder:
         rank: this process's rank in the world.
         world_size: ranks in the world.
         host: the host name, for messages.
+        settings: the world's settings (its ``flight_recorder`` size, its ``trace`` folder);
+            read from the environment when None.
     """
 
-    def __init__(self, rank: int, world_size: int, host: str = "") -> None:
+    def __init__(self, rank: int, world_size: int, host: str = "",
+                 settings: _settings.Settings | None = None) -> None:
         self.rank = rank
         self.world_size = world_size
         self.host = host
         self.pid = os.getpid()
-        capacity = _capacity()
+        size: int = (_settings.read("AXONDIST_FLIGHT_RECORDER") if settings is None
+                     else settings.flight_recorder)
+        capacity = 1 << (size - 1).bit_length()  # a power of two: slots by masking
         self._mask = capacity - 1
         self._slots: list[tuple[Any, ...] | None] = [None] * capacity
         #: When each slot's call ended: a call is done once its end is not before its
@@ -132,7 +126,8 @@ class FlightRecorder:
         self.query_peers: Any = None
         #: Called with each finished call's entry and end time (a trace writer: see
         #: :mod:`axondist.trace`); ``AXONDIST_TRACE=DIR`` sets one from the start.
-        self.sink: Any = writer_from_environment(self, describe_detail)
+        folder = _settings.read("AXONDIST_TRACE") if settings is None else settings.trace
+        self.sink: Any = None if folder is None else _trace_writer(folder, self)
 
     # --- writing (the owner's threads) --------------------------------------------------
     def begin(self, group: str, seq: int, op: str, detail: Any, blocking: bool = True) -> int:
@@ -259,6 +254,14 @@ def format_entries(entries: Sequence[dict[str, Any]]) -> str:
         lines.append(f"  {describe_call(e)}{kind}: started {e['started_s_ago']:.3f} s ago, "
                      f"{state}")
     return "\n".join(lines)
+
+
+def _trace_writer(folder: str, recorder: FlightRecorder) -> Any:
+    """A trace writer into ``folder`` (``AXONDIST_TRACE``): the trace module loads only in a
+    job that traces."""
+    from .trace_file import TraceWriter
+
+    return TraceWriter(folder, recorder, describe=describe_detail)
 
 
 __all__ = ["FlightRecorder", "describe_call", "describe_detail", "describe_status",

@@ -24,6 +24,8 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+from .. import settings
+
 #: Records kept in memory before they are written (a crash loses at most these).
 BATCH = 512
 #: Records kept at most: past it a call writes them itself (memory stays bounded).
@@ -31,7 +33,7 @@ _MAX_KEPT = 16 * BATCH
 #: Seconds between two writes of the records kept so far, at the longest.
 FLUSH_EVERY_S = 1.0
 #: Bytes of trace kept on disk per rank by default (``AXONDIST_TRACE_MB``).
-DEFAULT_MAX_BYTES = 64 << 20
+DEFAULT_MAX_BYTES = int(settings.BY_NAME["AXONDIST_TRACE_MB"].default * (1 << 20))
 #: The trace format's version, in every file's header.
 FORMAT = 1
 
@@ -48,16 +50,8 @@ def rank_file(directory: str, rank: int, old: bool = False) -> str:
 
 def max_bytes_from_environment() -> int:
     """``AXONDIST_TRACE_MB`` (MiB of trace per rank) in bytes, else the default."""
-    text = os.environ.get("AXONDIST_TRACE_MB", "")
-    if not text:
-        return DEFAULT_MAX_BYTES
-    try:
-        value = float(text)
-    except ValueError:
-        raise ValueError(f"AXONDIST_TRACE_MB={text!r} must be a number of MiB") from None
-    if value <= 0:
-        raise ValueError(f"AXONDIST_TRACE_MB={text!r} must be > 0")
-    return int(value * (1 << 20))
+    mib: float = settings.read("AXONDIST_TRACE_MB")
+    return int(mib * (1 << 20))
 
 
 def payload_bytes(detail: Any) -> int:
@@ -292,18 +286,11 @@ def _first_of_each_field(text: str) -> str:
     return ", ".join(kept)
 
 
-def writer_from_environment(recorder: Any, describe: Callable[[Any, str], str] | None = None
-                            ) -> TraceWriter | None:
-    """A writer into ``AXONDIST_TRACE`` (a folder) for ``recorder``; None when unset."""
-    directory = os.environ.get("AXONDIST_TRACE", "")
-    return TraceWriter(directory, recorder, describe=describe) if directory else None
-
-
 @atexit.register
 def _close_open_writers() -> None:
     for writer in list(_open_writers):
         writer.close()
 
 
-__all__ = ["BATCH", "DEFAULT_MAX_BYTES", "TraceWriter", "payload_bytes", "rank_file",
-           "writer_from_environment"]
+__all__ = ["BATCH", "DEFAULT_MAX_BYTES", "TraceWriter", "max_bytes_from_environment",
+           "payload_bytes", "rank_file"]

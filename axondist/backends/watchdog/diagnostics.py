@@ -6,7 +6,6 @@ docs/backends.md ("The watchdog")."""
 from __future__ import annotations
 
 import json
-import math
 import os
 import socket
 import time
@@ -14,6 +13,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ..._environment import launched_on_one_host
+from .. import settings
 
 #: The longest line a server or a client reads.
 MAX_LINE = 1 << 20
@@ -54,7 +54,7 @@ def diagnostics_address(environ: Mapping[str, str] | None = None) -> str | None:
     this host, else the first address this host's name resolves to (the one the ranks
     reach each other on); any other value is the address itself."""
     environ = os.environ if environ is None else environ
-    setting = environ.get("AXONDIST_DIAGNOSTICS", "auto").strip()
+    setting = settings.read("AXONDIST_DIAGNOSTICS", environ)
     if setting.lower() in _OFF:
         return None
     if setting.lower() not in _AUTO:
@@ -69,19 +69,8 @@ def diagnostics_ports(environ: Mapping[str, str] | None = None) -> range | None:
     Raises:
         ValueError: a setting that is not ``LO-HI`` with 1 <= LO <= HI <= 65535.
     """
-    environ = os.environ if environ is None else environ
-    text = environ.get("AXONDIST_DIAGNOSTICS_PORTS", "").strip()
-    if not text:
-        return None
-    lo, _, hi = text.partition("-")
-    try:
-        first, last = int(lo), int(hi or lo)
-    except ValueError:
-        first, last = 0, -1
-    if not 1 <= first <= last <= 65535:
-        raise ValueError(f"AXONDIST_DIAGNOSTICS_PORTS={text!r} must be a port range LO-HI "
-                         "(e.g. 29400-29499) within 1-65535")
-    return range(first, last + 1)
+    ports: range | None = settings.read("AXONDIST_DIAGNOSTICS_PORTS", environ)
+    return ports
 
 
 def listen(address: str, ports: range | None) -> socket.socket:
@@ -106,15 +95,8 @@ def cut_off_timeout(environ: Mapping[str, str] | None = None) -> float:
     Raises:
         ValueError: not a number > 0.
     """
-    environ = os.environ if environ is None else environ
-    text = environ.get("AXONDIST_CUT_OFF_TIMEOUT", "30")
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not value > 0:
-        raise ValueError(f"AXONDIST_CUT_OFF_TIMEOUT={text!r} must be a number of seconds > 0")
-    return value
+    seconds: float = settings.read("AXONDIST_CUT_OFF_TIMEOUT", environ)
+    return seconds
 
 
 def process_gone(pid: int) -> bool:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 import sys
 
+from .. import settings
+
 #: The environment variable a launched script reads to know how often the job was restarted.
 RESTART_COUNT_VAR = "AXONDIST_RESTART_COUNT"
 #: The run folder of the launcher that started this rank (set only by ``axondist run``).
@@ -25,7 +27,7 @@ def report(rank: int, *fields: object) -> None:
     sys.stdout.flush()
     sys.stderr.write(line)
     sys.stderr.flush()
-    run_dir = os.environ.get(RUN_DIR_VAR)
+    run_dir = settings.read(RUN_DIR_VAR)
     if run_dir and os.path.isdir(run_dir):  # on the launching host only
         try:
             with open(os.path.join(run_dir, f"status.{rank}"), "a") as f:
@@ -39,7 +41,7 @@ def report_lost(rank: int, lost: int, how: str) -> None:
     ``axondist run`` started this rank: a rank that ends without a word (``os._exit``, a
     signal) cannot say so itself, and the launcher cannot tell it from the ranks killed in
     the clean-up."""
-    if os.environ.get(RUN_DIR_VAR):
+    if settings.read(RUN_DIR_VAR):
         report(rank, "lost", lost, " ".join(how.split()))
 
 
