@@ -10,7 +10,7 @@ dtype) and how a unit's all-gather starts, finishes and is undone.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -20,7 +20,7 @@ from ..backends.base import CompletedWork, Work
 from ..parameter import Parameter
 from ..process_group import ProcessGroup
 from .policies import CPUOffload, MixedPrecision, ShardingSpec, ShardingStrategy
-from .sharding import FlatUnit
+from .sharding import FlatUnit, plan_units, unit_indices
 
 
 class _Unit:
@@ -77,6 +77,7 @@ class UnitState:
     sharding_strategy: ShardingStrategy
     cpu_offload: CPUOffload
     mixed_precision: MixedPrecision
+    module: Any
     _units: list[_Unit]
     _params: list[Parameter]
     _xp: Any
@@ -96,6 +97,37 @@ class UnitState:
     def shard_rank(self) -> int:
         """This rank's index in its shard group (0 when units are not split)."""
         return self.shard_group.rank if self.shard_group is not None else 0
+
+    # --- building the units -----------------------------------------------------------
+
+    def _unit_plan(self, units: Sequence[Sequence[Any]] | None,
+                   unit_size_mb: float) -> list[list[int]]:
+        if units is None and callable(getattr(self.module, "units", None)):
+            units = unit_indices(self.module.units(), self._params)
+        return plan_units([p.size for p in self._params], [p.dtype for p in self._params],
+                          units, int(unit_size_mb * 2**20))
+
+    def _build_units(self, plan: list[list[int]], sync_states: bool) -> list[_Unit]:
+        """The units of ``plan`` (lists of parameter indices): each keeps this rank's shard
+        (rank 0's values on every rank when ``sync_states``), and its parameters are left
+        as empty placeholders until gathered."""
+        out = []
+        for u, members in enumerate(plan):
+            params = [self._params[i] for i in members]
+            flat = FlatUnit(u, tuple(members), tuple(p.shape for p in params),
+                            np.dtype(params[0].dtype), self._shards)
+            buf = self._xp.zeros(flat.padded_numel, dtype=flat.dtype)
+            flat.layout.pack([p.data for p in params], out=buf[:flat.numel])
+            if sync_states and self.group.world_size > 1:
+                comm.broadcast(buf, self.group, src=0)
+            lo, hi = flat.shard_bounds(self.shard_rank)
+            shard = self._to_rest(buf[lo:hi].copy())
+            del buf
+            out.append(_Unit(flat, Parameter(shard, name=f"fsdp.unit{u}")))
+            for _member, p in zip(members, params):
+                p.data = self._placeholder(flat)
+                p.grad = None
+        return out
 
     # --- where arrays live --------------------------------------------------------------
 

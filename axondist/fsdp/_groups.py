@@ -1,10 +1,11 @@
-"""Which ranks FSDP talks to: the model check across ranks and the shard / replica groups.
+"""What FSDP checks and creates at construction: the model's checks and the groups it talks to.
 
-Both run once, at construction, and are collective over the wrapper's group:
-:func:`check_same_model` compares every rank's parameter list with rank 0's
-and raises the same error on every rank, and :func:`sharding_groups` turns a
-:class:`~axondist.fsdp.policies.ShardingSpec` into this rank's shard group
-and replica group (creating node sub-groups when the spec shards by node).
+:func:`check_floating` refuses parameters FSDP cannot train. The other two are
+collective over the wrapper's group: :func:`check_same_model` compares every
+rank's parameter list with rank 0's and raises the same error on every rank,
+and :func:`sharding_groups` turns a :class:`~axondist.fsdp.policies.ShardingSpec`
+into this rank's shard group and replica group (creating node sub-groups when
+the spec shards by node).
 """
 
 from __future__ import annotations
@@ -12,11 +13,26 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from .. import comm
-from ..errors import CollectiveMismatchError
+from ..errors import CollectiveMismatchError, UnsupportedDTypeError
+from ..parameter import Parameter
 from ..process_group import ProcessGroup
 from .policies import ShardingSpec, Span
 from .sharding import hybrid_groups, node_of_ranks
+
+
+def check_floating(params: Sequence[Parameter], names: Sequence[str]) -> None:
+    """Refuse a parameter FSDP cannot shard and train: one that is not floating point."""
+    for i, (p, name) in enumerate(zip(params, names)):
+        dt = np.dtype(p.dtype)
+        if dt.kind != "f" and dt.name != "bfloat16":
+            raise UnsupportedDTypeError(
+                f"FullyShardedDataParallel: parameter {i} ({name}) is {dt}; FSDP shards, "
+                "averages and updates floating-point parameters only (float16, bfloat16, "
+                "float32, float64). Keep integer or boolean arrays outside the model, or cast "
+                "them, e.g. Parameter(x.astype(np.float32))")
 
 
 def check_same_model(group: ProcessGroup, entries: Sequence[tuple[str, tuple[int, ...], str]],
@@ -114,4 +130,4 @@ def _member_group(group: ProcessGroup, rank_lists: list[list[int]]) -> ProcessGr
     return mine
 
 
-__all__ = ["check_same_model", "sharding_groups"]
+__all__ = ["check_floating", "check_same_model", "sharding_groups"]

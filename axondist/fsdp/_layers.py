@@ -200,4 +200,38 @@ def loss_and_grad(loss_fn: Any, y: Any, target: Any, where: str) -> tuple[Any, A
     return out
 
 
-__all__ = ["LayerPlan", "backward", "forward", "loss_and_grad"]
+def check_options(where: str, kwargs: dict[str, Any], loss_fn: Any, *, prefetch: Any,
+                  reshard_after_forward: Any) -> None:
+    """Refuse what a layered wrapper does not take: ``units``/``grad_fn`` (the layers decide
+    both), a ``loss_fn`` that is not callable, flags that are not bools."""
+    for arg in ("units", "grad_fn"):
+        if arg in kwargs:
+            raise TypeError(f"{where}: {arg}= is not taken: each layer's parameters are its "
+                            "unit and the layers' callables compute the gradients")
+    if not callable(loss_fn):
+        raise TypeError(f"{where}: loss_fn must be a callable loss_fn(y, target) returning "
+                        f"(loss, grad_y), got {type(loss_fn).__name__}")
+    for arg, flag in (("prefetch", prefetch), ("reshard_after_forward", reshard_after_forward)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{where}: {arg} must be True or False, got {flag!r}")
+
+
+def layered_backward(fsdp: FullyShardedDataParallel, plan: LayerPlan, loss_fn: Any, x: Any,
+                     target: Any, *, prefetch: bool, reshard_after_forward: bool,
+                     where: str) -> Any:
+    """One layered step's gradients: :func:`forward` keeping what backward needs,
+    ``loss_fn`` on the output, then :func:`backward`; returns the loss."""
+    y, saved = forward(fsdp, plan, x, prefetch=prefetch,
+                       reshard_after_forward=reshard_after_forward, keep=True, where=where)
+    try:
+        loss, grad = loss_and_grad(loss_fn, y, target, where)
+    except BaseException:
+        fsdp.reshard_parameters()
+        raise
+    del y
+    backward(fsdp, plan, saved, grad, prefetch=prefetch, where=where)
+    return loss
+
+
+__all__ = ["LayerPlan", "backward", "check_options", "forward", "layered_backward",
+           "loss_and_grad"]

@@ -8,9 +8,10 @@ and an optimizer built on :meth:`FullyShardedDataParallel.sharded_parameters`
 updates the shards. What each strategy shards, and over which ranks, is read
 from its :class:`~axondist.fsdp.policies.ShardingSpec`; how the numbers move
 is described in docs/guide.md (FSDP). The class is built from parts:
-``_gather.py`` (unit state, gather and reshard), ``_gradients.py`` (reduction,
-no_sync, clipping), ``_layers.py`` (the layer-by-layer step of
-:meth:`FullyShardedDataParallel.from_layers`) and ``state_dict.py``.
+``_gather.py`` (building the units, gather and reshard), ``_gradients.py``
+(reduction, no_sync, clipping), ``_layers.py`` (the layer-by-layer step of
+:meth:`FullyShardedDataParallel.from_layers`), ``_groups.py`` (construction
+checks and groups), ``memory.py`` (the byte counts) and ``state_dict.py``.
 """
 
 from __future__ import annotations
@@ -19,41 +20,31 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
-from .. import _array, comm
+from .. import _array
 from .._step import GradFn, check_grad_fn, check_optimizer, loss_and_gradients, split_grad_fn
 from ..checkpoint import CheckpointReader, ShardedState, param_names
-from ..errors import UnsupportedDTypeError
 from ..parameter import Parameter, parameters_of
 from ..process_group import ProcessGroup, resolve_group
 from . import _layers
 from . import state_dict as _state_dict
-from ._gather import _Unit
 from ._gradients import GradientSync
-from ._groups import check_same_model, sharding_groups
+from ._groups import check_floating, check_same_model, sharding_groups
 from ._layers import LayerPlan
-from .memory import Footprint, FSDPMemoryStats, HeldBytes, OptimizerModel, unit_footprint
+from .memory import (
+    Footprint,
+    FSDPMemoryStats,
+    OptimizerModel,
+    estimated_footprint,
+    measured_footprint,
+)
 from .policies import CPUOffload, MixedPrecision, ShardingStrategy
-from .sharding import DEFAULT_UNIT_BYTES, FlatUnit, plan_units, unit_indices
+from .sharding import DEFAULT_UNIT_BYTES, FlatUnit
 
 if TYPE_CHECKING:
     from ..pipeline import LossFn, PipelineStage
 
 logger = logging.getLogger("axondist.fsdp")
 
-
-
-def _check_floating(params: Sequence[Parameter], names: Sequence[str]) -> None:
-    """Refuse a parameter FSDP cannot shard and train: one that is not floating point."""
-    for i, (p, name) in enumerate(zip(params, names)):
-        dt = np.dtype(p.dtype)
-        if dt.kind != "f" and dt.name != "bfloat16":
-            raise UnsupportedDTypeError(
-                f"FullyShardedDataParallel: parameter {i} ({name}) is {dt}; FSDP shards, "
-                "averages and updates floating-point parameters only (float16, bfloat16, "
-                "float32, float64). Keep integer or boolean arrays outside the model, or cast "
-                "them, e.g. Parameter(x.astype(np.float32))")
 
 class FullyShardedDataParallel(GradientSync):
     """Shard a model's parameters, gradients and optimizer state over a group.
@@ -130,7 +121,7 @@ class FullyShardedDataParallel(GradientSync):
                          "FullyShardedDataParallel", settings)
         if not self._params:
             raise ValueError("FullyShardedDataParallel: the model has no parameters")
-        _check_floating(self._params, self._names)
+        check_floating(self._params, self._names)
         self._xp = _array.namespace(*(p.data for p in self._params))
         self._on_device = _array.is_cupy(self._params[0].data)
         self._shapes = [p.shape for p in self._params]
@@ -198,16 +189,8 @@ class FullyShardedDataParallel(GradientSync):
             ValueError: no layers, no parameters, or a Parameter in two layers.
         """
         where = "FullyShardedDataParallel.from_layers"
-        for arg in ("units", "grad_fn"):
-            if arg in kwargs:
-                raise TypeError(f"{where}: {arg}= is not taken: each layer's parameters are its "
-                                "unit and the layers' callables compute the gradients")
-        if not callable(loss_fn):
-            raise TypeError(f"{where}: loss_fn must be a callable loss_fn(y, target) returning "
-                            f"(loss, grad_y), got {type(loss_fn).__name__}")
-        for arg, flag in (("prefetch", prefetch), ("reshard_after_forward", reshard_after_forward)):
-            if not isinstance(flag, bool):
-                raise TypeError(f"{where}: {arg} must be True or False, got {flag!r}")
+        _layers.check_options(where, kwargs, loss_fn, prefetch=prefetch,
+                              reshard_after_forward=reshard_after_forward)
         plan, params, units = LayerPlan.of(layers, where)
         fsdp = cls(params, group, units=units, **kwargs)
         fsdp.module = list(plan.layers)
@@ -216,32 +199,6 @@ class FullyShardedDataParallel(GradientSync):
         return fsdp
 
     # --- construction ---------------------------------------------------------------
-
-    def _unit_plan(self, units: Sequence[Sequence[Any]] | None,
-                   unit_size_mb: float) -> list[list[int]]:
-        if units is None and callable(getattr(self.module, "units", None)):
-            units = unit_indices(self.module.units(), self._params)
-        return plan_units([p.size for p in self._params], [p.dtype for p in self._params],
-                          units, int(unit_size_mb * 2**20))
-
-    def _build_units(self, plan: list[list[int]], sync_states: bool) -> list[_Unit]:
-        out = []
-        for u, members in enumerate(plan):
-            params = [self._params[i] for i in members]
-            flat = FlatUnit(u, tuple(members), tuple(p.shape for p in params),
-                            np.dtype(params[0].dtype), self._shards)
-            buf = self._xp.zeros(flat.padded_numel, dtype=flat.dtype)
-            flat.layout.pack([p.data for p in params], out=buf[:flat.numel])
-            if sync_states and self.group.world_size > 1:
-                comm.broadcast(buf, self.group, src=0)
-            lo, hi = flat.shard_bounds(self.shard_rank)
-            shard = self._to_rest(buf[lo:hi].copy())
-            del buf
-            out.append(_Unit(flat, Parameter(shard, name=f"fsdp.unit{u}")))
-            for _member, p in zip(members, params):
-                p.data = self._placeholder(flat)
-                p.grad = None
-        return out
 
     def _cast_buffers(self, model: Any) -> None:
         dtype = self.mixed_precision.buffer_dtype
@@ -370,17 +327,10 @@ class FullyShardedDataParallel(GradientSync):
                             f"(target may be left out), got {len(batch)} arguments")
         self._select(None, where)  # refuses a closed wrapper
         x, target = batch[0], batch[1] if len(batch) == 2 else None
-        y, saved = _layers.forward(self, plan, x, prefetch=self.prefetch,
-                                   reshard_after_forward=self.reshard_after_forward, keep=True,
-                                   where=where)
-        try:
-            loss, grad = _layers.loss_and_grad(self._loss_fn, y, target, where)
-        except BaseException:
-            self.reshard_parameters()
-            raise
-        del y
-        _layers.backward(self, plan, saved, grad, prefetch=self.prefetch, where=where)
-        return loss
+        return _layers.layered_backward(self, plan, self._loss_fn, x, target,
+                                        prefetch=self.prefetch,
+                                        reshard_after_forward=self.reshard_after_forward,
+                                        where=where)
 
     def forward(self, x: Any) -> Any:
         """The model's output on ``x``, one layer's unit gathered at a time (no gradients).
@@ -484,16 +434,9 @@ class FullyShardedDataParallel(GradientSync):
                 registered one; Adam's two arrays per element when none).
         """
         model = OptimizerModel.of(optimizer if optimizer is not None else self._optimizer)
-        held = Footprint()
-        reference = 0  # NO_SHARD in the same state, counted as memory_stats counts it
-        for st in self._units:
-            flat, compute = st.flat, self._compute_dtype(st.flat)
-            unit_footprint(flat, self.shard_rank, self.spec, compute, model, self.cpu_offload,
-                           held)
-            master = flat.dtype.itemsize
-            state = model.states * model.dtype_for(flat.dtype).itemsize
-            low = compute.itemsize if compute != flat.dtype and not self.spec.parameters else 0
-            reference += flat.numel * (2 * master + state + low)
+        flats = [st.flat for st in self._units]
+        held, reference = estimated_footprint(flats, [self._compute_dtype(f) for f in flats],
+                                              self.shard_rank, self.spec, model, self.cpu_offload)
         return self._stats(held, reference, measured=False)
 
     def memory_stats(self, optimizer: Any = None) -> FSDPMemoryStats:
@@ -519,40 +462,11 @@ class FullyShardedDataParallel(GradientSync):
             ValueError: the optimizer is not built on this wrapper's shards.
         """
         opt = optimizer if optimizer is not None else self._optimizer
-        held = HeldBytes()
-        offload, rank = self.cpu_offload, self.shard_rank
-        reference = 0  # NO_SHARD in the same state
-        for st in self._units:
-            flat, shard = st.flat, st.shard
-            mixed = self._compute_dtype(flat) != flat.dtype
-            held.add(shard.data, "optim" if mixed else "params", flat, rank,
-                     offload.offloads_shards)
-            held.add(st.full, "params", flat, rank)
-            for i in flat.param_indices:
-                held.add(self._params[i].data, "params")
-            held.add(shard.grad, "grads", flat, rank, offload.offloads_shards)
-            held.add(st.accum, "grads", None, rank, offload.offloads_accumulation)
-            reference += flat.numel * flat.dtype.itemsize
-            if st.full is not None and st.full.dtype != flat.dtype:
-                reference += flat.numel * st.full.itemsize
-            if shard.grad is not None:
-                reference += flat.numel * flat.dtype.itemsize
-            if st.accum is not None:
-                reference += st.accum.nbytes
-        full_grads = held.total.grads
-        for p in self._params:
-            held.add(p.grad, "grads")
-        reference += held.total.grads - full_grads  # the model's .grad: alike under any strategy
-        if opt is not None:
-            unit_of = self.optimizer_units(opt, "memory_stats")
-            for k, state in opt.state.items():
-                flat = self._units[unit_of[k]].flat
-                for v in state.values():
-                    held.add(v if hasattr(v, "nbytes") else None, "optim", flat, rank,
-                             offload.offloads_shards)
-                    if flat.shard_size and hasattr(v, "nbytes"):
-                        reference += v.nbytes * flat.numel // flat.shard_size
-        return self._stats(held.total, reference, measured=True)
+        unit_of = None if opt is None else self.optimizer_units(opt, "memory_stats")
+        held, reference = measured_footprint(
+            self._units, self._params, [self._compute_dtype(st.flat) for st in self._units],
+            self.shard_rank, self.cpu_offload, None if opt is None else opt.state, unit_of)
+        return self._stats(held, reference, measured=True)
 
     # --- state dicts and checkpoints (the work is in state_dict.py) -------------------------
 

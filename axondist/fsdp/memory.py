@@ -3,21 +3,27 @@
 :meth:`FSDPMemoryStats.estimate` is the paper's accounting before anything is
 built (``P`` parameters, bytes per element given); :func:`unit_footprint` is
 the exact byte count one unit holds in the state the wrapper's
-``memory_estimate`` describes; :class:`HeldBytes` measures the arrays really
-held, counting each underlying buffer once. The accounting is written out in
-docs/guide.md (FSDP, "Memory").
+``memory_estimate`` describes (:func:`estimated_footprint` sums it over the
+units); :class:`HeldBytes` measures the arrays really held, counting each
+underlying buffer once (:func:`measured_footprint` over a wrapper's units).
+The accounting is written out in docs/guide.md (FSDP, "Memory").
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .._validate import MIB
 from .policies import CPUOffload, ShardingSpec, ShardingStrategy, Span
 from .sharding import FlatUnit
+
+if TYPE_CHECKING:
+    from ..parameter import Parameter
+    from ._gather import _Unit
 
 
 @dataclass(frozen=True)
@@ -276,5 +282,66 @@ class HeldBytes:
         self.total.add(component, int(base.nbytes), pad * base.itemsize, host)
 
 
-__all__ = ["FSDPMemoryStats", "Footprint", "HeldBytes", "OptimizerModel", "owner",
-           "shard_count", "unit_footprint"]
+def estimated_footprint(flats: Sequence[FlatUnit], compute_dtypes: Sequence[Any],
+                        shard_rank: int, spec: ShardingSpec, optimizer: OptimizerModel,
+                        offload: CPUOffload) -> tuple[Footprint, int]:
+    """The bytes a rank holds right after ``backward`` and ``optimizer.step()`` (every unit by
+    :func:`unit_footprint`), and what NO_SHARD would hold in the same state, counted as
+    :func:`measured_footprint` counts it (the base of ``memory_savings()``)."""
+    held = Footprint()
+    reference = 0
+    for flat, compute in zip(flats, compute_dtypes):
+        unit_footprint(flat, shard_rank, spec, compute, optimizer, offload, held)
+        master = flat.dtype.itemsize
+        state = optimizer.states * optimizer.dtype_for(flat.dtype).itemsize
+        low = compute.itemsize if compute != flat.dtype and not spec.parameters else 0
+        reference += flat.numel * (2 * master + state + low)
+    return held, reference
+
+
+def measured_footprint(units: Sequence[_Unit], params: Sequence[Parameter],
+                       compute_dtypes: Sequence[Any], rank: int, offload: CPUOffload,
+                       optimizer_state: Mapping[int, Mapping[str, Any]] | None,
+                       unit_of: Mapping[int, int] | None) -> tuple[Footprint, int]:
+    """The bytes of the arrays a wrapper's ``units`` and the model's ``params`` hold now (each
+    buffer once), and what NO_SHARD would hold in the same state.
+
+    ``optimizer_state`` is an optimizer's ``state`` (``{parameter index: {name: array}}``)
+    and ``unit_of`` the unit of each of its parameters; None counts no optimizer.
+    """
+    held = HeldBytes()
+    reference = 0
+    for st, compute in zip(units, compute_dtypes):
+        flat, shard = st.flat, st.shard
+        mixed = compute != flat.dtype
+        held.add(shard.data, "optim" if mixed else "params", flat, rank,
+                 offload.offloads_shards)
+        held.add(st.full, "params", flat, rank)
+        for i in flat.param_indices:
+            held.add(params[i].data, "params")
+        held.add(shard.grad, "grads", flat, rank, offload.offloads_shards)
+        held.add(st.accum, "grads", None, rank, offload.offloads_accumulation)
+        reference += flat.numel * flat.dtype.itemsize
+        if st.full is not None and st.full.dtype != flat.dtype:
+            reference += flat.numel * st.full.itemsize
+        if shard.grad is not None:
+            reference += flat.numel * flat.dtype.itemsize
+        if st.accum is not None:
+            reference += st.accum.nbytes
+    full_grads = held.total.grads
+    for p in params:
+        held.add(p.grad, "grads")
+    reference += held.total.grads - full_grads  # the model's .grad: alike under any strategy
+    if optimizer_state is not None and unit_of is not None:
+        for k, state in optimizer_state.items():
+            flat = units[unit_of[k]].flat
+            for v in state.values():
+                held.add(v if hasattr(v, "nbytes") else None, "optim", flat, rank,
+                         offload.offloads_shards)
+                if flat.shard_size and hasattr(v, "nbytes"):
+                    reference += v.nbytes * flat.numel // flat.shard_size
+    return held.total, reference
+
+
+__all__ = ["FSDPMemoryStats", "Footprint", "HeldBytes", "OptimizerModel", "estimated_footprint",
+           "measured_footprint", "owner", "shard_count", "unit_footprint"]
