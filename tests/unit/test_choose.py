@@ -25,7 +25,7 @@ from axondist.backends.mpi.choose import (
     HALVES_DTYPES,
     HALVES_FROM_BYTES,
     NODE_CHUNK_BYTES,
-    PAIR_FROM_BYTES,
+    PAIR_BROADCAST_MAX_BYTES,
     PAIR_GATHER_MAX_BYTES,
     PIECES_FROM_BYTES,
     RIDE_DTYPES,
@@ -66,8 +66,8 @@ def keys(draw: st.DrawFn, layout: Layout | None = None) -> CallKey:
     """A call's key, its size drawn log-uniformly or on a threshold (of ``layout``'s too)."""
     collective = draw(st.sampled_from(COLLECTIVES))
     dtype = draw(st.sampled_from(DTYPES))
-    limits = [RIDE_MAX_BYTES, PIECES_FROM_BYTES, PAIR_FROM_BYTES, PAIR_GATHER_MAX_BYTES,
-              HALVES_FROM_BYTES]
+    limits = [RIDE_MAX_BYTES, PIECES_FROM_BYTES, PAIR_BROADCAST_MAX_BYTES,
+              PAIR_GATHER_MAX_BYTES, HALVES_FROM_BYTES]
     if layout is not None and layout.chunk:
         limits.append(2 * layout.chunk)
     target = draw(st.one_of(st.integers(0, 40).map(lambda e: int(2 ** (e * 0.7)) - 1),
@@ -114,16 +114,17 @@ def _halves(key: CallKey, layout: Layout) -> bool:
 
 def _exchanges(key: CallKey, layout: Layout) -> bool:
     """The pair-exchange rule: two checked ranks on one node, blocking NumPy; a
-    reduce-scatter in a ride dtype and op from PAIR_FROM_BYTES, an all-gather with sizes
-    from PAIR_FROM_BYTES to PAIR_GATHER_MAX_BYTES."""
+    reduce-scatter in a ride dtype and op at any size, an all-gather with sizes up to
+    PAIR_GATHER_MAX_BYTES, a broadcast up to PAIR_BROADCAST_MAX_BYTES."""
     size = nbytes(key)
     if key.collective == "reduce_scatter":
         fits = key.dtype in RIDE_DTYPES and key.reduce_op in RIDE_OPS
+    elif key.collective == "all_gather":
+        fits = key.counts is not None and size <= PAIR_GATHER_MAX_BYTES
     else:
-        fits = (key.collective == "all_gather" and key.counts is not None
-                and size <= PAIR_GATHER_MAX_BYTES)
+        fits = key.collective == "broadcast" and size <= PAIR_BROADCAST_MAX_BYTES
     return (fits and layout.world_size == 2 and layout.nodes == 1 and layout.checks
-            and not key.async_op and key.library == "numpy" and size >= PAIR_FROM_BYTES)
+            and not key.async_op and key.library == "numpy")
 
 
 def _expected(key: CallKey, layout: Layout) -> Algorithm:
@@ -165,7 +166,7 @@ def test_every_rules_algorithm_has_a_plan_for_the_collectives_it_applies_to():
     applied = set()
     for rule in TABLE:
         for collective, op in [(c, o) for c in PLANNED for o in ("SUM", "AVERAGE")]:
-            for size in (4, RIDE_MAX_BYTES, PAIR_FROM_BYTES, HALVES_FROM_BYTES,
+            for size in (4, RIDE_MAX_BYTES, HALVES_FROM_BYTES,
                          PIECES_FROM_BYTES, 2 * PIECES_FROM_BYTES):
                 key = CallKey(collective, np.dtype(np.float32), (size // 4,), "numpy",
                               reduce_op=op if collective in ("all_reduce", "reduce_scatter",
@@ -177,6 +178,7 @@ def test_every_rules_algorithm_has_a_plan_for_the_collectives_it_applies_to():
     assert applied == {("all_reduce", Algorithm.PAIR_RIDE), ("all_reduce", Algorithm.PIECES),
                        ("all_reduce", Algorithm.PAIR_HALVES),
                        ("all_gather", Algorithm.PAIR_EXCHANGE),
+                       ("broadcast", Algorithm.PAIR_EXCHANGE),
                        ("reduce_scatter", Algorithm.PAIR_EXCHANGE)} | {
                            (c, Algorithm.MPI) for c in PLANNED}
     assert applied <= set(PLANS)
@@ -216,8 +218,15 @@ def test_riding_needs_two_ranks_and_the_check(change, why):
     ("collective", "broadcast"), ("collective", "reduce_scatter"), ("collective", "all_gather"),
 ])
 def test_riding_is_only_for_blocking_numpy_all_reduces(field, value):
-    assert choose(_all_reduce("float32", 8)._replace(**{field: value}), Layout(2)) \
-        is Algorithm.MPI
+    """Other small two-rank calls exchange point to point (their data ahead of the check,
+    not in its message): reduce-scatters and broadcasts; a reduce and an all-gather without
+    sizes are MPI's."""
+    key = _all_reduce("float32", 8)._replace(**{field: value})
+    if value == "broadcast":
+        key = key._replace(reduce_op=None, root=0)
+    want = (Algorithm.PAIR_EXCHANGE if value in ("broadcast", "reduce_scatter")
+            else Algorithm.MPI)
+    assert choose(key, Layout(2)) is want
 
 
 def test_riding_dtypes_and_ops_are_those_numpy_combines_as_mpi_does():
@@ -295,35 +304,39 @@ def test_big_two_rank_all_reduces_go_in_pieces_not_riding():
     assert choose(key, Layout(2, checks=False)) is Algorithm.PIECES
 
 
-@pytest.mark.parametrize("collective", ["broadcast", "reduce"])
-def test_broadcast_and_reduce_are_mpis_at_every_size(collective):
+def test_reduce_is_mpis_at_every_size_and_broadcast_beyond_the_pair_exchange():
     for size in (0, 8, RIDE_MAX_BYTES, PIECES_FROM_BYTES, 4 * PIECES_FROM_BYTES):
-        key = CallKey(collective, np.dtype(np.float32), (size // 4,), "numpy",
-                      reduce_op=None if collective == "broadcast" else "SUM", root=0)
+        key = CallKey("reduce", np.dtype(np.float32), (size // 4,), "numpy", reduce_op="SUM",
+                      root=0)
+        for layout in (Layout(1), Layout(2), Layout(5)):
+            assert choose(key, layout) is Algorithm.MPI
+    for size in (PAIR_BROADCAST_MAX_BYTES + 4, PIECES_FROM_BYTES):
+        key = CallKey("broadcast", np.dtype(np.float32), (size // 4,), "numpy", root=1)
         for layout in (Layout(1), Layout(2), Layout(5)):
             assert choose(key, layout) is Algorithm.MPI
 
 
-@pytest.mark.parametrize("collective", ["all_gather", "reduce_scatter"])
-def test_two_rank_gathers_and_scatters_go_point_to_point_where_measured(collective):
+@pytest.mark.parametrize("collective", ["all_gather", "reduce_scatter", "broadcast"])
+def test_two_rank_gathers_scatters_and_broadcasts_go_point_to_point_where_measured(collective):
     def key(size: int, **fields) -> CallKey:
         made = CallKey(collective, np.dtype(np.float32), (size // 4,), "numpy",
-                       reduce_op=None if collective == "all_gather" else "SUM",
+                       reduce_op="SUM" if collective == "reduce_scatter" else None,
+                       root=0 if collective == "broadcast" else None,
                        counts=(size // 4,) * 2 if collective == "all_gather" else None)
         return made._replace(**fields)
 
     pair = Layout(2)
-    assert choose(key(PAIR_FROM_BYTES), pair) is Algorithm.PAIR_EXCHANGE
-    assert choose(key(PAIR_FROM_BYTES - 4), pair) is Algorithm.MPI
+    for size in (0, 4, 4 << 10, PAIR_BROADCAST_MAX_BYTES):
+        assert choose(key(size), pair) is Algorithm.PAIR_EXCHANGE
     big = PAIR_GATHER_MAX_BYTES + 4
-    want_big = Algorithm.MPI if collective == "all_gather" else Algorithm.PAIR_EXCHANGE
+    want_big = Algorithm.PAIR_EXCHANGE if collective == "reduce_scatter" else Algorithm.MPI
     assert choose(key(big), pair) is want_big
     for other in (Layout(3), Layout(2, checks=False), Layout(2, nodes=2)):
-        assert choose(key(PAIR_FROM_BYTES), other) is Algorithm.MPI
-    assert choose(key(PAIR_FROM_BYTES, async_op=True), pair) is Algorithm.MPI
-    assert choose(key(PAIR_FROM_BYTES, library="cupy"), pair) is Algorithm.MPI
+        assert choose(key(4 << 10), other) is Algorithm.MPI
+    assert choose(key(4 << 10, async_op=True), pair) is Algorithm.MPI
+    assert choose(key(4 << 10, library="cupy"), pair) is Algorithm.MPI
     if collective == "all_gather":  # without sizes the counts come first: MPI's
-        assert choose(key(PAIR_FROM_BYTES, counts=None), pair) is Algorithm.MPI
+        assert choose(key(4 << 10, counts=None), pair) is Algorithm.MPI
 
 
 def test_the_rows_state_the_thresholds_they_use():
@@ -337,8 +350,8 @@ def test_the_rows_state_the_thresholds_they_use():
     assert f">= {PIECES_FROM_BYTES >> 20} MiB" in pieces.why
     assert f"{NODE_CHUNK_BYTES >> 20} MiB pieces" in pieces.why
     assert exchange.algorithm is Algorithm.PAIR_EXCHANGE
-    assert f">= {PAIR_FROM_BYTES >> 10} KiB" in exchange.why
-    assert f"{PAIR_FROM_BYTES >> 10} KiB-{PAIR_GATHER_MAX_BYTES >> 20} MiB" in exchange.why
+    assert f"<= {PAIR_GATHER_MAX_BYTES >> 20} MiB" in exchange.why
+    assert f"<= {PAIR_BROADCAST_MAX_BYTES >> 10} KiB" in exchange.why
     assert last.algorithm is Algorithm.MPI
 
 

@@ -24,7 +24,7 @@ from ..base import PersistentAllReduce, PlannedBackend, Signature
 from ..plan import CallKey, Plan, WidenedMeanPlan, general_plan
 from ..recording.recorder import FlightRecorder
 from ..work import CompletedWork, PolledWork, Work
-from .algorithms.pair_exchange import PairAllGatherPlan, PairReduceScatterPlan
+from .algorithms.pair_exchange import PairAllGatherPlan, PairBroadcastPlan, PairReduceScatterPlan
 from .algorithms.pair_halves import PairHalvesMeanPlan
 from .algorithms.pair_ride import PairRidePlan
 from .algorithms.pieces import AllReducePiecesPlan
@@ -61,6 +61,7 @@ PLANS: dict[tuple[str, Algorithm], Callable[[Any, CallKey], Plan]] = {
     ("all_reduce", Algorithm.PAIR_HALVES): PairHalvesMeanPlan,
     ("all_reduce", Algorithm.PIECES): AllReducePiecesPlan,
     ("broadcast", Algorithm.MPI): BroadcastPlan,
+    ("broadcast", Algorithm.PAIR_EXCHANGE): PairBroadcastPlan,
     ("all_gather", Algorithm.MPI): AllGatherPlan,
     ("all_gather", Algorithm.PAIR_EXCHANGE): PairAllGatherPlan,
     ("reduce_scatter", Algorithm.MPI): ReduceScatterPlan,

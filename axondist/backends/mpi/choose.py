@@ -33,8 +33,8 @@ class Algorithm(enum.Enum):
     #: The MPI collective over consecutive pieces of at most ``chunk_bytes``
     #: (:mod:`.algorithms.pieces`).
     PIECES = "pieces"
-    #: Two ranks: once checked, one point-to-point exchange between the callers' buffers
-    #: (:mod:`.algorithms.pair_exchange`).
+    #: Two ranks: one point-to-point exchange between the callers' buffers, sent ahead of
+    #: the check where it fits (:mod:`.algorithms.pair_exchange`).
     PAIR_EXCHANGE = "pair_exchange"
     #: Two ranks: a mean as a reduce-scatter and an all-gather, point to point, each half
     #: summed and scaled in one pass by its owner (:mod:`.algorithms.pair_halves`).
@@ -47,10 +47,11 @@ RIDE_MAX_BYTES = 64 << 10
 NODE_CHUNK_BYTES = 2 << 20
 #: All-reduces from this size run in pieces (on one node).
 PIECES_FROM_BYTES = 32 << 20
-#: Two-rank all-gathers and reduce-scatters from this size go point to point...
-PAIR_FROM_BYTES = 64 << 10
-#: ...all-gathers up to this size (at 16 MiB MPICH's Allgather wins).
+#: Two-rank all-gathers with sizes go point to point up to this size (at 16 MiB MPICH's
+#: Allgather wins); reduce-scatters at every size...
 PAIR_GATHER_MAX_BYTES = 2 << 20
+#: ...and broadcasts up to this size (measured at 4 and 64 KiB).
+PAIR_BROADCAST_MAX_BYTES = 64 << 10
 
 #: Two-rank AVERAGE all-reduces from this size run as halves (below it the ride or one
 #: Allreduce is faster; from PIECES_FROM_BYTES pieces are).
@@ -112,12 +113,13 @@ def _halves(key: CallKey, layout: Layout) -> bool:
 
 def _exchanges(key: CallKey, layout: Layout) -> bool:
     if key.collective == "reduce_scatter":
-        combines = key.dtype in RIDE_DTYPES and key.reduce_op in RIDE_OPS
+        fits = key.dtype in RIDE_DTYPES and key.reduce_op in RIDE_OPS
+    elif key.collective == "all_gather":
+        fits = key.counts is not None and nbytes(key) <= PAIR_GATHER_MAX_BYTES
     else:
-        combines = (key.collective == "all_gather" and key.counts is not None
-                    and nbytes(key) <= PAIR_GATHER_MAX_BYTES)
-    return (combines and layout.world_size == 2 and layout.nodes == 1 and layout.checks
-            and not key.async_op and key.library == "numpy" and nbytes(key) >= PAIR_FROM_BYTES)
+        fits = key.collective == "broadcast" and nbytes(key) <= PAIR_BROADCAST_MAX_BYTES
+    return (fits and layout.world_size == 2 and layout.nodes == 1 and layout.checks
+            and not key.async_op and key.library == "numpy")
 
 
 @dataclass(frozen=True)
@@ -145,10 +147,11 @@ TABLE: tuple[Rule, ...] = (
          "faults on big shared-memory messages; 64 MiB took 0.55x one Allreduce (8 MiB "
          "1.17x and 16 MiB 1.05x: not kept there; broadcasts in pieces 1.04-1.06x: not kept)"),
     Rule(_exchanges, Algorithm.PAIR_EXCHANGE,
-         "blocking reduce-scatter of float32/64 or int32/64 (>= 64 KiB) or all-gather with "
-         "sizes (64 KiB-2 MiB), 2 ranks on one node: one Sendrecv once checked; against the "
-         "checked MPI call, reduce-scatter 0.73x at 64 KiB, 0.82x at 1 and 16 MiB; all-gather "
-         "0.66x at 64 KiB, 0.86x at 1 MiB (1.27x at 16 MiB, 1.12x at 4 KiB: not kept)"),
+         "blocking reduce-scatter of float32/64 or int32/64 (any size), all-gather with "
+         "sizes (<= 2 MiB) or broadcast (<= 64 KiB), 2 ranks on one node: one point-to-point "
+         "exchange, sent ahead of the check up to 1 MiB (one round trip for both); against "
+         "the checked MPI call, reduce-scatter 0.73x at 64 KiB, 0.82x at 1 and 16 MiB; "
+         "all-gather 0.66x at 64 KiB, 0.86x at 1 MiB (1.27x at 16 MiB: not kept)"),
     Rule(lambda key, layout: True, Algorithm.MPI, "everything else: MPI's own collective"),
 )
 
@@ -161,6 +164,6 @@ def choose(key: CallKey, layout: Layout) -> Algorithm:
     raise AssertionError("the table's last row applies to every call")
 
 
-__all__ = ["HALVES_DTYPES", "HALVES_FROM_BYTES", "NODE_CHUNK_BYTES", "PAIR_FROM_BYTES",
+__all__ = ["HALVES_DTYPES", "HALVES_FROM_BYTES", "NODE_CHUNK_BYTES", "PAIR_BROADCAST_MAX_BYTES",
            "PAIR_GATHER_MAX_BYTES", "PIECES_FROM_BYTES", "RIDE_DTYPES", "RIDE_MAX_BYTES",
            "TABLE", "Algorithm", "Layout", "Rule", "choose", "nbytes"]

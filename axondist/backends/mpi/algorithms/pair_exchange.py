@@ -1,12 +1,18 @@
-"""A checked all-gather or reduce-scatter in a group of two as one point-to-point exchange.
+"""A checked all-gather, reduce-scatter or broadcast in a group of two as one point-to-point
+exchange, the data sent ahead of the check where it fits.
 
-Once the check agreed, each rank sends the other what it needs straight from the caller's
-buffer (its block for an all-gather; the other rank's block for a reduce-scatter) and
-receives into the caller's result, one ``Sendrecv`` on the checks' communicator; a
-reduce-scatter then adds the two halves with NumPy (for two ranks ``a + b`` is ``b + a``
-bit for bit: the bits of MPI's own ``Reduce_scatter``, and of ``Allreduce``'s block).
-Neither keeps memory between calls: a reduce-scatter receives the other rank's part of
-its block straight into the result and combines it there.
+Each rank sends the other what it needs straight from the caller's buffer (its block for
+an all-gather; the other rank's block for a reduce-scatter; the root's values for a
+broadcast). Where that is at most ``RECEIVE_ROOM`` bytes it leaves *ahead* of the check, on
+``AHEAD_TAG``, and the check's header says how much (:class:`AheadCheck`): the check and
+the data then cost one round trip, as MPI's own call does. A rank whose call differs meets
+that header in its own check, receives and drops the data
+(:meth:`~axondist.backends.mpi.guard.CallGuard.swap`), and both raise the mismatch, with no
+message left behind and no caller's buffer written. Bigger calls check first and then
+exchange by ``Sendrecv``. A reduce-scatter then adds the two halves with NumPy (for two
+ranks ``a + b`` is ``b + a`` bit for bit: the bits of MPI's own ``Reduce_scatter``, and of
+``Allreduce``'s block). No plan keeps memory between calls: data lands in the caller's
+result (a reduce-scatter's in a temporary when the result overlaps its input).
 """
 
 from __future__ import annotations
@@ -16,12 +22,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ...plan import CallKey
-from ..plans import AllGatherPlan, ReduceScatterPlan
+from ..guard import AHEAD_TAG, PAIR_TAG, RECEIVE_ROOM
+from ..plans import AllGatherPlan, BroadcastPlan, MPIPlan, ReduceScatterPlan
+from ..transport import raise_mpi_error
 
 if TYPE_CHECKING:
     from ..backend import MPIBackend
 
-#: The data's tag on the checks' communicator (the check's swap uses PAIR_TAG).
+#: The data's tag on the checks' communicator once checked (the check's swap uses PAIR_TAG).
 DATA_TAG = 4
 #: NumPy's equal of each reduction (MIN and MAX propagate NaN, as the backend's float ops).
 _UFUNCS = {"SUM": np.add, "AVERAGE": np.add, "MAX": np.maximum, "MIN": np.minimum,
@@ -35,33 +43,110 @@ def pair_of(backend: MPIBackend) -> tuple[int, Any]:
     return guard.peer, guard.comm
 
 
-class PairAllGatherPlan(AllGatherPlan):
+class AheadCheck:
+    """A two-rank call's check whose data may leave ahead of it: this rank's header (the
+    call's hash, no disagreement, minus the bytes it sends ahead) in a persistent send, and
+    what the other rank's header must say (minus the bytes it sends ahead).
+
+    Args:
+        plan: the call's plan (its hash and its key as the check compares them).
+        sends / receives: bytes this rank sends ahead, and receives from the other's.
+    """
+
+    __slots__ = ("_guard", "_plan", "_header", "_requests", "_expected")
+
+    def __init__(self, plan: MPIPlan, backend: MPIBackend, sends: int, receives: int) -> None:
+        guard = self._guard = backend.guard
+        peer, comm = pair_of(backend)
+        self._plan = plan
+        self._header = np.array([int(plan._words[0]), 0, -sends], np.int64)
+        self._requests = [comm.Send_init(self._header, peer, PAIR_TAG), guard.receive]
+        self._expected = -receives
+
+    def agree(self, ahead: Any) -> None:
+        """Return when the other rank makes the same call; else, once ``ahead`` (the
+        request of what this rank sent ahead, or None) completed, raise the mismatch."""
+        plan = self._plan
+        if self._guard.swap(self._requests, int(self._header[0]), self._expected):
+            if ahead is not None:
+                ahead.Wait()  # the other rank received and dropped it
+            self._guard.disagree(plan.key.collective, plan._check_key)
+
+    def free(self) -> None:
+        self._requests[0].Free()
+
+
+def _fits(*sizes: int) -> bool:
+    return max(sizes) <= RECEIVE_ROOM
+
+
+class _AheadRun:
+    """``run`` of a two-rank exchange plan: numbered and recorded, then :meth:`_exchange`
+    (which checks, through its :class:`AheadCheck`); MPI errors as axondist's."""
+
+    __slots__ = ()
+
+    def run(self: Any, send: Any, recv: Any = None) -> Any:
+        if self.key.async_op:
+            return MPIPlan.run(self, send, recv)
+        guard, what = self._guard, self.key.collective
+        seq, slot = guard.begin(what, self._detail)
+        try:
+            try:
+                return self._exchange(send, recv)
+            except self._mpi.Exception as exc:
+                raise_mpi_error(self._mpi, exc, what)
+        finally:
+            guard.rec.end(slot)
+
+    def free(self: Any) -> None:
+        self._check.free()
+
+
+class PairAllGatherPlan(_AheadRun, AllGatherPlan):
     """This rank's block copied into place, the other's received there."""
 
-    __slots__ = ("_peer", "_private", "_mine", "_theirs")
+    __slots__ = ("_peer", "_private", "_mine", "_theirs", "_ahead", "_check")
 
     def __init__(self, backend: MPIBackend, key: CallKey) -> None:
         super().__init__(backend, key)
         self._peer, self._private = pair_of(backend)
+        size = key.dtype.itemsize
         lo = self._displs[backend.rank]
         self._mine = slice(lo, lo + self._counts[backend.rank])
         peer = 1 - backend.rank
         self._theirs = slice(self._displs[peer], self._displs[peer] + self._counts[peer])
+        sends, receives = self._counts[backend.rank] * size, self._counts[peer] * size
+        self._ahead = _fits(sends, receives)
+        self._check = AheadCheck(self, backend, sends if self._ahead else 0,
+                                 receives if self._ahead else 0)
 
-    def _move(self, send: Any, recv: Any) -> Any:
+    def _exchange(self, send: Any, recv: Any) -> Any:
         out = self._output(recv)
         flat = out.reshape(-1)
+        comm, peer = self._private, self._peer
+        if not self._ahead:
+            self._check.agree(None)
+            flat[self._mine] = send.reshape(-1)
+            comm.Sendrecv(self._spec(send), peer, DATA_TAG, self._spec(flat[self._theirs]), peer,
+                          DATA_TAG)
+            return out
+        ahead = comm.Isend(self._spec(send), peer, AHEAD_TAG)
+        self._check.agree(ahead)
+        comm.Recv(self._spec(flat[self._theirs]), peer, AHEAD_TAG)
         flat[self._mine] = send.reshape(-1)
-        self._private.Sendrecv(self._spec(send), self._peer, DATA_TAG,
-                               self._spec(flat[self._theirs]), self._peer, DATA_TAG)
+        ahead.Wait()
         return out
 
+    def _move(self, send: Any, recv: Any) -> Any:
+        raise AssertionError("a blocking pair all-gather runs _exchange")
 
-class PairReduceScatterPlan(ReduceScatterPlan):
+
+class PairReduceScatterPlan(_AheadRun, ReduceScatterPlan):
     """The other rank's block sent, this rank's block of theirs received into the result
     (into a temporary when the result overlaps the input), then combined there."""
 
-    __slots__ = ("_peer", "_private", "_mine", "_theirs", "_ufunc")
+    __slots__ = ("_peer", "_private", "_mine", "_theirs", "_ufunc", "_ahead", "_check")
 
     def __init__(self, backend: MPIBackend, key: CallKey) -> None:
         super().__init__(backend, key)
@@ -71,18 +156,65 @@ class PairReduceScatterPlan(ReduceScatterPlan):
         self._mine = slice(0, first) if rank == 0 else slice(first, None)
         self._theirs = slice(0, first) if peer == 0 else slice(first, None)
         self._ufunc = _UFUNCS[key.reduce_op]  # type: ignore[index]
+        size = key.dtype.itemsize
+        sends, receives = self._counts[peer] * size, self._counts[rank] * size
+        self._ahead = _fits(sends, receives)
+        self._check = AheadCheck(self, backend, sends if self._ahead else 0,
+                                 receives if self._ahead else 0)
 
-    def _move(self, send: Any, recv: Any) -> Any:
+    def _exchange(self, send: Any, recv: Any) -> Any:
         out = self._output(recv)
         flat, result = send.reshape(-1), out.reshape(-1)
+        comm, peer, mtype = self._private, self._peer, self._mtype
         landing = np.empty_like(result) if np.may_share_memory(send, out) else result
-        self._private.Sendrecv([self._wire(flat[self._theirs]), self._mtype], self._peer,
-                               DATA_TAG, [self._wire(landing), self._mtype], self._peer,
-                               DATA_TAG)
+        theirs = [self._wire(flat[self._theirs]), mtype]
+        if self._ahead:
+            ahead = comm.Isend(theirs, peer, AHEAD_TAG)
+            self._check.agree(ahead)
+            comm.Recv([self._wire(landing), mtype], peer, AHEAD_TAG)
+            ahead.Wait()
+        else:
+            self._check.agree(None)
+            comm.Sendrecv(theirs, peer, DATA_TAG, [self._wire(landing), mtype], peer, DATA_TAG)
         with np.errstate(invalid="ignore"):  # MIN and MAX propagate NaN on purpose
             self._ufunc(flat[self._mine], landing, out=result)
         self._finish(out)
         return out
 
+    def _move(self, send: Any, recv: Any) -> Any:
+        raise AssertionError("a blocking pair reduce-scatter runs _exchange")
 
-__all__ = ["DATA_TAG", "PairAllGatherPlan", "PairReduceScatterPlan", "pair_of"]
+
+class PairBroadcastPlan(_AheadRun, BroadcastPlan):
+    """The root's values sent ahead of the check; the other rank receives them into its
+    buffer once the check agreed (the table's rule: at most ``RECEIVE_ROOM`` bytes)."""
+
+    __slots__ = ("_peer", "_private", "_root", "_check")
+
+    def __init__(self, backend: MPIBackend, key: CallKey) -> None:
+        super().__init__(backend, key)
+        self._peer, self._private = pair_of(backend)
+        self._root = backend.rank == key.root
+        nbytes = key.dtype.itemsize
+        for d in key.shape:
+            nbytes *= d
+        self._check = AheadCheck(self, backend, nbytes if self._root else 0,
+                                 0 if self._root else nbytes)
+
+    def _exchange(self, send: Any, recv: Any) -> Any:
+        comm, peer = self._private, self._peer
+        if self._root:
+            ahead = comm.Isend(self._spec(send), peer, AHEAD_TAG)
+            self._check.agree(ahead)
+            ahead.Wait()
+        else:
+            self._check.agree(None)
+            comm.Recv(self._spec(send), peer, AHEAD_TAG)
+        return send
+
+    def _move(self, send: Any, recv: Any) -> Any:
+        raise AssertionError("a blocking pair broadcast runs _exchange")
+
+
+__all__ = ["DATA_TAG", "AheadCheck", "PairAllGatherPlan", "PairBroadcastPlan",
+           "PairReduceScatterPlan", "pair_of"]
