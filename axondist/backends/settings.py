@@ -294,17 +294,19 @@ def read(name: str, environ: Mapping[str, str] | None = None) -> Any:
 def unknown_names(environ: Mapping[str, str] | None = None) -> dict[str, str | None]:
     """The ``AXONDIST_*`` names in ``environ`` that are neither variables nor test knobs,
     each with the nearest declared name (None when none is near)."""
-    import difflib
-
     env = os.environ if environ is None else environ
+    unknown = [name for name in env if name.startswith(PREFIX) and name not in BY_NAME
+               and name not in TEST_KNOBS and not name.startswith(TEST_PREFIX)]
+    if not unknown:
+        return {}
+    import difflib  # only for a misspelling: start-up pays nothing for it
+
     # Compared without the shared prefix, which would make every name look near.
     known = {name[len(PREFIX):]: name for name in [*BY_NAME, *TEST_KNOBS]}
     found: dict[str, str | None] = {}
-    for name in env:
-        if name.startswith(PREFIX) and name not in BY_NAME and name not in TEST_KNOBS \
-                and not name.startswith(TEST_PREFIX):
-            near = difflib.get_close_matches(name[len(PREFIX):], known, n=1, cutoff=0.6)
-            found[name] = known[near[0]] if near else None
+    for name in unknown:
+        near = difflib.get_close_matches(name[len(PREFIX):], known, n=1, cutoff=0.6)
+        found[name] = known[near[0]] if near else None
     return found
 
 

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+
+import pytest
 
 
 def test_import_pulls_in_neither_mpi4py_nor_cupy():
@@ -41,3 +44,38 @@ def test_import_and_init_load_only_what_a_job_uses():
                           timeout=60)
     assert done.returncode == 0, ("loaded at start-up, before any use: "
                                   + done.stdout + done.stderr)
+
+
+#: What ``import axondist`` must leave unloaded: the mock world (threads), the NCCL backend,
+#: the watchdog and its sockets (started by a multi-process world), the trace writer (only
+#: under tracing), and difflib (only to name a misspelt AXONDIST_* variable).
+NOT_AT_IMPORT = ("axondist.backends.mock", "axondist.backends.nccl", "axondist.backends.mpi",
+                 "axondist.backends.torch", "axondist.backends.watchdog.watchdog",
+                 "axondist.backends.recording.trace_file", "axondist.launching.supervisor",
+                 "difflib", "socket")
+
+#: What an MPI job's ``init()`` and first collective must leave unloaded.
+NOT_IN_AN_MPI_JOB = ("axondist.backends.mock", "axondist.backends.nccl",
+                     "axondist.backends.torch", "axondist.backends.recording.trace_file",
+                     "axondist.launching.supervisor", "difflib", "cupy", "torch", "jax")
+
+
+def test_import_loads_no_backend_and_no_watchdog():
+    code = ("import sys, axondist; "
+            f"early = [m for m in {NOT_AT_IMPORT!r} if m in sys.modules]; "
+            "print(early); sys.exit(1 if early else 0)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, "loaded by import axondist: " + done.stdout + done.stderr
+
+
+def test_an_mpi_world_loads_no_other_backend():
+    pytest.importorskip("mpi4py", reason="needs mpi4py (pip install '.[mpi]')")
+    code = ("import sys, numpy, axondist; axondist.init('mpi'); axondist.barrier(); "
+            "x = numpy.ones(4); axondist.all_reduce(x); "
+            f"extra = [m for m in {NOT_IN_AN_MPI_JOB!r} if m in sys.modules]; "
+            "print(extra); sys.exit(1 if extra else 0)")
+    env = {k: v for k, v in os.environ.items() if k != "AXONDIST_TRACE"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, env=env)
+    assert done.returncode == 0, "loaded by an MPI job: " + done.stdout + done.stderr
