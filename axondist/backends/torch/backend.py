@@ -4,20 +4,16 @@ torch picks the engine by where a buffer lives: gloo for NumPy arrays (seen as C
 tensors) and NCCL for CuPy arrays (CUDA tensors), both through DLPack without copies.
 Every call is numbered, recorded and checked across ranks first
 (:class:`~axondist.backends.torch.guard.TorchGuard`), so a mismatch raises the same
-error as on the other backends instead of gloo's abort. What gloo cannot do directly, the
-plans here arrange: uneven all-gathers, reduce-scatters, gathers and scatters run on
-blocks padded to the largest, a mean is a SUM then a division (as on MPI), and a
-point-to-point message carries a small header first, so a receive of the wrong size
-raises instead of ending the process.
+error as on the other backends instead of gloo's abort. The collectives are plans
+(:mod:`.plans`, chosen by the table in :mod:`.choose`: where gloo computes or accepts less
+than the other backends, a plan arranges it). A point-to-point message carries a small
+header first, so a receive of the wrong size raises instead of ending the process.
+Non-blocking calls and sends are queued on threads (:mod:`.queues`).
 """
 
 from __future__ import annotations
 
-import collections
-import concurrent.futures
 import pickle
-import queue
-import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -30,29 +26,20 @@ from ..._validate import as_rank
 from ...errors import (
     CollectiveMismatchError,
     CollectiveTimeoutError,
-    InvalidBufferError,
     TooManyGroupsError,
     WorldAbortedError,
 )
-from ...ops import ReduceOp
-from .._diagnostics import process_gone
-from ..base import PlannedBackend, Signature
-from ..call_check import Key, agreed, check_words
-from ..plan import (
-    IN_PLACE,
-    CallKey,
-    Plan,
-    UnsizedAllGatherPlan,
-    WidenedMeanPlan,
-    checked_out,
-    element_counts,
-    output_shape,
-    split_sizes,
-)
-from ..recorder import FlightRecorder
+from ..base import Backend
+from ..checks import Key, agreed
+from ..plan import CallKey, Plan, UnsizedAllGatherPlan, WidenedMeanPlan
+from ..recording.recorder import FlightRecorder
+from ..watchdog.diagnostics import process_gone
 from ..work import CompletedWork, PolledWork, Work
+from .choose import Layout, choose
 from .guard import TorchGuard
-from .interop import load_torch, reduce_op
+from .interop import load_torch
+from .plans import PLANS
+from .queues import CallOrder, Outbox, tags
 
 _HALF = frozenset(d for d in _array.SUPPORTED_DTYPES if d.itemsize == 2 and d.kind != "i")
 _INT64 = np.dtype(np.int64)
@@ -62,17 +49,10 @@ _PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken p
 _GONE_WITHIN = 1.0
 #: Sends up to this many bytes return at once, from copies (MPI's eager sends do too).
 EAGER_BYTES = 64 << 10
-#: Tags a user tag maps to: a message's header and data, and an object's header and bytes.
-_TAG_KINDS = 4
 #: The most groups made by ``new_group`` that may be alive at once on a rank: each holds a
 #: gloo process group, with its threads (two workers and a socket loop) and a connection to
 #: every other member, for as long as it lives.
 MAX_GROUPS = 1000
-
-
-def _tags(tag: int) -> tuple[int, int, int, int]:
-    base = _TAG_KINDS * int(tag)
-    return base, base + 1, base + 2, base + 3
 
 
 def _ended(pid: int) -> bool:
@@ -95,219 +75,7 @@ def node_info(hosts: Sequence[str], rank: int) -> tuple[int, int, int]:
     return order.index(hosts[rank]), local.index(rank), len(local)
 
 
-class TorchPlan(Plan):
-    """A checked collective on torch.distributed: the key's check words, reduction op,
-    padding and output shape resolved once; :meth:`run` numbers, records and checks the
-    call, then starts torch's collective on tensors over the caller's buffers."""
-
-    __slots__ = ("_b", "_guard", "_detail", "_check_key", "_words", "_xp", "_out_shape",
-                 "_op", "_counts", "_padded", "_scale", "_nans", "_in_rank_order", "_move")
-
-    def __init__(self, backend: TorchBackend, key: CallKey) -> None:
-        super().__init__(key)
-        self._b = backend
-        self._guard = backend.guard
-        self._detail = key.signature()
-        self._check_key = self._detail + (("async_op", key.async_op),)
-        self._words = check_words(key.collective, self._check_key)
-        self._xp = _array.module_named(key.library)
-        self._out_shape = output_shape(key, backend.rank, backend.world_size)
-        self._op = None if key.op is None else reduce_op(backend.dist, key.op, key.dtype,
-                                                         key.collective)
-        self._scale = backend.world_size if key.reduce_op == "AVERAGE" else None
-        #: gloo's MIN and MAX drop NaNs; a second, boolean reduction puts them back.
-        self._nans = key.reduce_op in ("MIN", "MAX") and _array.is_floating(key.dtype)
-        #: Sums of floats over 3 ranks or more add the ranks' values in rank order (gloo's
-        #: ring adds each element in an order that depends on the message's length).
-        self._in_rank_order = (backend.world_size > 2 and key.reduce_op in ("SUM", "AVERAGE")
-                               and (_array.is_floating(key.dtype) or key.dtype.kind == "c"))
-        self._counts: list[int] = []
-        self._padded = False
-        if key.collective in ("all_gather", "reduce_scatter"):
-            self._counts = element_counts(key, backend.world_size)
-            self._padded = len(set(self._counts)) > 1
-        self._move: Callable[[Any, Any], tuple[Any, Callable[[], None] | None]] = \
-            getattr(self, f"_{key.collective}")
-
-    def run(self, send: Any, recv: Any = None) -> Any:
-        key, guard, b = self.key, self._guard, self._b
-        what = key.collective
-        if what in IN_PLACE:
-            result = send
-        elif recv is None:
-            result = recv = self._xp.empty(self._out_shape, dtype=key.dtype)
-        else:
-            result = checked_out(recv, key, self._out_shape, what)
-
-        def issue() -> tuple[Any, Callable[[], None] | None]:
-            return b.translated(what, lambda: self._checked_move(send, recv))
-
-        seq, slot = guard.begin(what, self._detail, blocking=not key.async_op)
-        if key.async_op:
-            guard.rec.end(slot)
-            return QueuedWork(b, b.order.later(issue), result, what, seq)
-        try:
-            work, finish = b.order.now(issue)
-        finally:
-            guard.rec.end(slot)
-        if work is not None:
-            b.translated(what, work.wait)
-        if finish is not None:
-            finish()
-        return result
-
-    def _checked_move(self, send: Any, recv: Any) -> tuple[Any, Callable[[], None] | None]:
-        if self._guard.checks:
-            self._guard.agree(self.key.collective, self._check_key, self._words)
-        return self._move(send, recv)
-
-    # --- each collective: start it, and what finishes it once it completed ----------------
-    def _mean(self, buf: Any) -> Callable[[], None] | None:
-        if self._scale is None:
-            return None
-        n = self._scale
-        return lambda: self._xp.divide(buf, n, out=buf, casting="unsafe")
-
-    def _nans_back(self, values: Any, start: Callable[[Any], Any]) -> Callable[[], None]:
-        """What puts NaNs back into a MIN or MAX's result ``values`` (gloo's comparisons drop
-        them): ``start(mask)`` starts the OR over the ranks (a SUM of booleans) of where
-        each rank's input is NaN, shaped as ``values``. Called before the values' own
-        reduction starts, which overwrites them."""
-        flat = values.reshape(-1)
-        mask = self._xp.isnan(flat)
-        work = start(mask)
-
-        def restore() -> None:
-            self._b.translated(self.key.collective, work.wait)
-            flat[mask] = self._xp.nan
-        return restore
-
-    def _sum_in_rank_order(self, flat: Any, counts: list[int]) -> Any:
-        """This rank's block (``counts[rank]`` elements) of the SUM (or AVERAGE) over the
-        ranks of the flat ``flat`` cut into blocks of ``counts``: every rank's copy of the
-        block arrives by one all-to-all, and the copies are added in rank order, so each
-        element is the same sum whatever the message's length or cut (the mock world's
-        bits). Blocking: a non-blocking call runs it on the group's issuing thread."""
-        b, xp, n = self._b, self._xp, self._b.world_size
-        size = counts[b.rank]
-        copies = xp.empty(n * size, dtype=flat.dtype)
-        b.dist.all_to_all_single(b.tensor(copies), b.tensor(flat), [size] * n, counts,
-                                 group=b.pg)
-        copies = copies.reshape(n, size)
-        block = copies[0]
-        for k in range(1, n):
-            xp.add(block, copies[k], out=block)
-        if self._scale is not None:
-            xp.divide(block, self._scale, out=block, casting="unsafe")
-        return block
-
-    def _all_reduce(self, send: Any, recv: Any) -> tuple[Any, Callable[[], None] | None]:
-        b = self._b
-        if self._in_rank_order:  # a reduce-scatter in rank order, then an all-gather
-            flat, n = send.reshape(-1), b.world_size
-            counts = split_sizes(flat.size, n)
-            most = max(counts)
-            mine = self._xp.zeros(most, dtype=flat.dtype)
-            mine[:counts[b.rank]] = self._sum_in_rank_order(flat, counts)
-            every = self._xp.empty(most * n, dtype=flat.dtype)
-            b.dist.all_gather_single(b.tensor(every), b.tensor(mine), group=b.pg)
-            at = 0
-            for k, c in enumerate(counts):
-                flat[at:at + c] = every[k * most:k * most + c]
-                at += c
-            return None, None
-        restore = self._nans_back(send, lambda mask: b.dist.all_reduce(
-            b.tensor(mask), b.dist.ReduceOp.SUM, group=b.pg, async_op=True)) \
-            if self._nans else self._mean(send)
-        return b.dist.all_reduce(b.tensor(send), self._op, group=b.pg, async_op=True), restore
-
-    def _broadcast(self, send: Any, recv: Any) -> tuple[Any, Callable[[], None] | None]:
-        b = self._b
-        return b.dist.broadcast(b.tensor(send), group=b.pg, group_src=self.key.root,
-                                async_op=True), None
-
-    def _reduce(self, send: Any, recv: Any) -> tuple[Any, Callable[[], None] | None]:
-        b, root = self._b, self.key.root
-        if self._nans:  # the mask reduction would need a scratch on every rank anyway
-            return self._nans_via_all_reduce(send)
-        if b.rank == root:
-            return b.dist.reduce(b.tensor(send), group=b.pg, group_dst=root, op=self._op,
-                                 async_op=True), self._mean(send)
-        scratch = self._xp.array(send, copy=True)  # gloo may use a non-root's buffer
-        return b.dist.reduce(b.tensor(scratch), group=b.pg, group_dst=root, op=self._op,
-                             async_op=True), None
-
-    def _nans_via_all_reduce(self, send: Any) -> tuple[Any, Callable[[], None] | None]:
-        """A MIN or MAX reduce as an all-reduce of a copy, kept on the root only."""
-        copy = self._xp.array(send, copy=True)
-        work, restore = self._all_reduce(copy, None)
-        root = self._b.rank == self.key.root
-
-        def finish() -> None:
-            if restore is not None:
-                restore()
-            if root:
-                send[...] = copy
-        return work, finish
-
-    def _all_gather(self, send: Any, recv: Any) -> tuple[Any, Callable[[], None] | None]:
-        b, counts = self._b, self._counts
-        if not self._padded:
-            return b.dist.all_gather_single(b.tensor(recv.reshape(-1)), b.tensor(
-                send.reshape(-1)), group=b.pg, async_op=True), None
-        most, xp = max(counts), self._xp
-        mine = xp.zeros(most, dtype=send.dtype)
-        mine[:send.size] = send.reshape(-1)
-        every = xp.empty(most * len(counts), dtype=send.dtype)
-        work = b.dist.all_gather_single(b.tensor(every), b.tensor(mine), group=b.pg,
-                                        async_op=True)
-
-        def unpad() -> None:
-            flat, at = recv.reshape(-1), 0
-            for k, c in enumerate(counts):
-                flat[at:at + c] = every[k * most:k * most + c]
-                at += c
-        return work, unpad
-
-    def _reduce_scatter(self, send: Any, recv: Any) -> tuple[Any, Callable[[], None] | None]:
-        b, counts = self._b, self._counts
-        flat_out = recv.reshape(-1)
-        if self._in_rank_order:
-            flat_out[...] = self._sum_in_rank_order(send.reshape(-1), counts)
-            return None, None
-        if self._nans:  # MIN/MAX of floats: the whole buffer, NaNs put back, then a block
-            whole = self._xp.array(send.reshape(-1), copy=True)
-            work, restore = self._all_reduce(whole, None)
-            lo = sum(counts[:b.rank])
-
-            def block() -> None:
-                if restore is not None:
-                    restore()
-                flat_out[...] = whole[lo:lo + flat_out.size]
-            return work, block
-        if not self._padded:
-            work = b.dist.reduce_scatter_single(b.tensor(flat_out), b.tensor(send.reshape(-1)),
-                                                op=self._op, group=b.pg, async_op=True)
-            return work, self._mean(flat_out)
-        most, xp = max(counts), self._xp
-        blocks = xp.zeros(most * len(counts), dtype=send.dtype)
-        flat, at = send.reshape(-1), 0
-        for k, c in enumerate(counts):
-            blocks[k * most:k * most + c] = flat[at:at + c]
-            at += c
-        mine = xp.empty(most, dtype=send.dtype)
-        work = b.dist.reduce_scatter_single(b.tensor(mine), b.tensor(blocks), op=self._op,
-                                            group=b.pg, async_op=True)
-        mean = self._mean(mine)
-
-        def unpad() -> None:
-            if mean is not None:
-                mean()
-            flat_out[...] = mine[:flat_out.size]
-        return work, unpad
-
-
-class TorchBackend(PlannedBackend):
+class TorchBackend(Backend):
     """One rank's endpoint in a ``torch.distributed`` process group.
 
     Args:
@@ -343,9 +111,6 @@ class TorchBackend(PlannedBackend):
         self.world_size = len(self.members)
         self.rank = self.members.index(self.dist.get_rank())
         self.options = {"checks": checks, "debug": debug}
-        #: The plans check hashes of their keys; the signatures of the general methods
-        #: are not needed.
-        self.needs_signature = False
         self._hosts = tuple(hosts)
         self._node = node_info(self._hosts, self.rank)
         self._owns_group = owns_group
@@ -358,6 +123,8 @@ class TorchBackend(PlannedBackend):
         #: The order in which the group's calls reach torch (non-blocking ones queued).
         self.order = CallOrder(f"axondist-{group_name}")
         self._closed = False
+        #: What the algorithm table knows about the group.
+        self.layout = Layout(self.world_size)
 
     # --- what the plans share ---------------------------------------------------------------
     @property
@@ -432,29 +199,14 @@ class TorchBackend(PlannedBackend):
     # --- prepared calls -------------------------------------------------------------------
     def make_plan(self, key: CallKey) -> Plan:
         """A widened mean for half-precision AVERAGEs, a count exchange for an unsized
-        all-gather, else torch's collective (:class:`TorchPlan`)."""
+        all-gather, else the plan of the algorithm the table chooses (:mod:`.choose`)."""
         if key.reduce_op == "AVERAGE" and key.dtype in _HALF:
             return WidenedMeanPlan(self, key)
         if key.collective == "all_gather" and key.counts is None:
             return UnsizedAllGatherPlan(self, key)
-        return TorchPlan(self, key)
+        return PLANS[key.collective, choose(key, self.layout)](self, key)
 
-    # --- the contract's general methods, as plans (the others: PlannedBackend) ----------
-    def reduce_scatter(self, send: Any, recv: Any, counts: Sequence[int], op: ReduceOp, *,
-                       signature: Signature = (), async_op: bool = False) -> Work:
-        """The reduce-scatter of flat ``send`` into blocks of ``counts`` elements."""
-        counts = [int(c) for c in counts]
-        if len(counts) != self.world_size or sum(counts) != send.size \
-                or recv.size != counts[self.rank]:
-            raise InvalidBufferError(
-                f"reduce_scatter: counts={counts} must list {self.world_size} element counts "
-                f"adding up to send's {send.size}, with this rank's equal to recv's {recv.size}")
-        flat = send.reshape(-1)
-        key = CallKey.of("reduce_scatter", flat, reduce_op=op, counts=tuple(counts),
-                         async_op=async_op)
-        return self._planned(key, flat, recv.reshape(-1), recv)
-
-    # --- rooted and irregular calls (blocking; padded where sizes differ) ------------------
+    # --- barriers ---------------------------------------------------------------------------
     def _checked(self, op: str, key: Key, run: Callable[[], Any]) -> Any:
         """``run()`` as call ``op``: numbered, recorded, checked across ranks first."""
         guard = self.guard
@@ -469,82 +221,6 @@ class TorchBackend(PlannedBackend):
             return self.order.now(issue)
         finally:
             guard.rec.end(slot)
-
-    def _rooted(self, what: str, root: int, counts: Sequence[int], mine: Any,
-                full: Any | None, full_arg: str) -> tuple[list[int], Any]:
-        as_rank(root, self.world_size, what, "root")
-        counts = [int(c) for c in counts]
-        if self.rank != root:
-            full = None
-        elif full is None:
-            raise InvalidBufferError(f"{what}: the root (rank {root}) must pass a {full_arg} "
-                                     "buffer")
-        if (len(counts) != self.world_size or mine.size != counts[self.rank]
-                or (full is not None and full.size != sum(counts))):
-            raise InvalidBufferError(
-                f"{what}: counts={counts} must list {self.world_size} element counts, with this "
-                f"rank's equal to its block's {mine.size}"
-                + ("" if full is None else f" and their sum to {full_arg}'s {full.size}"))
-        return counts, full
-
-    def gather(self, send: Any, recv: Any | None, counts: Sequence[int], root: int, *,
-               signature: Signature = (), async_op: bool = False) -> Work:
-        """Every rank's ``send`` into ``root``'s ``recv``, in rank order (blocks padded to
-        the largest: gloo gathers equal blocks)."""
-        counts, recv = self._rooted("gather", root, counts, send, recv, "recv")
-        xp, most = _array.namespace(send), max(counts)
-        mine = xp.zeros(most, dtype=send.dtype)
-        mine[:send.size] = send.reshape(-1)
-        every = [xp.empty(most, dtype=send.dtype) for _ in counts] if recv is not None else None
-        key = (("dtype", str(send.dtype)), ("counts", tuple(counts)), ("root", root))
-        self._checked("gather", key, lambda: self.dist.gather(
-            self.tensor(mine), None if every is None else [self.tensor(e) for e in every],
-            group=self.pg, group_dst=root))
-        if recv is not None and every is not None:
-            flat, at = recv.reshape(-1), 0
-            for block, c in zip(every, counts):
-                flat[at:at + c] = block[:c]
-                at += c
-        return CompletedWork(recv)
-
-    def scatter(self, send: Any | None, recv: Any, counts: Sequence[int], root: int, *,
-                signature: Signature = (), async_op: bool = False) -> Work:
-        """Block r of ``root``'s ``send`` into rank r's ``recv`` (blocks padded to the
-        largest)."""
-        counts, send = self._rooted("scatter", root, counts, recv, send, "send")
-        xp, most = _array.namespace(recv), max(counts)
-        mine = xp.empty(most, dtype=recv.dtype)
-        blocks = None
-        if send is not None:
-            flat, at, blocks = send.reshape(-1), 0, []
-            for c in counts:
-                block = xp.zeros(most, dtype=send.dtype)
-                block[:c] = flat[at:at + c]
-                blocks.append(block)
-                at += c
-        key = (("dtype", str(recv.dtype)), ("counts", tuple(counts)), ("root", root))
-        self._checked("scatter", key, lambda: self.dist.scatter(
-            self.tensor(mine), None if blocks is None else [self.tensor(b) for b in blocks],
-            group=self.pg, group_src=root))
-        recv.reshape(-1)[...] = mine[:recv.size]
-        return CompletedWork(recv)
-
-    def all_to_all(self, send: Any, recv: Any, send_counts: Sequence[int],
-                   recv_counts: Sequence[int], *, signature: Signature = (),
-                   async_op: bool = False) -> Work:
-        """``all_to_all_single`` with torch's split sizes."""
-        sc, rc = [int(c) for c in send_counts], [int(c) for c in recv_counts]
-        if (len(sc) != self.world_size or len(rc) != self.world_size or send.size != sum(sc)
-                or recv.size != sum(rc)):
-            raise InvalidBufferError(
-                f"all_to_all: send_counts={sc} and recv_counts={rc} must list "
-                f"{self.world_size} element counts adding up to send's {send.size} and recv's "
-                f"{recv.size}")
-        self._checked("all_to_all", (("dtype", str(send.dtype)),),
-                      lambda: self.dist.all_to_all_single(
-                          self.tensor(recv.reshape(-1)), self.tensor(send.reshape(-1)), rc, sc,
-                          group=self.pg))
-        return CompletedWork(recv)
 
     def barrier(self) -> None:
         """A barrier (the check's all-reduce is one; no data moves after it)."""
@@ -581,7 +257,7 @@ class TorchBackend(PlannedBackend):
     def send(self, buf: Any, dst: int, tag: int = 0) -> None:
         """Send ``buf``: a header with its size, then its bytes (see :meth:`_post`)."""
         as_rank(dst, self.world_size, "send", "dst")
-        head_tag, data_tag, _, _ = _tags(tag)
+        head_tag, data_tag, _, _ = tags(tag)
         guard = self.guard
         slot = guard.begin_p2p("send", (("peer", guard.members[dst]), ("tag", tag),
                                        ("bytes", buf.nbytes)))
@@ -625,7 +301,7 @@ class TorchBackend(PlannedBackend):
                 is received and dropped).
         """
         as_rank(src, self.world_size, "recv", "src")
-        head_tag, data_tag, _, _ = _tags(tag)
+        head_tag, data_tag, _, _ = tags(tag)
         guard = self.guard
         slot = guard.begin_p2p("recv", (("peer", guard.members[src]), ("tag", tag),
                                        ("bytes", buf.nbytes)))
@@ -649,7 +325,7 @@ class TorchBackend(PlannedBackend):
     def send_object(self, obj: Any, dst: int, tag: int = 0) -> None:
         """Send a pickled ``obj`` (its length, then its bytes) in a tag space of its own."""
         as_rank(dst, self.world_size, "send_object", "dst")
-        _, _, head_tag, data_tag = _tags(tag)
+        _, _, head_tag, data_tag = tags(tag)
         data = np.frombuffer(pickle.dumps(obj), np.uint8)
         guard = self.guard
         slot = guard.begin_p2p("send", (("peer", guard.members[dst]), ("tag", tag)))
@@ -661,7 +337,7 @@ class TorchBackend(PlannedBackend):
     def recv_object(self, src: int, tag: int = 0) -> Any:
         """The next object ``src`` sent with ``tag``."""
         as_rank(src, self.world_size, "recv_object", "src")
-        _, _, head_tag, data_tag = _tags(tag)
+        _, _, head_tag, data_tag = tags(tag)
         guard = self.guard
         slot = guard.begin_p2p("recv", (("peer", guard.members[src]), ("tag", tag)))
         try:
@@ -792,219 +468,4 @@ class TorchBackend(PlannedBackend):
                 self.dist.destroy_process_group()
 
 
-class SerialThread:
-    """A daemon thread that runs what it is given in order, each call's value in a future.
-
-    A daemon, unlike ``ThreadPoolExecutor``'s workers, which the interpreter joins at exit:
-    a send nobody receives must not keep the process from ending (and from saying so).
-    """
-
-    def __init__(self, name: str) -> None:
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        threading.Thread(target=self._loop, name=name, daemon=True).start()
-
-    def submit(self, job: Callable[[], Any]) -> concurrent.futures.Future:
-        """Queue ``job()``; the future of its value."""
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        self._jobs.put((job, future))
-        return future
-
-    def stop(self) -> None:
-        """End the thread after the jobs queued so far."""
-        self._jobs.put(None)
-
-    def _loop(self) -> None:
-        while True:
-            item = self._jobs.get()
-            if item is None:
-                return
-            job, future = item
-            try:
-                future.set_result(job())
-            except BaseException as exc:  # noqa: BLE001 - handed to whoever waits
-                future.set_exception(exc)
-
-
-class Outbox:
-    """What this rank's sends queue (:meth:`TorchBackend.send`), sent in order per channel
-    (group, destination and tag: the order a receiver matches them in) by a thread of the
-    channel's own while it has messages, and the sends not received yet.
-
-    A channel's thread is a daemon, unlike ``ThreadPoolExecutor``'s workers, which the
-    interpreter joins at exit: a send nobody receives must not keep the process from
-    ending (and from saying so).
-
-    Args:
-        me: this rank in the world.
-    """
-
-    def __init__(self, me: int) -> None:
-        self.me = me
-        self.error: BaseException | None = None
-        self._channels: dict[tuple[Any, ...], collections.deque] = {}
-        self._running: set[tuple[Any, ...]] = set()
-        #: ``(destination, user tag, future, whether an object)`` of each send not received.
-        self._pending: list[tuple[int, int, concurrent.futures.Future, bool]] = []
-        self._lock = threading.Lock()
-
-    def submit(self, channel: tuple[Any, ...], dst: int, tag: int,
-               send: Callable[[], None]) -> concurrent.futures.Future:
-        """Queue ``send()`` (a message to world rank ``dst`` with user ``tag``) behind the
-        channel's earlier ones; its future."""
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        with self._lock:
-            self._pending = [p for p in self._pending if not _delivered(p[2])]
-            self._pending.append((dst, tag, future, channel[-1] % _TAG_KINDS >= 2))
-            self._channels.setdefault(channel, collections.deque()).append((send, future))
-            if channel not in self._running:
-                self._running.add(channel)
-                threading.Thread(target=self._drain, args=(channel,), daemon=True,
-                                 name=f"axondist-send-to-{dst}").start()
-        return future
-
-    def _drain(self, channel: tuple[Any, ...]) -> None:
-        while True:
-            with self._lock:
-                jobs = self._channels[channel]
-                if not jobs:
-                    self._running.discard(channel)
-                    del self._channels[channel]
-                    return
-                send, future = jobs.popleft()
-            try:
-                send()
-            except BaseException as exc:  # noqa: BLE001 - raised at the next send, or waited
-                self.error = self.error or exc
-                future.set_exception(exc)
-            else:
-                future.set_result(None)
-
-    def busy(self) -> bool:
-        """Whether a send is still being sent (its thread is inside torch.distributed)."""
-        with self._lock:
-            return bool(self._running)
-
-    def unreceived(self, settle: float = 0.05) -> dict[tuple[int, int, int], int]:
-        """The sends not received after ``settle`` seconds (still waiting, or failed: the
-        receiver ended without taking them), as ``{(this world rank, destination world
-        rank, user tag): messages}``."""
-        deadline = time.monotonic() + settle
-        while True:
-            with self._lock:
-                pending = list(self._pending)
-            if all(p[2].done() for p in pending) or time.monotonic() >= deadline:
-                break
-            time.sleep(1e-3)
-        # axondist.send is an object (its shape and dtype) and an array: one message, counted
-        # by the larger of the two counts (a receive that failed between them took one)
-        halves: dict[tuple[int, int, int], list[int]] = {}
-        for dst, tag, _, is_object in (p for p in pending if not _delivered(p[2])):
-            halves.setdefault((self.me, dst, tag), [0, 0])[is_object] += 1
-        return {key: max(counts) for key, counts in halves.items()}
-
-
-def _delivered(sent: concurrent.futures.Future) -> bool:
-    """Whether a send's future says its message was taken by its receiver."""
-    return sent.done() and sent.exception() is None
-
-
-class CallOrder:
-    """The order in which one group's calls reach torch.distributed, which pairs the ranks'
-    collectives by the order they were issued.
-
-    A non-blocking call's check waits until every rank made its call, which must not block
-    the caller (it may send what another rank waits for first), so :meth:`later` issues the
-    check and then the call on a thread of the group's own, in call order; :meth:`now`
-    issues a blocking call at once, or behind the queued ones while there are any.
-    """
-
-    def __init__(self, name: str) -> None:
-        self._name = name
-        self._thread: SerialThread | None = None
-        self._queued = 0
-        self._last: concurrent.futures.Future | None = None
-        self._lock = threading.Lock()
-
-    def later(self, issue: Callable[[], Any]) -> concurrent.futures.Future:
-        """Queue ``issue()``; its future. The thread lives while calls are queued (a thread
-        per group for the group's life would grow with the groups)."""
-        with self._lock:
-            if self._thread is None:
-                self._thread = SerialThread(self._name)
-            self._queued += 1
-            self._last = self._thread.submit(lambda: self._issue(issue))
-            return self._last
-
-    def busy(self) -> bool:
-        """Whether calls are queued (their thread may be inside torch.distributed)."""
-        return self._queued > 0
-
-    def now(self, issue: Callable[[], Any]) -> Any:
-        """``issue()`` once every queued call was issued; its value."""
-        if self._queued:
-            return self.later(issue).result()
-        return issue()
-
-    def _issue(self, issue: Callable[[], Any]) -> Any:
-        try:
-            return issue()
-        finally:
-            with self._lock:
-                self._queued -= 1
-                if not self._queued and self._thread is not None:
-                    self._thread.stop()  # it ends after this call; the next makes another
-                    self._thread = None
-
-    def close(self) -> None:
-        """Wait until what is queued was issued (the thread then ends)."""
-        if self._last is not None:
-            concurrent.futures.wait([self._last])
-
-
-class QueuedWork(Work):
-    """The Work of a queued non-blocking call: once :class:`CallOrder` issued it (its check
-    passed, torch's call started), the Work of torch's call (:meth:`TorchBackend.work`)."""
-
-    __slots__ = ("_backend", "_future", "_result", "_what", "_seq", "_started")
-
-    def __init__(self, backend: TorchBackend, future: concurrent.futures.Future, result: Any,
-                 what: str, seq: int) -> None:
-        self._backend, self._future, self._result = backend, future, result
-        self._what, self._seq = what, seq
-        self._started: Work | None = None
-
-    def _issued(self, timeout: float | None) -> Work:
-        if self._started is None:
-            try:
-                work, finish = self._future.result(timeout)
-            except concurrent.futures.TimeoutError:
-                raise CollectiveTimeoutError(
-                    f"Work.wait: {self._what} did not complete within timeout={timeout:g} s; "
-                    "it is still running (call wait() again, or check that every rank "
-                    "started it)") from None
-            self._started = self._backend.work(work, self._result, self._what, finish,
-                                               self._seq)
-        return self._started
-
-    def wait(self, timeout: float | None = None) -> Any:
-        """Wait for the call (at most ``timeout`` seconds in all); its result."""
-        guard = self._backend.guard
-        slot = guard.rec.begin(guard.group, self._seq, f"wait {self._what}", None)
-        try:
-            start = time.monotonic()
-            started = self._issued(timeout)
-            left = None if timeout is None else max(0.0, timeout - (time.monotonic() - start))
-            return started.wait(left)
-        finally:
-            guard.rec.end(slot)
-
-    def is_completed(self) -> bool:
-        """True once the call finished (or failed); never blocks."""
-        if not self._future.done():
-            return False
-        if self._future.exception() is not None:
-            return True
-        return self._issued(0).is_completed()
-
-
-__all__ = ["TorchBackend", "TorchPlan", "node_info"]
+__all__ = ["TorchBackend", "node_info"]
