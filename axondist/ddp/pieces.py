@@ -15,11 +15,17 @@ from collections import deque
 from itertools import islice
 from typing import Any
 
+import numpy as np
+
 from .. import _array
-from ..backends.base import Backend, PersistentAllReduce, Work
+from ..backends.base import Backend, CompletedWork, PersistentAllReduce, Work
+from ..comm import all_reduce
 from ..ops import ReduceOp
 from ..process_group import ProcessGroup
 from .buckets import MiB
+
+#: dtypes whose pieces a group of two averages in one pass (see _means_in_one_pass).
+_MEAN_DTYPES = frozenset(np.dtype(t) for t in (np.float32, np.float64))
 
 
 class PersistentPieces:
@@ -66,6 +72,8 @@ class PersistentPieces:
         #: held by whoever touches the pieces in flight (this thread or the helper)
         self._lock = threading.Lock()
         self._helper: ProgressHelper | None = None
+        #: pieces run as blocking means (see _means_in_one_pass), decided with the handles
+        self._blocking_means = False
 
     def _weight(self) -> float:
         """This rank's weight (the synchronizer's)."""
@@ -79,15 +87,35 @@ class PersistentPieces:
         backend = self._group.backend_for("GradientSynchronizer")  # type: ignore[union-attr]
         if not (self.buckets and self._persistent_owner is backend):
             self._free_persistent()
+            self._blocking_means = self._means_in_one_pass(backend)
             for state in self.buckets:
-                state.persistent = backend.persistent_all_reduce(
-                    state.flat, ReduceOp.SUM, piece_bytes=self.piece_bytes)
+                if self._blocking_means:  # the contract's default handle: bounds, and
+                    # checked non-blocking SUMs for the steps with sample counts
+                    state.persistent = Backend.persistent_all_reduce(
+                        backend, state.flat, ReduceOp.SUM, piece_bytes=self.piece_bytes)
+                else:
+                    state.persistent = backend.persistent_all_reduce(
+                        state.flat, ReduceOp.SUM, piece_bytes=self.piece_bytes)
             self._persistent_owner = backend
             interval = self._helper_interval()
             if interval > 0:
                 self._helper = ProgressHelper(self, interval)
         self._queue.extend((state, k) for state in self.buckets
                            for k in range(len(state.persistent.bounds)))
+
+    def _means_in_one_pass(self, backend: Backend) -> bool:
+        """Whether each piece of a plain mean (no sample counts) runs as a blocking
+        ``AVERAGE`` all-reduce of its own instead of a weighted persistent SUM: float32/64
+        NumPy buckets in a checked group of two on one host (the backend's ``layout`` says
+        so: the MPI backend's), where each piece is summed and halved in the data's one
+        pass, as the synchronous strategy's buckets are (the same bits: halving is exact),
+        and the data moves inside the call as it would in the tests between gradients.
+        Depends on nothing rank-local, so every rank decides alike."""
+        layout = getattr(backend, "layout", None)
+        return (layout is not None and layout.world_size == 2 and layout.nodes == 1
+                and layout.checks and all(type(s.flat) is np.ndarray
+                                          and s.flat.dtype in _MEAN_DTYPES
+                                          for s in self.buckets))
 
     def _helper_interval(self) -> float:
         """Seconds between the helper's tests (0: no helper); see :attr:`progress_interval`."""
@@ -127,6 +155,14 @@ class PersistentPieces:
         slots not yet weighted are weighted here first (:meth:`_weigh_piece`). The same
         values either way, bit for bit."""
         handle = state.persistent
+        if self._blocking_means and self._num_samples is None:
+            piece = state.flat[lo:hi]
+            if not self._holds_weighted(state, lo, hi):
+                all_reduce(piece, ReduceOp.AVERAGE, self._group)
+            else:  # a checked SUM: a rank whose pieces differ is told, not left waiting
+                self._weigh_piece(state, lo, hi)
+                all_reduce(piece, ReduceOp.SUM, self._group)
+            return CompletedWork(piece)
         if not self._holds_weighted(state, lo, hi):
             return handle.start(k, self._weight())
         self._weigh_piece(state, lo, hi)
