@@ -174,7 +174,7 @@ class HierarchicalAllReduce:
         x = _array.as_array(x)
         if self._node is None or self._across is None or x.nbytes < self.min_bytes:
             return all_reduce(x, op, self.group)
-        op = ReduceOp.parse(op)
+        op = ReduceOp.parse(op, "HierarchicalAllReduce")
         check_op_dtype(op, x.dtype, "HierarchicalAllReduce")
         _array.check_writable(x, "HierarchicalAllReduce")
         flat = _array.flat_view(x)

@@ -28,14 +28,14 @@ class ReduceOp(enum.Enum):
     AVG = "average"
 
     @classmethod
-    def parse(cls, op: Any, where: str = "") -> ReduceOp:
+    def parse(cls, op: Any, where: str) -> ReduceOp:
         """The member ``op`` names: a ReduceOp, its name (``"sum"``, ``"mean"``, ``"avg"``
         ...) in any case, or a ``torch.distributed.ReduceOp`` member of the same meaning
         (recognized by its type, without importing torch).
 
         Args:
             op: what the caller passed as ``op``.
-            where: the calling function, for the message (``"all_reduce"``).
+            where: the calling function, which the message names (``"all_reduce"``).
 
         Raises:
             ValueError: ``op`` names no reduction (None, a typo, torch's bitwise ops); the
@@ -51,7 +51,7 @@ class ReduceOp(enum.Enum):
                 pass
         valid = ", ".join(m.name for m in cls)
         raise ValueError(
-            f"{where + ': ' if where else ''}op={op!r} is an unknown reduce op; pass a "
+            f"{where}: op={op!r} is an unknown reduce op; pass a "
             f"ReduceOp ({valid}), its name in any case ('sum', 'mean', 'avg', 'prod'...), or "
             "torch.distributed.ReduceOp.SUM/AVG/MIN/MAX/PRODUCT") from None
 
@@ -90,17 +90,24 @@ def combine_into(out: Any, inputs: Sequence[Any], op: ReduceOp) -> Any:
     xp = _array.namespace(out)
     if out is not inputs[0]:
         out[...] = inputs[0]
-    is_bool = out.dtype == bool
-    ufunc = {
-        ReduceOp.SUM: xp.logical_or if is_bool else xp.add,
-        ReduceOp.AVERAGE: xp.add,
-        ReduceOp.PRODUCT: xp.logical_and if is_bool else xp.multiply,
-        ReduceOp.MIN: xp.minimum,
-        ReduceOp.MAX: xp.maximum,
-    }[op]
-    with _array.quiet_nan_compare(out):  # MIN/MAX propagate NaN on purpose: no warning
+    ufunc = getattr(xp, _UFUNCS[op._name_][out.dtype == bool])  # _name_: no enum hashing
+    if op is ReduceOp.MIN or op is ReduceOp.MAX:
+        with _array.quiet_nan_compare(out):  # they propagate NaN on purpose: no warning
+            for x in inputs[1:]:
+                ufunc(out, x, out=out)
+    else:
         for x in inputs[1:]:
             ufunc(out, x, out=out)
     if op is ReduceOp.AVERAGE:
         xp.divide(out, len(inputs), out=out, casting="unsafe")
     return out
+
+
+#: The ufunc of each reduction, by the op's name: ``(numbers, booleans)``.
+_UFUNCS = {
+    "SUM": ("add", "logical_or"),
+    "AVERAGE": ("add", "add"),
+    "PRODUCT": ("multiply", "logical_and"),
+    "MIN": ("minimum", "minimum"),
+    "MAX": ("maximum", "maximum"),
+}

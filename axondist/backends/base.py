@@ -20,8 +20,6 @@ inside the communicator.
 from __future__ import annotations
 
 import abc
-import math
-import os
 import pickle
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
@@ -33,6 +31,7 @@ from .._array import describe, namespace
 from .._validate import as_rank
 from ..errors import CollectiveMismatchError, InvalidBufferError
 from ..ops import ReduceOp
+from . import settings
 from .plan import CallKey, Plan, Signature, general_plan, validate  # Signature: until torch
 from .recording.recorder import FlightRecorder
 from .work import CompletedWork, FutureWork, MappedWork, PolledWork, ThenWork, Work, finished
@@ -43,52 +42,36 @@ PLAN_CACHE_LIMIT = 1024
 
 
 
-def _env_flag(name: str, default: bool) -> bool:
-    value = os.environ.get(name)
-    if value is None or value.strip() == "":
-        return default
-    return value.strip().lower() not in ("0", "false", "no", "off")
-
-
 def debug_enabled() -> bool:
     """True when ``AXONDIST_DEBUG`` asks for the extra debug checks."""
-    return _env_flag("AXONDIST_DEBUG", False)
+    debug: bool = settings.read("AXONDIST_DEBUG")
+    return debug
 
 
 def checks_enabled() -> bool:
     """False when ``AXONDIST_CHECKS=0`` turns off the cross-rank argument checks (unsafe)."""
-    return _env_flag("AXONDIST_CHECKS", True)
+    checks: bool = settings.read("AXONDIST_CHECKS")
+    return checks
 
 
 #: Seconds a call may wait for its peers before the job ends (``AXONDIST_TIMEOUT``):
 #: torch's default for NCCL, long enough for a slow checkpoint write on one rank.
-DEFAULT_TIMEOUT = 600.0
+DEFAULT_TIMEOUT: float = settings.BY_NAME["AXONDIST_TIMEOUT"].default
 #: Seconds before the first stall warning (``AXONDIST_STALL_WARNING``), as Horovod's.
-DEFAULT_STALL_WARNING = 60.0
-
-
-def _env_seconds(name: str, default: float) -> float:
-    text = os.environ.get(name)
-    if text is None or text.strip() == "":
-        return default
-    try:
-        value = float(text)
-    except ValueError:
-        raise ValueError(f"{name}={text!r} is not a number of seconds") from None
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name}={text!r} must be a finite number of seconds > 0")
-    return value
+DEFAULT_STALL_WARNING: float = settings.BY_NAME["AXONDIST_STALL_WARNING"].default
 
 
 def default_timeout() -> float:
     """Seconds a call may wait for peers (``AXONDIST_TIMEOUT``, default 600)."""
-    return _env_seconds("AXONDIST_TIMEOUT", DEFAULT_TIMEOUT)
+    seconds: float = settings.read("AXONDIST_TIMEOUT")
+    return seconds
 
 
 def stall_warning_after(timeout: float) -> float:
     """Seconds before the first stall warning (``AXONDIST_STALL_WARNING``, default 60),
     never later than half of ``timeout``."""
-    return min(_env_seconds("AXONDIST_STALL_WARNING", DEFAULT_STALL_WARNING), timeout / 2)
+    seconds: float = settings.read("AXONDIST_STALL_WARNING")
+    return min(seconds, timeout / 2)
 
 
 class PersistentAllReduce:
@@ -330,24 +313,16 @@ class Backend(abc.ABC):
     def all_to_all(self, send: Any, recv: Any, send_counts: Sequence[int],
                    recv_counts: Sequence[int], *, async_op: bool = False) -> Work:
         """Block k of ``send`` (``send_counts[k]`` elements) goes to rank k; ``recv`` gets
-        the blocks every rank sent this one, in rank order (``recv_counts[k]`` from rank k).
-
-        The ranks first all-gather their ``send_counts`` (the key holds every rank's).
-        """
+        the blocks every rank sent this one, in rank order (``recv_counts[k]`` from rank k,
+        which the caller learnt from the ranks: :func:`axondist.all_to_all` exchanges
+        them)."""
         n = self.world_size
         sc, rc = [int(c) for c in send_counts], [int(c) for c in recv_counts]
         if len(sc) != n or len(rc) != n or send.size != sum(sc) or recv.size != sum(rc):
             raise self._bad_counts("all_to_all", sc, (("send", send, sum(sc)),
                                                       ("recv", recv, sum(rc))))
-        mine = np.array(sc, np.int64)
-        table = self.plan(CallKey.of("all_gather", mine, counts=(n,) * n)).run(mine).tolist()
-        came = table[self.rank::n]
-        if came != rc:
-            raise CollectiveMismatchError(
-                f"all_to_all: the ranks send rank {self.rank} {came} elements, but its "
-                f"recv_counts are {rc}")
         flat = send.reshape(-1)
-        key = CallKey.of("all_to_all", flat, counts=tuple(table), async_op=async_op)
+        key = CallKey.of("all_to_all", flat, counts=tuple(sc + rc), async_op=async_op)
         return self._planned(key, flat, recv.reshape(-1), recv)
 
     def _bad_counts(self, what: str, counts: list[int],

@@ -256,9 +256,9 @@ class P2PAllToAllPlan(P2PPlan):
 
     def __init__(self, backend: Backend, key: CallKey) -> None:
         super().__init__(backend, key)
-        n, me, counts = self._n, self._me, list(key.counts or ())
-        self._sent = _bounds(counts[me * n:(me + 1) * n])
-        self._came = _bounds(counts[me::n])
+        n, counts = self._n, list(key.counts or ())
+        self._sent = _bounds(counts[:n])
+        self._came = _bounds(counts[n:])
 
     def _move(self, send: Any, recv: Any) -> Any:
         out, sent, came, me = self._output(recv), self._sent, self._came, self._me

@@ -94,7 +94,7 @@ class CallKey(NamedTuple):
             fields.append(("reduce_op", self.reduce_op))
         if self.root is not None:
             fields.append(("root", self.root))
-        if self.counts is not None:
+        if self.counts is not None and self.collective != "all_to_all":  # ranks' own
             fields.append(("counts", self.counts))
         elif self.collective == "all_gather":
             fields.append(("counts", "not given"))
@@ -115,9 +115,9 @@ class Plan:
     whose ``wait()`` returns it. ``send`` has the key's shape on every rank, except: a
     scatter's is the root's whole array (None elsewhere, the key's shape being the
     whole's); a gather's result is None except on the root. Row counts (``key.counts``)
-    are per rank in rank order; an all-to-all's are every rank's rows for every rank,
-    flattened (``counts[s * n + d]``: rows rank s sends rank d). :meth:`free` releases
-    what the plan keeps.
+    are per rank in rank order; an all-to-all's are this rank's own: the rows it sends
+    each rank, then the rows it receives from each. :meth:`free` releases what the plan
+    keeps.
     """
 
     __slots__ = ("key",)
@@ -169,12 +169,11 @@ def validate(key: CallKey, rank: int, world_size: int) -> None:
         raise InvalidBufferError(
             f"scatter: counts={list(counts)} must list {world_size} row counts adding up to "
             f"the {key.shape[0]} rows of the source's array")
-    if what == "all_to_all" and (counts is None or len(counts) != world_size * world_size
-                                 or sum(counts[rank * world_size:][:world_size])
-                                 != key.shape[0]):
+    if what == "all_to_all" and (counts is None or len(counts) != 2 * world_size
+                                 or sum(counts[:world_size]) != key.shape[0]):
         raise InvalidBufferError(
-            f"all_to_all: counts must list {world_size} row counts for each of the "
-            f"{world_size} ranks, this rank's adding up to its {key.shape[0]} rows")
+            f"all_to_all: counts must list the rows sent to each of the {world_size} ranks, "
+            f"adding up to the {key.shape[0]} rows of send, then the rows received from each")
 
 
 _LAYOUT_ERRORS = {
@@ -207,7 +206,7 @@ def output_shape(key: CallKey, rank: int, world_size: int) -> tuple[int, ...]:
     if key.collective in ("all_gather", "gather"):
         return (sum(key.counts or ()),) + trailing
     if key.collective == "all_to_all":
-        return (sum((key.counts or ())[rank::world_size]),) + trailing
+        return (sum((key.counts or ())[world_size:]),) + trailing
     rows = key.counts if key.counts is not None else split_sizes(key.shape[0], world_size)
     return (rows[rank],) + trailing
 
@@ -236,7 +235,7 @@ def checked_out(out: Any, key: CallKey, shape: tuple[int, ...], what: str) -> An
 
 # --- the generic plans ---------------------------------------------------------------------
 
-_Start = Callable[["Backend", CallKey, Any, Any, Signature], Work]
+_Start = Callable[[Any, CallKey, Any, Any, Signature], Work]
 
 def _op(key: CallKey) -> ReduceOp:
     return ReduceOp[cast(str, key.reduce_op)]

@@ -41,7 +41,7 @@ def all_reduce(x: Any, op: ReduceOp | str = ReduceOp.SUM,
     Raises:
         UnsupportedDTypeError: ``op`` is PRODUCT (its gradient is refused; see the table).
     """
-    op = ReduceOp.parse(op)
+    op = ReduceOp.parse(op, "differentiable.all_reduce")
     adjoint_of("all_reduce", op)
     g = resolve_group(group)
     return _apply("all_reduce", x, CallContext(g, _shape(x), op=op))
@@ -61,7 +61,7 @@ def reduce_scatter(x: Any, op: ReduceOp | str = ReduceOp.SUM,
                    group: ProcessGroup | None = None) -> Any:
     """Block r (array_split rule, axis 0) of ``x`` reduced over the group, on rank r;
     backward: an all-gather. ``op`` is SUM or AVERAGE."""
-    op = ReduceOp.parse(op)
+    op = ReduceOp.parse(op, "differentiable.reduce_scatter")
     adjoint_of("reduce_scatter", op)
     g = resolve_group(group)
     return _apply("reduce_scatter", x, CallContext(g, _shape(x), op=op))

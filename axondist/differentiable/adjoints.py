@@ -88,7 +88,7 @@ def adjoint_of(name: str, op: ReduceOp | str | None = None) -> Adjoint:
             do instead).
         ValueError: ``name`` is not a differentiable collective.
     """
-    key = (name, None if op is None else ReduceOp.parse(op))
+    key = (name, None if op is None else ReduceOp.parse(op, "adjoint_of"))
     row = ADJOINTS.get(key)
     if row is None:
         names = sorted({n for n, _ in ADJOINTS})

@@ -94,7 +94,8 @@ def test_combine_into_reduces_in_list_order(n, op):
 
 
 def test_reduce_op_parses_names_and_integer_sums_wrap():
-    assert ReduceOp.parse("mean") is ReduceOp.AVERAGE and ReduceOp.parse("MAX") is ReduceOp.MAX
+    assert ReduceOp.parse("mean", "all_reduce") is ReduceOp.AVERAGE
+    assert ReduceOp.parse("MAX", "all_reduce") is ReduceOp.MAX
     big = np.array([2**62], dtype=np.int64)
     out = combine_into(big.copy(), [big, big, big], ReduceOp.SUM)  # documented wrap-around
     assert out[0] == np.int64(-(2**62))

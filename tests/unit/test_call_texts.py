@@ -14,6 +14,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from axondist import differentiable
 from axondist.backends.checks import printable, raise_if_different
 from axondist.errors import CollectiveMismatchError
 from axondist.ops import ReduceOp
@@ -104,3 +105,9 @@ def test_printable_forms() -> None:
     assert printable(key) == (("dtype", "float32"), ("shape", (3,)), ("trailing shape", (2, 2)),
                               ("counts", [2, 2]), ("reduce_op", "MAX"))
     assert printable(printable(key)) == printable(key)
+
+
+@pytest.mark.parametrize("name", ["all_reduce", "reduce_scatter"])
+def test_an_unknown_op_names_the_function_it_was_passed_to(name: str) -> None:
+    with pytest.raises(ValueError, match=rf"^differentiable.{name}: op='median' is an unknown"):
+        getattr(differentiable, name)(np.ones(2), "median")

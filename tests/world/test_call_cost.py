@@ -20,8 +20,11 @@ import axondist as ad
 #: may enter: at 2 ranks the riding all-reduce (its header written into the group's
 #: message), at 3 the check's Allreduce and MPI's.
 BUDGETS = {("mpi", 2): (13, 7), ("mpi", 3): (14, 6)}
-#: The mock world's budget at any size (threads meet in a shared rendezvous).
-MOCK_BUDGET = (60, 36)
+#: The mock world's budget at any size (threads meet in a shared rendezvous; a rank that
+#: waits for the others enters more than the last to arrive, which does the sum: 25-30
+#: Python functions measured at 2 and 3 ranks, 27 at one, pinned in
+#: tests/unit/test_mock_call_cost.py).
+MOCK_BUDGET = (43, 30)
 
 
 def _count(world: ad.World) -> tuple[int, int]:

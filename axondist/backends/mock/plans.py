@@ -33,7 +33,8 @@ class MockPlan(Plan):
     result's shape and array library, the element counts of its blocks, how many parts
     its round has and the bytes it moves."""
 
-    __slots__ = ("_b", "_call", "_out_shape", "_xp", "_elements", "_parts", "_bytes", "_op")
+    __slots__ = ("_b", "_call", "_out_shape", "_xp", "_elements", "_parts", "_bytes", "_op",
+                 "_root")
 
     def __init__(self, backend: MockBackend, key: CallKey) -> None:
         super().__init__(key)
@@ -48,7 +49,8 @@ class MockPlan(Plan):
         self._elements = [r * row for r in rows]
         self._parts = n
         self._bytes = 2 * n * prod(key.shape) * key.dtype.itemsize
-        self._op = None if key.reduce_op is None else ReduceOp[key.reduce_op]
+        self._op: Any = None if key.reduce_op is None else ReduceOp[key.reduce_op]
+        self._root = -1 if key.root is None else key.root
 
     def _output(self, recv: Any) -> Any:
         if recv is None:
@@ -107,7 +109,7 @@ class ReducePlan(MockPlan):
         return self._round(send, send)
 
     def _whole(self, rnd: _Round) -> None:
-        bufs, root = rnd.payloads, self.key.root
+        bufs, root = rnd.payloads, self._root
         if root == 0:
             combine_into(bufs[0], bufs, self._op)
         else:
@@ -127,8 +129,8 @@ class BroadcastPlan(MockPlan):
         return self._round(send, send)
 
     def _part(self, rnd: _Round, k: int) -> None:
-        if k != self.key.root:
-            rnd.payloads[k][...] = rnd.payloads[self.key.root]
+        if k != self._root:
+            rnd.payloads[k][...] = rnd.payloads[self._root]
 
 
 class AllGatherPlan(MockPlan):
@@ -205,11 +207,11 @@ class GatherPlan(MockPlan):
         self._parts = 1
 
     def run(self, send: Any, recv: Any = None) -> Any:
-        out = self._output(recv) if self._b.rank == self.key.root else None
+        out = self._output(recv) if self._b.rank == self._root else None
         return self._round((send, out), out)
 
     def _whole(self, rnd: _Round) -> None:
-        _concatenate(rnd.payloads[self.key.root][1], [p[0] for p in rnd.payloads],
+        _concatenate(rnd.payloads[self._root][1], [p[0] for p in rnd.payloads],
                      self._elements)
 
     def _part(self, rnd: _Round, i: int) -> None:
@@ -227,33 +229,32 @@ class ScatterPlan(MockPlan):
 
     def _part(self, rnd: _Round, k: int) -> None:
         lo = sum(self._elements[:k])
-        whole = rnd.payloads[self.key.root][0].reshape(-1)
+        whole = rnd.payloads[self._root][0].reshape(-1)
         rnd.payloads[k][1].reshape(-1)[...] = whole[lo:lo + self._elements[k]]
 
 
 class AllToAllPlan(MockPlan):
     """Rank k's result: the block every rank holds for k, in rank order, one part per
-    receiving rank."""
+    receiving rank (each rank's payload says where its blocks lie)."""
 
     __slots__ = ("_sent",)
 
     def __init__(self, backend: MockBackend, key: CallKey) -> None:
         super().__init__(backend, key)
         n, row = backend.world_size, prod(key.shape[1:])
-        counts = [c * row for c in key.counts or ()]
-        #: ``_sent[s][d]``: the elements of rank s's input that go to rank d.
-        self._sent = [[(sum(counts[s * n:s * n + d]), sum(counts[s * n:s * n + d + 1]))
-                       for d in range(n)] for s in range(n)]
+        counts = [c * row for c in (key.counts or ())[:n]]
+        #: ``_sent[d]``: the elements of this rank's input that go to rank d.
+        self._sent = [(sum(counts[:d]), sum(counts[:d + 1])) for d in range(n)]
 
     def run(self, send: Any, recv: Any = None) -> Any:
         out = self._output(recv)
-        return self._round((send, out), out)
+        return self._round((send, out, self._sent), out)
 
     def _part(self, rnd: _Round, k: int) -> None:
         target, at = rnd.payloads[k][1].reshape(-1), 0
-        for s, payload in enumerate(rnd.payloads):
-            lo, hi = self._sent[s][k]
-            target[at:at + hi - lo] = payload[0].reshape(-1)[lo:hi]
+        for send, _, sent in rnd.payloads:
+            lo, hi = sent[k]
+            target[at:at + hi - lo] = send.reshape(-1)[lo:hi]
             at += hi - lo
 
 

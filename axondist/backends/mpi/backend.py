@@ -2,9 +2,10 @@
 
 Collectives run as prepared calls (:meth:`MPIBackend.make_plan`): the plan's class comes
 from the table in :mod:`~axondist.backends.mpi.choose` and lives in
-:mod:`~axondist.backends.mpi.plans` or :mod:`~axondist.backends.mpi.algorithms`. The
-rooted calls, point to point, objects and groups run here, each numbered, recorded and
-checked by the group's :class:`~axondist.backends.mpi.guard.CallGuard`.
+:mod:`~axondist.backends.mpi.plans`, :mod:`~axondist.backends.mpi.vector_plans` or
+:mod:`~axondist.backends.mpi.algorithms`. Barriers, point to point, objects and groups
+run here, each numbered, recorded and checked by the group's
+:class:`~axondist.backends.mpi.guard.CallGuard`.
 """
 
 from __future__ import annotations
@@ -18,12 +19,13 @@ import numpy as np
 
 from ... import _array
 from ..._validate import as_rank
-from ...errors import CollectiveMismatchError, InvalidBufferError
+from ...errors import CollectiveMismatchError
 from ...ops import ReduceOp
-from ..base import PersistentAllReduce, PlannedBackend, Signature
-from ..plan import CallKey, Plan, WidenedMeanPlan, general_plan
+from ..base import Backend, PersistentAllReduce
+from ..p2p_plans import p2p_plan
+from ..plan import CallKey, Plan, WidenedMeanPlan
 from ..recording.recorder import FlightRecorder
-from ..work import CompletedWork, PolledWork, Work
+from ..work import PolledWork, Work
 from .algorithms.pair_exchange import PairAllGatherPlan, PairBroadcastPlan, PairReduceScatterPlan
 from .algorithms.pair_halves import PairHalvesMeanPlan
 from .algorithms.pair_ride import PairRidePlan
@@ -45,7 +47,6 @@ from .transport import (
     MPIWork,
     TypeTable,
     cuda_aware_from_alloc_kinds,
-    displacements,
     load_mpi,
     piece_bounds,
     raise_mpi_error,
@@ -53,6 +54,7 @@ from .transport import (
     synchronize_device,
     unsupported,
 )
+from .vector_plans import AllToAllPlan, GatherPlan, ScatterPlan
 
 #: The plan class of each (collective, algorithm) the table can choose.
 PLANS: dict[tuple[str, Algorithm], Callable[[Any, CallKey], Plan]] = {
@@ -67,7 +69,12 @@ PLANS: dict[tuple[str, Algorithm], Callable[[Any, CallKey], Plan]] = {
     ("reduce_scatter", Algorithm.MPI): ReduceScatterPlan,
     ("reduce_scatter", Algorithm.PAIR_EXCHANGE): PairReduceScatterPlan,
     ("reduce", Algorithm.MPI): ReducePlan,
+    ("gather", Algorithm.MPI): GatherPlan,
+    ("scatter", Algorithm.MPI): ScatterPlan,
+    ("all_to_all", Algorithm.MPI): AllToAllPlan,
 }
+#: The collectives whose blocks differ by rank (MPI's v-calls).
+_VECTOR = frozenset({"gather", "scatter", "all_to_all"})
 #: Bytes per persistent all-reduce piece unless ``piece_bytes`` says otherwise.
 PERSISTENT_PIECE_BYTES = 2 << 20
 
@@ -81,7 +88,7 @@ def node_info(node_ids: Sequence[int], rank: int) -> tuple[int, int, int]:
     return order.index(mine), local.index(rank), len(local)
 
 
-class MPIBackend(PlannedBackend):
+class MPIBackend(Backend):
     """One rank's endpoint in an MPI communicator that axondist owns.
 
     Args:
@@ -108,8 +115,6 @@ class MPIBackend(PlannedBackend):
         self.world_size = comm.Get_size()
         self._owns_types = types is None
         self.types = TypeTable(mpi) if types is None else types
-        #: mock and NCCL compare signatures; MPI hashes the plan's key itself.
-        self.needs_signature = self.options.debug
         if recorder is None:
             world = mpi.COMM_WORLD
             recorder = FlightRecorder(world.Get_rank(), world.Get_size(),
@@ -177,7 +182,8 @@ class MPIBackend(PlannedBackend):
         if key.reduce_op == "AVERAGE" and key.dtype.itemsize == 2 and key.dtype.kind != "i":
             return WidenedMeanPlan(self, key)
         if self._staged(key):
-            return StagedPlan(self, key)
+            # rows that differ by rank go point to point, staged by send and recv
+            return p2p_plan(self, key) if key.collective in _VECTOR else StagedPlan(self, key)
         return self.host_plan(key)
 
     def host_plan(self, key: CallKey) -> Plan:
@@ -187,22 +193,9 @@ class MPIBackend(PlannedBackend):
         if key.reduce_op is not None and key.dtype not in self.types.reduce[key.reduce_op]:
             raise unsupported(key.collective, key.dtype, key.reduce_op)
         made = PLANS.get((key.collective, choose(key, self.layout)))
-        return made(self, key) if made is not None else general_plan(self, key)
+        return made(self, key) if made is not None else p2p_plan(self, key)
 
-    # --- the contract's general methods, as plans (the others: PlannedBackend) ----------
-    def reduce_scatter(self, send: Any, recv: Any, counts: Sequence[int], op: ReduceOp, *,
-                       signature: Signature = (), async_op: bool = False) -> Work:
-        """The reduce-scatter of flat ``send`` into blocks of ``counts`` elements."""
-        counts = [int(c) for c in counts]
-        if len(counts) != self.world_size or sum(counts) != send.size \
-                or recv.size != counts[self.rank]:
-            raise self._bad_counts("reduce_scatter", counts, (("send", send, sum(counts)),
-                                                              ("recv", recv, counts[self.rank])))
-        flat = send.reshape(-1)
-        key = CallKey.of("reduce_scatter", flat, reduce_op=op, counts=tuple(counts),
-                         async_op=async_op)
-        return self._planned(key, flat, recv.reshape(-1), recv)
-
+    # --- calls outside plans ---------------------------------------------------------------
     def _checked(self, op: str, key: tuple[tuple[str, Any], ...], run: Callable[[], Any]) -> Any:
         """``run()`` as call ``op``: numbered, recorded, checked across ranks first."""
         guard = self.guard
@@ -217,33 +210,6 @@ class MPIBackend(PlannedBackend):
         finally:
             guard.rec.end(slot)
 
-    def _bad_counts(self, what: str, counts: list[int],
-                    sizes: Sequence[tuple[str, Any, int]]) -> Exception:
-        if len(counts) != self.world_size:
-            return CollectiveMismatchError(f"{what}: counts lists {len(counts)} ranks, the "
-                                           f"group has {self.world_size}")
-        for arg, buf, expected in sizes:
-            if buf is not None and buf.size != expected:
-                return InvalidBufferError(
-                    f"{what}: {arg} has {buf.size} elements but counts={counts} asks for "
-                    f"{expected} on rank {self.rank}")
-        return CollectiveMismatchError(f"{what}: counts={counts} do not fit")
-
-    def _rooted(self, what: str, root: int, counts: Sequence[int], mine: Any,
-                full: Any | None, mine_arg: str, full_arg: str) -> tuple[list[int], Any]:
-        as_rank(root, self.world_size, what, "root")
-        counts = [int(c) for c in counts]
-        if self.rank != root:
-            full = None
-        elif full is None:
-            raise InvalidBufferError(f"{what}: the root (rank {root}) must pass a {full_arg} "
-                                     "buffer")
-        if (len(counts) != self.world_size or mine.size != counts[self.rank]
-                or (full is not None and full.size != sum(counts))):
-            raise self._bad_counts(what, counts, ((mine_arg, mine, counts[self.rank]),
-                                                  (full_arg, full, sum(counts))))
-        return counts, full
-
     def _host(self, *bufs: Any) -> bool:
         """True when these buffers go through host copies; else makes device ones ready."""
         if self.options.host_staging == "always":
@@ -254,82 +220,6 @@ class MPIBackend(PlannedBackend):
             return True
         synchronize_device(*bufs)
         return False
-
-    def _rooted_call(self, what: str, mine: Any, full: Any | None, counts: list[int],
-                     root: int, signature: Signature) -> Work:
-        """``Gatherv``/``Scatterv``: ``mine`` this rank's block, ``full`` the root's whole."""
-        if self._host(mine, full):
-            host_mine = _array.copy_to_host(mine, _array.host_staging_buffer(mine))
-            host_full = None if full is None else _array.copy_to_host(
-                full, _array.host_staging_buffer(full))
-            self._rooted_mpi(what, host_mine, host_full, counts, root, signature)
-            if what == "gather" and full is not None and host_full is not None:
-                _array.copy_from_host(full, host_full)
-            if what == "scatter":
-                _array.copy_from_host(mine, host_mine)
-        else:
-            self._rooted_mpi(what, mine, full, counts, root, signature)
-        return CompletedWork(full if what == "gather" else mine)
-
-    def _rooted_mpi(self, what: str, mine: Any, full: Any | None, counts: list[int],
-                    root: int, signature: Signature) -> None:
-        """``Gatherv``/``Scatterv`` on buffers MPI reads directly."""
-        view, mtype = self.types.transfer.get(mine.dtype, (None, None))
-        if mtype is None:
-            raise unsupported(what, mine.dtype)
-        wire_mine = [mine if view is None else mine.view(view), mtype]
-        spec = None
-        if full is not None:
-            spec = [full if view is None else full.view(view), counts, displacements(counts),
-                    mtype]
-        key = ((("dtype", str(mine.dtype)), ("counts", tuple(counts)), ("root", root))
-               + tuple(signature))
-        if what == "gather":
-            self._checked(what, key, lambda: self._comm.Gatherv(wire_mine, spec, root))
-        else:
-            self._checked(what, key, lambda: self._comm.Scatterv(spec, wire_mine, root))
-
-    def gather(self, send: Any, recv: Any | None, counts: Sequence[int], root: int, *,
-               signature: Signature = (), async_op: bool = False) -> Work:
-        """``Gatherv`` into ``root``'s ``recv``; the result is None elsewhere (blocking).
-
-        Raises:
-            InvalidBufferError: the root passed no ``recv``, or a buffer does not
-                hold what ``counts`` says.
-        """
-        counts, recv = self._rooted("gather", root, counts, send, recv, "send", "recv")
-        return self._rooted_call("gather", send, recv, counts, root, signature)
-
-    def scatter(self, send: Any | None, recv: Any, counts: Sequence[int], root: int, *,
-                signature: Signature = (), async_op: bool = False) -> Work:
-        """``Scatterv`` of ``root``'s ``send`` by ``counts`` (blocking).
-
-        Raises:
-            InvalidBufferError: the root passed no ``send``, or a buffer does not
-                hold what ``counts`` says.
-        """
-        counts, send = self._rooted("scatter", root, counts, recv, send, "recv", "send")
-        return self._rooted_call("scatter", recv, send, counts, root, signature)
-
-    def all_to_all(self, send: Any, recv: Any, send_counts: Sequence[int],
-                   recv_counts: Sequence[int], *, signature: Signature = (),
-                   async_op: bool = False) -> Work:
-        """``Alltoallv``: block k of ``send`` to rank k, ``recv`` gets the blocks in rank
-        order. Device arrays MPI cannot read take the contract's general path."""
-        if self._host(send, recv):
-            return super().all_to_all(send, recv, send_counts, recv_counts,
-                                      signature=signature, async_op=async_op)
-        sc, rc = [int(c) for c in send_counts], [int(c) for c in recv_counts]
-        if (len(sc) != self.world_size or len(rc) != self.world_size or send.size != sum(sc)
-                or recv.size != sum(rc)):
-            raise self._bad_counts("all_to_all", sc, (("send", send, sum(sc)),
-                                                      ("recv", recv, sum(rc))))
-        view, mtype = self.types.transfer[send.dtype]
-        s = send if view is None else send.view(view)
-        r = recv if view is None else recv.view(view)
-        self._checked("all_to_all", (("dtype", str(send.dtype)),), lambda: self._comm.Alltoallv(
-            [s, sc, displacements(sc), mtype], [r, rc, displacements(rc), mtype]))
-        return CompletedWork(recv)
 
     def barrier(self) -> None:
         """``Barrier`` on the backend's communicator (the watchdog ends a barrier that
