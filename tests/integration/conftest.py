@@ -1,4 +1,5 @@
-"""What the integration tests share: the CPU stand-in of CuPy and NCCL as a fixture."""
+"""What the integration tests share: the CPU stand-in of CuPy and NCCL (tests/support) as a
+fixture."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 def fake(monkeypatch):
     """``nccl_fake`` installed for one test (four fake GPUs), undone afterwards; its
     ``Settings``, with the module itself as ``.module``."""
-    sys.path.insert(0, str(Path(__file__).parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))
     try:
         import nccl_fake
     finally:

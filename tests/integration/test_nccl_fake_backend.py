@@ -51,6 +51,7 @@ from axondist.errors import (
 from axondist.ops import ReduceOp, check_op_dtype, combine_into
 
 ROOT = Path(__file__).resolve().parents[2]
+SUPPORT = ROOT / "tests" / "support"  # nccl_fake, the CPU stand-in
 MODERN, OLD = (2, 19, 3), (2, 9, 9)
 _LAUNCHER_PREFIXES = ("PMI_", "PMIX_", "OMPI_", "HYDI_", "HYDRA_", "MPI_", "SLURM_", "MPIR_")
 
@@ -404,7 +405,7 @@ def test_shared_gpu_message_names_the_ranks_the_gpu_the_host_and_what_to_run():
 
 _SHARED_GPU_SCRIPT = """
 import os, sys
-sys.path[:0] = [{root!r}, {here!r}]
+sys.path[:0] = [{root!r}, {support!r}]
 import nccl_fake
 fake = nccl_fake.install_for_process(device_count={count})
 fake.uuids = {uuids!r}
@@ -421,7 +422,7 @@ print("STARTED")
 @pytest.mark.parametrize("count, uuids", [(1, {}), (2, {0: b"\x07" * 16, 1: b"\x07" * 16})],
                          ids=["one-gpu", "two-devices-one-uuid"])
 def test_two_ranks_on_one_gpu_are_refused_before_nccl_starts(count, uuids):
-    script = _SHARED_GPU_SCRIPT.format(root=str(ROOT), here=str(Path(__file__).parent),
+    script = _SHARED_GPU_SCRIPT.format(root=str(ROOT), support=str(SUPPORT),
                                        count=count, uuids=uuids)
     port = free_port()
     procs = [subprocess.Popen(
@@ -448,7 +449,7 @@ def test_two_ranks_on_one_gpu_are_refused_under_mpiexec(tmp_path):
     if importlib.util.find_spec("mpi4py") is None or not mpiexec.exists():
         pytest.skip("needs mpi4py and mpiexec")
     script = tmp_path / "shared.py"
-    script.write_text(_SHARED_GPU_SCRIPT.format(root=str(ROOT), here=str(Path(__file__).parent),
+    script.write_text(_SHARED_GPU_SCRIPT.format(root=str(ROOT), support=str(SUPPORT),
                                                 count=1, uuids={}))
     out = subprocess.run([str(mpiexec), "-n", "2", sys.executable, str(script)], cwd=ROOT,
                          capture_output=True, text=True, timeout=120, env=child_env())
@@ -1021,7 +1022,7 @@ def test_mpi_bootstrap_under_mpiexec(tmp_path):
     script = tmp_path / "boot.py"
     script.write_text(textwrap.dedent(f"""
         import sys
-        sys.path[:0] = [{str(ROOT)!r}, {str(Path(__file__).parent)!r}]
+        sys.path[:0] = [{str(ROOT)!r}, {str(SUPPORT)!r}]
         import numpy as np
         import nccl_fake
 
@@ -1075,7 +1076,7 @@ def test_bench_sizes_and_exit_without_gpu():
 
 _ON_STAND_IN = """
 import runpy, sys
-sys.path.insert(0, {integration!r})
+sys.path.insert(0, {support!r})
 import nccl_fake
 
 nccl_fake.install_for_process(device_count=2)
@@ -1093,7 +1094,7 @@ def test_the_cupy_world_test_files_pass_on_the_cpu_stand_in(ranks):
     files = [str(ROOT / "tests" / "gpu" / name)
              for name in ("test_cupy_collectives.py", "test_cupy_wrappers.py")]
     launcher = str(ROOT / "tests" / "world" / "rank_pytest.py")
-    code = _ON_STAND_IN.format(integration=str(Path(__file__).parent), launcher=launcher,
+    code = _ON_STAND_IN.format(support=str(SUPPORT), launcher=launcher,
                                args=["-q", "-p", "no:cacheprovider", "-x", *files])
     cmd = [sys.executable, "-c", code]
     if ranks:
@@ -1120,7 +1121,7 @@ def test_the_gpu_test_file_passes_on_the_cpu_stand_in():
     """
     code = textwrap.dedent(f"""
         import sys
-        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        sys.path.insert(0, {str(SUPPORT)!r})
         import nccl_fake, pytest
 
         nccl_fake.install_for_process(device_count=2)
@@ -1307,7 +1308,7 @@ def test_the_flight_recorder_lists_every_call(fake):
 
 _FAULT_SCRIPT = """
 import sys, time
-sys.path[:0] = [{root!r}, {here!r}]
+sys.path[:0] = [{root!r}, {support!r}]
 import numpy as np
 import nccl_fake
 
@@ -1336,7 +1337,7 @@ print("no error")
 
 
 def _run_fault(case, async_op, timeout, stall):
-    script = _FAULT_SCRIPT.format(root=str(ROOT), here=str(Path(__file__).parent), case=case,
+    script = _FAULT_SCRIPT.format(root=str(ROOT), support=str(SUPPORT), case=case,
                                   async_op=async_op, timeout=timeout)
     env = dict(child_env(), AXONDIST_STALL_WARNING=str(stall))
     out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True,

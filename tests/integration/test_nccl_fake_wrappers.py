@@ -357,7 +357,7 @@ def test_metadata_buffer_is_on_the_backends_gpu_under_nccl_and_the_array_itself_
 
 _RAISING_PIPELINE = """
 import sys
-sys.path[:0] = [{root!r}, {here!r}]
+sys.path[:0] = [{root!r}, {support!r}]
 import numpy as np
 import nccl_fake
 
@@ -397,7 +397,7 @@ def test_a_stage_raising_on_one_rank_ends_every_rank_of_an_nccl_pipeline(n):
     """The others wait in a receive (and the send thread in a send) that can never complete:
     the run must end with the stage's error, not hang (a subprocess, in case it does)."""
     code = _RAISING_PIPELINE.format(root=str(Path(__file__).resolve().parents[2]),
-                                    here=str(Path(__file__).parent), n=n)
+                                    support=str(_SUPPORT), n=n)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120, env={k: v for k, v in os.environ.items()
                                            if not k.startswith(("PMI_", "HYDI_", "MPI"))})
@@ -420,13 +420,14 @@ def test_the_tune_sweep_runs_on_nccl(fake):
 
 _EXAMPLE_ON_STAND_IN = """
 import runpy, sys
-sys.path[:0] = [{root!r}, {here!r}]
+sys.path[:0] = [{root!r}, {support!r}]
 import nccl_fake
 nccl_fake.install_for_process(device_count={gpus})
 sys.argv = {argv!r}
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
 _EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+_SUPPORT = _EXAMPLES.parent / "tests" / "support"  # nccl_fake, the CPU stand-in
 _NO_LAUNCHER = ("PMI_", "PMIX_", "HYDI_", "HYDRA_", "MPI_", "OMPI_", "SLURM_")
 
 
@@ -448,7 +449,7 @@ def test_real_data_examples_train_on_cupy_arrays_on_the_stand_in(script, args, v
     if script.startswith("digits"):
         pytest.importorskip("sklearn")
     argv = [str(_EXAMPLES / script), "--device", "gpu", "--world-size", str(ranks), *args]
-    code = _EXAMPLE_ON_STAND_IN.format(root=str(_EXAMPLES.parent), here=str(Path(__file__).parent),
+    code = _EXAMPLE_ON_STAND_IN.format(root=str(_EXAMPLES.parent), support=str(_SUPPORT),
                                        gpus=gpus, argv=argv)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=300, env=_example_env())

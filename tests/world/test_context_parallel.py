@@ -474,8 +474,8 @@ def stand_in_rank(world: ad.ProcessGroup, method: str, causal: bool) -> bool:
 @pytest.mark.parametrize("method", METHODS)
 def test_cupy_arrays_over_nccl_on_the_cpu_stand_in(method, monkeypatch):
     """The NCCL backend (its sends and receives paired in grouped calls) on
-    tests/integration/nccl_fake.py's CPU stand-in for CuPy and NCCL."""
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "integration"))
+    tests/support/nccl_fake.py's CPU stand-in for CuPy and NCCL."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "support"))
     import nccl_fake
 
     nccl_fake.install(monkeypatch, device_count=4)

@@ -1,5 +1,5 @@
 """Tracing needs no backend of its own: the NCCL backend (on the CPU stand-in of CuPy and
-NCCL, tests/integration/nccl_fake.py) is traced through its flight recorder, with its
+NCCL, tests/support/nccl_fake.py) is traced through its flight recorder, with its
 clock exchange over NCCL's send and receive."""
 
 from __future__ import annotations
@@ -14,12 +14,12 @@ from harness import LAUNCHED
 
 import axondist as ad
 
-INTEGRATION = Path(__file__).resolve().parents[1] / "integration"
+SUPPORT = Path(__file__).resolve().parents[1] / "support"
 
 
 @pytest.fixture
 def fake_nccl(monkeypatch: pytest.MonkeyPatch) -> Any:
-    sys.path.insert(0, str(INTEGRATION))
+    sys.path.insert(0, str(SUPPORT))
     try:
         import nccl_fake
     finally:
