@@ -2,8 +2,8 @@
 default, what it does, and the one reader that turns its text into a value (a bad value is a
 ``ValueError`` naming the variable, what it must be, and what to do). A world reads them all
 when it is made (:func:`load`, from ``init`` and ``spawn``): a bad value fails there rather
-than at first use, and a name that is not declared (``AXONDIST_TIMOUT``) is named in a warning
-with the nearest real one. The guide's table of variables is :func:`markdown_table`'s output
+than at first use, and a name that is not declared (a misspelling) is named in a warning with
+the nearest real one. The guide's table of variables is :func:`markdown_table`'s output
 (``python -m axondist.backends.settings`` prints it; a test compares the two)."""
 
 from __future__ import annotations
