@@ -431,17 +431,17 @@ class PaddedScatterPlan(ScatterPlan):
 
 
 class AllToAllPlan(TorchPlan):
-    """torch's ``all_to_all_single``, with the element counts each rank sends and
-    receives (the key's row counts of every rank for every rank)."""
+    """torch's ``all_to_all_single``, with the element counts this rank sends and
+    receives (the key's row counts: to each rank, then from each)."""
 
     __slots__ = ("_sent", "_came")
 
     def __init__(self, backend: TorchBackend, key: CallKey) -> None:
         super().__init__(backend, key)
-        n, me, row = backend.world_size, backend.rank, prod(key.shape[1:])
+        n, row = backend.world_size, prod(key.shape[1:])
         counts = list(key.counts or ())
-        self._sent = [c * row for c in counts[me * n:(me + 1) * n]]
-        self._came = [c * row for c in counts[me::n]]
+        self._sent = [c * row for c in counts[:n]]
+        self._came = [c * row for c in counts[n:]]
 
     def _move(self, send: Any, recv: Any) -> Moved:
         b = self._b
