@@ -6,20 +6,18 @@ than at first use, and a name that is not declared (a misspelling) is named in a
 the nearest real one. The guide's table of variables is :func:`markdown_table`'s output
 (``python -m axondist.backends.settings`` prints it; a test compares the two)."""
 
-from __future__ import annotations
-
+# No ``from __future__ import annotations``: NamedTuple would compile each field's annotation
+# text at import (26 compiles); evaluated annotations cost nothing.
 import math
 import os
 import warnings
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 PREFIX = "AXONDIST_"
 
 
-@dataclass(frozen=True)
-class Variable:
+class Variable(NamedTuple):
     """One environment variable: how it is read and documented."""
 
     name: str
@@ -192,9 +190,11 @@ TEST_KNOBS: dict[str, str] = {
 TEST_PREFIX = "AXONDIST_TEST"
 
 
-@dataclass(frozen=True)
-class Settings:
-    """The values of every variable of :data:`VARIABLES`, read at once (see :func:`load`)."""
+class Settings(NamedTuple):
+    """The values of every variable of :data:`VARIABLES`, read at once (see :func:`load`).
+
+    An immutable record (a named tuple rather than a frozen dataclass: it is made at every
+    ``import axondist``, and a dataclass of 21 fields compiles six methods there)."""
 
     backend: str | None = None
     """``AXONDIST_BACKEND``: the backend name, lower case; None lets ``init`` choose."""
@@ -240,7 +240,7 @@ class Settings:
     """``AXONDIST_CHECKPOINT_RELEASE``: the file the hook's pause waits for."""
 
     @classmethod
-    def from_environ(cls, environ: Mapping[str, str] | None = None) -> Settings:
+    def from_environ(cls, environ: Mapping[str, str] | None = None) -> "Settings":
         """Every variable read from ``environ`` (``os.environ`` when None).
 
         Raises:
