@@ -54,6 +54,6 @@ def _body(world: ad.World, call: str, other: str, rows: int) -> None:
 
 @pytest.mark.parametrize("other", sorted(OTHERS))
 @pytest.mark.parametrize("call", sorted(CALLS))
-@pytest.mark.parametrize("rows", [3, 1024, 8192])
+@pytest.mark.parametrize("rows", [3, 1024, 8192, 300_000])
 def test_a_refused_exchange_leaves_no_message_behind(call, other, rows):
     run_world(_body, 2, call, other, rows)

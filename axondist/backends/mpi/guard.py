@@ -37,8 +37,8 @@ RIDE_ROOM = RIDE_MAX_BYTES
 PAIR_TAG = 1
 #: The tag of data a two-rank call sends ahead of its check (see :meth:`CallGuard.swap`).
 AHEAD_TAG = 2
-#: Room after the header of :attr:`CallGuard.received`: the most data a call sends ahead of
-#: its check, and the room a two-rank mean's blocks land in (:mod:`.algorithms.pair_halves`).
+#: Room after the header of :attr:`CallGuard.received`, where a two-rank mean's half of up
+#: to this size lands (:mod:`.algorithms.pair_halves`), and data dropped after a mismatch.
 RECEIVE_ROOM = 1 << 20
 
 
@@ -125,15 +125,17 @@ class CallGuard(CallLog):
 
     def _drop_ahead(self) -> None:
         """After a swap that disagreed, receive and drop what the other rank sent ahead of
-        its check (a header's negative byte count: that many bytes on AHEAD_TAG, at most
-        RECEIVE_ROOM), so no message of a refused call is left for a later one to meet."""
+        its check (a header's negative byte count: that many bytes on AHEAD_TAG), so no
+        message of a refused call is left for a later one to meet."""
         ahead = -int(self.seen[2])
-        if 0 < ahead <= RECEIVE_ROOM:
-            try:
-                self.comm.Recv([self.received[HEADER:HEADER + ahead], self._mpi.BYTE],
-                               self.peer, AHEAD_TAG)
-            except self._mpi.Exception as exc:
-                raise_mpi_error(self._mpi, exc, "the cross-rank check")
+        if ahead <= 0:
+            return
+        dropped = (self.received[HEADER:HEADER + ahead] if ahead <= RECEIVE_ROOM
+                   else np.empty(ahead, np.uint8))
+        try:
+            self.comm.Recv([dropped, self._mpi.BYTE], self.peer, AHEAD_TAG)
+        except self._mpi.Exception as exc:
+            raise_mpi_error(self._mpi, exc, "the cross-rank check")
 
     def agree_later(self, op: str, key: Key,
                     words: np.ndarray) -> tuple[Any, Callable[[], None]] | None:

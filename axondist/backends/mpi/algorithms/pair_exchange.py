@@ -1,18 +1,17 @@
 """A checked all-gather, reduce-scatter or broadcast in a group of two as one point-to-point
-exchange, the data sent ahead of the check where it fits.
+exchange, the data sent ahead of the check.
 
 Each rank sends the other what it needs straight from the caller's buffer (its block for
 an all-gather; the other rank's block for a reduce-scatter; the root's values for a
-broadcast). Where that is at most ``RECEIVE_ROOM`` bytes it leaves *ahead* of the check, on
-``AHEAD_TAG``, and the check's header says how much (:class:`AheadCheck`): the check and
-the data then cost one round trip, as MPI's own call does. A rank whose call differs meets
-that header in its own check, receives and drops the data
+broadcast), *ahead* of the check, on ``AHEAD_TAG``, and the check's header says how much
+(:class:`AheadCheck`): the check and the data cost one round trip, as MPI's own call does.
+A rank whose call differs meets that header in its own check, receives and drops the data
 (:meth:`~axondist.backends.mpi.guard.CallGuard.swap`), and both raise the mismatch, with no
-message left behind and no caller's buffer written. Bigger calls check first and then
-exchange by ``Sendrecv``. A reduce-scatter then adds the two halves with NumPy (for two
-ranks ``a + b`` is ``b + a`` bit for bit: the bits of MPI's own ``Reduce_scatter``, and of
-``Allreduce``'s block). No plan keeps memory between calls: data lands in the caller's
-result (a reduce-scatter's in a temporary when the result overlaps its input).
+message left behind and no caller's buffer written. A reduce-scatter then adds the two
+halves with NumPy (for two ranks ``a + b`` is ``b + a`` bit for bit: the bits of MPI's own
+``Reduce_scatter``, and of ``Allreduce``'s block). No plan keeps memory between calls:
+data lands in the caller's result (a reduce-scatter's in a temporary when the result
+overlaps its input).
 """
 
 from __future__ import annotations
@@ -22,15 +21,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ...plan import CallKey
-from ..guard import AHEAD_TAG, PAIR_TAG, RECEIVE_ROOM
+from ..guard import AHEAD_TAG, PAIR_TAG
 from ..plans import AllGatherPlan, BroadcastPlan, MPIPlan, ReduceScatterPlan
 from ..transport import raise_mpi_error
 
 if TYPE_CHECKING:
     from ..backend import MPIBackend
 
-#: The data's tag on the checks' communicator once checked (the check's swap uses PAIR_TAG).
-DATA_TAG = 4
 #: NumPy's equal of each reduction (MIN and MAX propagate NaN, as the backend's float ops).
 _UFUNCS = {"SUM": np.add, "AVERAGE": np.add, "MAX": np.maximum, "MIN": np.minimum,
            "PRODUCT": np.multiply}
@@ -76,10 +73,6 @@ class AheadCheck:
         self._requests[0].Free()
 
 
-def _fits(*sizes: int) -> bool:
-    return max(sizes) <= RECEIVE_ROOM
-
-
 class _AheadRun:
     """``run`` of a two-rank exchange plan: numbered and recorded, then :meth:`_exchange`
     (which checks, through its :class:`AheadCheck`); MPI errors as axondist's."""
@@ -106,7 +99,7 @@ class _AheadRun:
 class PairAllGatherPlan(_AheadRun, AllGatherPlan):
     """This rank's block copied into place, the other's received there."""
 
-    __slots__ = ("_peer", "_private", "_mine", "_theirs", "_ahead", "_check")
+    __slots__ = ("_peer", "_private", "_mine", "_theirs", "_check")
 
     def __init__(self, backend: MPIBackend, key: CallKey) -> None:
         super().__init__(backend, key)
@@ -116,21 +109,13 @@ class PairAllGatherPlan(_AheadRun, AllGatherPlan):
         self._mine = slice(lo, lo + self._counts[backend.rank])
         peer = 1 - backend.rank
         self._theirs = slice(self._displs[peer], self._displs[peer] + self._counts[peer])
-        sends, receives = self._counts[backend.rank] * size, self._counts[peer] * size
-        self._ahead = _fits(sends, receives)
-        self._check = AheadCheck(self, backend, sends if self._ahead else 0,
-                                 receives if self._ahead else 0)
+        self._check = AheadCheck(self, backend, self._counts[backend.rank] * size,
+                                 self._counts[peer] * size)
 
     def _exchange(self, send: Any, recv: Any) -> Any:
         out = self._output(recv)
         flat = out.reshape(-1)
         comm, peer = self._private, self._peer
-        if not self._ahead:
-            self._check.agree(None)
-            flat[self._mine] = send.reshape(-1)
-            comm.Sendrecv(self._spec(send), peer, DATA_TAG, self._spec(flat[self._theirs]), peer,
-                          DATA_TAG)
-            return out
         ahead = comm.Isend(self._spec(send), peer, AHEAD_TAG)
         self._check.agree(ahead)
         comm.Recv(self._spec(flat[self._theirs]), peer, AHEAD_TAG)
@@ -146,7 +131,7 @@ class PairReduceScatterPlan(_AheadRun, ReduceScatterPlan):
     """The other rank's block sent, this rank's block of theirs received into the result
     (into a temporary when the result overlaps the input), then combined there."""
 
-    __slots__ = ("_peer", "_private", "_mine", "_theirs", "_ufunc", "_ahead", "_check")
+    __slots__ = ("_peer", "_private", "_mine", "_theirs", "_ufunc", "_check")
 
     def __init__(self, backend: MPIBackend, key: CallKey) -> None:
         super().__init__(backend, key)
@@ -157,25 +142,18 @@ class PairReduceScatterPlan(_AheadRun, ReduceScatterPlan):
         self._theirs = slice(0, first) if peer == 0 else slice(first, None)
         self._ufunc = _UFUNCS[key.reduce_op]  # type: ignore[index]
         size = key.dtype.itemsize
-        sends, receives = self._counts[peer] * size, self._counts[rank] * size
-        self._ahead = _fits(sends, receives)
-        self._check = AheadCheck(self, backend, sends if self._ahead else 0,
-                                 receives if self._ahead else 0)
+        self._check = AheadCheck(self, backend, self._counts[peer] * size,
+                                 self._counts[rank] * size)
 
     def _exchange(self, send: Any, recv: Any) -> Any:
         out = self._output(recv)
         flat, result = send.reshape(-1), out.reshape(-1)
         comm, peer, mtype = self._private, self._peer, self._mtype
         landing = np.empty_like(result) if np.may_share_memory(send, out) else result
-        theirs = [self._wire(flat[self._theirs]), mtype]
-        if self._ahead:
-            ahead = comm.Isend(theirs, peer, AHEAD_TAG)
-            self._check.agree(ahead)
-            comm.Recv([self._wire(landing), mtype], peer, AHEAD_TAG)
-            ahead.Wait()
-        else:
-            self._check.agree(None)
-            comm.Sendrecv(theirs, peer, DATA_TAG, [self._wire(landing), mtype], peer, DATA_TAG)
+        ahead = comm.Isend([self._wire(flat[self._theirs]), mtype], peer, AHEAD_TAG)
+        self._check.agree(ahead)
+        comm.Recv([self._wire(landing), mtype], peer, AHEAD_TAG)
+        ahead.Wait()
         with np.errstate(invalid="ignore"):  # MIN and MAX propagate NaN on purpose
             self._ufunc(flat[self._mine], landing, out=result)
         self._finish(out)
@@ -187,7 +165,7 @@ class PairReduceScatterPlan(_AheadRun, ReduceScatterPlan):
 
 class PairBroadcastPlan(_AheadRun, BroadcastPlan):
     """The root's values sent ahead of the check; the other rank receives them into its
-    buffer once the check agreed (the table's rule: at most ``RECEIVE_ROOM`` bytes)."""
+    buffer once the check agreed."""
 
     __slots__ = ("_peer", "_private", "_root", "_check")
 
@@ -216,5 +194,5 @@ class PairBroadcastPlan(_AheadRun, BroadcastPlan):
         raise AssertionError("a blocking pair broadcast runs _exchange")
 
 
-__all__ = ["DATA_TAG", "AheadCheck", "PairAllGatherPlan", "PairBroadcastPlan",
+__all__ = ["AheadCheck", "PairAllGatherPlan", "PairBroadcastPlan",
            "PairReduceScatterPlan", "pair_of"]
