@@ -1,8 +1,7 @@
 """NcclBackend: one rank's endpoint on one GPU (see :mod:`axondist.backends.nccl`), made of
 parts it holds: its communicator (:class:`~.communicator.Communicator`: launch, recording,
-checks), the plans its collectives run as (:mod:`.plans`), its rooted collectives
-(:mod:`.collectives`) and its messages (:class:`~.messages.Messages`). Here: construction,
-queries, sub-groups and close."""
+checks), the plans its collectives run as (:mod:`.plans`) and its messages
+(:class:`~.messages.Messages`). Here: construction, queries, sub-groups and close."""
 
 from __future__ import annotations
 
@@ -17,15 +16,14 @@ from ...errors import (
     RankError,
     WorldAbortedError,
 )
-from ...ops import ReduceOp
-from ..base import PlannedBackend, Signature, Work, checks_enabled, debug_enabled, default_timeout
-from ..plan import CallKey, Plan, general_plan
+from ..base import Backend, checks_enabled, debug_enabled, default_timeout
+from ..plan import CallKey, Plan, UnsizedAllGatherPlan, WidenedMeanPlan
 from ..recording.recorder import FlightRecorder
+from ..work import Work
 from .basics import GroupedCallError, NcclError, NcclUniqueId, node_info_from_hosts
-from .collectives import check_counts, gather, scatter
 from .communicator import Communicator
 from .messages import Messages
-from .plans import plan_for
+from .plans import NcclPlan, plan_for
 from .runtime import (
     NcclCall,
     RankState,
@@ -38,7 +36,7 @@ from .runtime import (
 )
 
 
-class NcclBackend(PlannedBackend):
+class NcclBackend(Backend):
     """One rank's endpoint in an NCCL communicator, on one GPU, for CuPy arrays.
 
     Args:
@@ -110,8 +108,6 @@ class NcclBackend(PlannedBackend):
         self.messages = Messages(comm)
         self.rank, self.world_size, self.device = comm.rank, comm.world_size, comm.device
         self.timeout = comm.timeout
-        #: axondist.comm builds signature tuples only for the debug comparison.
-        self.needs_signature = comm.state.debug
 
     def _join_job(self, host: str) -> None:
         """Exchange host names and settings (which must agree), then start the watchdog."""
@@ -181,34 +177,29 @@ class NcclBackend(PlannedBackend):
                 dog.start([d.address for d in dogs])
         return backends
 
-    # --- collectives: plans, and the rooted calls -------------------------------------------
+    # --- collectives: plans ------------------------------------------------------------------
     def make_plan(self, key: CallKey) -> Plan:
-        """The NCCL plan of ``key`` (:mod:`.plans`: every collective on CuPy arrays), or the
-        generic one where there is none (a half-precision mean, widened; an all-gather
-        whose row counts are exchanged first)."""
-        return plan_for(self.comm, key) or general_plan(self, key)
+        """The NCCL plan of ``key`` (:mod:`.plans`: every collective on CuPy arrays); a
+        half-precision mean widens to float32 first, an all-gather without row counts
+        exchanges them first, each then through this backend's plans."""
+        made = plan_for(self.comm, key)
+        if made is not None:
+            return made
+        if key.collective == "all_gather" and key.counts is None:
+            return UnsizedAllGatherPlan(self, key)
+        return WidenedMeanPlan(self, key)
 
-    def reduce_scatter(self, send: Any, recv: Any, counts: Sequence[int], op: ReduceOp, *,
-                       signature: Signature = (), async_op: bool = False) -> Work:
-        """The reduce-scatter of flat ``send`` into blocks of ``counts`` elements (its plan's
-        call)."""
-        self.comm.require_on_device(send, "reduce_scatter")
-        self.comm.require_on_device(recv, "reduce_scatter", writable=True)
-        counts = check_counts(self.comm, "reduce_scatter", counts, recv, send, "recv", "send")
-        flat = send.reshape(-1)
-        key = CallKey.of("reduce_scatter", flat, reduce_op=op, counts=tuple(counts),
-                         async_op=async_op)
-        return self._planned(key, flat, recv.reshape(-1), recv)
-
-    def gather(self, send: Any, recv: Any | None, counts: Sequence[int], root: int, *,
-               signature: Signature = (), async_op: bool = False) -> Work:
-        """Sends to ``root`` and receives there, in one NCCL group; None off the root."""
-        return gather(self.comm, send, recv, counts, root, signature, async_op)
-
-    def scatter(self, send: Any | None, recv: Any, counts: Sequence[int], root: int, *,
-                signature: Signature = (), async_op: bool = False) -> Work:
-        """Sends from ``root`` to every rank's ``recv``, in one NCCL group."""
-        return scatter(self.comm, send, recv, counts, root, signature, async_op)
+    def _planned(self, key: CallKey, send: Any, recv: Any = None, result: Any = None) -> Work:
+        """The contract's, except that an NCCL plan's Work comes back as it is, an
+        :class:`~.runtime.NcclWork` answering ``result``: its ``wait_stream`` hands the
+        result to another stream without a host wait, and a blocking call inside
+        :meth:`grouped` returns at once, completed by the block's end (how one thread
+        drives every GPU of :meth:`create_world`)."""
+        plan = self.plan(key)
+        if not isinstance(plan, NcclPlan):
+            return super()._planned(key, send, recv, result)
+        work = plan.start(send, recv)
+        return work if result is None else work.answering(result)
 
     def barrier(self) -> None:
         """An all-reduce of one number, waited for on the host."""

@@ -327,6 +327,24 @@ def node_info_from_hosts(hosts: Sequence[str], rank: int) -> tuple[int, int, int
 
 # --- argument checks ---------------------------------------------------------------------
 
+def host_array_error(op: str, described: str) -> NotOnDeviceError:
+    """The error of ``op`` given the host (NumPy) array ``described``
+    (:func:`axondist._array.describe`'s text)."""
+    return NotOnDeviceError(
+        f"{op}: the nccl backend moves GPU (CuPy) arrays, got the NumPy array "
+        f"{described}; move it with axondist.to_device(x) first (and back "
+        "with axondist.to_host(...)), or use the mpi backend for host arrays")
+
+
+def not_contiguous_error(op: str, shape: tuple[int, ...], writable: bool) -> InvalidBufferError:
+    """The error of ``op`` given an array of ``shape`` that is not C-contiguous (``writable``:
+    the operation writes it)."""
+    what = "written in place" if writable else "sent"
+    return InvalidBufferError(
+        f"{op}: the array of shape {tuple(shape)} is not C-contiguous, so it cannot be "
+        f"{what}; pass cupy.ascontiguousarray(x)")
+
+
 def check_device_array(x: Any, op: str, device: int | None = None, *,
                        writable: bool = False) -> None:
     """Refuse what NCCL cannot use: host arrays, non-arrays, other devices, strides.
@@ -344,10 +362,7 @@ def check_device_array(x: Any, op: str, device: int | None = None, *,
     """
     if not _array.is_cupy(x):
         if isinstance(x, np.ndarray):
-            raise NotOnDeviceError(
-                f"{op}: the nccl backend moves GPU (CuPy) arrays, got the NumPy array "
-                f"{_array.describe(x)}; move it with axondist.to_device(x) first (and back "
-                "with axondist.to_host(...)), or use the mpi backend for host arrays")
+            raise host_array_error(op, _array.describe(x))
         raise NotOnDeviceError(
             f"{op}: the nccl backend moves CuPy arrays, got {type(x).__name__}; convert it "
             "with axondist.to_device(x)")
@@ -357,10 +372,7 @@ def check_device_array(x: Any, op: str, device: int | None = None, *,
             f"communicator uses GPU {device}; create it under cupy.cuda.Device({device}) or "
             f"copy it there with axondist.to_device(x, {device})")
     if not x.flags.c_contiguous:
-        what = "written in place" if writable else "sent"
-        raise InvalidBufferError(
-            f"{op}: the array of shape {tuple(x.shape)} is not C-contiguous, so it cannot be "
-            f"{what}; pass cupy.ascontiguousarray(x)")
+        raise not_contiguous_error(op, x.shape, writable)
 
 
 __all__ = [
@@ -374,7 +386,9 @@ __all__ = [
     "RankGpu",
     "ReducePlan",
     "check_device_array",
+    "host_array_error",
     "node_info_from_hosts",
+    "not_contiguous_error",
     "parse_nccl_version",
     "reduce_plan",
     "select_device",

@@ -1,5 +1,6 @@
 """The NCCL backend's machinery: loading CuPy, NCCL error wrapping, groups, Work handles,
-and what one rank's backends share (flight recorder, watchdog, the cross-rank check's keys).
+and what one rank's backends share (flight recorder, watchdog), and the texts of a failed
+cross-rank check.
 
 See :mod:`axondist.backends.nccl` for how they fit together. Nothing here
 imports CuPy at module level.
@@ -7,7 +8,6 @@ imports CuPy at module level.
 
 from __future__ import annotations
 
-import hashlib
 import importlib
 import itertools
 import os
@@ -25,9 +25,10 @@ from ...errors import (
     CollectiveTimeoutError,
     RankExitedError,
 )
-from .._watchdog import Watchdog, print_and_flush
-from ..base import Work, compare_signatures, stall_warning_after
-from ..recorder import CALL_FIELDS, FlightRecorder, format_entries
+from ..base import Work, stall_warning_after
+from ..checks import compare_signatures
+from ..recording.recorder import CALL_FIELDS, FlightRecorder, format_entries
+from ..watchdog.watchdog import Watchdog, print_and_flush
 from .basics import (
     GroupedCallError,
     NcclError,
@@ -37,7 +38,7 @@ from .basics import (
 )
 
 if TYPE_CHECKING:
-    from .core import NcclBackendBase
+    from .communicator import Communicator
 
 
 # --- loading CuPy --------------------------------------------------------------------
@@ -119,11 +120,13 @@ class NcclCall:
 # --- groups ------------------------------------------------------------------------------
 
 class PendingCall:
-    __slots__ = ("backend", "work", "post", "blocking")
+    """A call made inside :class:`group_calls`, started when the outermost group ends."""
 
-    def __init__(self, backend: NcclBackendBase, work: NcclWork, post: Callable[[], Any] | None,
+    __slots__ = ("comm", "work", "post", "blocking")
+
+    def __init__(self, comm: Communicator, work: NcclWork, post: Callable[[], Any] | None,
                  blocking: bool) -> None:
-        self.backend, self.work, self.post, self.blocking = backend, work, post, blocking
+        self.comm, self.work, self.post, self.blocking = comm, work, post, blocking
 
 
 class _GroupState(threading.local):
@@ -169,7 +172,7 @@ class group_calls:
                 raise
             return None
         for p in pending:  # the kernels are enqueued now: post-steps and events follow them
-            p.backend._start(p.work, p.post)
+            p.comm.start(p.work, p.post)
         if exc is None:
             for p in pending:
                 if p.blocking:
@@ -195,12 +198,12 @@ class NcclWork(Work):
     idle, or when the backend's recorder is read).
     """
 
-    __slots__ = ("_backend", "_op", "_result", "_keep", "_event", "_done", "_error", "_entry",
+    __slots__ = ("_comm", "_op", "_result", "_keep", "_event", "_done", "_error", "_entry",
                  "_check")
 
-    def __init__(self, backend: NcclBackendBase, op: str, result: Any, keep: tuple[Any, ...],
+    def __init__(self, comm: Communicator, op: str, result: Any, keep: tuple[Any, ...],
                  entry: Entry | None = None) -> None:
-        self._backend = backend
+        self._comm = comm
         self._op = op
         self._result = result
         self._keep: tuple[Any, ...] | None = keep  # buffers stay alive until completion
@@ -210,6 +213,12 @@ class NcclWork(Work):
         self._entry = entry
         #: Settles the cross-rank check of an async call (raises on a mismatch).
         self._check: Callable[[float | None], None] | None = None
+
+    def answering(self, result: Any) -> NcclWork:
+        """This Work, its ``wait()`` returning ``result`` (the caller's array, where the plan
+        ran on a flat view of it)."""
+        self._result = result
+        return self
 
     def _finish(self) -> None:
         """Completed (a blocking call whose stream the host saw idle): keep the result only."""
@@ -223,7 +232,7 @@ class NcclWork(Work):
 
     def _record_end(self) -> None:
         if self._entry is not None:
-            self._backend._state.finish(self._entry)
+            self._comm.state.finish(self._entry)
             self._entry = None
 
     def wait(self, timeout: float | None = None) -> Any:
@@ -252,7 +261,7 @@ class NcclWork(Work):
             raise GroupedCallError(
                 f"{self._op}: wait() inside NcclBackend.grouped(): the group's operations start "
                 "when the with-block ends; pass async_op=True and call wait() after the block")
-        entry, state = self._entry, self._backend._state
+        entry, state = self._entry, self._comm.state
         waiting = None
         if entry is not None and not entry.blocking and not self._event.done:
             waiting = state.begin(entry.group, entry.seq, f"wait {self._op}", None, True)
@@ -260,7 +269,7 @@ class NcclWork(Work):
             if self._check is not None:
                 self._check(timeout)
                 self._check = None
-            self._backend._wait_event(self._event, self._op, timeout)
+            self._comm.wait_event(self._event, self._op, timeout)
         except CollectiveMismatchError as exc:
             self._fail(exc)
             raise
@@ -290,8 +299,8 @@ class NcclWork(Work):
             if self._done:
                 return  # a blocking call: complete on the GPU before it returned
             raise GroupedCallError(f"{self._op}: wait_stream() before the grouped() block ended")
-        cupy = self._backend._cupy
-        with cupy.cuda.Device(self._backend.device):
+        cupy = self._comm.cupy
+        with cupy.cuda.Device(self._comm.device):
             (stream or cupy.cuda.get_current_stream()).wait_event(self._event)
 
 
@@ -439,20 +448,12 @@ class RankState:
             + format_entries(self.recorder.entries(8)))
 
 
-# --- the cross-rank check ----------------------------------------------------------------------
-
-def check_pair(op: str, key: tuple[Any, ...]) -> np.ndarray:
-    """``[h, -h]`` for a 62-bit hash of a call's name and key (the same on every rank): after
-    a MAX all-reduce the ranks agree exactly when the result is still ``[h, -h]``."""
-    digest = hashlib.blake2b(repr((op, key)).encode(), digest_size=8).digest()
-    h = int.from_bytes(digest, "little") >> 2
-    return np.array([h, -h], dtype=np.int64)
-
+# --- a failed cross-rank check -----------------------------------------------------------------
 
 def named_signatures(calls: Sequence[tuple[str, tuple[Any, ...]]]
                      ) -> list[tuple[tuple[str, Any], ...]]:
     """Every rank's ``(op, key)`` as ``compare_signatures`` takes them, fields named by
-    :data:`~axondist.backends.recorder.CALL_FIELDS` (the raw key when names cannot tell
+    :data:`~axondist.backends.recording.recorder.CALL_FIELDS` (the raw key when names cannot tell
     the calls apart)."""
     named = [(("op", name),) + tuple(zip(CALL_FIELDS.get(name, ()), _printable(key)))
              for name, key in calls]
@@ -508,6 +509,6 @@ class WorldLink:
 
 
 __all__ = ["EXIT_AFTER_ABORT", "GROUP_STATE", "Entry", "NcclCall", "NcclWork", "PendingCall",
-           "RankState", "WorldLink", "check_pair", "device_count", "gpu_identity",
+           "RankState", "WorldLink", "device_count", "gpu_identity",
            "group_calls", "load_cupy", "mismatch_error", "named_signatures",
            "new_communicator", "recorded_call", "require_no_group"]

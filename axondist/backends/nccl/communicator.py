@@ -1,14 +1,16 @@
-"""The NCCL backend's foundation (:class:`NcclBackendBase`): the state every call reads
-(communicator, stream, flight recorder, checks), the launch machinery that orders a call
-after the caller's stream, enqueues it and waits for its event, and the recording and
-cross-rank checking of each call. :mod:`axondist.backends.nccl.backend` builds
-:class:`~axondist.backends.nccl.NcclBackend` on it.
+"""One rank's NCCL communicator (:class:`Communicator`): the state every call reads (CuPy's
+communicator, stream, flight recorder, checks), the launch machinery that orders a call
+after the caller's stream, enqueues it and waits for its event, the recording and
+cross-rank check of each call, and the unrecorded byte exchanges the check and the object
+messages ride on. :class:`~axondist.backends.nccl.NcclBackend` holds one; its plans
+(:mod:`.plans`) and messages (:mod:`.messages`) use its public methods only.
 """
 
 from __future__ import annotations
 
 import collections
 import itertools
+import pickle
 import time
 from collections.abc import Callable, Sequence
 from types import ModuleType
@@ -22,21 +24,17 @@ from ...errors import (
     RankError,
     WorldAbortedError,
 )
-from ...ops import ReduceOp
-from ..base import (
-    Backend,
-    Signature,
-    compare_signatures,
-)
-from ..recorder import describe_detail
+from ..base import Signature
+from ..checks import check_words, compare_signatures
+from ..recording.recorder import describe_detail
 from .basics import (
+    NCCL_BYTE,
     NCCL_DTYPES,
     NCCL_OPS,
     ReducePlan,
     check_device_array,
     nccl_error,
     parse_nccl_version,
-    reduce_plan,
 )
 from .runtime import (
     GROUP_STATE,
@@ -46,7 +44,6 @@ from .runtime import (
     PendingCall,
     RankState,
     WorldLink,
-    check_pair,
     mismatch_error,
     named_signatures,
     recorded_call,
@@ -63,74 +60,84 @@ _MISMATCH_PATIENCE = 5.0
 _TRACKED = 64
 
 
-class NcclBackendBase(Backend):
-    """State, launch, recording and checks of one rank's NCCL communicator (see
-    :class:`~axondist.backends.nccl.NcclBackend`, which adds the collectives, messages and
-    life cycle)."""
+class Communicator:
+    """This rank's NCCL communicator on one GPU and what every call on it reads: its stream,
+    the launch machinery, the recording of each call and the cross-rank check.
 
-    _hosts: tuple[str, ...] | None  # every rank's host name, for node_info
-    #: The object all-gather the debug checks exchange signatures with (``messages``).
-    _allgather_object_raw: Callable[[Any], list[Any]]
+    Args:
+        cupy: the ``cupy`` module.
+        nccl: ``cupy.cuda.nccl``.
+        comm: CuPy's ``NcclCommunicator``.
+        rank: this rank in the communicator.
+        world_size: ranks in the communicator.
+        device: the CUDA device id it runs on.
+        hosts: every member's host name, when known.
+        link: what the backends of one :meth:`NcclBackend.create_world` share.
+        state: what the backends of this rank share (recorder, watchdog, settings).
+        group: the group's name in the flight recorder.
+        members: the group's members as world ranks, in rank order.
+        is_world: the world's communicator (closing it stops the rank's watchdog).
+    """
 
-    def _setup(self, cupy: ModuleType, nccl: ModuleType, comm: Any, rank: int, world_size: int,
-               device: int, hosts: tuple[str, ...] | None, link: WorldLink, state: RankState,
-               group: str, members: Sequence[int], *, is_world: bool) -> None:
-        self._cupy, self._nccl, self._comm = cupy, nccl, comm
+    def __init__(self, cupy: ModuleType, nccl: ModuleType, comm: Any, rank: int,
+                 world_size: int, device: int, hosts: tuple[str, ...] | None, link: WorldLink,
+                 state: RankState, group: str, members: Sequence[int], *,
+                 is_world: bool) -> None:
+        self.cupy, self.nccl, self.nccl_comm = cupy, nccl, comm
         self.rank, self.world_size, self.device = rank, world_size, device
         self._here = f"rank {rank} of {world_size} (GPU {device})"  # for messages
         #: What CuPy raises when an NCCL call fails (nothing to catch where it has none).
         self._nccl_errors: Any = getattr(nccl, "NcclError", ())
         self.timeout = state.timeout
-        self._hosts = hosts
-        self._link = link
-        self._closed = False
-        self._inflight: collections.deque[NcclWork] = collections.deque()
-        self._version = parse_nccl_version(nccl.get_version())
-        self._state = state
-        self._is_world = is_world
-        self._group, self._p2p_group = group, f"{group}:p2p"
-        self._members = tuple(members)
-        state.recorder.groups[group] = state.recorder.groups[self._p2p_group] = self._members
+        #: Every rank's host name (for ``node_info``), once exchanged.
+        self.hosts = hosts
+        self.link = link
+        self.closed = False
+        self.inflight: collections.deque[NcclWork] = collections.deque()
+        self.version = parse_nccl_version(nccl.get_version())
+        self.state = state
+        self.is_world = is_world
+        self.group, self.p2p_group = group, f"{group}:p2p"
+        self.members = tuple(members)
+        state.recorder.groups[group] = state.recorder.groups[self.p2p_group] = self.members
         state.comms.append(comm)
         self._seqs, self._p2p_seqs = itertools.count(1), itertools.count(1)
-        self._groups_made = 0
+        self.groups_made = 0
         self._checked = (state.checks or state.debug) and world_size > 1
-        #: axondist.comm builds signature tuples only for the debug comparison.
-        self.needs_signature = state.debug
         self._pairs: dict[tuple[str, tuple[Any, ...]], Any] = {}
-        self._plans: dict[tuple[Any, ReduceOp], ReducePlan] = {}
         with cupy.cuda.Device(device):
-            self._stream = cupy.cuda.Stream(non_blocking=True)
+            self.stream = cupy.cuda.Stream(non_blocking=True)
             self._ready = cupy.cuda.Event(disable_timing=True)
             self._barrier_buf = cupy.empty(1, dtype=np.int32)  # its value does not matter
             self._check_out = cupy.empty(2, dtype=np.int64)
             self._read_stream = cupy.cuda.Stream(non_blocking=True)
-        self._broken: str | None = None  # why a mismatch aborted the communicator
+        #: Why a mismatch aborted the communicator (None: it did not).
+        self.broken: str | None = None
 
     # --- the launch machinery -------------------------------------------------------------
-    def _where(self) -> str:
+    def where(self) -> str:
         return self._here
 
     def _call(self, op: str) -> NcclCall:
-        return NcclCall(self._nccl, op, self._where())
+        return NcclCall(self.nccl, op, self.where())
 
-    def _usable(self, op: str) -> None:
-        if self._closed:
-            raise RuntimeError(f"{op}: the nccl backend of {self._where()} was closed")
-        if self._state.verdict is not None:
-            raise self._state.verdict_error(op, self._where())
-        if self._broken is not None:
+    def usable(self, op: str) -> None:
+        if self.closed:
+            raise RuntimeError(f"{op}: the nccl backend of {self.where()} was closed")
+        if self.state.verdict is not None:
+            raise self.state.verdict_error(op, self.where())
+        if self.broken is not None:
             raise CollectiveMismatchError(
-                f"{op}: the NCCL communicator of {self._where()} was aborted after a mismatched "
-                f"call and cannot be used any more: {self._broken}")
+                f"{op}: the NCCL communicator of {self.where()} was aborted after a mismatched "
+                f"call and cannot be used any more: {self.broken}")
 
-    def _launch(self, op: str, issue: Callable[[], None], *, result: Any, keep: tuple[Any, ...],
+    def launch(self, op: str, issue: Callable[[], None], *, result: Any, keep: tuple[Any, ...],
                 async_op: bool, post: Callable[[], Any] | None = None,
                 entry: Entry | None = None, follow_caller: bool = True) -> NcclWork:
         """:meth:`_enqueue` with this backend's GPU made current (for calls outside
         :meth:`_collective`, which enters it itself)."""
-        self._usable(op)
-        with self._cupy.cuda.Device(self.device):
+        self.usable(op)
+        with self.cupy.cuda.Device(self.device):
             return self._enqueue(op, issue, result, keep, async_op, post, entry, follow_caller)
 
     def _enqueue(self, op: str, issue: Callable[[], None], result: Any, keep: tuple[Any, ...],
@@ -144,9 +151,9 @@ class NcclBackendBase(Backend):
         done once this call and everything enqueued before it are. The caller's stream
         costs an event only when it is not this backend's stream.
         """
-        stream = self._stream
+        stream = self.stream
         if follow_caller:
-            current = self._cupy.cuda.get_current_stream()
+            current = self.cupy.cuda.get_current_stream()
             if current.ptr != stream.ptr:
                 self._ready.record(current)
                 stream.wait_event(self._ready)
@@ -162,49 +169,49 @@ class NcclBackendBase(Backend):
             with stream:
                 post()
         if async_op:
-            work._event = event = self._cupy.cuda.Event(disable_timing=True)
+            work._event = event = self.cupy.cuda.Event(disable_timing=True)
             event.record(stream)
             self._track(work)
             return work
-        self._wait_event(stream, op, None)
+        self.wait_event(stream, op, None)
         work._finish()
-        if self._inflight:
+        if self.inflight:
             self._stream_drained()
         return work
 
-    def _start(self, work: NcclWork, post: Callable[[], Any] | None) -> None:
+    def start(self, work: NcclWork, post: Callable[[], Any] | None) -> None:
         """A grouped call, once its group's kernels are enqueued: run ``post`` on the
         stream, record the completion event."""
-        with self._cupy.cuda.Device(self.device):
+        with self.cupy.cuda.Device(self.device):
             if post is not None:
-                with self._stream:
+                with self.stream:
                     post()
-            event = self._cupy.cuda.Event(disable_timing=True)
-            event.record(self._stream)
+            event = self.cupy.cuda.Event(disable_timing=True)
+            event.record(self.stream)
         work._event = event
         self._track(work)
 
     def _track(self, work: NcclWork) -> None:
         """Keep an async call until it is known complete (its recorder entry is stamped
         then); past :data:`_TRACKED` calls, forget the leading ones that completed."""
-        inflight = self._inflight
+        inflight = self.inflight
         inflight.append(work)
         if len(inflight) > _TRACKED:
-            self._sweep()
+            self.sweep()
 
     def _stream_drained(self) -> None:
         """The stream is idle (a blocking call was waited for): every call enqueued on it
         before completed, so stamp them without asking the GPU."""
-        inflight, self._inflight = self._inflight, collections.deque()
+        inflight, self.inflight = self.inflight, collections.deque()
         for work in inflight:
             work._record_end()
 
-    def _sweep(self) -> None:
+    def sweep(self) -> None:
         """Forget (and stamp in the recorder) the leading in-flight calls that completed."""
-        while self._inflight and self._inflight[0].is_completed():
-            self._inflight.popleft()
+        while self.inflight and self.inflight[0].is_completed():
+            self.inflight.popleft()
 
-    def _wait_event(self, event: Any, op: str, timeout: float | None) -> None:
+    def wait_event(self, event: Any, op: str, timeout: float | None) -> None:
         """Poll ``event`` (an Event, or a Stream: done when idle) until done; time out,
         notice aborts, the watchdog's verdict and NCCL's async errors.
 
@@ -212,14 +219,14 @@ class NcclBackendBase(Backend):
         (when there is one) decides first; an explicit ``timeout`` leaves the
         operation running.
         """
-        state = self._state
+        state = self.state
         if not event.done:
             self._poll(event, op, timeout)
-        if state.verdict is not None or self._broken is not None:
-            self._usable(op)  # an aborted call's event completes too: never return its result
+        if state.verdict is not None or self.broken is not None:
+            self.usable(op)  # an aborted call's event completes too: never return its result
 
     def _poll(self, event: Any, op: str, timeout: float | None) -> None:
-        state = self._state
+        state = self.state
         if timeout is not None:
             limit = float(timeout)
         else:
@@ -231,53 +238,60 @@ class NcclBackendBase(Backend):
             state.polling.pop(id(event), None)
 
     def _poll_until(self, event: Any, op: str, timeout: float | None, limit: float) -> None:
-        state = self._state
+        state = self.state
         start = time.monotonic()
         spin_until, next_check = start + 1e-4, start + 0.25
         delay = 1e-5
-        while not event.done and state.verdict is None and self._broken is None:
+        while not event.done and state.verdict is None and self.broken is None:
             now = time.monotonic()
-            if self._link.reason is not None:
-                raise WorldAbortedError(f"{op} cancelled on {self._where()}: {self._link.reason}")
+            if self.link.reason is not None:
+                raise WorldAbortedError(f"{op} cancelled on {self.where()}: {self.link.reason}")
             if now >= next_check:
                 next_check = now + 0.25
-                if self._version >= (2, 4, 0):
+                if self.version >= (2, 4, 0):
                     with self._call(op):
-                        self._comm.check_async_error()
+                        self.nccl_comm.check_async_error()
             if now - start > limit:
                 if timeout is None:
-                    raise state.timeout_error(op, self._where(), limit)
+                    raise state.timeout_error(op, self.where(), limit)
                 raise CollectiveTimeoutError(
-                    f"{op}: not completed within {limit:g} s on {self._where()}; it keeps "
+                    f"{op}: not completed within {limit:g} s on {self.where()}; it keeps "
                     "running: call wait() again (every rank of the group must make the same "
                     "calls in the same order; NCCL_DEBUG=INFO shows where each rank is)")
             if now >= spin_until:
                 time.sleep(delay)
                 delay = min(delay * 2, 1e-3)
 
-    def _check(self, x: Any, op: str, *, writable: bool = False) -> None:
+    def require_on_device(self, x: Any, op: str, *, writable: bool = False) -> None:
         check_device_array(x, op, self.device, writable=writable)
 
     # --- recording and checking ----------------------------------------------------------
-    def _begin_call(self, op: str, key: tuple[Any, ...], signature: Signature = (),
+    def begin_call(self, op: str, key: tuple[Any, ...], signature: Signature = (),
                     blocking: bool = True) -> Entry:
         """Number and record ``op`` (an object exchange); for a blocking call (outside
         groups) then the cross-rank check, settled before anything else is enqueued."""
-        self._usable(op)
-        entry = self._state.begin(self._group, next(self._seqs), op, key, blocking)
-        if self._checked and not GROUP_STATE.depth and (blocking or self._state.debug):
+        self.usable(op)
+        entry = self.state.begin(self.group, next(self._seqs), op, key, blocking)
+        if self._checked and not GROUP_STATE.depth and (blocking or self.state.debug):
             try:
-                with self._cupy.cuda.Device(self.device):
-                    if self._state.debug:
+                with self.cupy.cuda.Device(self.device):
+                    if self.state.debug:
                         self._agree_by_name(op, key, signature)
                     else:
                         self._agree(op, key, entry, self._check_pair(op, key))
             except BaseException:
-                self._state.finish(entry)
+                self.state.finish(entry)
                 raise
         return entry
 
-    def _collective(self, op: str, key: tuple[Any, ...], signature: Signature,
+    def begin_p2p(self, what: str, peer: int, tag: int) -> Entry:
+        """Number and record a send or receive to or from ``peer`` (apart from the
+        collectives, which every rank must count alike)."""
+        self.usable(what)
+        return self.state.begin(self.p2p_group, next(self._p2p_seqs), what,
+                                (("peer", self.members[peer]), ("tag", tag)), True)
+
+    def collective(self, op: str, key: tuple[Any, ...], signature: Signature,
                     issue: Callable[[], None], *, result: Any, keep: tuple[Any, ...],
                     async_op: bool, post: Callable[[], Any] | None = None,
                     pair: Any = None) -> NcclWork:
@@ -289,12 +303,12 @@ class NcclBackendBase(Backend):
         is waited for: the host does not wait for the peers when issuing it. ``pair`` is
         the check's device buffer when the caller keeps it (a prepared call).
         """
-        self._usable(op)
-        state = self._state
-        entry = state.begin(self._group, next(self._seqs), op, key, not async_op)
+        self.usable(op)
+        state = self.state
+        entry = state.begin(self.group, next(self._seqs), op, key, not async_op)
         check = None
         try:
-            with self._cupy.cuda.Device(self.device):
+            with self.cupy.cuda.Device(self.device):
                 if self._checked and not GROUP_STATE.depth:
                     if state.debug:
                         self._agree_by_name(op, key, signature)
@@ -315,7 +329,7 @@ class NcclBackendBase(Backend):
     def _issue_check(self, op: str, pair: Any, out: Any, async_op: bool) -> NcclWork:
         """Enqueue the check's MAX all-reduce of ``pair`` (``[h, -h]``) into ``out``; it
         follows this backend's earlier calls, not the caller's stream."""
-        stream, comm = self._stream.ptr, self._comm
+        stream, comm = self.stream.ptr, self.nccl_comm
 
         def issue() -> None:
             comm.allReduce(pair.data.ptr, out.data.ptr, 2, NCCL_DTYPES["int64"],
@@ -329,8 +343,8 @@ class NcclBackendBase(Backend):
         (the GPU is current)."""
         since = time.monotonic()
         self._issue_check(op, pair, self._check_out, False)
-        got = self._check_out.get(stream=self._stream)
-        self._stream.synchronize()  # idle already; CuPy < 11 copies async when given a stream
+        got = self._check_out.get(stream=self.stream)
+        self.stream.synchronize()  # idle already; CuPy < 11 copies async when given a stream
         if got[0] != -got[1]:
             raise self._mismatch(op, key, entry.group, entry.seq, True, since)
 
@@ -338,14 +352,14 @@ class NcclBackendBase(Backend):
                      pair: Any) -> Callable[[float | None], None]:
         """Enqueue an async call's check; what verifies it (``wait(timeout)`` calls it).
         The GPU is current."""
-        out = self._cupy.empty(2, dtype=np.int64)  # its own: later checks may run first
+        out = self.cupy.empty(2, dtype=np.int64)  # its own: later checks may run first
         since = time.monotonic()
         work = self._issue_check(op, pair, out, True)
         group, seq = entry.group, entry.seq
 
         def settle(timeout: float | None) -> None:
             work.wait(timeout)
-            with self._cupy.cuda.Device(self.device):
+            with self.cupy.cuda.Device(self.device):
                 got = out.get(stream=self._read_stream)  # the main stream may be stuck
                 self._read_stream.synchronize()
             if got[0] != -got[1]:
@@ -354,21 +368,22 @@ class NcclBackendBase(Backend):
         return settle
 
     def _check_pair(self, op: str, key: tuple[Any, ...]) -> Any:
-        """The device buffer ``[h, -h]`` of call ``(op, key)``'s hash, made once per
-        distinct call (up to :data:`_CHECK_CACHE` of them). The GPU is current."""
+        """The device copy of call ``(op, key)``'s check words (``[h, -h]``, see
+        :func:`~axondist.backends.checks.check_words`), made once per distinct call (up to
+        :data:`_CHECK_CACHE` of them). The GPU is current."""
         pair = self._pairs.get((op, key))
         if pair is None:
             if len(self._pairs) >= _CHECK_CACHE:
                 self._pairs.clear()
-            with self._stream:
-                pair = self._pairs[(op, key)] = self._cupy.asarray(check_pair(op, key))
+            with self.stream:
+                pair = self._pairs[(op, key)] = self.cupy.asarray(check_words(op, key))
         return pair
 
-    def _prepared_pair(self, op: str, key: tuple[Any, ...]) -> Any:
+    def check_buffer(self, op: str, key: tuple[Any, ...]) -> Any:
         """The check buffer a prepared call keeps (None when calls are not checked by hash)."""
-        if not self._checked or self._state.debug:
+        if not self._checked or self.state.debug:
             return None
-        with self._cupy.cuda.Device(self.device):
+        with self.cupy.cuda.Device(self.device):
             return self._check_pair(op, key)
 
     def _mismatch(self, op: str, key: tuple[Any, ...], group: str, seq: int,
@@ -384,10 +399,10 @@ class NcclBackendBase(Backend):
         read have read it too: a rank that raised and left at once would leave a
         slower peer without an answer.
         """
-        me = self._members[self.rank]
-        query = self._state.recorder.query_peers
+        me = self.members[self.rank]
+        query = self.state.recorder.query_peers
         statuses: dict[int, Any] = {}
-        unknown = [m for m in self._members if m != me]
+        unknown = [m for m in self.members if m != me]
         # A peer under load may answer late, or not have recorded the call yet: ask again
         # for up to _MISMATCH_PATIENCE seconds (the error path only) before calling its
         # call unknown, which costs the communicator.
@@ -400,11 +415,11 @@ class NcclBackendBase(Backend):
             time.sleep(pause)
             pause = min(2 * pause, 0.8)
         calls = [(op, describe_detail(key, op), blocking) if m == me
-                 else recorded_call(statuses.get(m), group, seq) for m in self._members]
+                 else recorded_call(statuses.get(m), group, seq) for m in self.members]
         error, unsafe = mismatch_error(op, calls)
-        watchdog = self._state.watchdog
+        watchdog = self.state.watchdog
         if watchdog is not None:
-            known = [m for m in self._members if m != me and m not in unknown]
+            known = [m for m in self.members if m != me and m not in unknown]
             watchdog.wait_asked(known, since, _MISMATCH_PATIENCE)
         if unsafe:
             self._break(str(error))
@@ -416,43 +431,104 @@ class NcclBackendBase(Backend):
 
     def _break(self, reason: str) -> None:
         """Abort this communicator after a mismatch left it out of step."""
-        self._broken = reason
-        if self._comm in self._state.comms:
-            self._state.comms.remove(self._comm)
-        with self._cupy.cuda.Device(self.device):
-            self._comm.abort()
+        self.broken = reason
+        if self.nccl_comm in self.state.comms:
+            self.state.comms.remove(self.nccl_comm)
+        with self.cupy.cuda.Device(self.device):
+            self.nccl_comm.abort()
 
     def _agree_by_name(self, op: str, key: tuple[Any, ...], signature: Signature) -> None:
         """``AXONDIST_DEBUG=1``: every argument exchanged (pickled) and compared by name,
         for async calls too (which then wait for their peers)."""
-        calls = self._allgather_object_raw(((op, key), tuple(signature)))
+        calls = self.allgather_object_raw(((op, key), tuple(signature)))
         error = compare_signatures(op, named_signatures([c[0] for c in calls]))
         if error is None and any(c != calls[0] for c in calls):
             error = compare_signatures(op, [(("op", c[0][0]),) + c[1] for c in calls])
         if error is not None:
             raise error
 
-    def _check_root(self, r: int, what: str, arg: str) -> None:
+    def check_rank(self, r: int, what: str, arg: str) -> None:
+        """Raise :class:`~axondist.errors.RankError` unless ``r`` is a rank of the group."""
         if not isinstance(r, (int, np.integer)) or not 0 <= r < self.world_size:
             raise RankError(f"{what}: {arg}={r!r} is outside the group of {self.world_size} ranks "
                             f"(valid: 0..{self.world_size - 1})")
 
-    def _divide_post(self, buf: Any, plan: ReducePlan) -> Callable[[], Any] | None:
+    def mean_post(self, buf: Any, plan: ReducePlan) -> Callable[[], Any] | None:
+        """What turns NCCL's sum in ``buf`` into the mean on an NCCL without ``ncclAvg``
+        (None when NCCL averages itself)."""
         if not plan.divide_by_size or self.world_size == 1:
             return None
-        n, xp = self.world_size, self._cupy
+        n, xp = self.world_size, self.cupy
         return lambda: xp.divide(buf, n, out=buf)  # floating and complex only (AVERAGE)
 
-    def _plan(self, x: Any, op: ReduceOp, what: str) -> ReducePlan:
-        """The (dtype, op) pair's plan, made once (a refused pair raises every time)."""
-        plan = self._plans.get((x.dtype, op))
-        if plan is None:
-            plan = self._plans[x.dtype, op] = reduce_plan(x.dtype, op, self._version, what)
-        return plan
+    def barrier(self) -> None:
+        """An all-reduce of one number, waited for on the host (recorded and checked)."""
+        buf, comm = self._barrier_buf, self.nccl_comm
+        self.collective("barrier", (), (), lambda: comm.allReduce(
+            buf.data.ptr, buf.data.ptr, 1, NCCL_DTYPES["int32"], NCCL_OPS["sum"],
+            self.stream.ptr), result=None, keep=(), async_op=False)
+
+    def synchronize(self) -> None:
+        """Block until every operation issued on this communicator has completed."""
+        with self.cupy.cuda.Device(self.device):
+            event = self.cupy.cuda.Event(disable_timing=True)
+            event.record(self.stream)
+        self.wait_event(event, "synchronize", None)
+        while self.inflight:
+            self.inflight.popleft().is_completed()  # stamps each one's recorder entry
+
+    # --- unrecorded exchanges (the check's own, and the object messages') -------------------
+    def broadcast_bytes(self, buf: Any, root: int) -> None:
+        """``ncclBroadcast`` of ``buf``'s bytes from ``root``, waited for, not recorded."""
+        comm, stream = self.nccl_comm, self.stream.ptr
+
+        def issue() -> None:
+            if buf.nbytes:
+                comm.broadcast(buf.data.ptr, buf.data.ptr, buf.nbytes, NCCL_BYTE, root, stream)
+
+        self.launch("broadcast", issue, result=buf, keep=(buf,), async_op=False)
+
+    def all_gather_bytes(self, send: Any, recv: Any) -> None:
+        """``ncclAllGather`` of every rank's ``send`` (equal byte sizes) into ``recv``, waited
+        for, not recorded."""
+        comm, stream = self.nccl_comm, self.stream.ptr
+
+        def issue() -> None:
+            if send.nbytes:
+                comm.allGather(send.data.ptr, recv.data.ptr, send.nbytes, NCCL_BYTE, stream)
+
+        self.launch("all_gather", issue, result=recv, keep=(send, recv), async_op=False)
+
+    def allgather_object_raw(self, obj: Any) -> list[Any]:
+        """Every rank's pickled ``obj``, in rank order, through device buffers: two
+        all-gathers (the lengths, then the payloads padded to the longest), not recorded."""
+        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        lengths, _h = self.device_bytes(np.array([len(data)], dtype=np.int64).view(np.uint8))
+        all_lengths, _h2 = self.device_bytes(b"", 8 * self.world_size)
+        self.all_gather_bytes(lengths, all_lengths)
+        sizes = self.host_copy(all_lengths).view(np.int64).tolist()
+        width = max(sizes)
+        mine, _h3 = self.device_bytes(data, width)
+        everything, _h4 = self.device_bytes(b"", width * self.world_size)
+        self.all_gather_bytes(mine, everything)
+        host = self.host_copy(everything)
+        return [pickle.loads(host[k * width:k * width + n].tobytes()) for k, n in enumerate(sizes)]
+
+    def broadcast_object_raw(self, obj: Any, root: int) -> Any:
+        """``root``'s pickled ``obj`` (the root gets ``obj`` itself), not recorded."""
+        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL) if self.rank == root else b""
+        length, _h = self.device_bytes(np.array([len(data)], dtype=np.int64).view(np.uint8))
+        self.broadcast_bytes(length, root)
+        n = int(self.host_copy(length).view(np.int64)[0])
+        payload, _h2 = self.device_bytes(data, n)
+        self.broadcast_bytes(payload, root)
+        if self.rank == root:
+            return obj
+        return pickle.loads(self.host_copy(payload).tobytes())
 
     # --- host and device bytes ------------------------------------------------------------
-    def _device_bytes(self, data: bytes | np.ndarray,
-                      size: int | None = None) -> tuple[Any, np.ndarray]:
+    def device_bytes(self, data: bytes | np.ndarray,
+                     size: int | None = None) -> tuple[Any, np.ndarray]:
         """``data`` zero-padded to ``size`` bytes in a device buffer, copied on our stream.
 
         Returns the device buffer and the host staging array, which the
@@ -460,14 +536,15 @@ class NcclBackendBase(Backend):
         """
         host = np.zeros(len(data) if size is None else size, dtype=np.uint8)
         host[:len(data)] = np.frombuffer(data, dtype=np.uint8) if isinstance(data, bytes) else data
-        with self._cupy.cuda.Device(self.device), self._stream:
-            return self._cupy.asarray(host), host  # host stays referenced by the caller
+        with self.cupy.cuda.Device(self.device), self.stream:
+            return self.cupy.asarray(host), host  # host stays referenced by the caller
 
-    def _host(self, dev: Any) -> np.ndarray:
-        with self._cupy.cuda.Device(self.device):
-            out = dev.get(stream=self._stream)
-            self._stream.synchronize()
+    def host_copy(self, dev: Any) -> np.ndarray:
+        """``dev`` copied to the host once this communicator's earlier calls are done."""
+        with self.cupy.cuda.Device(self.device):
+            out = dev.get(stream=self.stream)
+            self.stream.synchronize()
         return out
 
 
-__all__ = ["NcclBackendBase"]
+__all__ = ["Communicator"]
