@@ -37,9 +37,6 @@ RIDE_ROOM = RIDE_MAX_BYTES
 PAIR_TAG = 1
 #: The tag of data a two-rank call sends ahead of its check (see :meth:`CallGuard.swap`).
 AHEAD_TAG = 2
-#: Room after the header of :attr:`CallGuard.received`, where a two-rank mean's half of up
-#: to this size lands (:mod:`.algorithms.pair_halves`), and data dropped after a mismatch.
-RECEIVE_ROOM = 1 << 20
 
 
 class CallGuard(CallLog):
@@ -72,7 +69,7 @@ class CallGuard(CallLog):
         self.peer: int | None = None
         if self.comm is not None and comm.Get_size() == 2 and not debug:
             self.peer = 1 - comm.Get_rank()
-            self.received = np.zeros(HEADER + RECEIVE_ROOM, np.uint8)
+            self.received = np.zeros(HEADER + RIDE_ROOM, np.uint8)
             #: Where a riding all-reduce builds its message (one per group: plans keep none).
             self.outgoing = np.zeros(HEADER + RIDE_ROOM, np.uint8)
             self.seen = self.received[:HEADER].view(np.int64)
@@ -130,7 +127,7 @@ class CallGuard(CallLog):
         ahead = -int(self.seen[2])
         if ahead <= 0:
             return
-        dropped = (self.received[HEADER:HEADER + ahead] if ahead <= RECEIVE_ROOM
+        dropped = (self.received[HEADER:HEADER + ahead] if ahead <= RIDE_ROOM
                    else np.empty(ahead, np.uint8))
         try:
             self.comm.Recv([dropped, self._mpi.BYTE], self.peer, AHEAD_TAG)
@@ -209,5 +206,4 @@ def wait_until(done: Any, deadline: float, error: Any) -> None:
         pause = min(pause * 2, 1e-3)
 
 
-__all__ = ["AHEAD_TAG", "HEADER", "PAIR_TAG", "RECEIVE_ROOM", "CallGuard", "Key", "check_words",
-           "wait_until"]
+__all__ = ["AHEAD_TAG", "HEADER", "PAIR_TAG", "CallGuard", "Key", "check_words", "wait_until"]

@@ -7,10 +7,11 @@ the caller's buffer), and the check's header says so: a rank whose call differs 
 header in its own check, receives and drops the data
 (:meth:`~axondist.backends.mpi.guard.CallGuard.swap`), and both raise the mismatch, with no
 message left behind and no caller's buffer written. Once the headers agree, each rank
-receives the other's values of its half (into the group's receive buffer, or a temporary
-above ``RECEIVE_ROOM``), then block by block adds them to its own while the block is in
-cache, scales the sum into the mean in place and sends the finished block back; the other
-rank's finished blocks land in its half meanwhile.
+receives the other's values of its half into a temporary (per call, as MPI's own
+``Allreduce`` takes one: kept, it would be memory no one counts), then block by block adds
+them to its own while the block is in cache, scales the sum into the mean in place and
+sends the finished block back; the other rank's finished blocks land in its half
+meanwhile.
 
 Every element is summed once and scaled once, by the rank that owns it: for two ranks
 ``a + b`` is ``b + a`` bit for bit, and the scaling is the one
@@ -26,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ...plan import CallKey, Plan
-from ..guard import AHEAD_TAG, HEADER, PAIR_TAG, RECEIVE_ROOM, check_words
+from ..guard import AHEAD_TAG, PAIR_TAG, check_words
 from ..transport import mean_scaling, raise_mpi_error
 from .pair_exchange import pair_of
 
@@ -105,9 +106,7 @@ class PairHalvesMeanPlan(Plan):
         mine, theirs = self._mine, self._theirs
         lo0 = mine[0][0]
         count = self._span(mine)
-        room = self._guard.received
-        values = (room[HEADER:HEADER + count * dtype.itemsize].view(dtype)
-                  if count * dtype.itemsize <= RECEIVE_ROOM else np.empty(count, dtype))
+        values = np.empty(count, dtype)
         comm.Recv([values, mtype], peer, AHEAD_TAG)
         ahead.Wait()  # this rank's half of theirs has left: its finished blocks may land
         requests = [comm.Irecv([flat[lo:hi], mtype], peer, GATHER_TAG) for lo, hi in theirs]
