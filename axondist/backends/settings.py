@@ -10,6 +10,7 @@ the nearest real one. The guide's table of variables is :func:`markdown_table`'s
 # text at import (26 compiles); evaluated annotations cost nothing.
 import math
 import os
+import sys
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
@@ -317,8 +318,18 @@ def warn_unknown(environ: Mapping[str, str] | None = None) -> dict[str, str | No
         hint = f"did you mean {near}?" if near else "no axondist setting has a similar name"
         warnings.warn(f"axondist: the environment variable {name} is not an axondist setting "
                       f"and is ignored; {hint} (the list: docs/guide.md, Environment "
-                      "variables)", RuntimeWarning, stacklevel=3)
+                      "variables)", RuntimeWarning, stacklevel=_caller_level())
     return found
+
+
+def _caller_level() -> int:
+    """The ``stacklevel`` that makes a warning from :func:`warn_unknown` name the first frame
+    outside axondist (the script's ``init()`` or ``spawn()`` line)."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+    frame, level = sys._getframe(1), 1  # warn_unknown's own frame is level 1
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(package):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def load(environ: Mapping[str, str] | None = None) -> Settings:
