@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING, Any, cast
 
 from ... import _array
 from ...ops import ReduceOp
-from ..plan import CallKey, Plan, Signature, checked_out, element_counts, output_shape
+from ..checks import Key
+from ..plan import CallKey, Plan, checked_out, element_counts, output_shape
 from ..work import ThenWork
 from .basics import NCCL_BYTE, ReducePlan, host_array_error, not_contiguous_error, reduce_plan
 
@@ -30,19 +31,19 @@ if TYPE_CHECKING:
 
 class NcclPlan(Plan):
     """What every NCCL plan keeps: its communicator, the call's record key (what the
-    flight recorder shows and the check hashes), the signature the debug check compares,
+    flight recorder shows and the check hashes), the fields the debug check compares by name,
     and the check's device buffer."""
 
-    __slots__ = ("_comm", "_op", "_record", "_signature", "_pair")
+    __slots__ = ("_comm", "_op", "_record", "_fields", "_pair")
 
     def __init__(self, comm: Communicator, key: CallKey, record: tuple[Any, ...],
-                 signature: Signature | None = None) -> None:
+                 fields: Key | None = None) -> None:
         super().__init__(key)
         self._comm = comm
         self._op = key.collective
         self._record = record
-        self._signature = ((key.signature() if signature is None else signature)
-                           if comm.state.debug else ())
+        self._fields = ((key.signature() if fields is None else fields)
+                        if comm.state.debug else ())
         self._pair = comm.check_buffer(self._op, record)
 
     def start(self, send: Any, recv: Any = None) -> NcclWork:
@@ -65,7 +66,7 @@ class InPlacePlan(NcclPlan):
     __slots__ = ("_args", "_how")
 
     def __init__(self, comm: Communicator, key: CallKey,
-                 signature: Signature | None = None) -> None:
+                 fields: Key | None = None) -> None:
         self._how: ReducePlan | None = None
         if key.collective == "all_reduce":
             op = cast(ReduceOp, key.op)
@@ -78,7 +79,7 @@ class InPlacePlan(NcclPlan):
             root = int(key.root or 0)
             self._args = (prod(key.shape) * key.dtype.itemsize, NCCL_BYTE, root)
             record = (key.dtype, key.shape, root, key.async_op)
-        super().__init__(comm, key, record, signature)
+        super().__init__(comm, key, record, fields)
 
     def start(self, send: Any, recv: Any = None) -> NcclWork:
         c = self._comm
@@ -96,7 +97,7 @@ class InPlacePlan(NcclPlan):
                 if count:
                     comm.broadcast(ptr, ptr, count, rest[0], rest[1], stream)
         post = None if self._how is None else c.mean_post(send, self._how)
-        work = c.collective(self._op, self._record, self._signature, issue, result=send,
+        work = c.collective(self._op, self._record, self._fields, issue, result=send,
                             keep=(send,), async_op=self.key.async_op, post=post,
                             pair=self._pair)
         return work
@@ -164,7 +165,7 @@ class BlocksPlan(NcclPlan):
         else:
             issue = self._scatter(send.data.ptr, recv.data.ptr, self._how)
             post = c.mean_post(recv, self._how)
-        work = c.collective(self._op, self._record, self._signature, issue, result=recv,
+        work = c.collective(self._op, self._record, self._fields, issue, result=recv,
                             keep=(send, recv), async_op=key.async_op, post=post,
                             pair=self._pair)
         return work
@@ -244,7 +245,7 @@ class RootedPlan(NcclPlan):
                 c.require_on_device(buf, self._op)  # raises, naming both GPUs
         issue = _rooted_issue(c, mine, whole, self._counts, int(key.root or 0),
                               to_root=self._to_root)
-        work = c.collective(self._op, self._record, self._signature, issue, result=out,
+        work = c.collective(self._op, self._record, self._fields, issue, result=out,
                             keep=(send, out), async_op=key.async_op, pair=self._pair)
         return work
 
@@ -257,10 +258,11 @@ class AllToAllPlan(NcclPlan):
 
     def __init__(self, comm: Communicator, key: CallKey) -> None:
         n, me, row = comm.world_size, comm.rank, prod(key.shape[1:])
-        counts = list(key.counts or ())
-        self._sent = [c * row for c in counts[me * n:(me + 1) * n]]
-        self._came = [c * row for c in counts[me::n]]
-        super().__init__(comm, key, (key.dtype, tuple(counts), key.async_op))
+        counts = list(key.counts or ())  # this rank's rows to each rank, then from each
+        self._sent = [c * row for c in counts[:n]]
+        self._came = [c * row for c in counts[n:]]
+        # the ranks agree on dtype and trailing shape; their counts are their own
+        super().__init__(comm, key, (key.dtype, tuple(key.shape[1:]), key.async_op))
         self._out_shape = output_shape(key, me, n)
         self._xp = _array.module_named(key.library)
 
@@ -295,7 +297,7 @@ class AllToAllPlan(NcclPlan):
                 with c.stream:
                     out.reshape(-1)[at:at + came[me]] = send.reshape(-1)[lo:lo + sent[me]]
 
-        work = c.collective(self._op, self._record, self._signature, issue, result=out,
+        work = c.collective(self._op, self._record, self._fields, issue, result=out,
                             keep=(send, out), async_op=key.async_op, pair=self._pair)
         return work
 
