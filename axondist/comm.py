@@ -25,90 +25,23 @@ from typing import Any
 
 import numpy as np
 
-from . import _array, _jax_traced, _tree
-from ._frameworks import JAX, any_framework, framework_of
+from . import _array, _tree
+from ._call_args import group_backend, in_callers_framework, member, one_array
+from ._frameworks import any_framework, framework_of
+from ._object_collectives import (
+    all_gather_object,
+    broadcast_object,
+    broadcast_object_list,
+    gather_object,
+    scatter_object_list,
+)
 from ._validate import as_rank, check_tag, positive_seconds
-from .backends.base import Backend, default_timeout
+from .backends.base import default_timeout
 from .backends.plan import CallKey, exchange_row_counts, split_sizes
-from .backends.work import ThenWork, Work, finished
+from .backends.work import finished
 from .errors import CollectiveMismatchError, InvalidBufferError, RankError, UnsupportedDTypeError
 from .ops import ReduceOp
 from .process_group import ProcessGroup, resolve_group
-
-
-def _member(group: ProcessGroup | None, what: str) -> tuple[ProcessGroup, Backend]:
-    g = resolve_group(group)
-    return g, g.backend_for(what)
-
-
-def _backend(group: ProcessGroup | None, what: str) -> Backend:
-    return resolve_group(group).backend_for(what)
-
-
-def _one_array(x: Any, where: str, *, in_place: bool = False) -> Any:
-    """``x`` as a NumPy/CuPy array, refusing a list, tuple or dict of arrays (NumPy would
-    stack it, and the caller's arrays would be left as they were) and, for an in-place
-    collective, any Python container.
-
-    Raises:
-        InvalidBufferError: ``x`` is such a container; the message says what to call.
-    """
-    if isinstance(x, (list, tuple, dict)):
-        items = list(x.values()) if isinstance(x, dict) else list(x)
-        arrays = sum(not isinstance(item, (bool, int, float, complex)) for item in items)
-        if arrays or in_place or isinstance(x, dict):
-            kind = "arrays" if arrays else "numbers"
-            if arrays:
-                hint = ("a collective takes one array. To average gradients, "
-                        "ad.sync_gradients(grads) takes a list or dict of them (one all-reduce "
-                        f"per dtype, each written in place); otherwise call {where} on each "
-                        "array, or stack them into one array first")
-            else:
-                hint = ("a Python container cannot be written in place; pass np.asarray(x) "
-                        "and use the array returned")
-            raise InvalidBufferError(
-                f"{where}: x is a {type(x).__name__} of {len(items)} {kind}; {hint}")
-    return _array.as_array(x)
-
-
-def in_callers_framework(collective: Any, x: Any, *args: Any, in_place: bool = False,
-                         out: Any = None, **kwargs: Any) -> Any:
-    """Run ``collective(x, *args, **kwargs)`` on NumPy/CuPy views of the torch tensors or
-    JAX arrays ``x`` and ``out``, and hand its result back in their framework.
-
-    The result's framework is ``out``'s when given, else ``x``'s. A torch tensor
-    written in place (``in_place``, or ``out``) is itself the result; any other
-    result becomes a new tensor of the framework (a JAX input to an in-place op is
-    copied, so it is left as it was). A Work's ``wait()`` gives the converted result.
-
-    Raises:
-        InvalidBufferError: ``out`` is a JAX array (immutable), or a tensor to write
-            in place is not contiguous.
-    """
-    where = getattr(collective, "__name__", "prepared call")
-    x_framework = framework_of(x)
-    if x_framework is JAX and JAX.is_tracer(x):  # inside jax.jit: an ordered host callback
-        return _jax_traced.run_traced(collective, x, args, kwargs, out)
-    array = x
-    if x_framework is not None:
-        array = (x_framework.array_to_write(x, where) if in_place
-                 else x_framework.array(x, where))
-    framework, original = x_framework, x
-    if out is not None:
-        framework, original = framework_of(out), out
-        kwargs["out"] = out if framework is None else framework.out_array(out, where)
-    result = collective(array, *args, **kwargs)
-    if framework is None:
-        return result
-    shared = framework.writable and (in_place or out is not None)
-
-    def back(value: Any) -> Any:
-        if value is None:
-            return None
-        return original if shared else framework.wrap(value, original)
-
-    return ThenWork(result, back) if isinstance(result, Work) else back(result)
-
 
 # --- reductions ----------------------------------------------------------------------
 
@@ -130,9 +63,9 @@ def all_reduce(x: Any, op: ReduceOp | str = ReduceOp.SUM, group: ProcessGroup | 
     if type(x) is not np.ndarray and framework_of(x) is not None:
         return in_callers_framework(all_reduce, x, op, group, async_op, in_place=True)
     if type(x) is not np.ndarray:
-        x = _one_array(x, "all_reduce", in_place=True)
+        x = one_array(x, "all_reduce", in_place=True)
     key = CallKey.of("all_reduce", x, reduce_op=op, async_op=async_op)
-    return _backend(group, "all_reduce").plan(key).run(x)
+    return group_backend(group, "all_reduce").plan(key).run(x)
 
 
 def all_reduce_sum(x: Any, group: ProcessGroup | None = None, async_op: bool = False) -> Any:
@@ -175,9 +108,9 @@ def reduce_scatter(x: Any, op: ReduceOp | str = ReduceOp.SUM, group: ProcessGrou
     if type(x) is not np.ndarray or (out is not None and type(out) is not np.ndarray):
         if any_framework(x, out):
             return in_callers_framework(reduce_scatter, x, op, group, async_op, out=out)
-    x = _array.contiguous(_one_array(x, "reduce_scatter"))
+    x = _array.contiguous(one_array(x, "reduce_scatter"))
     key = CallKey.of("reduce_scatter", x, reduce_op=op, async_op=async_op)
-    return _backend(group, "reduce_scatter").plan(key).run(x, out)
+    return group_backend(group, "reduce_scatter").plan(key).run(x, out)
 
 
 def reduce_scatter_sum(x: Any, group: ProcessGroup | None = None, async_op: bool = False) -> Any:
@@ -198,8 +131,8 @@ def reduce(x: Any, dst: int = 0, op: ReduceOp | str = ReduceOp.SUM,
     """
     if type(x) is not np.ndarray and framework_of(x) is not None:
         return in_callers_framework(reduce, x, dst, op, group, async_op, in_place=True)
-    g, b = _member(group, "reduce")
-    x = _one_array(x, "reduce", in_place=True)
+    g, b = member(group, "reduce")
+    x = one_array(x, "reduce", in_place=True)
     key = CallKey.of("reduce", x, reduce_op=op, root=as_rank(dst, g.world_size, "reduce", "dst"),
                      async_op=async_op)
     return b.plan(key).run(x)
@@ -224,8 +157,8 @@ def all_to_all(x: Any, group: ProcessGroup | None = None, *,
     if type(x) is not np.ndarray and framework_of(x) is not None:
         return in_callers_framework(all_to_all, x, group, send_sizes=send_sizes,
                                     recv_sizes=recv_sizes, async_op=async_op)
-    g, b = _member(group, "all_to_all")
-    x = _array.contiguous(_one_array(x, "all_to_all"))
+    g, b = member(group, "all_to_all")
+    x = _array.contiguous(one_array(x, "all_to_all"))
     _array.check_dtype(x.dtype, "all_to_all")
     if x.ndim == 0:
         raise InvalidBufferError("all_to_all: a 0-d array has no axis to split; pass x[None]")
@@ -263,7 +196,7 @@ def monitored_barrier(group: ProcessGroup | None = None, timeout: float | None =
 
     On MPI the failing call leaves the job unusable for collectives (as torch's): end it.
     """
-    _, b = _member(group, "monitored_barrier")
+    _, b = member(group, "monitored_barrier")
     wait = default_timeout() if timeout is None else positive_seconds(
         timeout, "monitored_barrier")
     b.monitored_barrier(wait)
@@ -277,8 +210,8 @@ def broadcast(x: Any, group: ProcessGroup | None = None, *, src: int = 0,
     if type(x) is not np.ndarray and framework_of(x) is not None:
         return in_callers_framework(broadcast, x, group, src=src, async_op=async_op,
                                     in_place=True)
-    g, b = _member(group, "broadcast")
-    x = _one_array(x, "broadcast", in_place=True)
+    g, b = member(group, "broadcast")
+    x = one_array(x, "broadcast", in_place=True)
     key = CallKey.of("broadcast", x, root=as_rank(src, g.world_size, "broadcast", "src"),
                      async_op=async_op)
     return b.plan(key).run(x)
@@ -316,10 +249,10 @@ def all_gather(x: Any, group: ProcessGroup | None = None, *, sizes: Sequence[int
         if any_framework(x, out):
             return in_callers_framework(all_gather, x, group, sizes=sizes, out=out,
                                         async_op=async_op)
-    x = _as_rows(_array.contiguous(_one_array(x, "all_gather")))
+    x = _as_rows(_array.contiguous(one_array(x, "all_gather")))
     counts = None if sizes is None else tuple(int(s) for s in sizes)
     key = CallKey.of("all_gather", x, counts=counts, async_op=async_op)
-    return _backend(group, "all_gather").plan(key).run(x, out)
+    return group_backend(group, "all_gather").plan(key).run(x, out)
 
 
 def gather_tensor(x: Any, group: ProcessGroup | None = None, dst: int = 0,
@@ -327,9 +260,9 @@ def gather_tensor(x: Any, group: ProcessGroup | None = None, dst: int = 0,
     """Concatenate every rank's ``x`` along axis 0 on group rank ``dst``; None elsewhere."""
     if type(x) is not np.ndarray and framework_of(x) is not None:
         return in_callers_framework(gather_tensor, x, group, dst, async_op)
-    g, b = _member(group, "gather_tensor")
+    g, b = member(group, "gather_tensor")
     dst = as_rank(dst, g.world_size, "gather_tensor", "dst")
-    x = _as_rows(_array.contiguous(_one_array(x, "gather_tensor")))
+    x = _as_rows(_array.contiguous(one_array(x, "gather_tensor")))
     _array.check_dtype(x.dtype, "gather_tensor")
     rows = exchange_row_counts(b, CallKey.of("gather_tensor", x), x.shape[0])
     row_size = prod(x.shape[1:])
@@ -347,7 +280,7 @@ def scatter_tensor(x: Any, group: ProcessGroup | None = None, src: int = 0,
     framework of this rank's ``x`` (NumPy or CuPy where ``x`` is None)."""
     if type(x) is not np.ndarray and framework_of(x) is not None:
         return in_callers_framework(scatter_tensor, x, group, src, async_op)
-    g, b = _member(group, "scatter_tensor")
+    g, b = member(group, "scatter_tensor")
     src = as_rank(src, g.world_size, "scatter_tensor", "src")
     send = None
     meta: Any = None
@@ -358,7 +291,7 @@ def scatter_tensor(x: Any, group: ProcessGroup | None = None, src: int = 0,
             if x is None:
                 raise InvalidBufferError(f"scatter_tensor: the source rank {src} must pass "
                                          "an array")
-            send = _array.contiguous(_one_array(x, "scatter_tensor"))
+            send = _array.contiguous(one_array(x, "scatter_tensor"))
             _array.check_dtype(send.dtype, "scatter_tensor")
             if send.ndim == 0:
                 raise InvalidBufferError("scatter_tensor: a 0-d array has no axis to split; "
@@ -380,7 +313,7 @@ def scatter_tensor(x: Any, group: ProcessGroup | None = None, src: int = 0,
 
 def barrier(group: ProcessGroup | None = None) -> None:
     """Return once every rank of the group has called barrier."""
-    _, b = _member(group, "barrier")
+    _, b = member(group, "barrier")
     b.barrier()
 
 
@@ -388,12 +321,12 @@ def barrier(group: ProcessGroup | None = None) -> None:
 
 def send(x: Any, dst: int, group: ProcessGroup | None = None, tag: int = 0) -> None:
     """Send ``x`` (any shape; shape and dtype travel with it) to group rank ``dst``."""
-    g, b = _member(group, "send")
+    g, b = member(group, "send")
     dst = as_rank(dst, g.world_size, "send", "dst")
     tag = check_tag(tag, "send")
     if dst == g.rank:
         raise RankError(f"send: dst={dst} is this rank; a rank cannot send to itself")
-    x = _array.contiguous(_one_array(x, "send"))
+    x = _array.contiguous(one_array(x, "send"))
     _array.check_dtype(x.dtype, "send")
     lib = _array.library_name(x)
     b.send_object((tuple(x.shape), str(x.dtype), lib), dst, tag)
@@ -413,7 +346,7 @@ def recv(src: int, group: ProcessGroup | None = None, tag: int = 0, *, out: Any 
         if framework is not None:
             recv(src, group, tag, out=framework.out_array(out, "recv"))
             return out
-    g, b = _member(group, "recv")
+    g, b = member(group, "recv")
     src = as_rank(src, g.world_size, "recv", "src")
     tag = check_tag(tag, "recv")
     if src == g.rank:
@@ -432,64 +365,6 @@ def recv(src: int, group: ProcessGroup | None = None, tag: int = 0, *, out: Any 
             "next one")
     b.recv(out, src, tag)
     return out
-
-
-# --- small Python objects ------------------------------------------------------------
-
-def all_gather_object(obj: Any, group: ProcessGroup | None = None) -> list[Any]:
-    """Every rank's picklable ``obj``, in rank order, on every rank (for metadata)."""
-    return _member(group, "all_gather_object")[1].allgather_object(obj)
-
-
-def broadcast_object(obj: Any, group: ProcessGroup | None = None, *, src: int = 0) -> Any:
-    """Group rank ``src``'s picklable ``obj`` on every rank (``obj`` is ignored elsewhere)."""
-    g, b = _member(group, "broadcast_object")
-    return b.broadcast_object(obj, as_rank(src, g.world_size, "broadcast_object", "src"))
-
-
-def broadcast_object_list(object_list: list[Any], src: int = 0,
-                          group: ProcessGroup | None = None) -> list[Any]:
-    """Replace ``object_list``'s items, in place, by those of group rank ``src`` (torch's
-    call); every rank passes a list of the same length. Returns the list."""
-    if not isinstance(object_list, list):
-        raise TypeError(f"broadcast_object_list: object_list must be a list, got "
-                        f"{type(object_list).__name__}")
-    items = broadcast_object(list(object_list), group, src=src)
-    if len(items) != len(object_list):
-        raise CollectiveMismatchError(
-            f"broadcast_object_list: rank {src} sent {len(items)} objects but this rank's list "
-            f"holds {len(object_list)}; pass lists of the same length on every rank")
-    object_list[:] = items
-    return object_list
-
-
-def gather_object(obj: Any, group: ProcessGroup | None = None, dst: int = 0) -> list[Any] | None:
-    """Every rank's picklable ``obj`` in rank order on group rank ``dst``; None elsewhere."""
-    g, b = _member(group, "gather_object")
-    dst = as_rank(dst, g.world_size, "gather_object", "dst")
-    objects = b.allgather_object(obj)
-    return objects if g.rank == dst else None
-
-
-def scatter_object_list(objects: Sequence[Any] | None, group: ProcessGroup | None = None,
-                        src: int = 0) -> Any:
-    """Item r of group rank ``src``'s ``objects`` (one per rank) on rank r.
-
-    Raises:
-        ValueError: on the source, ``objects`` does not hold one item per rank.
-    """
-    g, b = _member(group, "scatter_object_list")
-    src = as_rank(src, g.world_size, "scatter_object_list", "src")
-    problem = None
-    if g.rank == src and (objects is None or len(objects) != g.world_size):
-        problem = (f"scatter_object_list: the source (rank {src}) must pass one object per "
-                   f"rank ({g.world_size}), got "
-                   f"{'None' if objects is None else len(objects)}")
-    mine = list(objects) if problem is None and objects is not None and g.rank == src else None
-    items = b.broadcast_object((problem, mine), src)
-    if items[0] is not None:
-        raise ValueError(items[0])
-    return items[1][g.rank]
 
 
 def flight_recorder(group: ProcessGroup | None = None, last: int | None = None

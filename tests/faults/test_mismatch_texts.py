@@ -99,3 +99,27 @@ def test_the_message_is_the_same_on_every_backend(case: str, mode: str, n: int,
     assert re.search(pattern, outcome.output), f"no match for {pattern!r} in:\n{tail}"
     assert not re.search(r"rank \d: None", outcome.output), tail  # a field of another call
     assert not re.search(r"(\w+)=[^,()]+, \1=", outcome.output), tail  # a field said twice
+
+
+#: Cases whose whole message must be the same text on the mock world and under mpiexec.
+SAME_TEXT = DIFFERENT + ("shape_mismatch", "sizes_on_one_rank")
+
+
+def _messages(outcome: Outcome) -> set[str]:
+    return {m.strip() for m in re.findall(r"CollectiveMismatchError: (.*)", outcome.output)}
+
+
+@pytest.mark.parametrize("case,n,debug", [(c, n, d) for c in SAME_TEXT for n in (2, 3)
+                                           for d in (False, True)])
+def test_the_mock_world_and_mpi_word_a_mistake_identically(case: str, n: int,
+                                                          debug: bool) -> None:
+    if MISSING["mpi"]() is not None:
+        pytest.skip(MISSING["mpi"]() or "")
+    mock = _outcomes()[(case, "mock", n, False)].result()
+    mpi = _outcomes()[(case, "mpi", n, debug)].result()
+    said, told = _messages(mock), _messages(mpi)
+    assert len(said) == 1 and told, f"mock:\n{mock.output[-3000:]}\nmpi:\n{mpi.output[-3000:]}"
+    if case in DIFFERENT:  # each rank names its own call first: compare what follows it,
+        # since the first rank to raise may end an MPI job before the others print
+        said, told = {m.partition(": ")[2] for m in said}, {m.partition(": ")[2] for m in told}
+    assert told == said, f"mock: {said}\nmpi:\n{mpi.output[-4000:]}"

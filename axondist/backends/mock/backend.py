@@ -143,6 +143,8 @@ class MockBackend(Backend):
             assert part is not None  # only rounds with parts are shared
             self._work(rnd, part, what)
         if rnd.error is not None:
+            if rnd.differ is not None:  # worded for this rank's call, as every backend does
+                raise compare_signatures(op_name, rnd.differ) or rnd.error
             raise rnd.error
         return rnd
 
@@ -156,8 +158,9 @@ class MockBackend(Backend):
             w.progress += 1
         error: BaseException | None = None
         calls = rnd.signatures
-        if calls.count(calls[0]) != len(calls):  # worded as every backend words it
-            error = compare_signatures(rnd.op_name, [printable(s or ()) for s in calls])
+        if calls.count(calls[0]) != len(calls):
+            rnd.differ = [printable(s or ()) for s in calls]
+            error = compare_signatures(rnd.op_name, rnd.differ)
         if error is None and rnd.op_name in _ARRAY_ROUNDS:
             error = _mixed_libraries(rnd.op_name, rnd.payloads)
         stage = _DONE

@@ -78,7 +78,7 @@ class _Round:
     """
 
     __slots__ = ("op_name", "payloads", "signatures", "arrived", "parts", "claimed",
-                 "finished", "stage", "error", "signal")
+                 "finished", "stage", "error", "differ", "signal")
 
     def __init__(self, op_name: str, size: int) -> None:
         self.op_name = op_name
@@ -90,6 +90,9 @@ class _Round:
         self.finished = 0
         self.stage = _GATHERING
         self.error: BaseException | None = None
+        #: The ranks' calls as every backend prints them, when they differ (each rank
+        #: names its own call first in the message, as under MPI).
+        self.differ: list[Signature] | None = None
         self.signal = _Signal()
 
 
