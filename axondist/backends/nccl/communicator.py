@@ -24,8 +24,7 @@ from ...errors import (
     RankError,
     WorldAbortedError,
 )
-from ..base import Signature
-from ..checks import check_words, compare_signatures
+from ..checks import Key, check_words, compare_signatures
 from ..recording.recorder import describe_detail
 from .basics import (
     NCCL_BYTE,
@@ -132,10 +131,10 @@ class Communicator:
                 f"call and cannot be used any more: {self.broken}")
 
     def launch(self, op: str, issue: Callable[[], None], *, result: Any, keep: tuple[Any, ...],
-                async_op: bool, post: Callable[[], Any] | None = None,
-                entry: Entry | None = None, follow_caller: bool = True) -> NcclWork:
+               async_op: bool, post: Callable[[], Any] | None = None,
+               entry: Entry | None = None, follow_caller: bool = True) -> NcclWork:
         """:meth:`_enqueue` with this backend's GPU made current (for calls outside
-        :meth:`_collective`, which enters it itself)."""
+        :meth:`collective`, which enters it itself)."""
         self.usable(op)
         with self.cupy.cuda.Device(self.device):
             return self._enqueue(op, issue, result, keep, async_op, post, entry, follow_caller)
@@ -266,8 +265,8 @@ class Communicator:
         check_device_array(x, op, self.device, writable=writable)
 
     # --- recording and checking ----------------------------------------------------------
-    def begin_call(self, op: str, key: tuple[Any, ...], signature: Signature = (),
-                    blocking: bool = True) -> Entry:
+    def begin_call(self, op: str, key: tuple[Any, ...], fields: Key = (),
+                   blocking: bool = True) -> Entry:
         """Number and record ``op`` (an object exchange); for a blocking call (outside
         groups) then the cross-rank check, settled before anything else is enqueued."""
         self.usable(op)
@@ -276,7 +275,7 @@ class Communicator:
             try:
                 with self.cupy.cuda.Device(self.device):
                     if self.state.debug:
-                        self._agree_by_name(op, key, signature)
+                        self._agree_by_name(op, key, fields)
                     else:
                         self._agree(op, key, entry, self._check_pair(op, key))
             except BaseException:
@@ -291,12 +290,13 @@ class Communicator:
         return self.state.begin(self.p2p_group, next(self._p2p_seqs), what,
                                 (("peer", self.members[peer]), ("tag", tag)), True)
 
-    def collective(self, op: str, key: tuple[Any, ...], signature: Signature,
-                    issue: Callable[[], None], *, result: Any, keep: tuple[Any, ...],
-                    async_op: bool, post: Callable[[], Any] | None = None,
-                    pair: Any = None) -> NcclWork:
+    def collective(self, op: str, key: tuple[Any, ...], fields: Key,
+                   issue: Callable[[], None], *, result: Any, keep: tuple[Any, ...],
+                   async_op: bool, post: Callable[[], Any] | None = None,
+                   pair: Any = None) -> NcclWork:
         """Collective ``op`` whose arguments are ``key``: numbered, recorded, checked and
-        enqueued (:meth:`_enqueue`), the GPU made current once for all of it.
+        enqueued (:meth:`_enqueue`), the GPU made current once for all of it. ``fields``
+        are the call's arguments by name, which ``AXONDIST_DEBUG=1`` compares.
 
         A blocking call's check is settled before its data call is enqueued. An async
         call's check is enqueued just before it and settled in ``wait()``, before its data
@@ -311,7 +311,7 @@ class Communicator:
             with self.cupy.cuda.Device(self.device):
                 if self._checked and not GROUP_STATE.depth:
                     if state.debug:
-                        self._agree_by_name(op, key, signature)
+                        self._agree_by_name(op, key, fields)
                     else:
                         if pair is None:
                             pair = self._check_pair(op, key)
@@ -437,10 +437,10 @@ class Communicator:
         with self.cupy.cuda.Device(self.device):
             self.nccl_comm.abort()
 
-    def _agree_by_name(self, op: str, key: tuple[Any, ...], signature: Signature) -> None:
+    def _agree_by_name(self, op: str, key: tuple[Any, ...], fields: Key) -> None:
         """``AXONDIST_DEBUG=1``: every argument exchanged (pickled) and compared by name,
         for async calls too (which then wait for their peers)."""
-        calls = self.allgather_object_raw(((op, key), tuple(signature)))
+        calls = self.allgather_object_raw(((op, key), tuple(fields)))
         error = compare_signatures(op, named_signatures([c[0] for c in calls]))
         if error is None and any(c != calls[0] for c in calls):
             error = compare_signatures(op, [(("op", c[0][0]),) + c[1] for c in calls])
