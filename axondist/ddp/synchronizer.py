@@ -61,7 +61,9 @@ class GradSyncStrategy(enum.Enum):
     #: finish() waits for every bucket. With the default hook each bucket's
     #: all-reduce is persistent (set up on the first step; under MPI, MPI-4 persistent
     #: collectives) and cut into pieces (GradientSynchronizer.piece_bytes), each started,
-    #: in bucket order, once its own gradients are in and weighted just before it leaves.
+    #: in bucket order, once its own gradients are in and weighted just before it leaves
+    #: (in a checked MPI group of two on one host, each piece of a plain mean is a blocking
+    #: mean of its own instead, summed and halved in one pass).
     OVERLAPPED = "overlapped"
     #: no communication: gradients stay local (e.g. to accumulate over several
     #: micro-batches before one synchronized step).

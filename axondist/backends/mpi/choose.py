@@ -138,10 +138,11 @@ TABLE: tuple[Rule, ...] = (
          "to 4 KiB, 0.70x at 16 KiB, 0.79x at 32 KiB, 0.90x at 64 KiB"),
     Rule(_halves, Algorithm.PAIR_HALVES,
          "blocking float32/64 AVERAGE all-reduce, 2 ranks on one node, 1024 KiB to 32 MiB: "
-         "a reduce-scatter and an all-gather by Sendrecv, each half summed and scaled in one "
-         "pass by its owner; against the checked Allreduce then the mean's pass 0.80-0.90x "
-         "at 1 MiB, 0.73-1.02x at 4 MiB, 0.77-0.79x at 16 MiB (256 KiB 0.94-1.08x: not "
-         "kept there)"),
+         "the other rank's half sent ahead of the check, each half summed and scaled in one "
+         "pass by its owner and sent back block by block (two round trips, as Allreduce's); "
+         "against the checked Allreduce then the mean's pass 0.80-1.05x at 1 MiB, "
+         "0.83x at 4 MiB (host under load 17-25; with the check first and Sendrecv: "
+         "0.80-0.90x, 0.73-1.02x, 0.77-0.79x at 16 MiB; 256 KiB 0.94-1.08x: not kept there)"),
     Rule(_in_pieces, Algorithm.PIECES,
          "blocking all-reduce of >= 32 MiB on one node: 2 MiB pieces avoid MPICH's page "
          "faults on big shared-memory messages; 64 MiB took 0.55x one Allreduce (8 MiB "
@@ -149,9 +150,12 @@ TABLE: tuple[Rule, ...] = (
     Rule(_exchanges, Algorithm.PAIR_EXCHANGE,
          "blocking reduce-scatter of float32/64 or int32/64 (any size), all-gather with "
          "sizes (<= 2 MiB) or broadcast (<= 64 KiB), 2 ranks on one node: one point-to-point "
-         "exchange, sent ahead of the check up to 1 MiB (one round trip for both); against "
-         "the checked MPI call, reduce-scatter 0.73x at 64 KiB, 0.82x at 1 and 16 MiB; "
-         "all-gather 0.66x at 64 KiB, 0.86x at 1 MiB (1.27x at 16 MiB: not kept)"),
+         "exchange sent ahead of the check, one round trip for both instead of two; with "
+         "the check first, against the checked MPI call, reduce-scatter 0.73x at 64 KiB, "
+         "0.82x at 1 and 16 MiB, all-gather 0.66x at 64 KiB, 0.86x at 1 MiB (1.27x at 16 MiB: "
+         "not kept); ahead, against raw mpi4py at load 17-25 (before: check then MPI's "
+         "call), reduce-scatter 6.4x (6.6x) at 4 KiB, 2.1x (2.3x) at 64 KiB, broadcast "
+         "7.2x (25x), 2.5x (3.7x), all-gather 7.8x (7.6x), 2.7x (3.0x)"),
     Rule(lambda key, layout: True, Algorithm.MPI, "everything else: MPI's own collective"),
 )
 
