@@ -125,7 +125,7 @@ class CallGuard(CallLog):
         its check (a header's negative byte count: that many bytes on AHEAD_TAG), so no
         message of a refused call is left for a later one to meet."""
         ahead = -int(self.seen[2])
-        if ahead <= 0:
+        if ahead <= 0 or self.comm is None:
             return
         dropped = (self.received[HEADER:HEADER + ahead] if ahead <= RIDE_ROOM
                    else np.empty(ahead, np.uint8))
