@@ -11,10 +11,12 @@ from typing import Any
 for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_var, "1")
 
+import coverage_table  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
-from tiers import MPI_ONLY, is_slow, place  # noqa: E402
+from rank_folders import make_rank_folder, remove_rank_folder  # noqa: E402
+from tiers import MPI_ONLY, is_slow, needs_three_ranks, place  # noqa: E402
 
 settings.register_profile(
     "default",
@@ -34,15 +36,13 @@ os.environ.setdefault("AXONDIST_TIMEOUT", "60")
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Under ``mpiexec`` or ``torchrun`` each rank gets its own temporary folder: ranks
-    sharing pytest's default one race while pruning old runs at exit."""
+    """Under ``mpiexec`` or ``torchrun`` each rank gets its own temporary folder
+    (tests/rank_folders.py), removed when its session ends."""
     rank = os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK",
                                                      os.environ.get("RANK")))
     if rank is not None and config.option.basetemp is None:
-        import tempfile
-
         global _RANK_BASETEMP
-        _RANK_BASETEMP = tempfile.mkdtemp(prefix=f"axondist-rank{rank}-")
+        _RANK_BASETEMP = make_rank_folder(rank)
         config.option.basetemp = _RANK_BASETEMP
 
 
@@ -85,10 +85,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if is_slow(item):
             item.add_marker(pytest.mark.slow)
+        if needs_three_ranks(item):
+            item.add_marker(pytest.mark.three_ranks)
         if not under_mpi and place(item)[1] in MPI_ONLY:
             item.add_marker(pytest.mark.skip(
                 reason="a property of the MPI backend's own machinery: runs under mpiexec "
                        "(tests/world/test_mpi_launch.py), not on the mock world"))
+    coverage_table.record(items)  # for tests/unit/test_coverage_table.py, before -m and -k
     cap = os.environ.get("AXONDIST_TEST_EXAMPLES")
     if cap is None:
         return
@@ -116,13 +119,9 @@ def rng() -> np.random.Generator:
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """Under ``mpiexec`` or ``torchrun``, a failing rank ends the job instead of leaving its
     peers waiting (torchrun stops the others when one rank exits with an error)."""
-    from axondist._environment import env_launch_size
-    from axondist.launching.worlds import launched_by_mpi
+    from axondist._environment import env_launch_size, launched_by_mpi
 
-    if _RANK_BASETEMP is not None:  # nothing left behind in the system's temp folder
-        import shutil
-
-        shutil.rmtree(_RANK_BASETEMP, ignore_errors=True)
+    remove_rank_folder(_RANK_BASETEMP)  # nothing left behind in the system's temp folder
     if exitstatus not in (0, 5) and not launched_by_mpi() and env_launch_size() is not None:
         from axondist.backends.watchdog.watchdog import silence_all
 

@@ -1,5 +1,6 @@
 """What the tests that launch a job (under mpiexec or torchrun) share: the job's outcome, a
-run that kills the whole job on timeout, and the summary line of a launched pytest run."""
+run that kills the whole job on timeout, the summary line of a launched pytest run, and the
+world runs (what each launcher reruns of tests/world, and what it must show)."""
 
 from __future__ import annotations
 
@@ -63,3 +64,61 @@ def pytest_summary(text: str) -> str | None:
     lines = re.findall(r"^=*\s*(\d+ (?:passed|failed|error|skipped).* in [\d.]+s.*?)=*$",
                        text, re.MULTILINE)
     return lines[-1] if lines else None
+
+
+#: The launchers' world runs: every world test at the first size, at the second only the
+#: tests a third rank adds to (tests/tiers.py's three_ranks).
+WORLD_RUN_SIZES = (2, 3)
+
+
+def world_run_args(ranks: int) -> list[str]:
+    """The per-rank pytest arguments of a world run at ``ranks`` ranks. The three-rank run
+    collects only the files that hold a three-rank test (each rank imports less)."""
+    import tiers  # on pytest's path (tests/): test_mpi_launch.py also runs as a rank's script
+
+    common = ["-q", "-p", "no:cacheprovider", "-x"]
+    if ranks == WORLD_RUN_SIZES[0]:
+        return ["tests/world", *common, "-m", "not gpu"]
+    return [*tiers.three_rank_files(), *common, "-m", "three_ranks and not gpu"]
+
+
+def passed_tests(report: Path) -> set[str]:
+    """The ids of the tests that passed (neither skipped nor failed) in a JUnit report."""
+    import xml.etree.ElementTree as ElementTree
+
+    passed = set()
+    for case in ElementTree.parse(report).getroot().iter("testcase"):
+        if any(child.tag in ("skipped", "failure", "error") for child in case):
+            continue
+        parts = case.get("classname", "").split(".")
+        path = (f"{'/'.join(parts[:-1])}.py::{parts[-1]}" if parts[-1].startswith("Test")
+                else f"{'/'.join(parts)}.py")
+        passed.add(f"{path}::{case.get('name')}")
+    return passed
+
+
+def check_world_run(run: Launch, launcher: str, ranks: int, temp: Path, reports: Path) -> None:
+    """A world run passed on every rank, every rank ran the same tests, each world test the
+    coverage table names for this launcher and size passed on every rank, and no rank left
+    its temporary folder in ``temp`` (the ranks' system temp folder)."""
+    summaries = [pytest_summary(text) for text in run.ranks]
+    for r, summary in enumerate(summaries):
+        assert summary is not None, f"rank {r} printed no pytest summary\n{run.tail()}"
+        assert "passed" in summary and "failed" not in summary and "error" not in summary, (
+            f"rank {r}: {summary}\n{run.tail()}")
+    assert run.returncode == 0, f"{launcher} exited with {run.returncode}\n{run.tail()}"
+    counts = {re.sub(r" in [\d.]+s.*", "", s or "") for s in summaries}
+    assert len(counts) == 1, f"ranks ran different tests: {summaries}"
+    import coverage_table  # on pytest's path (tests/), as tiers above
+
+    named = coverage_table.launched_world_cells(launcher, ranks)
+    for r in range(ranks):
+        passed = passed_tests(reports / f"rank{r}.xml")
+        missing = sorted(test for test in named if not _covers(passed, test))
+        assert not missing, (f"rank {r}: tests/coverage_table.py names for {launcher} at "
+                             f"{ranks} ranks tests that did not pass here: {missing}")
+    assert not list(temp.glob("axondist-rank*")), "a rank left its temporary folder behind"
+
+
+def _covers(passed: set[str], test: str) -> bool:
+    return test in passed or any(p.startswith(f"{test}[") for p in passed)

@@ -60,7 +60,7 @@ class _PrintFailuresNow:
                 with capture.global_and_fixture_disabled():  # past pytest's capture
                     cls._print(f"{item.nodeid} failed (call), the job aborts now",
                                f"{text}\nfailing example on this rank: {example[:2000]}")
-                    _abort(1)
+                    _abort(1, item.config)
                 raise  # not reached: the abort ends this process
 
         return run_example
@@ -80,11 +80,15 @@ class _PrintFailuresNow:
         print(f"\n--- rank {rank}: {what} ---\n{text}", file=sys.stderr, flush=True)
 
 
-def _abort(status: int) -> None:
-    """End the whole job now (as ``tests/conftest.py`` does when a rank's session fails)."""
+def _abort(status: int, config: pytest.Config) -> None:
+    """End the whole job now (as ``tests/conftest.py`` does when a rank's session fails),
+    removing the rank's temporary folder first (the session's own cleanup never runs)."""
+    from rank_folders import remove_rank_folder  # tests/, on pytest's path by now
+
     from axondist._environment import launched_by_mpi
     from axondist.backends.watchdog.watchdog import silence_all
 
+    remove_rank_folder(config.option.basetemp)
     silence_all()  # this rank fails the run: not a departure for the others to report
     sys.stdout.flush()
     sys.stderr.flush()
@@ -98,8 +102,17 @@ def _abort(status: int) -> None:
     MPI.COMM_WORLD.Abort(status)
 
 
+#: A folder for each rank's JUnit report (``rank{R}.xml``): which tests passed on which rank,
+#: and their seconds, for the launcher's checks (tests/world/launched_job.py).
+REPORT_DIR_VARIABLE = "AXONDIST_RANK_REPORT_DIR"
+
+
 def run_pytest(*args: str) -> None:
     """``python -m pytest ARGS`` with failures printed at once; exits with pytest's status."""
+    report_dir = os.environ.get(REPORT_DIR_VARIABLE)
+    if report_dir:
+        rank = os.environ.get("PMI_RANK", os.environ.get("RANK", "0"))
+        args = (*args, f"--junit-xml={Path(report_dir) / f'rank{rank}.xml'}")
     status = pytest.main(list(args), plugins=[_PrintFailuresNow()])
     if status not in (0, 5):
         raise SystemExit(int(status))

@@ -29,7 +29,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from launched_job import Launch, pytest_summary, run_job
+from launched_job import (
+    WORLD_RUN_SIZES,
+    Launch,
+    check_world_run,
+    pytest_summary,
+    run_job,
+    world_run_args,
+)
+from rank_pytest import REPORT_DIR_VARIABLE
 
 REPO = Path(__file__).resolve().parents[2]
 MPIEXEC = Path(sys.executable).parent / "mpiexec"
@@ -103,25 +111,21 @@ def _read(path: Path) -> str:
     return path.read_text(errors="replace") if path.exists() else ""
 
 
-@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("n", WORLD_RUN_SIZES)
 def test_world_tests_pass_under_mpiexec(mpi_ready: None, tmp_path: Path, n: int) -> None:
+    """Every world test at two ranks; at three, the tests a third rank adds to (tests/tiers.py's
+    three_ranks): one job each, whose ranks each run pytest over many files."""
     # python -m mpi4py: a rank whose pytest exits non-zero aborts the whole job
     # (otherwise its MPI_Finalize waits for ranks blocked in the next collective).
-    args = ["-m", "mpi4py", str(RANK_PYTEST), "tests/world", "-q", "-p", "no:cacheprovider",
-            "-x", "-m", "not gpu"]
+    args = ["-m", "mpi4py", str(RANK_PYTEST), *world_run_args(n)]
     examples = os.environ.get("AXONDIST_MPI_TEST_EXAMPLES", "5")
     temp = tmp_path / "temp"  # the ranks' system temp folder: left empty
+    reports = tmp_path / "reports"  # each rank's JUnit report
     temp.mkdir()
-    run = launch(tmp_path, n, args, {"AXONDIST_TEST_EXAMPLES": examples, "TMPDIR": str(temp)})
-    summaries = [pytest_summary(text) for text in run.ranks]
-    for r, summary in enumerate(summaries):
-        assert summary is not None, f"rank {r} printed no pytest summary\n{run.tail()}"
-        assert "passed" in summary and "failed" not in summary and "error" not in summary, (
-            f"rank {r}: {summary}\n{run.tail()}")
-    assert run.returncode == 0, f"mpiexec exited with {run.returncode}\n{run.tail()}"
-    counts = {re.sub(r" in [\d.]+s.*", "", s or "") for s in summaries}
-    assert len(counts) == 1, f"ranks ran different tests: {summaries}"
-    assert not list(temp.glob("axondist-rank*")), "a rank left its temporary folder behind"
+    reports.mkdir()
+    run = launch(tmp_path, n, args, {"AXONDIST_TEST_EXAMPLES": examples, "TMPDIR": str(temp),
+                                     REPORT_DIR_VARIABLE: str(reports)})
+    check_world_run(run, "mpiexec", n, temp, reports)
 
 
 @pytest.mark.parametrize("n", [4, 5])
@@ -172,13 +176,23 @@ def test_a_failing_world_test_prints_its_traceback_before_the_job_aborts(
         "    if world.rank == 1:\n"
         "        assert world.rank == 0, 'rank 1 fails this test on purpose'\n"
         "    ad.all_reduce(np.ones(3))  # rank 0 waits here until the abort ends it\n")
+    temp = tmp_path / "temp"  # the ranks' system temp folder
+    temp.mkdir()
     run = launch(tmp_path, 2, ["-m", "mpi4py", str(RANK_PYTEST), str(test_file), "-q", "-x",
-                               "-p", "no:cacheprovider", f"--rootdir={tmp_path}"], timeout=120)
+                               "-p", "no:cacheprovider", f"--rootdir={tmp_path}"],
+                 {"TMPDIR": str(temp)}, timeout=120)
     assert run.returncode != 0, run.tail()
     assert "rank 1: test_fails_on_rank_1.py::test_rank_1_fails failed" in run.ranks[1], run.tail()
     assert "AssertionError: rank 1 fails this test on purpose" in run.ranks[1], run.tail()
     assert run.seconds < 30, f"the job took {run.seconds:.0f} s to end\n{run.tail()}"
     assert "failed" not in run.ranks[0], "rank 0 did not fail; it must not be blamed"
+    _assert_rank_folders_go(temp)
+
+
+def _assert_rank_folders_go(temp: Path) -> None:
+    """The failing rank 1 removed its temporary folder before it ended the job (rank 0's,
+    killed by that abort, goes when a later rank starts: tests/unit/test_rank_folders.py)."""
+    assert not list(temp.glob("axondist-rank1-*")), "the failing rank left its folder"
 
 
 FAILING_TESTS = REPO / "tests" / "cluster" / "world_test_that_fails.py"
@@ -190,10 +204,12 @@ def test_a_failing_hypothesis_example_prints_its_traceback_and_ends_the_job(
     collectives then wait for ranks that went on (a hang until the timeout, and no
     traceback). The first failing example prints it and ends the job instead."""
     test = f"{FAILING_TESTS}::test_one_rank_fails_one_example"
+    temp = tmp_path / "temp"  # the ranks' system temp folder
+    temp.mkdir()
     run = launch(tmp_path, 2, ["-m", "mpi4py", str(RANK_PYTEST), test, "-q", "-x", "-p",
                                "no:cacheprovider"],
                  {"AXONDIST_FAIL_RANKS": "1", "AXONDIST_TEST_EXAMPLES": "3",
-                  "AXONDIST_TIMEOUT": "60"}, timeout=120)
+                  "AXONDIST_TIMEOUT": "60", "TMPDIR": str(temp)}, timeout=120)
     assert run.returncode != 0, run.tail()
     assert run.seconds < 30, f"the job took {run.seconds:.0f} s to end\n{run.tail()}"
     assert "test_one_rank_fails_one_example failed (call), the job aborts now" in run.ranks[1], (
@@ -201,6 +217,7 @@ def test_a_failing_hypothesis_example_prints_its_traceback_and_ends_the_job(
     assert "AssertionError: rank 1 fails size=" in run.ranks[1], run.tail()
     assert "failing example on this rank: size=" in run.ranks[1], run.tail()
     assert "failed" not in run.ranks[0], "rank 0 did not fail; it must not be blamed"
+    _assert_rank_folders_go(temp)
 
 
 def test_uncaught_exception_aborts_the_job(mpi_ready: None, tmp_path: Path) -> None:

@@ -18,14 +18,14 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import re
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
-from launched_job import Launch, pytest_summary, run_job
+from launched_job import WORLD_RUN_SIZES, Launch, check_world_run, run_job, world_run_args
+from rank_pytest import REPORT_DIR_VARIABLE
 
 REPO = Path(__file__).resolve().parents[2]
 #: The per-rank program of launched pytest runs (failures printed at once, the job ended).
@@ -69,25 +69,20 @@ def _rank_output(logs: Path, rank: int) -> str:
                    for path in sorted(logs.glob(f"*/attempt_*/{rank}/{name}")))
 
 
-@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("n", WORLD_RUN_SIZES)
 def test_world_tests_pass_under_torchrun(tmp_path: Path, n: int) -> None:
     """Every world test (collectives, groups, DDP, FSDP, ZeRO, pipeline, tensor parallel,
-    checkpoints) on the torch backend, as on mock and MPI."""
-    args = [str(RANK_PYTEST), "tests/world", "-q", "-p", "no:cacheprovider", "-x",
-            "-m", "not gpu"]
+    checkpoints) on the torch backend at two ranks; at three, the tests a third rank adds to
+    (tests/tiers.py's three_ranks). One job each: torch is imported once per rank."""
+    args = [str(RANK_PYTEST), *world_run_args(n)]
     examples = os.environ.get("AXONDIST_TORCH_TEST_EXAMPLES", "5")
     temp = tmp_path / "temp"  # the ranks' system temp folder: left empty
+    reports = tmp_path / "reports"  # each rank's JUnit report
     temp.mkdir()
-    run = launch(tmp_path, n, args, {"AXONDIST_TEST_EXAMPLES": examples, "TMPDIR": str(temp)})
-    summaries = [pytest_summary(text) for text in run.ranks]
-    for r, summary in enumerate(summaries):
-        assert summary is not None, f"rank {r} printed no pytest summary\n{run.tail()}"
-        assert "passed" in summary and "failed" not in summary and "error" not in summary, (
-            f"rank {r}: {summary}\n{run.tail()}")
-    assert run.returncode == 0, f"torchrun exited with {run.returncode}\n{run.tail()}"
-    counts = {re.sub(r" in [\d.]+s.*", "", s or "") for s in summaries}
-    assert len(counts) == 1, f"ranks ran different tests: {summaries}"
-    assert not list(temp.glob("axondist-rank*")), "a rank left its temporary folder behind"
+    reports.mkdir()
+    run = launch(tmp_path, n, args, {"AXONDIST_TEST_EXAMPLES": examples, "TMPDIR": str(temp),
+                                     REPORT_DIR_VARIABLE: str(reports)})
+    check_world_run(run, "torchrun", n, temp, reports)
 
 
 @pytest.mark.parametrize("n", [2, 3])
