@@ -1,6 +1,7 @@
 """Distributed data parallelism: every rank holds the whole model, gradients are averaged.
 
-:class:`DistributedDataParallel` (:mod:`~axondist.ddp.wrapper`) is built from a
+:class:`DistributedDataParallel` (:mod:`~axondist.ddp.wrapper`; its parameter broadcast and
+gradient step in ``_replicas.py``) is built from a
 :class:`GradientSynchronizer` (:mod:`~axondist.ddp.synchronizer`: when buckets are
 all-reduced), its buckets (:mod:`~axondist.ddp.buckets`: which gradients share one, and the
 flat buffer), OVERLAPPED's persistent pieces (:mod:`~axondist.ddp.pieces`) and the hook that
