@@ -20,9 +20,11 @@ def cluster_ready() -> None:
         pytest.skip(f"no simulated cluster: {reason}")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def cluster(cluster_ready: None) -> Iterator[SimCluster]:
-    """Two hosts, node0 and node1, shared by a module's tests (they must not break it)."""
+    """Two hosts, node0 and node1, built once and shared by every test of the session that
+    asks for it (they must not break it: a test that cuts a link, refuses logins or kills a
+    launcher builds its own, :func:`fresh_cluster`)."""
     with SimCluster(hosts=2) as built:
         yield built
 
