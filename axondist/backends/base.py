@@ -32,7 +32,7 @@ from .._validate import as_rank
 from ..errors import CollectiveMismatchError, InvalidBufferError
 from ..ops import ReduceOp
 from . import settings
-from .plan import CallKey, Plan, Signature, general_plan, validate  # Signature: until torch
+from .plan import CallKey, Plan, Signature, validate  # Signature: until NCCL imports it there
 from .recording.recorder import FlightRecorder
 from .work import CompletedWork, FutureWork, MappedWork, PolledWork, ThenWork, Work, finished
 
@@ -177,10 +177,6 @@ class Backend(abc.ABC):
     #: one stream), so a receive still waiting holds back every send issued after it:
     #: callers that send and receive concurrently give each direction its own group.
     serial_p2p: ClassVar[bool] = False
-    #: Whether plans made by :func:`~axondist.backends.plan.general_plan` pass the key's
-    #: signature to the backend's own methods (kept while the NCCL backend's methods
-    #: still compare signatures; removed with ``general_plan``).
-    needs_signature: bool = True
 
     # --- the contract -------------------------------------------------------------------
     @abc.abstractmethod
@@ -192,7 +188,6 @@ class Backend(abc.ABC):
         Raises:
             the error naming why this backend cannot run the call (dtype, op...).
         """
-        return general_plan(self, key)  # the methods' own path, until NCCL's plans take it
 
     @abc.abstractmethod
     def barrier(self) -> None:
@@ -455,10 +450,6 @@ class Backend(abc.ABC):
         self.free_plans()
 
 
-#: Kept while the torch backend still names its base class so; the same class.
-PlannedBackend = Backend
-
-
 def _pickled(obj: Any) -> np.ndarray:
     """``obj``'s pickle as a uint8 array."""
     return np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
@@ -480,7 +471,6 @@ def _piece_bounds(numel: int, itemsize: int, piece_bytes: int | None) -> list[tu
 
 
 __all__ = ["PLAN_CACHE_LIMIT", "Backend", "CallKey", "CompletedWork", "FutureWork", "MappedWork",
-           "PersistentAllReduce", "Plan", "PlannedBackend", "PolledWork", "Signature", "ThenWork",
-           "Work",
+           "PersistentAllReduce", "Plan", "PolledWork", "Signature", "ThenWork", "Work",
            "checks_enabled", "debug_enabled", "default_timeout", "finished",
            "stall_warning_after"]

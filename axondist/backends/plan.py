@@ -5,15 +5,15 @@ Every public collective builds the key of its call from its arguments (a pure fu
 them), asks the group's backend for that key's plan (:meth:`Backend.plan`: a dict lookup
 after the first call, which validates the key, chooses the algorithm and allocates what it
 keeps), and runs the plan on the call's buffers. Plans live in their backend and die with
-it. The generic plans here serve every backend through its general methods; a backend with
-something to choose (MPI) makes its own.
+it. Each backend makes its own; the two here (a widened half-precision mean, an all-gather
+that learns its row counts first) run through the backend's other plans, so any backend
+may use them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from math import prod
-from typing import TYPE_CHECKING, Any, NamedTuple, cast
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
@@ -22,7 +22,7 @@ from .._validate import as_rank
 from ..errors import CollectiveMismatchError, InvalidBufferError
 from ..ops import ReduceOp, check_op_dtype
 from ._rows import row_fingerprint, rows_mismatch
-from .work import ThenWork, Work, finished
+from .work import ThenWork
 
 if TYPE_CHECKING:  # the backend contract imports this module
     from .base import Backend
@@ -233,62 +233,7 @@ def checked_out(out: Any, key: CallKey, shape: tuple[int, ...], what: str) -> An
     return out
 
 
-# --- the generic plans ---------------------------------------------------------------------
-
-_Start = Callable[[Any, CallKey, Any, Any, Signature], Work]
-
-def _op(key: CallKey) -> ReduceOp:
-    return ReduceOp[cast(str, key.reduce_op)]
-
-
-def _root(key: CallKey) -> int:
-    return cast(int, key.root)
-
-
-#: How the generic plan starts each collective on a backend's general methods.
-_STARTS: dict[str, _Start] = {
-    "all_reduce": lambda b, k, s, r, sig: b.all_reduce(
-        s, _op(k), signature=sig, async_op=k.async_op),
-    "broadcast": lambda b, k, s, r, sig: b.broadcast(
-        s, _root(k), signature=sig, async_op=k.async_op),
-    "reduce": lambda b, k, s, r, sig: b.reduce(
-        s, _op(k), _root(k), signature=sig, async_op=k.async_op),
-    "all_gather": lambda b, k, s, r, sig: b.all_gather(
-        s, r, element_counts(k, b.world_size), signature=sig, async_op=k.async_op),
-    "reduce_scatter": lambda b, k, s, r, sig: b.reduce_scatter(
-        s, r, element_counts(k, b.world_size), _op(k), signature=sig, async_op=k.async_op),
-}
-
-
-class GeneralPlan(Plan):
-    """A call run through the backend's general methods (``Backend.all_reduce``...), with
-    the signature its checks compare built once."""
-
-    __slots__ = ("_backend", "_start", "_signature", "_out_shape", "_xp")
-
-    def __init__(self, backend: Backend, key: CallKey, signature: Signature | None = None
-                 ) -> None:
-        super().__init__(key)
-        self._backend = backend
-        self._start = _STARTS[key.collective]
-        #: ``signature``: the call the ranks compare, when it is not ``key``'s own (an
-        #: unsized all-gather's exchange of row counts stands for the caller's call).
-        self._signature = (() if not backend.needs_signature else
-                           key.signature() if signature is None else signature)
-        self._out_shape = output_shape(key, backend.rank, backend.world_size)
-        self._xp = _array.module_named(key.library)
-
-    def run(self, send: Any, recv: Any = None) -> Any:
-        key = self.key
-        if key.collective in IN_PLACE:
-            result = send
-        elif recv is None:
-            result = recv = self._xp.empty(self._out_shape, dtype=key.dtype)
-        else:
-            result = checked_out(recv, key, self._out_shape, key.collective)
-        work = self._start(self._backend, key, send, recv, self._signature)
-        return finished(work, result, key.async_op)
-
+# --- plans every backend may use -----------------------------------------------------------
 
 class WidenedMeanPlan(Plan):
     """AVERAGE of a float16/bfloat16 buffer: each rank's values are scaled by 1/n while
@@ -345,11 +290,8 @@ class UnsizedAllGatherPlan(Plan):
         self._headers = np.empty(4 * n, _INT64)
         self._header_plan: Plan | None = None
         if backend.host_collectives:
-            header_key = CallKey.of("all_gather", self._header, counts=(4,) * n)
-            self._header_plan = backend.plan(header_key)
-            if isinstance(self._header_plan, GeneralPlan):  # the backend compares signatures:
-                # the ranks compare the caller's call (a rank with sizes= meets its counts)
-                self._header_plan = GeneralPlan(backend, header_key, key.signature())
+            self._header_plan = backend.plan(CallKey.of("all_gather", self._header,
+                                                        counts=(4,) * n))
 
     def counts(self, rows: int) -> tuple[int, ...]:
         """Every rank's row count, given this rank's ``rows``."""
@@ -394,18 +336,6 @@ def exchange_row_counts(backend: Backend, key: CallKey, rows: int, header: Any =
     return tuple(m[0] for m in metas)
 
 
-def general_plan(backend: Backend, key: CallKey) -> Plan:
-    """The plan of ``key`` on a backend with nothing to choose: a widened mean for float16
-    and bfloat16 AVERAGEs, an exchange of row counts for an unsized all-gather, else the
-    backend's general method."""
-    if key.reduce_op == _AVERAGE and key.dtype in _HALF:
-        return WidenedMeanPlan(backend, key)
-    if key.collective == "all_gather" and key.counts is None:
-        return UnsizedAllGatherPlan(backend, key)
-    return GeneralPlan(backend, key)
-
-
-__all__ = ["CallKey", "GeneralPlan", "Plan", "Signature", "UnsizedAllGatherPlan",
-           "WidenedMeanPlan", "checked_out", "element_counts", "exchange_row_counts",
-           "general_plan", "output_shape",
-           "split_sizes", "validate"]
+__all__ = ["CallKey", "Plan", "Signature", "UnsizedAllGatherPlan", "WidenedMeanPlan",
+           "checked_out", "element_counts", "exchange_row_counts", "output_shape", "split_sizes",
+           "validate"]

@@ -18,11 +18,8 @@ from ...errors import (
     RankExitedError,
     WorldAbortedError,
 )
-from ..base import (
-    Signature,
-    default_timeout,
-    stall_warning_after,
-)
+from ..base import default_timeout, stall_warning_after
+from ..plan import Signature
 from ..recording.recorder import FlightRecorder, describe_call, describe_status
 from ..watchdog.watchdog import warn
 
