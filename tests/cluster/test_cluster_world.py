@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster.simcluster import SimCluster
+from cluster.simcluster import Launch, SimCluster
 
 HERE = Path(__file__).resolve().parent
 CHECKS = str(HERE / "rank_checks.py")
@@ -31,13 +31,26 @@ def _assert_all_ok(run_text: list[str], word: str, tail: str) -> None:
 
 # test_ddp_persistent.py: OVERLAPPED DDP's progress helper is on by itself across hosts;
 # test_overlap_pieces.py: its persistent rings and early-starting pieces across a real link.
-@pytest.mark.parametrize("world_test", ["test_collectives.py", "test_ddp.py",
-                                        "test_ddp_persistent.py", "test_ddp_progress.py",
-                                        "test_overlap_pieces.py"])
-def test_world_tests_pass_on_two_hosts(cluster: SimCluster, world_test: str) -> None:
-    args = ["-m", "mpi4py", RANK_PYTEST, f"tests/world/{world_test}", "-q", "-x",
-            "-p", "no:cacheprovider", "-m", "not gpu"]
-    run = cluster.run(SLOTS, args, env={"AXONDIST_TEST_EXAMPLES": "3"}, timeout=240)
+WORLD_TESTS = ["test_collectives.py", "test_ddp.py", "test_ddp_persistent.py",
+               "test_ddp_progress.py", "test_overlap_pieces.py"]
+
+
+@pytest.fixture(scope="module")
+def world_tests_run(cluster: SimCluster) -> Launch:
+    """One job on the two hosts running every file of :data:`WORLD_TESTS` (each rank
+    imports pytest, NumPy and axondist once, not once per file)."""
+    args = ["-m", "mpi4py", RANK_PYTEST, *(f"tests/world/{name}" for name in WORLD_TESTS),
+            "-x", "-p", "no:cacheprovider", "-m", "not gpu"]
+    return cluster.run(SLOTS, args, env={"AXONDIST_TEST_EXAMPLES": "3"},
+                       timeout=120 * len(WORLD_TESTS))
+
+
+@pytest.mark.parametrize("world_test", WORLD_TESTS)
+def test_world_tests_pass_on_two_hosts(world_tests_run: Launch, world_test: str) -> None:
+    run = world_tests_run
+    for r, text in enumerate(run.ranks):
+        assert re.search(rf"tests/world/{re.escape(world_test)} [.sx]+", text), (
+            f"rank {r} did not run {world_test}, or not all passed\n{run.tail()}")
     assert run.returncode == 0, run.tail()
     summaries = [re.findall(r"(\d+ passed.* in [\d.]+s)", text) for text in run.ranks]
     for r, found in enumerate(summaries):
