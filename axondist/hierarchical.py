@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import _array
+from ._call_args import one_array
 from ._validate import parse_choice, sequence_of
 from .backends.base import CompletedWork, Work
 from .comm import all_gather, all_gather_object, all_reduce, reduce_scatter, split_sizes
@@ -171,7 +172,7 @@ class HierarchicalAllReduce:
         if self._closed:
             raise NotAMemberError("HierarchicalAllReduce: called after close(); build a new "
                                   "HierarchicalAllReduce(group) on every rank")
-        x = _array.as_array(x)
+        x = one_array(x, "HierarchicalAllReduce", in_place=True)  # a list would stay as it was
         if self._node is None or self._across is None or x.nbytes < self.min_bytes:
             return all_reduce(x, op, self.group)
         op = ReduceOp.parse(op, "HierarchicalAllReduce")

@@ -14,9 +14,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+import axondist as ad
 from axondist import differentiable
 from axondist.backends.checks import printable, raise_if_different
-from axondist.errors import CollectiveMismatchError
+from axondist.errors import CollectiveMismatchError, InvalidBufferError
 from axondist.ops import ReduceOp
 
 ALIASES = {"mean": ReduceOp.AVERAGE, "avg": ReduceOp.AVERAGE, "prod": ReduceOp.PRODUCT}
@@ -111,3 +112,17 @@ def test_printable_forms() -> None:
 def test_an_unknown_op_names_the_function_it_was_passed_to(name: str) -> None:
     with pytest.raises(ValueError, match=rf"^differentiable.{name}: op='median' is an unknown"):
         getattr(differentiable, name)(np.ones(2), "median")
+
+
+def test_a_list_given_to_the_hierarchical_all_reduce_is_refused_naming_it() -> None:
+    """A list cannot be reduced in place: refused, not copied and left as it was."""
+    from axondist.hierarchical import HierarchicalAllReduce
+
+    def body(world: ad.World) -> None:
+        values = [1.0, 2.0]
+        with pytest.raises(InvalidBufferError, match=r"^HierarchicalAllReduce: x is a list of 2 "
+                                                     "numbers; a Python container cannot be "
+                                                     "written in place"):
+            HierarchicalAllReduce(world, min_bytes=0)(values)
+
+    ad.spawn(body, 2)
