@@ -24,6 +24,8 @@ from ..ops import ReduceOp
 from ..process_group import ProcessGroup
 from .buckets import MiB
 
+#: Largest piece of a persistent all-reduce when ``piece_bytes`` is None.
+DEFAULT_PIECE_BYTES = 4 * MiB
 #: dtypes whose pieces a group of two averages in one pass (see _means_in_one_pass).
 _MEAN_DTYPES = frozenset(np.dtype(t) for t in (np.float32, np.float64))
 
@@ -61,8 +63,11 @@ class PersistentPieces:
     #: hook). A piece starts once every gradient it holds was added, so when the backward
     #: pass hands over its last gradient at most about one piece is left to start: the
     #: exposed end of the step. Smaller pieces leave less, but each pays the group's latency
-    #: and Python's costs once. None: the backend's choice (under MPI 2 MiB).
-    piece_bytes: int | None = 4 * MiB
+    #: and Python's costs once. None: the whole bucket where each piece is a blocking mean
+    #: (a checked MPI group of two on one host: see :meth:`_means_in_one_pass`), else
+    #: :data:`DEFAULT_PIECE_BYTES`.
+    piece_bytes: int | None = None
+
     def _init_pieces(self) -> None:
         #: pieces waiting to start, in the one order every rank starts them
         self._queue: deque[tuple[Any, int]] = deque()
@@ -89,13 +94,16 @@ class PersistentPieces:
             self._free_persistent()
             self._blocking_means = self._means_in_one_pass(backend)
             for state in self.buckets:
-                if self._blocking_means:  # the contract's default handle: bounds, and
-                    # checked non-blocking SUMs for the steps with sample counts
+                if self._blocking_means:  # the contract's default handle: its bounds
+                    # (one piece a bucket unless piece_bytes asks: each piece's mean costs
+                    # two round trips, as few as SYNCHRONOUS makes), and checked
+                    # non-blocking SUMs for the steps with sample counts
                     state.persistent = Backend.persistent_all_reduce(
                         backend, state.flat, ReduceOp.SUM, piece_bytes=self.piece_bytes)
                 else:
                     state.persistent = backend.persistent_all_reduce(
-                        state.flat, ReduceOp.SUM, piece_bytes=self.piece_bytes)
+                        state.flat, ReduceOp.SUM,
+                        piece_bytes=self.piece_bytes or DEFAULT_PIECE_BYTES)
             self._persistent_owner = backend
             interval = self._helper_interval()
             if interval > 0:
@@ -104,14 +112,15 @@ class PersistentPieces:
                            for k in range(len(state.persistent.bounds)))
 
     def _means_in_one_pass(self, backend: Backend) -> bool:
-        """Whether each piece of a plain mean (no sample counts) runs as a blocking
-        ``AVERAGE`` all-reduce of its own instead of a weighted persistent SUM: float32/64
+        """Whether each bucket of a plain mean (no sample counts) is one piece that runs as
+        a blocking ``AVERAGE`` all-reduce once its gradients are in, instead of weighted
+        persistent SUMs of pieces: float32/64
         NumPy buckets in a checked group of two on one host (the backend's ``layout`` says
-        so: the MPI backend's), where each piece is summed and halved in the data's one
-        pass, as the synchronous strategy's buckets are (the same bits: halving is exact),
-        and the data moves inside the call as it would in the tests between gradients.
+        so: the MPI backend's), where each bucket is summed and halved in the data's one
+        pass, as the synchronous strategy's are (the same calls and bits), and the data
+        moves inside the call as it would in the tests between gradients.
         Depends on nothing rank-local, so every rank decides alike."""
-        layout = getattr(backend, "layout", None)
+        layout = getattr(backend, "layout", None) if backend.name == "mpi" else None
         return (layout is not None and layout.world_size == 2 and layout.nodes == 1
                 and layout.checks and all(type(s.flat) is np.ndarray
                                           and s.flat.dtype in _MEAN_DTYPES
@@ -320,4 +329,4 @@ class ProgressHelper:
             time.sleep(self._interval)
 
 
-__all__ = ["PersistentPieces", "ProgressHelper"]
+__all__ = ["DEFAULT_PIECE_BYTES", "PersistentPieces", "ProgressHelper"]

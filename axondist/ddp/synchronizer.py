@@ -62,8 +62,8 @@ class GradSyncStrategy(enum.Enum):
     #: all-reduce is persistent (set up on the first step; under MPI, MPI-4 persistent
     #: collectives) and cut into pieces (GradientSynchronizer.piece_bytes), each started,
     #: in bucket order, once its own gradients are in and weighted just before it leaves
-    #: (in a checked MPI group of two on one host, each piece of a plain mean is a blocking
-    #: mean of its own instead, summed and halved in one pass).
+    #: (in a checked MPI group of two on one host, each bucket of a plain mean is instead a
+    #: blocking mean once its gradients are in, summed and halved in one pass).
     OVERLAPPED = "overlapped"
     #: no communication: gradients stay local (e.g. to accumulate over several
     #: micro-batches before one synchronized step).
