@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 import axondist as ad
 from axondist.backends.mock import backend as mock
+from axondist.backends.mock import plans as mock_plans
 
 pytestmark = mock_only
 
@@ -30,12 +31,12 @@ OPS = ["sum", "mean", "max", "min", "product"]
 def shared_rounds(part_bytes: int, min_bytes: int) -> Iterator[None]:
     """Split rounds into parts of ``part_bytes`` from ``min_bytes`` of work on (so that
     small arrays take the path large ones take)."""
-    saved = mock._PART_BYTES, mock._SHARED_MIN_BYTES
-    mock._PART_BYTES, mock._SHARED_MIN_BYTES = part_bytes, min_bytes
+    saved = mock_plans._PART_BYTES, mock._SHARED_MIN_BYTES
+    mock_plans._PART_BYTES, mock._SHARED_MIN_BYTES = part_bytes, min_bytes
     try:
         yield
     finally:
-        mock._PART_BYTES, mock._SHARED_MIN_BYTES = saved
+        mock_plans._PART_BYTES, mock._SHARED_MIN_BYTES = saved
 
 
 def rank_input(seed: int, call: int, rank: int, count: int) -> np.ndarray:
@@ -196,8 +197,8 @@ def _run_script(body: str, timeout: float = 60) -> subprocess.CompletedProcess:
     code = textwrap.dedent("""
         import numpy as np
         import axondist as ad
-        from axondist.backends.mock import backend as mock
-        mock._PART_BYTES, mock._SHARED_MIN_BYTES = 64, 0
+        from axondist.backends.mock import backend as mock, plans as mock_plans
+        mock_plans._PART_BYTES, mock._SHARED_MIN_BYTES = 64, 0
     """) + textwrap.dedent(body)
     return subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
                           text=True, timeout=timeout, env={"PYTHONPATH": str(REPO),
@@ -205,13 +206,21 @@ def _run_script(body: str, timeout: float = 60) -> subprocess.CompletedProcess:
 
 
 def test_a_part_that_fails_fails_every_rank_of_the_round():
-    """Unchecked sizes (the backend called with no signature) break a part: every rank
-    raises instead of waiting for the parts that failed."""
+    """A part that raises (one of a shared all-reduce's slices): every rank raises its
+    error instead of waiting for the parts that failed."""
     proc = _run_script("""
+        part = mock_plans.AllReducePlan._part
+
+        def breaking(self, rnd, i):
+            if i == 1:
+                raise ValueError("part 1 broke")
+            part(self, rnd, i)
+
+        mock_plans.AllReducePlan._part = breaking
+
         def body(world):
-            x = np.ones(1020 - 7 * world.rank)
             try:
-                world.backend.all_reduce(x, ad.ReduceOp.SUM).wait()
+                ad.all_reduce(np.ones(1020))
             except ValueError as exc:
                 return "raised: " + str(exc)
             return "passed"
@@ -219,7 +228,7 @@ def test_a_part_that_fails_fails_every_rank_of_the_round():
         print(ad.spawn(body, 3))
     """)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.count("raised: operands could not be broadcast") == 3, proc.stdout
+    assert proc.stdout.count("raised: part 1 broke") == 3, proc.stdout
 
 
 def test_a_failing_rank_wakes_the_peers_waiting_in_a_shared_round():
