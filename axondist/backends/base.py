@@ -32,7 +32,7 @@ from .._validate import as_rank
 from ..errors import CollectiveMismatchError, InvalidBufferError
 from ..ops import ReduceOp
 from . import settings
-from .plan import CallKey, Plan, Signature, validate  # Signature: until NCCL imports it there
+from .plan import CallKey, Plan, validate
 from .recording.recorder import FlightRecorder
 from .work import CompletedWork, FutureWork, MappedWork, PolledWork, ThenWork, Work, finished
 
@@ -471,6 +471,6 @@ def _piece_bounds(numel: int, itemsize: int, piece_bytes: int | None) -> list[tu
 
 
 __all__ = ["PLAN_CACHE_LIMIT", "Backend", "CallKey", "CompletedWork", "FutureWork", "MappedWork",
-           "PersistentAllReduce", "Plan", "PolledWork", "Signature", "ThenWork", "Work",
+           "PersistentAllReduce", "Plan", "PolledWork", "ThenWork", "Work",
            "checks_enabled", "debug_enabled", "default_timeout", "finished",
            "stall_warning_after"]
