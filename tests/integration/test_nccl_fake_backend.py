@@ -850,7 +850,7 @@ def test_a_timeout_aborts_the_communicators_with_the_watchdogs_report(fake):
     assert "missing ranks: [1]" in text and "rank 1 (host " in text
     assert "is not in any axondist call (busy in its own code)" in text
     assert "last calls of rank 0 (flight recorder, oldest first)" in text
-    assert not b0._comm.alive  # ncclCommAbort
+    assert not b0.communicator.alive  # ncclCommAbort
     with pytest.raises(CollectiveTimeoutError, match=r"broadcast: not completed within 0.3 s"):
         b0.broadcast(x, 0)  # an aborted communicator is never used again
     b0.close()
@@ -868,7 +868,7 @@ def test_async_errors_name_the_operation(fake, monkeypatch):
     with pytest.raises(CollectiveTimeoutError, match=r"broadcast: not completed within 0.2 s on "
                                                      r"rank 0 of 2 \(GPU 0\); it keeps running"):
         work.wait(timeout=0.2)  # an explicit timeout leaves the call running
-    assert b0._comm.alive
+    assert b0.communicator.alive
     fake.async_error = 6  # a peer died
     with pytest.raises(nt.NcclError, match="broadcast: NCCL failed with ncclRemoteError") as e:
         work.wait(timeout=5.0)
@@ -896,7 +896,7 @@ def test_nccl_call_errors_are_wrapped(fake):
     from axondist.backends.nccl import NcclBackend
 
     (b,) = NcclBackend.create_world([0])
-    b._comm.alive = False  # as after ncclCommAbort: NCCL answers ncclInvalidArgument
+    b.communicator.alive = False  # as after ncclCommAbort: NCCL answers ncclInvalidArgument
     with pytest.raises(nt.NcclError, match="all_reduce: NCCL failed with ncclInvalidArgument"):
         b.all_reduce(ad.to_device(np.ones(2)), ReduceOp.SUM)
 
