@@ -82,6 +82,17 @@ SLOW_TESTS = frozenset({
     "tests/integration/test_nccl_fake_backend.py::"
     "test_two_ranks_on_one_gpu_are_refused_before_nccl_starts",
     "tests/integration/test_nccl_fake_backend.py::test_rendezvous_between_processes",
+    # 1.5-3 s of CPU each on a loaded machine: an mpiexec launch, matplotlib pictures, the
+    # pipeline's training loops (its schedules stay quick), the context-parallel grid (its
+    # property test stays), big persistent buffers, a checkpoint over three world sizes
+    "tests/world/test_fsdp.py::test_different_models_under_mpiexec_fail_fast_on_every_rank",
+    "tests/unit/test_pipeline_render.py::"
+    "test_every_bar_is_labelled_and_chunk_swatches_use_the_kinds_colours",
+    "tests/world/test_pipeline.py::test_the_one_loop_calls_train_like_one_process",
+    "tests/world/test_pipeline.py::test_sgd_steps_equal_sequential_training",
+    "tests/world/test_context_parallel.py::test_every_method_and_layout_matches_the_reference",
+    "tests/world/test_overlap_pieces.py::test_persistent_pieces_sum_like_numpy",
+    "tests/world/test_zero.py::test_sharded_checkpoint_two_to_three_to_one_rank",
     "tests/integration/test_nccl_fake_backend.py::"
     "test_a_rank_that_skips_a_collective_times_out_with_the_watchdogs_report",
 })
