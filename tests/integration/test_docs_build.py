@@ -197,7 +197,7 @@ def test_roles_resolve_relative_to_the_documented_object(package: griffe.Module)
 
 
 def test_the_extension_ran_on_the_package(package: griffe.Module) -> None:
-    spawn = package["launch.spawn"].docstring
+    spawn = package["launching.worlds.spawn"].docstring
     assert ":func:`" not in spawn.value
     raises = [s for s in spawn.parse("google") if s.kind.value == "raises"]
     assert raises and "Exception" in [str(r.annotation) for r in raises[0].value]
