@@ -9,8 +9,7 @@ the peers show a wait cycle through this rank, or no rank of a peer's host has a
 ``stall`` seconds (and every ``stall`` seconds after) naming the missing ranks, and ends the
 job at ``timeout``, each on time: a silent peer (stopped, or cut off) is asked once per look,
 never past the moment the next warning or the timeout is due. Requests carry a per-job
-token, so nothing outside the job can end it. Settings and the server's address:
-docs/backends.md ("The watchdog").
+token, so nothing outside the job can end it. Settings: docs/backends.md ("The watchdog").
 """
 
 from __future__ import annotations
@@ -68,10 +67,11 @@ def silence_all() -> None:
 
 
 def _exit_announced(status: int) -> NoReturn:
-    """``os._exit`` while a watchdog runs: tell the peers this rank leaves, and how, first
-    (atexit hooks, which announce ``sys.exit``, never run for it), then exit."""
-    told = [dog.announce_left(f"os._exit({status})") for dog in list(_RUNNING)]
-    if any(told):
+    """``os._exit`` under a watchdog (atexit hooks never run for it): tell the peers and the
+    launcher (torchrun may end the peers before they tell it) how this rank leaves; exit."""
+    if any([dog.announce_left(f"os._exit({status})") for dog in list(_RUNNING)]):
+        report_lost(_RUNNING[0].recorder.rank, _RUNNING[0].recorder.rank,
+                    f"it called os._exit({status})")
         time.sleep(_EXIT_PAUSE)  # a launcher kills the job once a rank ends with an error
     _real_exit(status)
 
