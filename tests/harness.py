@@ -14,10 +14,12 @@ the generated sizes say so).
 from __future__ import annotations
 
 import functools
+import sys
 import warnings
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import pytest
 from hypothesis import strategies as st
 
@@ -56,6 +58,27 @@ def run_world(body: Callable[..., Any], world_size: int, *args: Any,
     if LAUNCHED:
         return [body(launched_world(), *args)]
     return axondist.spawn(body, world_size, *args, timeout=timeout)
+
+
+def calls_in_a_warm_all_reduce(world: axondist.World) -> tuple[int, int]:
+    """The Python and C functions (``sys.setprofile``) one warm 4 KiB SUM ``all_reduce``
+    enters on this rank once its plan exists; checks that the sums really ran."""
+    x = np.ones(1024, np.float32)
+    for _ in range(3):  # the plan made and warm
+        axondist.all_reduce(x)
+    calls = {"call": 0, "c_call": 0}
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event in calls:
+            calls[event] += 1
+
+    sys.setprofile(profile)
+    try:
+        axondist.all_reduce(x)
+    finally:
+        sys.setprofile(None)
+    np.testing.assert_array_equal(x, world.world_size ** 4)
+    return calls["call"], calls["c_call"] - 1  # setprofile(None) itself is a C call
 
 
 def world_sizes(min_size: int = 1, max_size: int = 8) -> st.SearchStrategy[int]:

@@ -7,14 +7,8 @@ with a measured reason). Runs on the mock world and unchanged under ``mpiexec`` 
 
 from __future__ import annotations
 
-import sys
-from typing import Any
-
-import numpy as np
-from harness import UNDER_MPI, UNDER_TORCHRUN, run_world, world_sizes
+from harness import UNDER_MPI, UNDER_TORCHRUN, calls_in_a_warm_all_reduce, run_world, world_sizes
 from hypothesis import given, settings
-
-import axondist as ad
 
 #: (backend, ranks) -> (Python functions, C functions other than MPI's) one warm 4 KiB SUM
 #: may enter: at 2 ranks the riding all-reduce (its header written into the group's
@@ -27,29 +21,10 @@ BUDGETS = {("mpi", 2): (13, 7), ("mpi", 3): (14, 6)}
 MOCK_BUDGET = (43, 30)
 
 
-def _count(world: ad.World) -> tuple[int, int]:
-    x = np.ones(1024, np.float32)
-    for _ in range(3):  # the plan made and warm
-        ad.all_reduce(x)
-    calls = {"call": 0, "c_call": 0}
-
-    def profile(frame: Any, event: str, arg: Any) -> None:
-        if event in calls:
-            calls[event] += 1
-
-    sys.setprofile(profile)
-    try:
-        ad.all_reduce(x)
-    finally:
-        sys.setprofile(None)
-    np.testing.assert_array_equal(x, world.world_size ** 4)  # the sums really ran
-    return calls["call"], calls["c_call"] - 1  # setprofile(None) itself is a C call
-
-
 @settings(max_examples=3, deadline=None)
 @given(n=world_sizes(1, 3))
 def test_a_warm_4_kib_all_reduce_stays_within_its_python_budget(n):
-    counts = run_world(_count, n)
+    counts = run_world(calls_in_a_warm_all_reduce, n)
     size = n
     if UNDER_MPI:
         budget = BUDGETS.get(("mpi", size))
