@@ -19,6 +19,7 @@ import itertools
 import os
 import shutil
 import signal
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -128,6 +129,13 @@ def file_sha256(path: str) -> str:
     return h.hexdigest()
 
 
+#: Held while NumPy parses a .npy header. The header is a Python literal that NumPy reads
+#: with ``ast.literal_eval``, and CPython 3.11's AST constructor keeps its recursion depth in
+#: state shared by threads: mock-world ranks loading at once can raise "AST constructor
+#: recursion depth mismatch" (CPython gh-106905), which would read as a damaged file.
+NPY_HEADER_LOCK = threading.Lock()
+
+
 def remove_tree(path: str) -> None:
     """Remove a file or directory tree (missing is fine), as one counted change."""
     if os.path.isdir(path) and not os.path.islink(path):
@@ -138,4 +146,4 @@ def remove_tree(path: str) -> None:
 
 
 __all__ = ["FAULT_ENV", "RELEASE_ENV", "HashingWriter", "atomic_write", "fault_point",
-           "file_sha256", "fsync_dir", "remove_tree"]
+           "NPY_HEADER_LOCK", "file_sha256", "fsync_dir", "remove_tree"]

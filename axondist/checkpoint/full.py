@@ -21,7 +21,7 @@ from .. import _array
 from ..errors import CheckpointError
 from ..parameter import Parameter, parameters_of
 from ..process_group import ProcessGroup, resolve_group
-from .files import atomic_write
+from .files import NPY_HEADER_LOCK, atomic_write
 from .index import canonical_json, parse_checked_json, with_checksum
 from .layouts import assign
 from .types import dtype_name, param_names, restore, storable
@@ -117,8 +117,8 @@ def _write_full(path: str, state: dict[str, Any] | None,
 
 def _read_npz(path: str) -> dict[str, np.ndarray]:
     try:  # our own file handle, so it is closed even when NumPy fails on a damaged zip
-        with open(path, "rb") as fh, np.load(fh, allow_pickle=False) as npz:
-            return {k: npz[k] for k in npz.files}
+        with NPY_HEADER_LOCK, open(path, "rb") as fh, np.load(fh, allow_pickle=False) as npz:
+            return {k: npz[k] for k in npz.files}  # each member's header is parsed here
     except Exception as exc:  # zipfile/ValueError/EOFError: all mean a damaged file
         raise CheckpointError(f"load_full_checkpoint: {path} cannot be read as a .npz file "
                               f"({type(exc).__name__}: {exc}); it is truncated or corrupted"

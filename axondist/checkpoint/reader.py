@@ -11,7 +11,7 @@ import numpy as np
 from .. import _array
 from ..errors import CheckpointError
 from .directory import resolve
-from .files import file_sha256
+from .files import NPY_HEADER_LOCK, file_sha256
 from .index import INDEX_FILE, parse_checked_json, storage_dtype, validate_index
 from .types import TensorSpec, restore
 
@@ -116,7 +116,8 @@ class CheckpointReader:
                                   "check (checksum mismatch: the file is corrupted); restore it "
                                   "or save again")
         try:
-            arr = np.load(fpath, mmap_mode="r", allow_pickle=False)
+            with NPY_HEADER_LOCK:  # the data is mapped, not read: held for the header
+                arr = np.load(fpath, mmap_mode="r", allow_pickle=False)
         except Exception as exc:  # a damaged header: ValueError, SyntaxError, EOFError...
             raise CheckpointError(f"checkpoint {self.path}: shard file {fname} is not a "
                                   f"readable .npy file ({type(exc).__name__}: {exc})") from None
