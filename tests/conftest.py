@@ -34,6 +34,30 @@ settings.load_profile("default")
 # Short collective timeout: a test that would hang fails quickly instead.
 os.environ.setdefault("AXONDIST_TIMEOUT", "60")
 
+#: pytest-xdist workers of a plain ``pytest`` run. Half the suite's time is one process at a
+#: time (mock-world threads share one GIL; docs, mypy and examples run one by one), so a
+#: second worker keeps the second core busy. A worker takes whole files, and the simulated
+#: cluster's folder as one, so a fault module's runs and the cluster start once.
+WORKERS = int(os.environ.get("AXONDIST_TEST_WORKERS", "2"))
+
+
+def _launched_rank() -> bool:
+    return any(os.environ.get(v) is not None for v in ("PMI_RANK", "OMPI_COMM_WORLD_RANK",
+                                                        "RANK"))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config: pytest.Config) -> None:
+    """Run on :data:`WORKERS` workers unless ``-n`` says otherwise; a worker itself, a
+    launched rank, a collection and a debugger session run in this process."""
+    if (not config.pluginmanager.hasplugin("xdist") or config.option.numprocesses is not None
+            or "PYTEST_XDIST_WORKER" in os.environ or _launched_rank()
+            or config.option.collectonly or config.option.usepdb or WORKERS < 2):
+        return
+    config.option.numprocesses = WORKERS
+    if config.option.dist == "no":
+        config.option.dist = "loadgroup"
+
 
 def pytest_configure(config: pytest.Config) -> None:
     """Under ``mpiexec`` or ``torchrun`` each rank gets its own temporary folder
@@ -82,7 +106,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     from axondist._environment import launched_by_mpi
 
     under_mpi = launched_by_mpi()
+    grouped = getattr(config.option, "dist", "no") == "loadgroup"
     for item in items:
+        if grouped:  # a worker takes a whole file (the simulated cluster's folder as one)
+            path = place(item)[0]
+            group = "tests/cluster" if path.startswith("tests/cluster/") else path
+            item.add_marker(pytest.mark.xdist_group(group))
         if is_slow(item):
             item.add_marker(pytest.mark.slow)
         if needs_three_ranks(item):
