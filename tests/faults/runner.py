@@ -3,16 +3,25 @@
 hang fails the test instead of freezing the suite), with ``AXONDIST_TIMEOUT=10`` and MPICH's
 waiting ranks yielding their core (the machines running the suite are small); a module's runs
 start together, a few at a time, the first time one of its tests asks for them.
+
+Importing torch takes seconds of CPU in every process of a torchrun job, more than most
+cases take. So :func:`start_all` runs a module's torch cases of one size a few to a job
+(``scripts/torch_cases.py``): each rank imports torch once and forks a process per case,
+which joins a world of its own; the rank kills it past its limit and stops it when a peer's
+failed, as torchrun's agent does.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import importlib.util
+import json
 import os
 import re
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -81,12 +90,38 @@ MISSING: dict[str, Callable[[], str | None]] = {
     "mock": lambda: None, "mpi": lambda: why_no_mpi(), "torch": lambda: why_no_torch()}
 
 
+#: Torch cases per torchrun job (:func:`start_all`).
+TORCH_CASES_PER_JOB = 6
+TORCH_CASES_SCRIPT = Path(__file__).resolve().parent / "scripts" / "torch_cases.py"
+
+
+@dataclass(frozen=True)
+class TorchCase:
+    """A torch run :func:`run_case` was asked for while :func:`start_all` collects them."""
+
+    script: Path
+    case: str
+    n: int
+    env: dict[str, str]
+    extra_args: tuple[str, ...]
+    hard_limit: float
+
+
+_collecting = threading.local()  # .cases: the TorchCase list start_all fills, or absent
+
+
 def run_case(script: Path, case: str, mode: str, n: int,
              env: dict[str, str] | None = None, extra_args: Sequence[str] = (),
              hard_limit: float = HARD_LIMIT) -> Outcome:
     """``python SCRIPT CASE MODE [EXTRA_ARGS]`` on ``n`` ranks: under ``mpiexec -n n`` for
     ``mode`` "mpi", ``torchrun --nproc-per-node n`` for "torch", else with ``n`` as the last
-    argument (the script spawns a mock world); killed after ``hard_limit`` seconds."""
+    argument (the script spawns a mock world); killed after ``hard_limit`` seconds. Inside
+    :func:`start_all`'s collection a torch run is only noted (its job runs it)."""
+    collected = getattr(_collecting, "cases", None)
+    if mode == "torch" and collected is not None:
+        collected.append(TorchCase(script, case, n, dict(env or {}), tuple(extra_args),
+                                   hard_limit))
+        return Outcome(0, 0.0, "")
     command = LAUNCHERS[mode]([sys.executable, str(script), case, mode, *extra_args], n)
     start = time.monotonic()
     try:
@@ -100,8 +135,87 @@ def run_case(script: Path, case: str, mode: str, n: int,
 
 
 def start_all(runs: Sequence[tuple[Any, ...]], run: Callable[..., Outcome],
-              parallel: int = PARALLEL) -> dict[tuple[Any, ...], concurrent.futures.Future]:
+              parallel: int = PARALLEL, share_torch: bool = True,
+              ) -> dict[tuple[Any, ...], concurrent.futures.Future]:
     """Start ``run(*r)`` for every ``r`` of ``runs`` (tuples whose second item is the
-    mode) on ``parallel`` threads; runs of a mode that cannot run here are left out."""
+    mode) on ``parallel`` threads; runs of a mode that cannot run here are left out.
+
+    With ``share_torch``, ``run`` must return :func:`run_case`'s outcome as it is: each torch
+    run's ``run`` is called to learn its case, and the cases of one size run
+    :data:`TORCH_CASES_PER_JOB` to a torchrun job."""
     pool = concurrent.futures.ThreadPoolExecutor(parallel)
-    return {r: pool.submit(run, *r) for r in runs if MISSING[r[1]]() is None}
+    runnable = [r for r in runs if MISSING[r[1]]() is None]
+    shared = [r for r in runnable if share_torch and r[1] == "torch"]
+    futures = {r: pool.submit(run, *r) for r in runnable if r not in shared}
+    by_size: dict[int, list[tuple[tuple[Any, ...], TorchCase]]] = {}
+    for r in shared:
+        _collecting.cases = []
+        try:
+            run(*r)
+            (case,) = _collecting.cases
+        finally:
+            del _collecting.cases
+        by_size.setdefault(case.n, []).append((r, case))
+    for n, cases in by_size.items():
+        jobs = -(-len(cases) // TORCH_CASES_PER_JOB)
+        for j in range(jobs):
+            job = cases[j::jobs]  # as even as the count allows
+            job_future = pool.submit(_run_torch_job, n, [case for _, case in job])
+            for k, (r, _) in enumerate(job):
+                futures[r] = _item(job_future, k)
+    return futures
+
+
+def _item(job: concurrent.futures.Future, k: int) -> concurrent.futures.Future:
+    """A future of the ``k``-th outcome of ``job``'s list."""
+    item: concurrent.futures.Future = concurrent.futures.Future()
+
+    def done(f: concurrent.futures.Future) -> None:
+        if f.exception() is not None:
+            item.set_exception(f.exception())
+        else:
+            item.set_result(f.result()[k])
+
+    job.add_done_callback(done)
+    return item
+
+
+def _run_torch_job(n: int, cases: list[TorchCase]) -> list[Outcome]:
+    """``cases`` in one ``torchrun --nproc-per-node n`` job (``scripts/torch_cases.py``):
+    each one's outcome as if torchrun had run it alone (exit status 1 when a rank failed,
+    -999 when one hung; every rank's output, in rank order)."""
+    with tempfile.TemporaryDirectory(prefix="axondist-torch-cases-") as folder:
+        out = Path(folder)
+        (out / "cases.json").write_text(json.dumps([
+            {"script": str(c.script), "case": c.case, "args": list(c.extra_args), "env": c.env,
+             "limit": c.hard_limit} for c in cases]))
+        command = LAUNCHERS["torch"]([sys.executable, str(TORCH_CASES_SCRIPT),
+                                      str(out / "cases.json"), folder], n)
+        limit = sum(c.hard_limit for c in cases) + HARD_LIMIT
+        try:
+            proc = subprocess.run(command, cwd=REPO, env={**os.environ, **ENV},
+                                  capture_output=True, text=True, timeout=limit,
+                                  stdin=subprocess.DEVNULL)
+            job_output = f"torchrun exited with {proc.returncode}\n{proc.stdout}{proc.stderr}"
+        except subprocess.TimeoutExpired as exc:
+            job_output = f"HUNG: the job was killed after {limit:g} s\n{exc.stdout}{exc.stderr}"
+        return [_torch_outcome(out / str(k), n, job_output) for k in range(len(cases))]
+
+
+def _torch_outcome(folder: Path, n: int, job_output: str) -> Outcome:
+    ends = []
+    for r in range(n):
+        path = folder / f"rank{r}.json"
+        ends.append(json.loads(path.read_text()) if path.exists() else None)
+    output = "".join((folder / f"rank{r}.txt").read_text(errors="replace")
+                     if (folder / f"rank{r}.txt").exists() else "" for r in range(n))
+    if any(end is None for end in ends):  # the job ended before the case did
+        return Outcome(-999, 0.0, f"{output}\nthe case did not end on every rank\n{job_output}")
+    if any(end["hung"] for end in ends):
+        code = -999
+    else:
+        code = 0 if all(end["status"] == 0 for end in ends) else 1
+    started = min(end["started"] for end in ends)
+    ended = max(end["ended"] for end in ends)
+    statuses = ", ".join(f"rank {r}: {end['status']}" for r, end in enumerate(ends))
+    return Outcome(code, ended - started, f"{output}\nexit statuses: {statuses}\n", ended)

@@ -37,7 +37,7 @@ def _run(case: str, mode: str, n: int) -> Outcome:
 
 @functools.cache
 def _outcomes() -> dict:
-    return start_all(RUNS, _run)
+    return start_all(RUNS, _run, share_torch=False)  # _run reads the folder after the run
 
 
 @pytest.mark.parametrize("case,mode,n", RUNS, ids=[f"{c}-{m}{n}" for c, m, n in RUNS])

@@ -41,7 +41,7 @@ def _run(case: str, mode: str, n: int, launch: int) -> Outcome:
 
 @functools.cache
 def _outcomes() -> dict:
-    return start_all(RUNS, _run, parallel=LAUNCHES)
+    return start_all(RUNS, _run, parallel=LAUNCHES, share_torch=False)  # its own rounds
 
 
 def test_every_launch_of_a_correct_job_exits_cleanly() -> None:
