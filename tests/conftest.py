@@ -41,6 +41,21 @@ os.environ.setdefault("AXONDIST_TIMEOUT", "60")
 WORKERS = int(os.environ.get("AXONDIST_TEST_WORKERS", "2"))
 
 
+#: The xdist group of the launched world runs (minutes each, every core busy): one worker runs
+#: them in turn, first, while the other works through the rest.
+LAUNCHED_WORLDS = "launched world runs"
+
+
+def _group(item: pytest.Item) -> str:
+    """The xdist group of ``item``: its file (a fault module starts its runs once), the
+    simulated cluster's folder (built once), or :data:`LAUNCHED_WORLDS`."""
+    path, test = place(item)
+    if test.endswith(("::test_world_tests_pass_under_mpiexec",
+                      "::test_world_tests_pass_under_torchrun")):
+        return LAUNCHED_WORLDS
+    return "tests/cluster" if path.startswith("tests/cluster/") else path
+
+
 def _launched_rank() -> bool:
     return any(os.environ.get(v) is not None for v in ("PMI_RANK", "OMPI_COMM_WORLD_RANK",
                                                         "RANK"))
@@ -107,11 +122,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
     under_mpi = launched_by_mpi()
     grouped = getattr(config.option, "dist", "no") == "loadgroup"
+    if grouped:  # the launched world runs first, one after another, on one worker
+        items.sort(key=lambda item: _group(item) != LAUNCHED_WORLDS)
     for item in items:
-        if grouped:  # a worker takes a whole file (the simulated cluster's folder as one)
-            path = place(item)[0]
-            group = "tests/cluster" if path.startswith("tests/cluster/") else path
-            item.add_marker(pytest.mark.xdist_group(group))
+        if grouped:
+            item.add_marker(pytest.mark.xdist_group(_group(item)))
         if is_slow(item):
             item.add_marker(pytest.mark.slow)
         if needs_three_ranks(item):

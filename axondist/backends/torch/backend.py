@@ -32,7 +32,7 @@ from ...errors import (
 from ..base import Backend
 from ..checks import Key, agreed
 from ..plan import CallKey, Plan, UnsizedAllGatherPlan, WidenedMeanPlan
-from ..recording.recorder import FlightRecorder
+from ..recording.recorder import FlightRecorder, describe_call
 from ..watchdog.diagnostics import process_gone
 from ..work import CompletedWork, PolledWork, Work
 from .choose import Layout, choose
@@ -47,6 +47,8 @@ _INT64 = np.dtype(np.int64)
 _PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
 #: Seconds a call whose peer's connection closed looks for the rank whose process ended.
 _GONE_WITHIN = 1.0
+#: Seconds it then waits for those ranks' announcements that they left (and how).
+_ANNOUNCED_WITHIN = 0.5
 #: Sends up to this many bytes return at once, from copies (MPI's eager sends do too).
 EAGER_BYTES = 64 << 10
 #: The most groups made by ``new_group`` that may be alive at once on a rank: each holds a
@@ -155,6 +157,14 @@ class TorchBackend(Backend):
         first = text.splitlines()[0] if text else type(exc).__name__
         if any(sign in text for sign in _PEER_GONE):
             gone = self.gone_ranks(within=_GONE_WITHIN)
+            departures = (self.watchdog.departures([self.members[r] for r in gone],
+                                                   _ANNOUNCED_WITHIN)
+                          if gone and self.watchdog is not None else None)
+            if departures is not None:  # what the watchdog would have said, had it been first
+                running = [e for e in self.recorder.running() if e["group"] == self.guard.group]
+                call = describe_call(running[-1]) if running else what
+                return WorldAbortedError(f"{call} on rank {self.rank} of {self.world_size} "
+                                         f"cannot complete: {departures}")
             who = (f"rank{'s' if len(gone) > 1 else ''} {', '.join(map(str, gone))} ended"
                    if gone else "a rank it needs ended (or its host is cut off)")
             return WorldAbortedError(

@@ -371,14 +371,18 @@ class Watchdog:
                 continue
             done = int(note.get("completed", {}).get(call["group"], 0))
             if "peer" in call or done < call["seq"]:
-                last = note.get("last")
-                after = f" after {describe_call(last)}" if last else " before any call"
-                how = (f"it called {note['how']}" if note.get("how")
-                       else "its script ended, called sys.exit, or failed")
-                self._lost.append((r, how))
-                gone.append(f"rank {r} (host {note.get('host')}, pid {note.get('pid')}) "
-                            f"left{after}: its process exited ({how}) and will never join")
+                self._lost.append((r, _how_it_left(note)))
+                gone.append(_departure(r, note))
         return "; ".join(gone) or None
+
+    def departures(self, ranks: Sequence[int], within: float) -> str | None:
+        """Text naming those of ``ranks`` (world ranks) that announced they left, as a stalled
+        call's verdict names them, after waiting up to ``within`` seconds for the
+        announcements: a peer's socket can close before its last words are read here."""
+        deadline = time.monotonic() + within
+        while not all(r in self.left for r in ranks) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return "; ".join(_departure(r, self.left[r]) for r in ranks if r in self.left) or None
 
     def _verdict(self, call: dict[str, Any], statuses: dict[int, Any],
                  look: Look | None = None) -> str | None:
@@ -561,6 +565,19 @@ class Watchdog:
         for lost, how in self._lost:
             report_lost(rank, lost, how)
         self._abort("\n".join(lines))
+
+
+def _how_it_left(note: dict[str, Any]) -> str:
+    return (f"it called {note['how']}" if note.get("how")
+            else "its script ended, called sys.exit, or failed")
+
+
+def _departure(rank: int, note: dict[str, Any]) -> str:
+    """``rank N (host H, pid P) left after CALL: ...`` from the rank's announcement."""
+    last = note.get("last")
+    after = f" after {describe_call(last)}" if last else " before any call"
+    return (f"rank {rank} (host {note.get('host')}, pid {note.get('pid')}) left{after}: its "
+            f"process exited ({_how_it_left(note)}) and will never join")
 
 
 def warn(text: str, prefix: str) -> None:
