@@ -77,6 +77,27 @@ def test_a_rank_that_left_before_the_call_ends_the_job_at_once():
             d.close()
 
 
+def test_departures_name_how_a_rank_left_once_it_said_so_and_nothing_before():
+    """What a call whose peer's socket closed says (the torch backend asks): the departure in
+    the watchdog's own words once the leaving rank's announcement is read, waiting for it at
+    most the given seconds; nothing for a rank that left without a word (SIGKILL)."""
+    dogs, _ = _pair()
+    try:
+        rec1 = dogs[1].recorder
+        rec1.end(rec1.begin("world", 1, "barrier", None))
+        started = time.monotonic()
+        assert dogs[0].departures([1], within=0.3) is None  # no word from rank 1 yet
+        assert time.monotonic() - started >= 0.3
+        threading.Timer(0.2, dogs[1].announce_left, ("os._exit(1)",)).start()
+        text = dogs[0].departures([1], within=10.0)  # the word arrives while it waits
+        assert text is not None and re.fullmatch(
+            r"rank 1 \(host host1, pid \d+\) left after barrier #1 on world: its process "
+            r"exited \(it called os\._exit\(1\)\) and will never join", text), text
+    finally:
+        for d in dogs:
+            d.close()
+
+
 def test_a_rank_that_left_after_the_call_is_no_failure():
     dogs, ended = _pair()
     try:
