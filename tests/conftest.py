@@ -46,14 +46,17 @@ WORKERS = int(os.environ.get("AXONDIST_TEST_WORKERS", "2"))
 LAUNCHED_WORLDS = "launched world runs"
 
 
-def _group(item: pytest.Item) -> str:
-    """The xdist group of ``item``: its file (a fault module starts its runs once), the
-    simulated cluster's folder (built once), or :data:`LAUNCHED_WORLDS`."""
-    path, test = place(item)
-    if test.endswith(("::test_world_tests_pass_under_mpiexec",
-                      "::test_world_tests_pass_under_torchrun")):
+def _group(path: str, test: str) -> str:
+    """The xdist scope of test ``test`` of file ``path``: the file (a fault module starts its
+    runs once), the simulated cluster's folder (built once), or :data:`LAUNCHED_WORLDS`."""
+    if test in ("test_world_tests_pass_under_mpiexec", "test_world_tests_pass_under_torchrun"):
         return LAUNCHED_WORLDS
     return "tests/cluster" if path.startswith("tests/cluster/") else path
+
+
+def _item_group(item: pytest.Item) -> str:
+    path, test = place(item)
+    return _group(path, test.split("::")[-1])
 
 
 def _launched_rank() -> bool:
@@ -61,17 +64,47 @@ def _launched_rank() -> bool:
                                                         "RANK"))
 
 
+def _dist_given(config: pytest.Config) -> bool:
+    return any(arg == "--dist" or arg.startswith("--dist=") or arg.startswith("--dist ")
+               for arg in config.invocation_params.args)
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_cmdline_main(config: pytest.Config) -> None:
-    """Run on :data:`WORKERS` workers unless ``-n`` says otherwise; a worker itself, a
-    launched rank, a collection and a debugger session run in this process."""
-    if (not config.pluginmanager.hasplugin("xdist") or config.option.numprocesses is not None
-            or "PYTEST_XDIST_WORKER" in os.environ or _launched_rank()
-            or config.option.collectonly or config.option.usepdb or WORKERS < 2):
+    """Run on :data:`WORKERS` workers unless ``-n`` says otherwise, grouped (see
+    :func:`_group`) unless ``--dist`` says otherwise; a launched rank, a collection and a
+    debugger session run in this process."""
+    if not config.pluginmanager.hasplugin("xdist"):
         return
-    config.option.numprocesses = WORKERS
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        # a worker reads the command line again, without the choice made below
+        config.option.axondist_grouped = not _dist_given(config)
+        return
+    if _launched_rank() or config.option.collectonly or config.option.usepdb:
+        return
+    if config.option.numprocesses is None:
+        if WORKERS < 2:
+            return
+        config.option.numprocesses = WORKERS
     if config.option.dist == "no":
-        config.option.dist = "loadgroup"
+        config.option.dist = "loadscope"
+        config.option.axondist_grouped = True
+
+
+@pytest.hookimpl(optionalhook=True)  # an xdist hook: unknown where xdist is not installed
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """xdist's scheduling by scope, each test's scope its :func:`_group` (xdist's own
+    ``xdist_group`` marks need a node id pytest 9.2 no longer lets a plugin change)."""
+    if not getattr(config.option, "axondist_grouped", False):
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByGroup(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path, _, rest = nodeid.partition("::")
+            return _group(path, rest.split("[")[0])
+
+    return ByGroup(config, log)
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -114,6 +147,7 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int,
         write(f"{seconds:8.1f} s  {nodeid}")
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m and -k select
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Mark the slow tier (tests/tiers.py); skip the MPI-only properties outside mpiexec. Then
     ``AXONDIST_TEST_EXAMPLES`` caps every hypothesis test, also those that pin their own
@@ -121,12 +155,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     from axondist._environment import launched_by_mpi
 
     under_mpi = launched_by_mpi()
-    grouped = getattr(config.option, "dist", "no") == "loadgroup"
-    if grouped:  # the launched world runs first, one after another, on one worker
-        items.sort(key=lambda item: _group(item) != LAUNCHED_WORLDS)
+    if getattr(config.option, "axondist_grouped", False):  # a worker of a grouped run:
+        # the launched world runs first (xdist hands out scopes in collection order)
+        items.sort(key=lambda item: _item_group(item) != LAUNCHED_WORLDS)
     for item in items:
-        if grouped:
-            item.add_marker(pytest.mark.xdist_group(_group(item)))
         if is_slow(item):
             item.add_marker(pytest.mark.slow)
         if needs_three_ranks(item):
