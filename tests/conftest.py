@@ -34,14 +34,13 @@ settings.load_profile("default")
 # Short collective timeout: a test that would hang fails quickly instead.
 os.environ.setdefault("AXONDIST_TIMEOUT", "60")
 
-#: pytest-xdist workers of a plain ``pytest`` run. Half the suite's time is one process at a
-#: time (mock-world threads share one GIL; docs, mypy and examples run one by one), so a
-#: second worker keeps the second core busy. A worker takes whole files, and the simulated
-#: cluster's folder as one, so a fault module's runs and the cluster start once.
+#: pytest-xdist workers of a plain ``pytest`` run. Much of the suite is one process at a time
+#: (mock-world threads share one GIL; docs, mypy and examples run one by one), so a second
+#: worker keeps the second core busy. Each takes whole scopes (:func:`_group`).
 WORKERS = int(os.environ.get("AXONDIST_TEST_WORKERS", "2"))
 
 
-#: The xdist group of the launched world runs (minutes each, every core busy): one worker runs
+#: The xdist scope of the launched world runs (minutes each, every core busy): one worker runs
 #: them in turn, first, while the other works through the rest.
 LAUNCHED_WORLDS = "launched world runs"
 
