@@ -65,7 +65,7 @@ def _launched_rank() -> bool:
 
 
 def _dist_given(config: pytest.Config) -> bool:
-    return any(arg == "--dist" or arg.startswith("--dist=") or arg.startswith("--dist ")
+    return any(arg == "--dist" or arg.startswith("--dist=")
                for arg in config.invocation_params.args)
 
 
