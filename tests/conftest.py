@@ -16,7 +16,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 from rank_folders import make_rank_folder, remove_rank_folder  # noqa: E402
-from tiers import MPI_ONLY, is_slow, needs_three_ranks, place  # noqa: E402
+from tiers import MPI_ONLY, SLOW_FILES, SLOW_FOLDERS, is_slow, needs_three_ranks, place  # noqa: E402
 
 settings.register_profile(
     "default",
@@ -104,7 +104,21 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
             path, _, rest = nodeid.partition("::")
             return _group(path, rest.split("[")[0])
 
+    # scopes in the order of the workers' collection (:func:`_longest_first`), not xdist's
+    # largest count of tests first: a launched world run is four tests and minutes long
+    config.option.loadscopereorder = False
     return ByGroup(config, log)
+
+
+def _longest_first(item: pytest.Item) -> int:
+    """Where a grouped run's workers take ``item``'s scope: the launched world runs first,
+    then the slow tier's folders and files (seconds to minutes each), then the rest, so the
+    last scopes a worker takes are short and both workers end together."""
+    group = _item_group(item)
+    if group == LAUNCHED_WORLDS:
+        return 0
+    path = place(item)[0]
+    return 1 if path.startswith(SLOW_FOLDERS) or path in SLOW_FILES else 2
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -156,8 +170,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
     under_mpi = launched_by_mpi()
     if getattr(config.option, "axondist_grouped", False):  # a worker of a grouped run:
-        # the launched world runs first (xdist hands out scopes in collection order)
-        items.sort(key=lambda item: _item_group(item) != LAUNCHED_WORLDS)
+        items.sort(key=_longest_first)  # xdist hands out the scopes in this order
     for item in items:
         if is_slow(item):
             item.add_marker(pytest.mark.slow)
@@ -185,6 +198,38 @@ def pytest_report_header(config: pytest.Config) -> str:
     if rank is None and os.environ.get("RANK") is not None:
         where = f"torchrun rank {os.environ['RANK']} of {os.environ.get('WORLD_SIZE')}"
     return f"axondist tests: {where}, numpy {np.__version__}"
+
+
+@pytest.fixture(autouse=True)
+def _no_world_left_behind() -> Any:
+    """A test that starts this process's world (``init()``, or a collective called outside
+    any world) must destroy it: a world left behind becomes the next test's default group
+    and its log records' rank. Launched ranks keep their one world for the whole session."""
+    from axondist import process_group
+
+    before = process_group._process_world
+    yield
+    left = process_group._process_world
+    if left is before or _launched_rank():
+        return
+    process_group.set_process_world(before)
+    if left is not None and left._backend is not None:
+        pytest.fail(f"this test left this process's world behind ({left!r}): destroy it "
+                    "before the test ends, or run the body with run_world or spawn",
+                    pytrace=False)
+
+
+@pytest.fixture
+def started_world() -> Any:
+    """For a test of a call that, given no group outside any world, starts this process's
+    world (a one-rank mock world here): destroys the world it started when the test ends."""
+    from axondist import process_group
+
+    before = process_group._process_world
+    yield
+    left = process_group._process_world
+    if left is not None and left is not before:
+        left.destroy()
 
 
 @pytest.fixture

@@ -60,9 +60,11 @@ def run_world(body: Callable[..., Any], world_size: int, *args: Any,
     return axondist.spawn(body, world_size, *args, timeout=timeout)
 
 
-def calls_in_a_warm_all_reduce(world: axondist.World) -> tuple[int, int]:
+def calls_in_a_warm_all_reduce(world: axondist.World,
+                               names: list[str] | None = None) -> tuple[int, int]:
     """The Python and C functions (``sys.setprofile``) one warm 4 KiB SUM ``all_reduce``
-    enters on this rank once its plan exists; checks that the sums really ran."""
+    enters on this rank once its plan exists; checks that the sums really ran. ``names``,
+    when given, receives each function's name (for a message that says what was added)."""
     x = np.ones(1024, np.float32)
     for _ in range(3):  # the plan made and warm
         axondist.all_reduce(x)
@@ -71,6 +73,9 @@ def calls_in_a_warm_all_reduce(world: axondist.World) -> tuple[int, int]:
     def profile(frame: Any, event: str, arg: Any) -> None:
         if event in calls:
             calls[event] += 1
+            if names is not None:
+                names.append(getattr(arg, "__qualname__", repr(arg)) if event == "c_call"
+                             else f"{frame.f_code.co_filename}:{frame.f_code.co_qualname}")
 
     sys.setprofile(profile)
     try:

@@ -160,14 +160,14 @@ def test_only_rank_0_shows_progress_and_every_rank_gets_every_item():
     assert "loss 0.00000" in stream.getvalue()  # rank 0's value
 
 
-def test_an_iterable_without_a_length_prints_every_n_and_the_last_step():
+def test_an_iterable_without_a_length_prints_every_n_and_the_last_step(started_world):
     stream = io.StringIO()
     items = list(ad.progress(iter(range(25)), mode="lines", stream=stream, every=10))
     assert items == list(range(25))
     assert stream.getvalue() == "step 10\nstep 20\nstep 25\n"
 
 
-def test_a_loop_that_breaks_still_shows_where_it_stopped():
+def test_a_loop_that_breaks_still_shows_where_it_stopped(started_world):
     stream = io.StringIO()
     for step in ad.progress(range(100), mode="lines", stream=stream):
         if step == 14:

@@ -91,16 +91,19 @@ def test_ddp_accumulates_micro_batches_into_bucket_views(block):
 
 
 def test_accumulate_refuses_a_second_hand_over_and_a_wrong_shape():
-    sync = GradientSynchronizer(GradSyncStrategy.SYNCHRONOUS)
-    sync.prepare([(3,), (2,)])
-    sync.accumulate(0, np.ones(3))
-    with pytest.raises(ValueError, match=r"GradientSynchronizer.accumulate: gradient 0 was "
-                                         r"already added in this step"):
+    def body(world):
+        sync = GradientSynchronizer(GradSyncStrategy.SYNCHRONOUS, group=world)
+        sync.prepare([(3,), (2,)])
         sync.accumulate(0, np.ones(3))
-    with pytest.raises(ValueError, match=r"GradientSynchronizer.accumulate: gradient 1 has "
-                                         r"shape \(3,\), its parameter has \(2,\)"):
-        sync.accumulate(1, np.ones(3))
-    with pytest.raises(IndexError, match="GradientSynchronizer.accumulate: gradient index 5"):
-        sync.accumulate(5, np.ones(3))
-    with pytest.raises(TypeError, match="accumulate"):
-        sync.accumulate(1, np.ones(2, np.complex64))
+        with pytest.raises(ValueError, match=r"GradientSynchronizer.accumulate: gradient 0 was "
+                                             r"already added in this step"):
+            sync.accumulate(0, np.ones(3))
+        with pytest.raises(ValueError, match=r"GradientSynchronizer.accumulate: gradient 1 has "
+                                             r"shape \(3,\), its parameter has \(2,\)"):
+            sync.accumulate(1, np.ones(3))
+        with pytest.raises(IndexError, match="GradientSynchronizer.accumulate: gradient index 5"):
+            sync.accumulate(5, np.ones(3))
+        with pytest.raises(TypeError, match="accumulate"):
+            sync.accumulate(1, np.ones(2, np.complex64))
+
+    run_world(body, 1)

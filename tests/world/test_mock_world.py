@@ -177,6 +177,9 @@ def test_init_defaults_to_a_one_rank_mock_world(monkeypatch):
     for var in ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "AXONDIST_BACKEND"):
         monkeypatch.delenv(var, raising=False)
     world = ad.init()
-    assert world.backend.name == "mock" and world.world_size == 1
-    with pytest.raises(ValueError, match=r"unknown backend 'gloo'; choose one of \['mock'"):
-        ad.init("gloo")
+    try:
+        assert world.backend.name == "mock" and world.world_size == 1
+        with pytest.raises(ValueError, match=r"unknown backend 'gloo'; choose one of \['mock'"):
+            ad.init("gloo")
+    finally:
+        world.destroy()

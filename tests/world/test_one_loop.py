@@ -464,7 +464,8 @@ def test_the_script_agrees_for_every_strategy(script, thread_states):
 
 
 @mock_only
-def test_the_script_exits_non_zero_when_it_disagrees(script, monkeypatch, capsys):
+def test_the_script_exits_non_zero_when_it_disagrees(script, monkeypatch, capsys,
+                                                     started_world):
     good = script.train_single_process
 
     def wrong(steps):
