@@ -34,11 +34,10 @@ settings.load_profile("default")
 # Short collective timeout: a test that would hang fails quickly instead.
 os.environ.setdefault("AXONDIST_TIMEOUT", "60")
 
-#: pytest-xdist workers of a plain ``pytest`` run (``AXONDIST_TEST_WORKERS=2``: each takes
-#: whole scopes, :func:`_group`). One by default: on two workers the suite took 21 minutes of
-#: pytest against 26-29, but two tests that leave state in their process (the logging test's
-#: world size, the mock call budget's count) failed when another file ran before them there.
-WORKERS = int(os.environ.get("AXONDIST_TEST_WORKERS", "1"))
+#: pytest-xdist workers of a plain ``pytest`` run, each taking whole scopes (:func:`_group`);
+#: ``AXONDIST_TEST_WORKERS=1`` (or ``-n 0``) runs in one process. A worker runs files in an
+#: order one process never does, so no test may leave state behind (:func:`_no_world_left_behind`).
+WORKERS = int(os.environ.get("AXONDIST_TEST_WORKERS", "2"))
 
 
 #: The xdist scope of the launched world runs (minutes each, every core busy): one worker runs

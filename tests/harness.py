@@ -14,6 +14,7 @@ the generated sizes say so).
 from __future__ import annotations
 
 import functools
+import gc
 import sys
 import warnings
 from collections.abc import Callable
@@ -77,11 +78,18 @@ def calls_in_a_warm_all_reduce(world: axondist.World,
                 names.append(getattr(arg, "__qualname__", repr(arg)) if event == "c_call"
                              else f"{frame.f_code.co_filename}:{frame.f_code.co_qualname}")
 
+    # no collection inside the count: finalizers of objects an earlier test left (weakref
+    # callbacks, ``__del__``) would run in this thread and be counted as the call's work
+    gc.collect()
+    collecting = gc.isenabled()
+    gc.disable()
     sys.setprofile(profile)
     try:
         axondist.all_reduce(x)
     finally:
         sys.setprofile(None)
+        if collecting:
+            gc.enable()
     np.testing.assert_array_equal(x, world.world_size ** 4)
     return calls["call"], calls["c_call"] - 1  # setprofile(None) itself is a C call
 
