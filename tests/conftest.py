@@ -6,6 +6,12 @@ import os
 import sys
 from typing import Any
 
+# A run starts pytest in many processes (the workers, every rank of a launched world run,
+# the simulated hosts): with bytecode writing off (PYTHONDONTWRITEBYTECODE) each would
+# rewrite the asserts of every test module again, 7 CPU-seconds a process. The rewritten
+# modules are kept in the tests' __pycache__ folders (git ignores them) and reused.
+sys.dont_write_bytecode = False
+
 # Many mock-world ranks on threads each calling BLAS would oversubscribe the
 # cores with BLAS threads; one BLAS thread per rank, set before NumPy loads.
 for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
@@ -109,20 +115,42 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     return ByGroup(config, log)
 
 
-def _longest_first(item: pytest.Item) -> int:
-    """Where a grouped run's workers take ``item``'s scope: the launched world runs first,
-    then the slow tier's folders and files (seconds to minutes each), then the rest, so the
-    last scopes a worker takes are short and both workers end together."""
-    group = _item_group(item)
-    if group == LAUNCHED_WORLDS:
-        return 0
-    path = place(item)[0]
-    return 1 if path.startswith(SLOW_FOLDERS) or path in SLOW_FILES else 2
+def _longest_first(items: list[pytest.Item]) -> None:
+    """Sort a grouped run's ``items`` into the order its workers take their scopes: the
+    launched world runs first, then the slow tier's folders and files (seconds to minutes
+    each), then the rest; within each, scopes with more tests first (xdist's own measure).
+    The last scopes a worker takes are then short, and both workers end together."""
+    groups = [_item_group(item) for item in items]
+    sizes: dict[str, int] = {}
+    for group in groups:
+        sizes[group] = sizes.get(group, 0) + 1
+
+    def place_of(index: int) -> tuple[int, int, str]:
+        group = groups[index]
+        if group == LAUNCHED_WORLDS:
+            return 0, 0, group
+        slow = group.startswith(SLOW_FOLDERS) or group in SLOW_FILES
+        return 1 if slow else 2, -sizes[group], group
+
+    order = sorted(range(len(items)), key=place_of)
+    items[:] = [items[i] for i in order]
+
+
+class _WorkerOrder:
+    """A grouped run's worker sorts the tests it will run (after ``-m`` and ``-k``) with
+    :func:`_longest_first`; xdist hands out the scopes in that order."""
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
+        _longest_first(items)
 
 
 def pytest_configure(config: pytest.Config) -> None:
     """Under ``mpiexec`` or ``torchrun`` each rank gets its own temporary folder
-    (tests/rank_folders.py), removed when its session ends."""
+    (tests/rank_folders.py), removed when its session ends. A worker of a grouped run
+    orders its tests (:class:`_WorkerOrder`)."""
+    if getattr(config.option, "axondist_grouped", False):
+        config.pluginmanager.register(_WorkerOrder(), "axondist-worker-order")
     rank = os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK",
                                                      os.environ.get("RANK")))
     if rank is not None and config.option.basetemp is None:
@@ -168,8 +196,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     from axondist._environment import launched_by_mpi
 
     under_mpi = launched_by_mpi()
-    if getattr(config.option, "axondist_grouped", False):  # a worker of a grouped run:
-        items.sort(key=_longest_first)  # xdist hands out the scopes in this order
     for item in items:
         if is_slow(item):
             item.add_marker(pytest.mark.slow)
