@@ -128,11 +128,12 @@ BEHAVIOURS: tuple[Behaviour, ...] = (
               _world("test_call_cost.py",
                      "test_a_warm_4_kib_all_reduce_stays_within_its_python_budget"), EVERY),
     Behaviour("the backend's own checks (uneven blocks, a wrong-size receive, ...)",
-              "tests/world/test_mpi_launch.py::test_mpi_backend_checks[2]", (MPI_2,),
+              _world("test_torch_backend.py",
+                     "test_the_torch_backend_pads_uneven_blocks_checks_sizes_and_reduces_in_place"),
+              (TORCH_2, TORCH_3),
               others=(
-                  (MPI_3, "tests/world/test_mpi_launch.py::test_mpi_backend_checks[3]"),
-                  (TORCH_2, "tests/world/test_torch_launch.py::test_torch_backend_checks[2]"),
-                  (TORCH_3, "tests/world/test_torch_launch.py::test_torch_backend_checks[3]")),
+                  (MPI_2, "tests/world/test_mpi_launch.py::test_mpi_backend_checks[2]"),
+                  (MPI_3, "tests/world/test_mpi_launch.py::test_mpi_backend_checks[3]")),
               why_not="what a launched backend arranges itself (the mock world's own: "
                       "test_mock_world.py)"),
     Behaviour("AXONDIST_DEBUG=1: a shape mismatch is an error on every rank",

@@ -128,6 +128,7 @@ THREE_RANK_FILES = frozenset({
     "tests/world/test_ddp_overlapped_bits.py",
     "tests/world/test_checkpoint_world.py",
     "tests/world/test_plan_memory.py",
+    "tests/world/test_torch_backend.py",
 })
 
 #: Single world tests that run at three ranks (besides :data:`THREE_RANK_FILES`). Their files'
