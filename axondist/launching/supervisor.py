@@ -309,6 +309,8 @@ class _Job:
         stop_at: float | None = None
         stopping_since: float | None = None
         while True:
+            if _STOP_REQUESTED.is_set():  # a stop signal came (here, not where it landed)
+                raise KeyboardInterrupt
             self._poll_files()
             code = self.proc.poll()
             if code is not None:
@@ -322,7 +324,7 @@ class _Job:
                 self.proc.send_signal(self.style.stop_signal)  # passed on to every rank
             if stopping_since is not None and now - stopping_since > _KILL_AFTER_S:
                 self._kill()
-            time.sleep(_POLL_S)
+            _STOP_REQUESTED.wait(_POLL_S)
         for t in self.readers:
             t.join(timeout=10)
         self._poll_files()
@@ -454,6 +456,7 @@ def run_job(cfg: RunConfig, out: TextIO | None = None, err: TextIO | None = None
     in_main_thread = threading.current_thread() is threading.main_thread()
     stops = (signal.SIGINT, signal.SIGTERM,
              *((signal.SIGHUP,) if hasattr(signal, "SIGHUP") else ()))
+    _STOP_REQUESTED.clear()
     previous = {s: signal.signal(s, _interrupt) for s in stops} if in_main_thread else {}
     remove_stale_run_dirs()
     try:
@@ -463,11 +466,17 @@ def run_job(cfg: RunConfig, out: TextIO | None = None, err: TextIO | None = None
             signal.signal(number, handler)
 
 
+#: Set by a stop signal; the job's wait loop stops the job at its next look (:func:`_interrupt`).
+_STOP_REQUESTED = threading.Event()
+
+
 def _interrupt(signum: int, frame: Any) -> None:
     """Ctrl-C (SIGINT, handled even where the launcher was started with it ignored, as
     mpiexec and torchrun handle it), SIGTERM (a scheduler ending the launcher) or SIGHUP
-    (its terminal closed) stops the job."""
-    raise KeyboardInterrupt
+    (its terminal closed) stops the job. The handler only records it: an exception raised
+    where a signal lands can land inside ``Popen.poll`` between taking its wait lock and the
+    ``try`` that gives it back, and every later wait for mpiexec then blocks forever."""
+    _STOP_REQUESTED.set()
 
 
 def _pid_alive(pid: int) -> bool:
@@ -499,6 +508,9 @@ def _attempts(cfg: RunConfig, program: str, flavour: str, out: TextIO, err: Text
     status = 1
     style = STYLES[flavour]
     for attempt in range(cfg.max_restarts + 1):
+        if _STOP_REQUESTED.is_set():  # between attempts: no job to stop
+            print("axondist run: interrupted; the job was stopped", file=err)
+            return 130
         env = dict(os.environ)
         env[RESTART_COUNT_VAR] = str(attempt)
         with tempfile.TemporaryDirectory(prefix=f"{_RUN_DIR_PREFIX}{os.getpid()}-") as outdir:
