@@ -32,7 +32,9 @@ class Launch:
 
     def tail(self, chars: int = 3000) -> str:
         parts = [f"--- rank {r} ---\n{text[-chars:]}" for r, text in enumerate(self.ranks)]
-        return "\n".join(parts + [f"--- {self.launcher_name} ---\n{self.launcher[-chars:]}"])
+        ended = f"exit status {self.returncode} after {self.seconds:.1f} s"
+        return "\n".join(parts + [f"--- {self.launcher_name} ({ended}) ---\n"
+                                   f"{self.launcher[-chars:]}"])
 
 
 def run_job(command: list[str], env: dict[str, str], rank_outputs: Callable[[], list[str]],
