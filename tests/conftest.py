@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import os
 import sys
 from typing import Any
@@ -121,9 +122,7 @@ def _longest_first(items: list[pytest.Item]) -> None:
     each), then the rest; within each, scopes with more tests first (xdist's own measure).
     The last scopes a worker takes are then short, and both workers end together."""
     groups = [_item_group(item) for item in items]
-    sizes: dict[str, int] = {}
-    for group in groups:
-        sizes[group] = sizes.get(group, 0) + 1
+    sizes = collections.Counter(groups)
 
     def place_of(index: int) -> tuple[int, int, str]:
         group = groups[index]

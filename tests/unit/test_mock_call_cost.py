@@ -27,7 +27,6 @@ def test_a_warm_4_kib_all_reduce_on_one_mock_rank_stays_at_its_figure():
         f"rank; the figure is {BUDGET}; they were:\n" + "\n".join(names))
 
 
-
 def test_the_figure_counts_the_call_not_a_collection_that_lands_inside_it():
     """A collection inside the count would add its callbacks (some libraries register
     ``gc.callbacks``) and the finalizers of what earlier tests left; the count excludes it."""
