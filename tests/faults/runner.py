@@ -218,4 +218,18 @@ def _torch_outcome(folder: Path, n: int, job_output: str) -> Outcome:
     started = min(end["started"] for end in ends)
     ended = max(end["ended"] for end in ends)
     statuses = ", ".join(f"rank {r}: {end['status']}" for r, end in enumerate(ends))
-    return Outcome(code, ended - started, f"{output}\nexit statuses: {statuses}\n", ended)
+    return Outcome(code, ended - started,
+                   f"{output}\nexit statuses: {statuses}\n{_root_cause(ends)}", ended)
+
+
+def _root_cause(ends: list[dict[str, Any]]) -> str:
+    """What torchrun's agent prints when it stopped ranks for another's failure: the rank that
+    failed first on its own (the one-job stand-in must say it too, since a survivor stopped
+    before it could print leaves only this)."""
+    own = [(end["ended"], r, end["status"]) for r, end in enumerate(ends)
+           if end["status"] != 0 and not end["stopped"]]
+    if not own or not any(end["stopped"] for end in ends):
+        return ""
+    _, rank, status = min(own)
+    return (f"Root Cause (first observed failure):\n[0]:\n  rank      : {rank} "
+            f"(local_rank: {rank})\n  exitcode  : {status}\n")

@@ -10,7 +10,8 @@ a script's own ``__main__``: it ends through the interpreter's own exit, its exc
 agent does for its workers: past the case's limit it kills the process (a hang); when
 another rank's process of the case failed, it sends SIGTERM, then SIGKILL after
 :data:`STOP_GRACE` seconds. It writes ``OUT/K/rank{R}.json`` (exit status, start and end
-times, whether it hung) and waits for every rank's before the next case.
+times, whether it hung, whether it was stopped for another rank's failure) and waits for
+every rank's before the next case.
 """
 
 from __future__ import annotations
@@ -74,16 +75,17 @@ def _become_the_case(item: dict[str, Any], folder: Path, rank: int, port: str) -
     sys.exit(0)
 
 
-def _supervise(pid: int, folder: Path, rank: int, size: int, limit: float) -> tuple[int, bool]:
-    """Wait for the case's process as torchrun's agent would; its exit status, and whether it
-    was killed at ``limit``."""
+def _supervise(pid: int, folder: Path, rank: int, size: int, limit: float,
+               ) -> tuple[int, bool, bool]:
+    """Wait for the case's process as torchrun's agent would; its exit status, whether it
+    was killed at ``limit``, and whether it was stopped because another rank's failed."""
     started = time.monotonic()
     failed_peer_seen = stop_sent = None
     hung = False
     while True:
         done, status = os.waitpid(pid, os.WNOHANG)
         if done:
-            return os.waitstatus_to_exitcode(status), hung
+            return os.waitstatus_to_exitcode(status), hung, stop_sent is not None
         now = time.monotonic()
         if not hung and now - started > limit:
             os.kill(pid, signal.SIGKILL)
@@ -119,11 +121,12 @@ def main(cases_file: str, out_dir: str) -> None:
         pid = os.fork()
         if pid == 0:
             _become_the_case(item, folder, rank, port)
-        status, hung = _supervise(pid, folder, rank, size, float(item["limit"]))
+        status, hung, stopped = _supervise(pid, folder, rank, size, float(item["limit"]))
         if status != 0:
             (folder / f"failed{rank}").touch()
         _write_whole(folder / f"rank{rank}.json", json.dumps(
-            {"status": status, "hung": hung, "started": started, "ended": time.time()}))
+            {"status": status, "hung": hung, "stopped": stopped, "started": started,
+             "ended": time.time()}))
         for r in range(size):
             _wait_for(folder / f"rank{r}.json", WAIT_FOR_PEERS_S, f"rank {r}'s end of case {k}")
     print(f"torch_cases OK rank {rank}", flush=True)
