@@ -10,7 +10,6 @@ import os
 import runpy
 import socket
 import sys
-import time
 import traceback
 from collections.abc import Sequence
 from typing import Any
@@ -21,7 +20,6 @@ from ..backends.watchdog.launcher_report import report as _report
 
 # MPI launchers first; torchrun's RANK last (a leftover RANK must not win under mpiexec).
 _RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID", "RANK")
-_ABORT_PAUSE_S = 0.25  # lets mpiexec forward a failing rank's last lines before MPI_Abort
 
 
 def _env_rank() -> int:
@@ -45,7 +43,9 @@ def _abort_mpi(code: int) -> None:
     """End every rank's MPI if this rank started it: the others would wait forever."""
     mpi = sys.modules.get("mpi4py.MPI")
     if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
-        time.sleep(_ABORT_PAUSE_S)
+        from ..backends.watchdog.watchdog import wait_until_output_is_read
+
+        wait_until_output_is_read()  # mpiexec forwards a failing rank's last lines first
         mpi.COMM_WORLD.Abort(code or 1)
 
 

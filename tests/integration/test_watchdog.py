@@ -441,3 +441,45 @@ def test_a_receive_whose_peer_left_gets_a_moment_for_the_last_message():
     finally:
         for d in dogs:
             d.close()
+
+
+_WRITE_THEN_WAIT = textwrap.dedent("""
+    import sys
+    from pathlib import Path
+    from axondist.backends.watchdog.watchdog import wait_until_output_is_read
+    sys.stderr.write("x" * 4096)
+    sys.stderr.flush()
+    wait_until_output_is_read(limit=float(sys.argv[2]))
+    Path(sys.argv[1]).touch()
+""")
+
+
+def test_an_abort_waits_until_the_launcher_has_read_the_last_lines(tmp_path):
+    """MPI_Abort follows a failing rank's last lines; it must come after mpiexec's proxy read
+    them from the pipe, or the job ends without them. Nobody reads here until ``waited`` is
+    looked at: it must not exist yet, then appear once the pipe is read."""
+    waited = tmp_path / "waited"
+    child = subprocess.Popen([sys.executable, "-c", _WRITE_THEN_WAIT, str(waited), "60"],
+                             stderr=subprocess.PIPE)
+    try:
+        time.sleep(0.5)
+        assert not waited.exists(), "it went on with 4096 bytes unread in its stderr pipe"
+        assert child.stderr is not None
+        assert child.stderr.read() == b"x" * 4096
+        assert child.wait(timeout=60) == 0
+        assert waited.exists()
+    finally:
+        child.kill()
+        child.communicate()
+
+
+def test_an_abort_whose_output_nobody_reads_goes_on_after_the_limit(tmp_path):
+    """A launcher that stopped reading must not keep a failing rank from aborting."""
+    waited = tmp_path / "waited"
+    child = subprocess.Popen([sys.executable, "-c", _WRITE_THEN_WAIT, str(waited), "0.2"],
+                             stderr=subprocess.PIPE)
+    try:
+        _wait_for(waited.exists, 60)
+    finally:
+        child.kill()
+        child.communicate()

@@ -14,7 +14,13 @@ from typing import Any
 from ..._validate import positive_seconds
 from ..base import default_timeout, stall_warning_after
 from ..recording.recorder import FlightRecorder
-from ..watchdog.watchdog import Watchdog, exit_soon, print_and_flush, silence_all
+from ..watchdog.watchdog import (
+    Watchdog,
+    exit_soon,
+    print_and_flush,
+    silence_all,
+    wait_until_output_is_read,
+)
 from .backend import MPIBackend
 from .transport import MPIOptions, load_mpi
 
@@ -48,6 +54,7 @@ def install_abort_hook() -> None:
         text += f"rank {rank} failed: aborting the MPI job so the other ranks do not wait forever\n"
         sys.stderr.write("".join(prefix + line for line in text.splitlines(True)))
         sys.stderr.flush()
+        wait_until_output_is_read()
         world.Abort(1)
 
     sys.excepthook = abort_job
@@ -164,6 +171,7 @@ def _abort_job(message: str) -> None:
     rank, size = world.Get_rank(), world.Get_size()
     print_and_flush(f"[axondist rank {rank}/{size}] ", message)
     exit_soon(1, 5.0)  # should MPI_Abort itself hang (a launcher cut off from this host)
+    wait_until_output_is_read()
     world.Abort(1)
 
 

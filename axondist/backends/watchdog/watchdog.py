@@ -604,6 +604,32 @@ def print_and_flush(prefix: str, text: str) -> None:
         pass
 
 
+def wait_until_output_is_read(limit: float = 2.0) -> None:
+    """Wait, at most ``limit`` seconds, until the reader of this process's stdout and stderr
+    pipes (mpiexec's proxy) has taken what was written to them. ``MPI_Abort`` right after a
+    failing rank's last lines races the launcher's forwarding of them: under load hydra
+    ended jobs whose traceback it never wrote. Terminals and files need no wait."""
+    try:
+        import fcntl
+        import stat
+        import termios
+    except ImportError:  # not POSIX: nothing to ask
+        return
+    deadline = time.monotonic() + limit
+    unread = bytearray(4)
+    for fd in (1, 2):
+        try:
+            if not stat.S_ISFIFO(os.fstat(fd).st_mode):
+                continue
+            while time.monotonic() < deadline:
+                fcntl.ioctl(fd, termios.FIONREAD, unread)
+                if not any(unread):
+                    break
+                time.sleep(0.005)
+        except OSError:
+            continue
+
+
 def exit_soon(code: int, after: float) -> None:
     """End the process with ``code`` after ``after`` seconds unless it ended already."""
     timer = threading.Timer(after, _real_exit, (code,))
@@ -613,4 +639,4 @@ def exit_soon(code: int, after: float) -> None:
 
 __all__ = ["GONE", "NO_ANSWER", "NO_SERVER", "Watchdog", "cut_off_timeout", "diagnostics_address",
            "diagnostics_ports", "exit_soon", "host_addresses", "print_and_flush", "silence_all",
-           "warn"]
+           "wait_until_output_is_read", "warn"]
