@@ -39,7 +39,7 @@ from .choose import Layout, choose
 from .guard import TorchGuard
 from .interop import load_torch
 from .plans import PLANS
-from .queues import CallOrder, Outbox, tags
+from .queues import CallOrder, Outbox, Reaper, tags
 
 _HALF = frozenset(d for d in _array.SUPPORTED_DTYPES if d.itemsize == 2 and d.kind != "i")
 _INT64 = np.dtype(np.int64)
@@ -55,6 +55,8 @@ EAGER_BYTES = 64 << 10
 #: gloo process group, with its threads (two workers and a socket loop) and a connection to
 #: every other member, for as long as it lives.
 MAX_GROUPS = 1000
+#: Frees the process groups this rank destroyed, off the thread that closed them.
+_FREED = Reaper()
 
 
 def _ended(pid: int) -> bool:
@@ -453,6 +455,9 @@ class TorchBackend(Backend):
                 self.dist.barrier(group=self.pg)
             finally:
                 self.dist.destroy_process_group(self.pg)
+                pg, self.pg = self.pg, None
+                self.guard.pg = self.guard.checks_group = None
+                _FREED.drop(pg)
 
     def release(self, default_group: bool) -> None:
         """At interpreter exit: destroy the process group of every open group of this rank's
@@ -462,6 +467,7 @@ class TorchBackend(Backend):
         while Python finalizes and frees them, which aborts the process ("terminate called
         without an active exception"). A group with calls still queued, or sends not yet
         received, is left as it is: its threads are inside gloo, and would never join."""
+        _FREED.drain()  # gloo's teardown of the groups closed before must end first
         busy = self.outbox.busy()
         for backend in sorted(self.live.values(), key=lambda b: not b._owns_group):
             if backend.order.busy() or busy:

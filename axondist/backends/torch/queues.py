@@ -1,7 +1,8 @@
 """The torch backend's threads and queues: the order in which one group's calls reach
 torch.distributed (:class:`CallOrder`, a non-blocking call queued on a thread of the group's
-own), the Work of such a queued call (:class:`QueuedWork`), and the sends of a rank
-(:class:`Outbox`, one thread per channel while it has messages).
+own), the Work of such a queued call (:class:`QueuedWork`), the sends of a rank
+(:class:`Outbox`, one thread per channel while it has messages), and the teardown of the
+groups it destroyed (:class:`Reaper`).
 
 Every thread here is a daemon, unlike ``ThreadPoolExecutor``'s workers, which the
 interpreter joins at exit: a send nobody receives, or a call a peer never joins, must not
@@ -62,6 +63,39 @@ class SerialThread:
                 future.set_result(job())
             except BaseException as exc:  # noqa: BLE001 - handed to whoever waits
                 future.set_exception(exc)
+
+
+class Reaper:
+    """A daemon thread that lets go of destroyed process groups, so that gloo's teardown (it
+    joins the group's socket loop, which looks at its sockets every few milliseconds: about
+    20 ms a group) does not hold up the rank that closed the group. :meth:`drain` waits for
+    what was handed over, and must run before the interpreter finalizes (gloo's threads may
+    not outlive it)."""
+
+    def __init__(self) -> None:
+        self._groups: queue.Queue = queue.Queue()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def drop(self, pg: Any) -> None:
+        """Take over the last reference to ``pg`` (destroyed in torch.distributed already)."""
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, daemon=True,
+                                                name="axondist-torch-groups-freed")
+                self._thread.start()
+        self._groups.put(pg)
+
+    def drain(self) -> None:
+        """Wait until every group handed over is freed."""
+        if self._thread is not None:
+            self._groups.join()
+
+    def _loop(self) -> None:
+        while True:
+            pg = self._groups.get()
+            del pg  # the last reference: gloo's teardown runs here, without the GIL
+            self._groups.task_done()
 
 
 class Outbox:
