@@ -40,6 +40,7 @@ from .guard import TorchGuard
 from .interop import load_torch
 from .plans import PLANS
 from .queues import CallOrder, Outbox, Reaper, tags
+from .wires import Wiring
 
 _HALF = frozenset(d for d in _array.SUPPORTED_DTYPES if d.itemsize == 2 and d.kind != "i")
 _INT64 = np.dtype(np.int64)
@@ -96,6 +97,8 @@ class TorchBackend(Backend):
         owns_group: destroy ``pg`` in :meth:`close`.
         live: the open backends of this rank's world by group name, shared by the world and
             its groups (a new dict for the world's).
+        wiring: how the check's sockets are made (None: the check is a gloo all-reduce);
+            every member makes them as it constructs the backend.
     """
 
     name = "torch"
@@ -103,7 +106,8 @@ class TorchBackend(Backend):
     def __init__(self, pg: Any, *, recorder: FlightRecorder, group_name: str = "world",
                  members: Sequence[int], hosts: Sequence[str], uid: str = "",
                  timeout: Any = None, checks: bool = True, debug: bool = False,
-                 owns_group: bool = False, live: dict[str, TorchBackend] | None = None) -> None:
+                 owns_group: bool = False, live: dict[str, TorchBackend] | None = None,
+                 wiring: Wiring | None = None) -> None:
         self.torch, self.dist = load_torch()
         self.pg = pg
         #: The open backends of this rank's world, by group name (see :meth:`release`).
@@ -120,6 +124,11 @@ class TorchBackend(Backend):
         self._owns_group = owns_group
         self.guard = TorchGuard(self.dist, self.torch, pg, checks or debug, recorder,
                                 group_name, self.members, debug)
+        self.wiring = wiring
+        if wiring is not None and self.guard.checks and not debug:
+            store = self.dist.distributed_c10d._get_default_store()
+            self.guard.wires = wiring.connect(store, f"axondist-check/{uid}/{group_name}",
+                                              self.rank, self.world_size)
         #: The rank's watchdog (the world backend of a job of several ranks only).
         self.watchdog: Any = None
         #: The threads that send to each rank, shared by the world's groups.
@@ -413,7 +422,8 @@ class TorchBackend(Backend):
         sub = TorchBackend(made[0], recorder=guard.rec, group_name=name, members=members,
                            hosts=[self._hosts[r] for r in ranks], uid=self.uid,
                            timeout=self.timeout, checks=self.options["checks"],
-                           debug=self.options["debug"], owns_group=True, live=self.live)
+                           debug=self.options["debug"], owns_group=True, live=self.live,
+                           wiring=self.wiring)
         sub.watchdog = self.watchdog
         sub.outbox = self.outbox
         return sub
@@ -450,6 +460,8 @@ class TorchBackend(Backend):
         self.order.close()
         self.free_plans()
         self.guard.forget()
+        if self.guard.wires is not None:
+            self.guard.wires.close()
         if self._owns_group and self.dist.is_initialized():
             try:  # the members' last calls on the group have ended everywhere
                 self.dist.barrier(group=self.pg)
@@ -475,6 +487,8 @@ class TorchBackend(Backend):
             backend._closed = True
             backend.order.close()
             backend.free_plans()
+            if backend.guard.wires is not None:
+                backend.guard.wires.close()
             if backend._owns_group and self.dist.is_initialized():
                 self.dist.destroy_process_group(backend.pg)
             backend.pg = backend.guard.pg = backend.guard.checks_group = None

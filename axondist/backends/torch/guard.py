@@ -2,8 +2,9 @@
 and the cross-rank check that the ranks called the same thing with the same arguments.
 
 The check is one small all-reduce (MAX of the call's check words ``[h, -h]``, see
-:mod:`~axondist.backends.checks`) on the group's own check group, before the call's
-data moves; a non-blocking call is checked before it starts. When the ranks differ they
+:mod:`~axondist.backends.checks`) before the call's data moves, over the group's own
+sockets (:mod:`.wires`) where the world made them, else on the group's process group; a
+non-blocking call is checked before it starts. When the ranks differ they
 exchange their keys (pickled) and raise the same
 :class:`~axondist.errors.CollectiveMismatchError`, before any data reaches a caller's
 buffer: gloo itself would abort the process on a size mismatch, or hang. Under
@@ -19,6 +20,7 @@ import numpy as np
 
 from ..checks import CallLog, Key, agreed, raise_if_different
 from ..recording.recorder import FlightRecorder
+from .wires import CheckWires
 
 
 class TorchGuard(CallLog):
@@ -47,6 +49,8 @@ class TorchGuard(CallLog):
         self._sent = np.zeros(2, np.int64)
         self._tensor = torch.from_numpy(self._sent)
         self._max = dist.ReduceOp.MAX
+        #: The group's check sockets (None: the check runs on ``checks_group``).
+        self.wires: CheckWires | None = None
 
     def agree(self, op: str, key: Key, words: np.ndarray) -> None:
         """Return when every rank of the group calls ``op`` with this ``key`` (``words``:
@@ -62,7 +66,10 @@ class TorchGuard(CallLog):
             raise_if_different(op, self._all_gather((op, key), group))
             return
         self._sent[...] = words
-        self._dist.all_reduce(self._tensor, self._max, group=group)
+        if self.wires is not None:
+            self.wires.largest(self._sent)
+        else:
+            self._dist.all_reduce(self._tensor, self._max, group=group)
         if not agreed(self._sent):
             self.disagree(op, key)
 

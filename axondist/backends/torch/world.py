@@ -18,9 +18,11 @@ from ...errors import CollectiveTimeoutError, WorldAbortedError
 from ..base import checks_enabled, debug_enabled, default_timeout, stall_warning_after
 from ..recording.recorder import FlightRecorder
 from ..rendezvous import LaunchEnv
+from ..watchdog.diagnostics import diagnostics_address, diagnostics_ports
 from ..watchdog.watchdog import Watchdog, exit_soon, print_and_flush, silence_all
 from .backend import TorchBackend
 from .interop import load_torch
+from .wires import Wiring
 
 _OPTIONS = ("timeout", "checks", "debug", "abort_on_exception")
 #: Seconds torch.distributed's own timeout runs past axondist's (at most; as much as the
@@ -82,9 +84,10 @@ def create_world_backend(**options: Any) -> TorchBackend:
         watchdog = Watchdog(recorder, timeout=wait, stall=stall_warning_after(wait),
                             abort=_abort_job, token=str(box[0]))
     settings = (checks, debug, wait)
+    wire_address = diagnostics_address() if size > 1 else None
     table: list[Any] = [None] * size
     dist.all_gather_object(table, (settings, socket.gethostname(),
-                                   watchdog.address if watchdog else None))
+                                   watchdog.address if watchdog else None, wire_address))
     if any(t[0] != settings for t in table):
         detail = ", ".join(f"rank {k}: checks={t[0][0]}, debug={t[0][1]}, timeout={t[0][2]:g}"
                            for k, t in enumerate(table))
@@ -93,9 +96,13 @@ def create_world_backend(**options: Any) -> TorchBackend:
                          "alike on every rank")
     if watchdog is not None:
         watchdog.start([t[2] for t in table])
+    # the check's own sockets where every rank can listen (not under AXONDIST_DIAGNOSTICS=off)
+    wiring = (Wiring(wire_address, diagnostics_ports(), str(box[0]).encode(),
+                     wait + min(wait, _TORCH_TIMEOUT_MARGIN))
+              if wire_address is not None and all(t[3] is not None for t in table) else None)
     backend = TorchBackend(dist.group.WORLD, recorder=recorder, members=range(size),
                            hosts=[t[1] for t in table], uid=str(box[0])[:12], timeout=limit,
-                           checks=checks, debug=debug, live=live)
+                           checks=checks, debug=debug, live=live, wiring=wiring)
     backend.watchdog = watchdog
     if size > 1:
         atexit.register(report_unreceived, backend)  # runs before the group's destruction

@@ -1,0 +1,115 @@
+"""The torch backend's check sockets (``backends/torch/wires.py``) without torch: members
+in threads, meeting through a dictionary that stands in for torch's store."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import socket
+import threading
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from axondist.backends.checks import agreed
+from axondist.backends.torch.wires import CheckWires, Wiring
+
+TOKEN = b"0123456789abcdef0123456789abcdef"
+
+
+class _Store:
+    """torch's store as the wires use it: ``set``, and a ``get`` that waits for the key."""
+
+    def __init__(self) -> None:
+        self._values: dict[str, str] = {}
+        self._changed = threading.Condition()
+
+    def set(self, key: str, value: str) -> None:
+        with self._changed:
+            self._values[key] = value
+            self._changed.notify_all()
+
+    def get(self, key: str) -> bytes:
+        with self._changed:
+            assert self._changed.wait_for(lambda: key in self._values, 30), key
+            return self._values[key].encode()
+
+
+def _group(size: int, limit: float = 30.0) -> list[CheckWires]:
+    """Every member's wires of one group of ``size``, made at once as the members do."""
+    store, wiring = _Store(), Wiring("127.0.0.1", None, TOKEN, limit)
+    with concurrent.futures.ThreadPoolExecutor(size) as pool:
+        made = [pool.submit(wiring.connect, store, "g", rank, size) for rank in range(size)]
+        return [m.result(timeout=60) for m in made]
+
+
+def _check(wires: list[CheckWires], words: list[list[int]]) -> list[np.ndarray]:
+    sent = [np.array(w, np.int64) for w in words]
+    with concurrent.futures.ThreadPoolExecutor(len(wires)) as pool:
+        list(pool.map(lambda k: wires[k].largest(sent[k]), range(len(wires)), timeout=60))
+    return sent
+
+
+@settings(max_examples=10, deadline=None)
+@given(st.integers(2, 4).flatmap(lambda n: st.lists(
+    st.tuples(st.integers(-2**62, 2**62), st.integers(-2**62, 2**62)), min_size=n,
+    max_size=n)))
+def test_every_member_gets_the_elementwise_largest_words(words):
+    wires = _group(len(words))
+    try:
+        for _ in range(3):  # one message per peer per check, in order
+            got = _check(wires, [list(w) for w in words])
+            expected = np.max(np.array(words, np.int64), axis=0)
+            for g in got:
+                np.testing.assert_array_equal(g, expected)
+    finally:
+        for w in wires:
+            w.close()
+
+
+def test_the_same_call_agrees_and_a_different_one_does_not():
+    wires = _group(3)
+    try:
+        same = _check(wires, [[7, -7]] * 3)
+        assert all(agreed(s) for s in same)
+        differ = _check(wires, [[7, -7], [7, -7], [9, -9]])
+        assert not any(agreed(s) for s in differ)
+    finally:
+        for w in wires:
+            w.close()
+
+
+def test_a_peer_whose_connection_closes_is_named_as_gloo_names_it():
+    wires = _group(2)
+    wires[1].close()
+    with pytest.raises(RuntimeError, match=r"Connection closed by peer \(group rank 1"):
+        wires[0].largest(np.zeros(2, np.int64))
+    wires[0].close()
+
+
+def test_a_silent_peer_times_out_after_the_limit():
+    wires = _group(2, limit=0.2)
+    try:
+        with pytest.raises(RuntimeError, match=r"connection to group rank 1 timed out after "
+                                               r"0.2 s"):
+            wires[0].largest(np.zeros(2, np.int64))
+    finally:
+        for w in wires:
+            w.close()
+
+
+def test_a_connection_without_the_token_is_dropped_and_the_member_still_joins():
+    store, wiring = _Store(), Wiring("127.0.0.1", None, TOKEN, 30.0)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        first = pool.submit(wiring.connect, store, "g", 0, 2)
+        host, port = store.get("g/0").decode().rsplit(":", 1)
+        with socket.create_connection((host, int(port))) as stranger:
+            stranger.sendall(b"x" * (len(TOKEN) + 8))
+            second = wiring.connect(store, "g", 1, 2)
+            wires = [first.result(timeout=60), second]
+    try:
+        assert all(agreed(s) for s in _check(wires, [[3, -3], [3, -3]]))
+    finally:
+        for w in wires:
+            w.close()
