@@ -155,6 +155,7 @@ def run_ranks(backends: Sequence[Backend], fn: Callable[..., T], args: Sequence[
     results: list[Any] = [None] * n
     errors: list[BaseException | None] = [None] * n
     finished = threading.Semaphore(0)
+    ended = [False] * n
 
     def body(rank: int) -> None:
         backend = backends[rank]
@@ -177,6 +178,7 @@ def run_ranks(backends: Sequence[Backend], fn: Callable[..., T], args: Sequence[
             abort(rank, exc)
         finally:
             backend.close()
+            ended[rank] = True
             finished.release()
 
     threads = [threading.Thread(target=body, args=(r,), name=f"axondist-rank{r}", daemon=True)
@@ -192,6 +194,11 @@ def run_ranks(backends: Sequence[Backend], fn: Callable[..., T], args: Sequence[
                 deadline = time.monotonic() + _GRACE
         else:
             break  # some ranks are stuck in their own code after another one failed
+    for rank, thread in enumerate(threads):
+        if ended[rank]:
+            # its end is near but not done: its thread-local state (a JAX rank's, in C++)
+            # is destroyed as the thread ends, which must not meet the interpreter's exit
+            thread.join()
     stuck = [r for r, t in enumerate(threads) if t.is_alive()]
     return _results_or_raise(results, errors, stuck, label)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
@@ -121,6 +122,26 @@ def test_spawn_returns_results_in_rank_order_and_passes_args():
         (0, "x", 5), (1, "x", 5), (2, "x", 5)]
     with pytest.raises(ValueError, match="world_size must be a positive int"):
         ad.spawn(lambda w: None, 0)
+
+
+def test_spawn_returns_once_every_ranks_thread_has_ended():
+    """A rank's thread-local state is destroyed as its thread ends, after its function
+    returned (a JAX rank's, in C++): spawn waits for that end, or a program that exits
+    right after spawn meets it in the interpreter's finalization (an abort)."""
+    ended = []
+
+    class TornDownSlowly:
+        def __del__(self):
+            time.sleep(0.3)
+            ended.append(True)
+
+    mine = threading.local()
+
+    def body(world):
+        mine.state = TornDownSlowly()
+
+    ad.spawn(body, 2)
+    assert ended == [True, True], "spawn returned before its ranks' threads ended"
 
 
 def test_async_ops_complete_out_of_issue_order():
