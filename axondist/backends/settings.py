@@ -140,12 +140,14 @@ VARIABLES: tuple[Variable, ...] = (
              "MPI with CuPy arrays: `auto` (through host memory when the MPI library is not "
              "CUDA-aware), `always` or `never`", _choice("auto", "always", "never")),
     Variable("AXONDIST_DIAGNOSTICS", "diagnostics", "auto",
-             "MPI: the address the watchdog's diagnostics server binds (`auto`: the loopback "
-             "when every rank is on this host, else the host's address; `off`: no server, only "
-             "the timeout ends a wait)", _text),
+             "MPI and torch: the address the watchdog's diagnostics server binds, and on torch "
+             "the check's sockets too (`auto`: the loopback when every rank is on this host, "
+             "else the host's address; `off`: no server, only the timeout ends a wait, and "
+             "torch's check is a gloo all-reduce)", _text),
     Variable("AXONDIST_DIAGNOSTICS_PORTS", "diagnostics_ports", None,
-             "MPI: the port range `LO-HI` that server may take (a firewall's open range; "
-             "default: any free port)", _port_range),
+             "MPI and torch: the port range `LO-HI` that server (and torch's check sockets, "
+             "while a group is made) may take (a firewall's open range; default: any free "
+             "port)", _port_range),
     Variable("AXONDIST_CUT_OFF_TIMEOUT", "cut_off_timeout", 30.0,
              "MPI: seconds without an answer from any rank of a peer's host before that host "
              "counts as cut off and the job ends (default 30)", _seconds),
