@@ -57,7 +57,7 @@ EAGER_BYTES = 64 << 10
 #: every other member, for as long as it lives.
 MAX_GROUPS = 1000
 #: Frees the process groups this rank destroyed, off the thread that closed them.
-_FREED = Reaper()
+FREED_GROUPS = Reaper()
 
 
 def _ended(pid: int) -> bool:
@@ -469,7 +469,7 @@ class TorchBackend(Backend):
                 self.dist.destroy_process_group(self.pg)
                 pg, self.pg = self.pg, None
                 self.guard.pg = self.guard.checks_group = None
-                _FREED.drop(pg)
+                FREED_GROUPS.drop(pg)
 
     def release(self, default_group: bool) -> None:
         """At interpreter exit: destroy the process group of every open group of this rank's
@@ -479,7 +479,7 @@ class TorchBackend(Backend):
         while Python finalizes and frees them, which aborts the process ("terminate called
         without an active exception"). A group with calls still queued, or sends not yet
         received, is left as it is: its threads are inside gloo, and would never join."""
-        _FREED.drain()  # gloo's teardown of the groups closed before must end first
+        FREED_GROUPS.drain()  # gloo's teardown of the groups closed before must end first
         busy = self.outbox.busy()
         for backend in sorted(self.live.values(), key=lambda b: not b._owns_group):
             if backend.order.busy() or busy:
@@ -498,4 +498,4 @@ class TorchBackend(Backend):
                 self.dist.destroy_process_group()
 
 
-__all__ = ["TorchBackend", "node_info"]
+__all__ = ["FREED_GROUPS", "TorchBackend", "node_info"]

@@ -20,7 +20,7 @@ from ..recording.recorder import FlightRecorder
 from ..rendezvous import LaunchEnv
 from ..watchdog.diagnostics import diagnostics_address, diagnostics_ports
 from ..watchdog.watchdog import Watchdog, exit_soon, print_and_flush, silence_all
-from .backend import TorchBackend
+from .backend import FREED_GROUPS, TorchBackend
 from .interop import load_torch
 from .wires import Wiring
 
@@ -151,7 +151,9 @@ def _init_default_group(torch: Any, dist: Any, wait: float) -> datetime.timedelt
 
 def _release_at_exit(dist: Any, live: dict[str, TorchBackend], default_group: bool) -> None:
     """Destroy this rank's groups, and torch's default group when ``init`` made it, before
-    the interpreter finalizes (:meth:`TorchBackend.release`)."""
+    the interpreter finalizes (:meth:`TorchBackend.release`), and wait for the groups
+    closed earlier to be freed (a world destroyed before is no longer in ``live``)."""
+    FREED_GROUPS.drain()
     world = live.get("world")
     if world is not None:
         world.release(default_group)
