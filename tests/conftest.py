@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import collections
+import importlib.util
 import os
+import shutil
 import sys
+import tempfile
 from typing import Any
 
 # A run starts pytest in many processes (the workers, every rank of a launched world run,
@@ -23,6 +26,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 from rank_folders import make_rank_folder, remove_rank_folder  # noqa: E402
+from shm_segments import remove_orphans  # noqa: E402
 from tiers import MPI_ONLY, SLOW_FILES, SLOW_FOLDERS, is_slow, needs_three_ranks, place  # noqa: E402
 
 settings.register_profile(
@@ -45,6 +49,12 @@ os.environ.setdefault("AXONDIST_TIMEOUT", "60")
 #: ``AXONDIST_TEST_WORKERS=1`` (or ``-n 0``) runs in one process. A worker runs files in an
 #: order one process never does, so no test may leave state behind (:func:`_no_world_left_behind`).
 WORKERS = int(os.environ.get("AXONDIST_TEST_WORKERS", "2"))
+#: Workers of a quick-tier run (``-m "not slow"``) unless ``AXONDIST_TEST_WORKERS`` says:
+#: its longest tests mostly wait (the watchdog's looks, a cycle's second of stillness), so
+#: more workers than cores fill the waits. On 2 cores, idle: 61.9 s with 2 workers, 53.7
+#: with 3, 49.4 with 4; beside two busy loops 92.6 s with 2, 72.8 with 4. The whole suite
+#: keeps :data:`WORKERS`: its launched jobs fill every core themselves.
+QUICK_WORKERS = int(os.environ.get("AXONDIST_TEST_WORKERS", "4"))
 
 
 #: The xdist scope of the launched world runs (minutes each, every core busy): one worker runs
@@ -89,9 +99,11 @@ def pytest_cmdline_main(config: pytest.Config) -> None:
     if _launched_rank() or config.option.collectonly or config.option.usepdb:
         return
     if config.option.numprocesses is None:
-        if WORKERS < 2:
+        quick = " ".join((config.option.markexpr or "").split()) == "not slow"
+        workers = QUICK_WORKERS if quick else WORKERS
+        if workers < 2:
             return
-        config.option.numprocesses = WORKERS
+        config.option.numprocesses = workers
     if config.option.dist == "no":
         config.option.dist = "loadscope"
         config.option.axondist_grouped = True
@@ -156,6 +168,33 @@ def pytest_configure(config: pytest.Config) -> None:
         global _RANK_BASETEMP
         _RANK_BASETEMP = make_rank_folder(rank)
         config.option.basetemp = _RANK_BASETEMP
+    _share_jax_compilations()
+
+
+#: The JAX compilation cache this session made (removed when it ends), or None.
+_JAX_CACHE: str | None = None
+
+
+def _share_jax_compilations() -> None:
+    """One JAX compilation cache for every process of the session (its workers, the launched
+    ranks, the fault cases' processes): each program is compiled once, not once per rank and
+    world run (the differentiable world tests: 30 s per launch, 12 s once compiled). The
+    cache takes every program however fast it compiles, and is locked while an entry is
+    read or written (its size bound turns JAX's file lock on: no process reads an entry half
+    written). Left alone where the user set a cache of their own or filelock is missing."""
+    global _JAX_CACHE
+    if "JAX_COMPILATION_CACHE_DIR" in os.environ or importlib.util.find_spec("filelock") is None:
+        return
+    _JAX_CACHE = tempfile.mkdtemp(prefix="axondist-jax-cache-")
+    os.environ.update({"JAX_COMPILATION_CACHE_DIR": _JAX_CACHE,
+                       "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+                       "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1",
+                       "JAX_COMPILATION_CACHE_MAX_SIZE": str(4 << 30)})
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if _JAX_CACHE is not None:
+        shutil.rmtree(_JAX_CACHE, ignore_errors=True)
 
 
 #: The temporary folder made for this rank of a launched run (removed when the run ends).
@@ -261,12 +300,26 @@ def rng() -> np.random.Generator:
     return np.random.default_rng(12345)
 
 
+def _controller() -> bool:
+    """Whether this process runs the session itself: no xdist worker, no launched rank."""
+    return "PYTEST_XDIST_WORKER" not in os.environ and not _launched_rank()
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Remove MPICH's segments earlier runs left (:mod:`shm_segments`): on a machine that
+    ran the suite for a day they held most of its memory."""
+    if _controller():
+        remove_orphans()
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """Under ``mpiexec`` or ``torchrun``, a failing rank ends the job instead of leaving its
     peers waiting (torchrun stops the others when one rank exits with an error)."""
     from axondist._environment import env_launch_size, launched_by_mpi
 
     remove_rank_folder(_RANK_BASETEMP)  # nothing left behind in the system's temp folder
+    if _controller():
+        remove_orphans()  # nor MPICH's segments of the jobs killed on purpose
     if exitstatus not in (0, 5) and not launched_by_mpi() and env_launch_size() is not None:
         from axondist.backends.watchdog.watchdog import silence_all
 

@@ -136,6 +136,18 @@ BEHAVIOURS: tuple[Behaviour, ...] = (
                   (MPI_3, "tests/world/test_mpi_launch.py::test_mpi_backend_checks[3]")),
               why_not="what a launched backend arranges itself (the mock world's own: "
                       "test_mock_world.py)"),
+    Behaviour("torch: two-member all-reduce, reduce-scatter, all-gather on the group's sockets",
+              _world("test_torch_backend.py",
+                     "test_a_pair_all_reduce_on_the_groups_sockets_equals_gloos"),
+              (TORCH_2, TORCH_3),
+              why_not="the torch backend's own algorithm (MPI's two-rank all-reduces: "
+                      "test_pair_halves.py, test_riding_checks.py)"),
+    Behaviour("torch: messages of host memory on the world's own connections",
+              _world("test_torch_backend.py",
+                     "test_messages_of_host_memory_travel_on_the_worlds_own_connections"),
+              (TORCH_2, TORCH_3),
+              why_not="the torch backend's own transport (MPI's messages are MPI's; the mock "
+                      "world's are queues)"),
     Behaviour("AXONDIST_DEBUG=1: a shape mismatch is an error on every rank",
               "tests/world/test_mpi_launch.py::"
               "test_debug_mode_turns_a_shape_mismatch_into_an_error_on_every_rank[2]", (MPI_2,),
@@ -153,6 +165,11 @@ BEHAVIOURS: tuple[Behaviour, ...] = (
               _world("test_mock_concurrency.py",
                      "test_receive_cycle_is_still_a_deadlock_with_collectives_around_it"),
               (MOCK,), why_not="the mock world's own detection (launched: tests/faults/)"),
+    Behaviour("a wait cycle through a collective is a deadlock, named within seconds",
+              _world("test_mock_concurrency.py",
+                     "test_a_cycle_through_a_collective_is_named_long_before_the_timeout"),
+              (MOCK,), why_not="the mock world's own detection (launched: the watchdog's, "
+                               "tests/faults/test_faults.py)"),
     # --- DDP ------------------------------------------------------------------------------------
     Behaviour("DDP trains like one process (synchronous and overlapped, weighted)",
               _world("test_ddp.py", "test_ddp_training_matches_one_process"), EVERY),

@@ -466,8 +466,33 @@ def run_job(cfg: RunConfig, out: TextIO | None = None, err: TextIO | None = None
             signal.signal(number, handler)
 
 
+class _StopFlag:
+    """Whether a stop signal came. Set from a signal handler, so it takes no lock: a
+    ``threading.Event`` would, and a signal landing while the main thread holds that lock
+    (inside ``Event.wait``, between taking it and waiting) would block the handler, and the
+    launcher, forever. The job's loop looks at it every ``_POLL_S``."""
+
+    def __init__(self) -> None:
+        self._set = False
+
+    def set(self) -> None:
+        self._set = True
+
+    def clear(self) -> None:
+        self._set = False
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def wait(self, timeout: float) -> None:
+        """Sleep ``timeout`` unless the flag is set (a signal cuts the sleep short only by
+        running its handler; the loop's next look sees it)."""
+        if not self._set:
+            time.sleep(timeout)
+
+
 #: Set by a stop signal; the job's wait loop stops the job at its next look (:func:`_interrupt`).
-_STOP_REQUESTED = threading.Event()
+_STOP_REQUESTED = _StopFlag()
 
 
 def _interrupt(signum: int, frame: Any) -> None:
@@ -475,7 +500,8 @@ def _interrupt(signum: int, frame: Any) -> None:
     mpiexec and torchrun handle it), SIGTERM (a scheduler ending the launcher) or SIGHUP
     (its terminal closed) stops the job. The handler only records it: an exception raised
     where a signal lands can land inside ``Popen.poll`` between taking its wait lock and the
-    ``try`` that gives it back, and every later wait for mpiexec then blocks forever."""
+    ``try`` that gives it back, and every later wait for mpiexec then blocks forever. Nor
+    does it take a lock (:class:`_StopFlag`)."""
     _STOP_REQUESTED.set()
 
 

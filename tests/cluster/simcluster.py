@@ -177,11 +177,14 @@ class SimCluster:
         ready, _, _ = select.select([self.relay.stdout], [], [], 30)
         line = self.relay.stdout.readline() if ready else ""
         if not line.startswith("READY "):
-            try:  # the rest of what it printed, once it has ended
-                rest = self.relay.communicate(timeout=10)[0]
+            try:  # the rest of what it printed, once it has ended; read through the same
+                # text stream (communicate() reads the pipe beneath it and would miss what
+                # readline already buffered)
+                self.relay.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 self.relay.kill()
-                rest = self.relay.communicate()[0]
+                self.relay.wait()
+            rest = self.relay.stdout.read()
             raise RuntimeError(f"SimCluster: the relay did not start (exit "
                                f"{self.relay.returncode}); it printed:\n{(line + rest)[-2000:]}")
         return line.split()[1:]

@@ -2,7 +2,8 @@
 told so (with ``AXONDIST_DEBUG=1`` too, where the ranks exchange their calls instead of a
 hash), a shape mismatch reads ``(rank 0: (3,), rank 1: (4,))`` everywhere, ``sizes=`` on one
 rank only names ``counts``, ``op=None`` names the argument and the valid ops, torch's own
-ReduceOp members work, an unreceived send is counted once, and a waiting call is described
+ReduceOp members work, an unreceived send is counted once (also one sent after its
+destination went to its exit), and a waiting call is described
 with each field once. Each run of ``scripts/mismatch_cases.py`` is a subprocess under its own
 timeout (``faults.runner``), on the mock world, under ``mpiexec -n 2/3`` and under
 ``torchrun --nproc-per-node 2``.
@@ -44,6 +45,8 @@ SAID: dict[str, str | None] = {
                            r"\(tag 0\)",
     "three_unreceived_sends": r"messages were sent but never received: 3 from rank 0 to rank 1 "
                               r"\(tag 0\)",
+    "send_after_the_peer_left": r"messages were sent but never received: 1 from rank 0 to "
+                                r"rank 1 \(tag 0\)",
     "waits_in_all_reduce": r"waits in all_reduce #1 on world \([^)]*reduce_op=MAX\)",
 }
 DIFFERENT = ("reduce_vs_broadcast", "reduce_vs_gather", "reduce_vs_reduce_scatter")
@@ -54,8 +57,8 @@ RUNS = sorted(
     | {(c, "mpi", n, d) for c in ("shape_mismatch", "sizes_on_one_rank") for n in (2, 3)
        for d in (False, True)}
     | {(c, m, 2, False) for c in ("op_none", "torch_ops") for m in ("mock", "mpi", "torch")}
-    | {(c, "mpi", n, False) for c in ("one_unreceived_send", "three_unreceived_sends")
-       for n in (2, 3)}
+    | {(c, "mpi", n, False) for c in ("one_unreceived_send", "three_unreceived_sends",
+                                     "send_after_the_peer_left") for n in (2, 3)}
     | {("waits_in_all_reduce", "mpi", 2, False)}
     | {("reduce_vs_broadcast", "torch", 2, d) for d in (False, True)}
     | {("reduce_vs_reduce_scatter", "torch", 2, True), ("shape_mismatch", "torch", 2, True),

@@ -406,6 +406,36 @@ def test_a_stop_signal_raises_nothing_where_it_lands():
         launcher._STOP_REQUESTED.clear()
 
 
+def test_a_stop_signal_landing_at_any_line_of_the_loops_wait_returns():
+    """A signal's handler runs between any two lines of the main thread, so the wait loop's
+    sleep must hold no lock the handler takes (a ``threading.Event`` does: Ctrl-C once hung
+    the launcher in its own handler). Here the handler runs before every line the wait runs,
+    in a process of its own under a timeout."""
+    code = textwrap.dedent("""
+        import signal, sys
+        from axondist.launching import supervisor
+
+        def land_here(frame, event, arg):
+            if event == "line":
+                supervisor._interrupt(signal.SIGINT, frame)
+            return land_here
+
+        for _ in range(3):
+            supervisor._STOP_REQUESTED.clear()
+            sys.settrace(land_here)
+            supervisor._STOP_REQUESTED.wait(0.01)
+            sys.settrace(None)
+            assert supervisor._STOP_REQUESTED.is_set()
+        print("returned")
+    """)
+    try:
+        proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                              text=True, timeout=30)
+    except subprocess.TimeoutExpired:
+        pytest.fail("a stop signal landing inside the wait blocked its handler")
+    assert proc.returncode == 0 and proc.stdout == "returned\n", proc.stderr
+
+
 @launches
 def test_ctrl_c_stops_the_job_with_one_line(tmp_path):
     path = script(tmp_path, _SLEEPER.format(folder=str(tmp_path)))

@@ -75,7 +75,8 @@ def keys(draw: st.DrawFn, world_size: int) -> CallKey:
                    reduce_op=draw(st.sampled_from(OPS)) if collective in REDUCTIONS else None,
                    root=draw(st.integers(0, world_size - 1))
                    if collective in ("broadcast", "reduce", "gather", "scatter") else None,
-                   counts=counts, async_op=draw(st.booleans()))
+                   counts=counts, async_op=draw(st.booleans()),
+                   layout=draw(st.sampled_from(["ok", "read-only", "strided"])))
 
 
 def _rank_order(key: CallKey, layout: Layout) -> bool:
@@ -100,6 +101,26 @@ def _uneven(key: CallKey, layout: Layout) -> bool:
     return len(set(element_counts(key, layout.world_size))) > 1
 
 
+def _on_wires(key: CallKey, layout: Layout) -> bool:
+    """A broadcast of a writable C-contiguous NumPy array in a group with its own sockets."""
+    return key.collective == "broadcast" and layout.wired and key.library == "numpy" \
+        and key.layout == "ok"
+
+
+def _pair_on_wires(key: CallKey, layout: Layout) -> bool:
+    """In a group of exactly two with its own sockets, on a writable C-contiguous NumPy
+    array: a SUM or AVERAGE all-reduce or reduce-scatter of float32/64 or int32/64, or an
+    all-gather of any dtype."""
+    if not (layout.world_size == 2 and layout.wired and key.library == "numpy"
+            and key.layout == "ok"):
+        return False
+    if key.collective == "all_gather":
+        return True
+    return key.collective in ("all_reduce", "reduce_scatter") \
+        and key.reduce_op in ("SUM", "AVERAGE") \
+        and key.dtype.name in ("float32", "float64", "int32", "int64")
+
+
 def _expected(key: CallKey, layout: Layout) -> Algorithm:
     if _rank_order(key, layout):
         return Algorithm.RANK_ORDER_SUM
@@ -107,6 +128,10 @@ def _expected(key: CallKey, layout: Layout) -> Algorithm:
         return Algorithm.NAN_RESTORE
     if _uneven(key, layout):
         return Algorithm.PADDED
+    if _on_wires(key, layout):
+        return Algorithm.WIRES
+    if _pair_on_wires(key, layout):
+        return Algorithm.PAIR_WIRES
     return Algorithm.TORCH
 
 
@@ -115,7 +140,7 @@ sizes = st.integers(1, 9)
 
 @given(data=st.data(), n=sizes)
 def test_each_call_takes_the_first_rule_whose_boundaries_it_meets(data, n):
-    layout = Layout(n)
+    layout = Layout(n, wired=data.draw(st.booleans()))
     key = data.draw(keys(n))
     assert choose(key, layout) is _expected(key, layout), key
 
@@ -130,13 +155,15 @@ def test_the_table_is_total_its_last_row_takes_every_call(data, n):
 @given(data=st.data(), n=sizes)
 def test_every_choice_for_a_planned_collective_has_a_plan_class(data, n):
     key = data.draw(keys(n).filter(lambda k: k.collective in PLANNED))
-    assert (key.collective, choose(key, Layout(n))) in PLANS
+    wired = data.draw(st.booleans())
+    assert (key.collective, choose(key, Layout(n, wired=wired))) in PLANS
 
 
 def test_every_algorithm_has_a_plan_and_every_plan_a_row():
     assert {algorithm for _, algorithm in PLANS} == set(Algorithm)
     assert [rule.algorithm for rule in TABLE] == [
-        Algorithm.RANK_ORDER_SUM, Algorithm.NAN_RESTORE, Algorithm.PADDED, Algorithm.TORCH]
+        Algorithm.RANK_ORDER_SUM, Algorithm.NAN_RESTORE, Algorithm.PADDED, Algorithm.WIRES,
+        Algorithm.PAIR_WIRES, Algorithm.TORCH]
     for rule in TABLE:
         assert rule.why.strip(), rule
 
@@ -215,10 +242,50 @@ def test_all_to_all_is_torchs_whatever_its_split_sizes():
     assert choose(key._replace(counts=(3, 3, 3, 3), shape=(6,)), Layout(2)) is Algorithm.TORCH
 
 
-def test_broadcast_is_torchs_at_every_size():
-    for n in (1, 2, 3, 8):
+def test_broadcast_of_host_memory_takes_the_groups_sockets_at_every_size():
+    for n in (2, 3, 8):
         for rows in (0, 1, 1 << 20):
-            assert choose(_key("broadcast", rows=rows), Layout(n)) is Algorithm.TORCH
+            key = _key("broadcast", rows=rows)
+            assert choose(key, Layout(n, wired=True)) is Algorithm.WIRES
+            assert choose(key, Layout(n)) is Algorithm.TORCH  # no sockets: gloo's
+            assert choose(key._replace(library="cupy"), Layout(n, wired=True)) \
+                is Algorithm.TORCH  # device memory: the process group's (NCCL)
+            assert choose(key._replace(async_op=True), Layout(n, wired=True)) \
+                is Algorithm.WIRES
+
+
+def test_a_sum_of_two_members_of_host_memory_takes_the_groups_sockets_at_every_size():
+    for rows in (0, 1, 1 << 20):
+        for op in ("SUM", "AVERAGE"):
+            key = _key("all_reduce", "float64", rows=rows, reduce_op=op)
+            assert choose(key, Layout(2, wired=True)) is Algorithm.PAIR_WIRES
+            assert choose(key._replace(async_op=True), Layout(2, wired=True)) \
+                is Algorithm.PAIR_WIRES
+            assert choose(key, Layout(2)) is Algorithm.TORCH  # no sockets: gloo's
+            assert choose(key, Layout(3, wired=True)) is Algorithm.RANK_ORDER_SUM
+            assert choose(key._replace(library="cupy"), Layout(2, wired=True)) \
+                is Algorithm.TORCH  # device memory: the process group's (NCCL)
+            assert choose(key._replace(layout="strided"), Layout(2, wired=True)) \
+                is Algorithm.TORCH
+    for dtype in ("float16", "bfloat16", "complex64", "int8", "uint8", "bool"):
+        key = _key("all_reduce", dtype, reduce_op="SUM")
+        assert choose(key, Layout(2, wired=True)) is Algorithm.TORCH, dtype
+    key = _key("all_reduce", "int32", reduce_op="PRODUCT")
+    assert choose(key, Layout(2, wired=True)) is Algorithm.TORCH
+
+
+@pytest.mark.parametrize("collective", ["all_gather", "reduce_scatter"])
+def test_even_blocks_of_two_members_take_the_groups_sockets_uneven_ones_are_padded(collective):
+    for rows in (0, 2, 1 << 20):
+        key = _key(collective, "float64", rows=rows)
+        assert choose(key, Layout(2, wired=True)) is Algorithm.PAIR_WIRES
+        assert choose(key, Layout(2)) is Algorithm.TORCH
+        assert choose(key._replace(library="cupy"), Layout(2, wired=True)) is Algorithm.TORCH
+    uneven = _key(collective, rows=5)
+    assert choose(uneven, Layout(2, wired=True)) is Algorithm.PADDED
+    int8 = _key(collective, "int8", rows=4)
+    assert choose(int8, Layout(2, wired=True)) is (
+        Algorithm.PAIR_WIRES if collective == "all_gather" else Algorithm.TORCH)
 
 
 def test_reading_the_table_imports_no_torch():

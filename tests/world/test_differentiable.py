@@ -176,6 +176,8 @@ def test_gradients_match_one_process_and_finite_differences(size: int, case: str
 
 @pytest.mark.parametrize("n", [2, 3])
 def test_every_case_at_two_and_three_ranks_in_both_frameworks(n: int) -> None:
+    if current_size(n) != n:  # a launched world of another size would rerun [its size]
+        pytest.skip(f"a world of {n} ranks: this launched world has {current_size(n)}")
     def body(world: ad.World) -> None:
         for case in NAMES:
             for framework in ("torch", "jax"):

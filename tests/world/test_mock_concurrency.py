@@ -5,6 +5,7 @@ reduction; large rounds split into parts that any rank may do, and their failure
 from __future__ import annotations
 
 import contextlib
+import re
 import subprocess
 import sys
 import textwrap
@@ -285,6 +286,47 @@ def test_mismatch_in_a_shared_round_is_named_on_every_rank():
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.count("all_reduce: ranks disagree on shape (rank 0: (3000,), "
                              "rank 1: (3001,), rank 2: (3002,))") == 3, proc.stdout
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_a_cycle_through_a_collective_is_named_long_before_the_timeout(n):
+    """Collectives issued on different groups, and a receive whose sender waits in a
+    collective, fail as deadlocks naming each rank's call (AXONDIST_TIMEOUT is 20 s); a
+    rank of three that waits for both is not in the cycle."""
+    proc = _run_script(f"""
+        import time
+
+        def groups(world):
+            pair = world.new_group([0, 1])
+            ad.all_reduce(np.ones(4), group=pair if world.rank == 0 else None)
+
+        def receive_before_barrier(world):
+            if world.rank == 1:
+                ad.recv(src=0)
+            ad.barrier()
+
+        for body in (groups, receive_before_barrier):
+            started = time.monotonic()
+            try:
+                ad.spawn(body, {n})
+            except ad.CollectiveTimeoutError as exc:
+                print(f"{{body.__name__}} after {{time.monotonic() - started:.1f}} s:", exc)
+    """)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert len(lines) == 2, proc.stdout
+    assert re.match(r"groups after [0-9]\.\d s: (all_reduce #1 on world\.0 of ranks \[0, 1\] "
+                    r"\(rank 0\): deadlock: rank 1 waits in all_reduce #2 on world \(.*\), "
+                    r"which needs this rank; while this rank waits in all_reduce #1 on world\.0 "
+                    r".*\(wait cycle rank 0 -> rank 1 -> rank 0\)|all_reduce #2 on world of "
+                    r"ranks .* \(rank 1\): deadlock: rank 0 waits in all_reduce #1 on world\.0 "
+                    r"\(.*\), which needs this rank; while this rank waits in all_reduce #2 on "
+                    r"world .*\(wait cycle rank 1 -> rank 0 -> rank 1\))", lines[0]), lines[0]
+    assert re.match(r"receive_before_barrier after [0-9]\.\d s: (recv on rank 1 from rank 0 "
+                    r"\(tag 0\): deadlock: rank 0 waits in barrier #1 on world, which needs "
+                    r"this rank|barrier #1 on world of ranks .* \(rank 0\): deadlock: rank 1 "
+                    r"waits in recv #1 on world:p2p \(peer=0, tag=0\), which needs this rank)",
+                    lines[1]), lines[1]
 
 
 @pytest.mark.parametrize("n", [2, 3])

@@ -55,3 +55,138 @@ def test_the_torch_backend_pads_uneven_blocks_checks_sizes_and_reduces_in_place(
     assert ad.all_reduce(t) is t
     torch.testing.assert_close(t, torch.full((3,), n * (n + 1) / 2))
     ad.barrier()
+
+
+def test_a_broadcast_on_the_groups_sockets_equals_gloos():
+    """A broadcast of host memory travels on the group's own sockets (the table's WIRES row)
+    and gives what gloo's broadcast gives: every dtype, empty and multi-MiB buffers, every
+    root, a subgroup's, and a non-blocking one."""
+    import ml_dtypes
+
+    from axondist.backends.plan import CallKey
+    from axondist.backends.torch.choose import Algorithm, choose
+    from axondist.backends.torch.plans import PLANS
+
+    world = launched_world()
+    n, rank, backend = world.world_size, world.rank, world.backend
+    assert backend.layout.wired
+    for dtype, shape in [(np.float32, (1024,)), (np.float64, (3, 5)), (np.int8, (7,)),
+                         (ml_dtypes.bfloat16, (33,)), (np.complex128, (2, 2)),
+                         (np.float32, (0, 4)), (np.uint8, (3 * 2**20 + 5,))]:
+        for root in range(n):
+            mine = (np.arange(int(np.prod(shape))) * (rank + 2)).astype(dtype).reshape(shape)
+            want = (np.arange(int(np.prod(shape))) * (root + 2)).astype(dtype).reshape(shape)
+            key = CallKey.of("broadcast", mine, root=root)
+            assert choose(key, backend.layout) is Algorithm.WIRES
+            on_wires = mine.copy()
+            assert ad.broadcast(on_wires, src=root) is on_wires
+            by_gloo = mine.copy()
+            PLANS["broadcast", Algorithm.TORCH](backend, key).run(by_gloo)
+            np.testing.assert_array_equal(on_wires, want)
+            np.testing.assert_array_equal(by_gloo, want)
+    # a subgroup of the ranks in reverse order: its group ranks, its own sockets
+    with world.new_group(list(range(n))[::-1]) as group:
+        x = np.full(5, float(rank))
+        ad.broadcast(x, group, src=0)
+        np.testing.assert_array_equal(x, np.full(5, float(n - 1)))
+        work = ad.broadcast(np.full(4, rank, np.int64), group, src=n - 1, async_op=True)
+        np.testing.assert_array_equal(work.wait(), np.zeros(4, np.int64))
+    ad.barrier()
+
+
+def test_a_pair_all_reduce_on_the_groups_sockets_equals_gloos():
+    """A SUM or AVERAGE all-reduce or reduce-scatter, or an all-gather, of host memory in a
+    group of two runs on the group's own sockets (the table's PAIR_WIRES row), each member
+    summing the block it owns, and gives gloo's bits: every dtype of the row, sizes from
+    empty and odd to multi-MiB, blocking and not. At three ranks a two-member subgroup
+    takes the row; the world, gloo's."""
+    from axondist.backends.plan import CallKey
+    from axondist.backends.torch.choose import Algorithm, choose
+    from axondist.backends.torch.plans import PLANS
+
+    world = launched_world()
+    n = world.world_size
+    group = world if n == 2 else world.new_group([n - 1, 0])
+    if group.is_member:
+        backend, me = group.backend, group.rank
+        assert backend.layout.wired and backend.world_size == 2
+        rng = np.random.default_rng(7)
+        for dtype in (np.float32, np.float64, np.int32, np.int64):
+            for size in (0, 1, 7, 4096, (3 << 20) // 4 + 3):
+                for op in ("sum", "avg") if np.dtype(dtype).kind == "f" else ("sum",):
+                    values = rng.standard_normal((2, size)) * 1000
+                    mine = values[me].astype(dtype)
+                    key = CallKey.of("all_reduce", mine, reduce_op=op)
+                    assert choose(key, backend.layout) is Algorithm.PAIR_WIRES
+                    on_wires = mine.copy()
+                    assert ad.all_reduce(on_wires, op, group) is on_wires
+                    by_gloo = mine.copy()
+                    PLANS["all_reduce", Algorithm.TORCH](backend, key).run(by_gloo)
+                    np.testing.assert_array_equal(on_wires, by_gloo)
+        for dtype in (np.float32, np.int64, np.int8):
+            for rows in (0, 1, 5, (1 << 20) // 3):
+                block = (rng.standard_normal((2, rows, 3)) * 100).astype(dtype)[me]
+                key = CallKey.of("all_gather", block, counts=(rows, rows))
+                assert choose(key, backend.layout) is Algorithm.PAIR_WIRES
+                gathered = ad.all_gather(block, group, sizes=[rows, rows])
+                np.testing.assert_array_equal(ad.all_gather(block, group), gathered)
+                by_gloo = np.empty((2 * rows, 3), dtype)
+                PLANS["all_gather", Algorithm.TORCH](backend, key).run(block, by_gloo)
+                np.testing.assert_array_equal(gathered, by_gloo)
+                if dtype == np.int8:
+                    continue
+                for op in ("sum", "avg") if np.dtype(dtype).kind == "f" else ("sum",):
+                    both = (rng.standard_normal((2, 2 * rows, 3)) * 100).astype(dtype)[me]
+                    key = CallKey.of("reduce_scatter", both, reduce_op=op)
+                    assert choose(key, backend.layout) is Algorithm.PAIR_WIRES
+                    scattered = ad.reduce_scatter(both, op, group)
+                    by_gloo = np.empty((rows, 3), dtype)
+                    PLANS["reduce_scatter", Algorithm.TORCH](backend, key).run(both, by_gloo)
+                    np.testing.assert_array_equal(scattered, by_gloo)
+        work = ad.all_reduce(np.full(5, me + 1.0), "avg", group, async_op=True)
+        np.testing.assert_array_equal(work.wait(), np.full(5, 1.5))
+    if group is not world:
+        group.destroy()
+    if n > 2:
+        key = CallKey.of("all_reduce", np.ones(4, np.float32), reduce_op="sum")
+        assert choose(key, world.backend.layout) is not Algorithm.PAIR_WIRES
+    ad.barrier()
+
+
+def test_messages_of_host_memory_travel_on_the_worlds_own_connections():
+    """Point-to-point messages of host memory go through the world's mailbox (one
+    connection per pair of ranks, shared by the groups), matched by group and tag as gloo
+    matches them: each rank sends around the ring on the world and on a subgroup, with two
+    tags, and the receiver takes them in the reverse order; objects too."""
+    world = launched_world()
+    n, rank, backend = world.world_size, world.rank, world.backend
+    assert backend.mail is not None and backend.mail.reaches((rank + 1) % n)
+    sub = world.new_group(list(range(n)))
+    assert sub is not None and sub.backend.mail is backend.mail
+    right, left = (rank + 1) % n, (rank - 1) % n
+    for tag in (1, 2):
+        backend.send(np.full(3, 10 * rank + tag, np.int64), right, tag=tag)
+        sub.backend.send(np.full(60_000, rank + tag, np.uint8), right, tag=tag)
+    backend.send_object({"from": rank}, right, tag=1)
+    for tag in (2, 1):
+        got = np.empty(60_000, np.uint8)
+        sub.backend.recv(got, left, tag=tag)
+        assert (got == left + tag).all()
+        small = np.empty(3, np.int64)
+        backend.recv(small, left, tag=tag)
+        np.testing.assert_array_equal(small, 10 * left + tag)
+    assert backend.recv_object(left, tag=1) == {"from": left}
+    # a send past the eager size waits for its receive: rank 0 receives first
+    big = np.arange(100_000, dtype=np.float64)
+    if rank == 0:
+        got = np.empty_like(big)
+        backend.recv(got, left, tag=3)
+        np.testing.assert_array_equal(got, big + left)
+    backend.send(big + rank, right, tag=3)
+    if rank != 0:
+        got = np.empty_like(big)
+        backend.recv(got, left, tag=3)
+        np.testing.assert_array_equal(got, big + left)
+    assert not backend.outbox.unreceived(settle=5.0)  # every send was received
+    sub.destroy()
+    ad.barrier()

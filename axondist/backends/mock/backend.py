@@ -9,7 +9,9 @@ the round ends when every part is done. Reductions combine in rank order, so
 every run gives the same bits. Messages wait in one mailbox per pair of ranks
 and tag. A call whose peers do not come warns after the stall time, naming
 them and their last calls, and fails at the world's timeout; a peer that left
-or failed, or a cycle of receives, fails it at once.
+or failed fails it at once, and a cycle of waits (receives, or collectives the ranks
+issued on different groups or in different orders) as soon as it has held for a second
+with nothing moving, naming each rank's call as the MPI backend's watchdog does.
 """
 
 from __future__ import annotations
@@ -38,15 +40,12 @@ from .world import (
     _DONE,
     _GATHERING,
     _SHARING,
+    CYCLE_STILL,
     MockWorld,
     Text,
     _Mailbox,
     _Round,
 )
-
-#: Seconds a cycle of receives must hold, with no message or round completing anywhere,
-#: before it is reported as a deadlock.
-_CYCLE_STILL = 1.0
 
 #: Bytes a round reads and writes, below which the last rank to arrive does all of it:
 #: waking the other ranks to help costs more than the work they would take.
@@ -131,7 +130,8 @@ class MockBackend(Backend):
 
                 try:
                     w.wait_for(rnd.signal, lambda: rnd.stage != _GATHERING, what,
-                               lambda: f"ranks {absent()} of {n} did not join", absent, timeout)
+                               lambda: f"ranks {absent()} of {n} did not join", absent, timeout,
+                               self.global_ranks[me])
                 except BaseException:
                     with w.lock:
                         if w.rounds.get(key) is rnd:
@@ -318,12 +318,12 @@ class MockBackend(Backend):
                 seen.clear()
             elif not seen or seen[0] != progress:
                 seen[:] = [progress, time.monotonic()]
-            elif time.monotonic() - seen[1] >= _CYCLE_STILL:
+            elif time.monotonic() - seen[1] >= CYCLE_STILL:
                 raise CollectiveTimeoutError(
                     f"{description}: deadlock: every rank in the cycle "
                     + " -> ".join(f"rank {r}" for r in cycle)
                     + " waits to receive from the next one and no message moved for "
-                    f"{_CYCLE_STILL:g} s; make one side send first")
+                    f"{CYCLE_STILL:g} s; make one side send first")
             return False
 
         with box.signal:
@@ -335,7 +335,7 @@ class MockBackend(Backend):
                     w.receiving[me] = (box, peer)
                 try:
                     w.wait_for(box.signal, ready, description,
-                               lambda: f"rank {peer} sent nothing", lambda: [peer])
+                               lambda: f"rank {peer} sent nothing", lambda: [peer], rank=me)
                 finally:
                     with w.lock:
                         w.receiving.pop(me, None)

@@ -54,6 +54,7 @@ class ProcessEndWatch:
 
         def rank_entry(world: Any, *args: Any, **kwargs: Any) -> Any:
             self._ranks[threading.get_ident()] = world.rank
+            self.world.rank_threads[world.rank] = threading.get_ident()
             return frames[world.rank](fn, world, *args, **kwargs)
 
         return rank_entry

@@ -21,12 +21,17 @@ from ...errors import (
 from ..base import default_timeout, stall_warning_after
 from ..plan import Signature
 from ..recording.recorder import FlightRecorder, describe_call, describe_status
+from ..watchdog.wait_graph import describe_cycle, find_cycle
 from ..watchdog.watchdog import warn
 
 # Stages of a round.
 _GATHERING, _SHARING, _DONE = range(3)
 
 Text = Callable[[], str]
+
+#: Seconds a cycle of waits must hold, with no message or round completing anywhere,
+#: before it is reported as a deadlock.
+CYCLE_STILL = 1.0
 
 
 class _Signal:
@@ -134,9 +139,13 @@ class MockWorld:
         self.left: dict[int, str] = {}
         #: world rank -> (its mailbox, the world rank it receives from) while it waits.
         self.receiving: dict[int, tuple[_Mailbox, int]] = {}
-        #: Counts posted messages and completed rounds: a receive cycle is a deadlock
+        #: Counts posted messages and completed rounds: a cycle of waits is a deadlock
         #: only when it holds while nothing moves anywhere in the world.
         self.progress = 0
+        #: world rank -> the thread that runs the rank's function (set as it starts).
+        self.rank_threads: dict[int, int] = {}
+        #: World ranks whose own thread (``rank_threads``) sleeps in a call now.
+        self.sleeping: set[int] = set()
         self.rounds: dict[tuple[Any, int], _Round] = {}
         self.mailboxes: dict[tuple[Any, int, int, int], _Mailbox] = {}
         #: The signals threads sleep on now, with how many sleep on each.
@@ -193,34 +202,62 @@ class MockWorld:
 
     def wait_for(self, signal: _Signal, ready: Callable[[], bool], what: str | Text,
                  missing: Text, waiting_for: Callable[[], list[int]] | None = None,
-                 timeout: float | None = None) -> None:
+                 timeout: float | None = None, rank: int | None = None) -> None:
         """Wait (holding ``signal``, which whoever makes ``ready()`` true notifies) until
         ``ready()``.
 
         ``waiting_for`` lists the world ranks the wait needs: one that left
         fails the wait at once, and the stall warning names each with its last
-        calls. Abort, departure and timeout become errors.
+        calls. Abort, departure and timeout become errors. A wait of world rank
+        ``rank`` on its own thread that is part of a cycle of waits (see
+        :meth:`wait_cycle`) fails as a deadlock.
         """
         if ready():
             return
+        if rank is not None and self.rank_threads.get(rank) != threading.get_ident():
+            rank = None  # another thread of the rank's (a non-blocking call's)
         with self.lock:
             self.sleepers[signal] += 1
+            if rank is not None:
+                self.sleeping.add(rank)
         try:
-            self._sleep_until(signal, ready, what, missing, waiting_for, timeout)
+            self._sleep_until(signal, ready, what, missing, waiting_for, timeout, rank)
         finally:
             with self.lock:
                 self.sleepers[signal] -= 1
                 if not self.sleepers[signal]:
                     del self.sleepers[signal]
+                if rank is not None:
+                    self.sleeping.discard(rank)
+
+    def wait_cycle(self, me: int) -> str | None:
+        """Text naming a cycle of waits from world rank ``me`` back to it, of any length,
+        with a collective in it (a cycle of receives alone the receive words itself), or
+        None. Only ranks whose own thread sleeps in their one call in progress count: a
+        rank with another thread in a call, or whose own thread is outside one, may still
+        end the wait."""
+        with self.lock:
+            sleeping = set(self.sleeping)
+        statuses = {r: self.recorders[r].status(recent=0) for r in sorted(sleeping)
+                    if r not in self.left}
+        known = {r: s for r, s in statuses.items() if len(s["running"]) == 1}
+        groups: dict[str, tuple[int, ...]] = {}
+        for recorder in self.recorders:
+            groups.update(recorder.groups)
+        cycle = find_cycle(me, known, groups)
+        if cycle is None or all("peer" in entry for _, entry, _ in cycle):
+            return None
+        return describe_cycle(me, cycle)
 
     def _sleep_until(self, signal: _Signal, ready: Callable[[], bool],
                      what: str | Text, missing: Text,
                      waiting_for: Callable[[], list[int]] | None,
-                     timeout: float | None) -> None:
+                     timeout: float | None, rank: int | None) -> None:
         start = time.monotonic()
         timeout = self.timeout if timeout is None else timeout
         deadline = start + timeout
         warn_at = start + self.stall
+        moved, still_since = self.progress, start  # what moved last, and when
         while not ready():
             self._check_abort(what)
             needed = waiting_for() if waiting_for is not None else []
@@ -231,6 +268,13 @@ class MockWorld:
                                                    for r in gone)
                     + ": it will never join this call")
             now = time.monotonic()
+            if self.progress != moved:
+                moved, still_since = self.progress, now
+            elif rank is not None and now - still_since >= CYCLE_STILL:
+                cycle = self.wait_cycle(rank)
+                if cycle is not None:
+                    raise CollectiveTimeoutError(f"{_text(what)}: {cycle}")
+                still_since = now  # look again after as long
             if now >= deadline:
                 detail = "".join(f"; {self.describe_rank(r)}" for r in needed)
                 raise CollectiveTimeoutError(
@@ -244,7 +288,7 @@ class MockWorld:
                          + "\n".join("  " + self.describe_rank(r) for r in needed),
                          "[axondist] ")
                 warn_at = now + self.stall
-            signal.wait(min(deadline - now, warn_at - now, 1.0))
+            signal.wait(min(deadline - now, warn_at - now, CYCLE_STILL / 2))
 
 
 def _text(what: str | Text) -> str:

@@ -133,6 +133,10 @@ class MPIBackend(Backend):
         self._persistent: weakref.WeakSet[PersistentAllReduce] = weakref.WeakSet()
         #: The rank's watchdog (the world backend of a job of several ranks only).
         self.watchdog: Any = None
+        #: Messages (arrays and objects) this rank sent to each group rank, and received
+        #: from each: at the exit the ranks compare them (:func:`.world.unreceived`).
+        self.sent = np.zeros(self.world_size, np.int64)
+        self.received = np.zeros(self.world_size, np.int64)
 
     # --- properties ---------------------------------------------------------------------
     @property
@@ -312,6 +316,7 @@ class MPIBackend(Backend):
             raise_mpi_error(self.mpi, exc, "send")
         finally:
             guard.rec.end(slot)
+        self.sent[dst] += 1
 
     def recv(self, buf: Any, src: int, tag: int = 0) -> None:
         """``Recv`` of the next message from ``src`` with ``tag`` into ``buf``.
@@ -330,9 +335,11 @@ class MPIBackend(Backend):
         try:
             self._comm.Recv(target.reshape(-1).view(BYTES), src, data_tag, status)
         except self.mpi.Exception as exc:
+            self.received[src] += 1  # a message too long for the buffer is taken all the same
             raise_mpi_error(self.mpi, exc, what)
         finally:
             guard.rec.end(slot)
+        self.received[src] += 1
         got = status.Get_count(self.mpi.BYTE)
         if got != target.nbytes:
             raise CollectiveMismatchError(
@@ -351,6 +358,7 @@ class MPIBackend(Backend):
             self._comm.send(obj, dst, header_tag)
         finally:
             guard.rec.end(slot)
+        self.sent[dst] += 1
 
     def recv_object(self, src: int, tag: int = 0) -> Any:
         """The next object ``src`` sent with ``tag`` (mpi4py's pickled ``recv``)."""
@@ -359,9 +367,11 @@ class MPIBackend(Backend):
         guard = self.guard
         slot = guard.begin_p2p("recv", (("peer", guard.members[src]), ("tag", tag)))
         try:
-            return self._comm.recv(None, src, header_tag)
+            obj = self._comm.recv(None, src, header_tag)
         finally:
             guard.rec.end(slot)
+        self.received[src] += 1
+        return obj
 
     # --- small objects ---------------------------------------------------------------------
     def allgather_object(self, obj: Any) -> list[Any]:

@@ -11,6 +11,8 @@ import time
 import traceback
 from typing import Any
 
+import numpy as np
+
 from ..._validate import positive_seconds
 from ..base import default_timeout, stall_warning_after
 from ..recording.recorder import FlightRecorder
@@ -120,30 +122,42 @@ def create_world_backend(*, comm: Any = None, abort_on_exception: bool = True,
     return backend
 
 
-def unreceived(backend: MPIBackend, settle: float = 0.05) -> dict[tuple[int, int], int]:
-    """Messages of :func:`axondist.send` that reached this rank and were never received,
-    as ``{(source rank, user tag): messages}``; drained, so MPI can finalize. Looks for
-    ``settle`` seconds (an eager message still in flight lands meanwhile). Each message
-    is a header (an object, on the odd tag) and its data (the even tag): counted once."""
+#: Seconds the exit waits for the messages owed to this rank to land.
+OWED_WAIT = 5.0
+
+
+def unreceived(backend: MPIBackend) -> dict[tuple[int, int], int]:
+    """Messages of :func:`axondist.send` sent to this rank and never received, as
+    ``{(source rank, user tag): messages}``; drained, so MPI can finalize.
+
+    Collective over the world, at the exit: the ranks exchange how many messages each sent
+    to each (one ``Alltoall``), so a rank knows exactly what is still owed to it and waits
+    for those messages alone (MPI delivers every message sent; at most :data:`OWED_WAIT`
+    seconds), not for a while in case one is still landing."""
     comm = backend.comm
     if comm is None:
         return {}
     mpi = backend.mpi
+    owed = np.empty_like(backend.sent)
+    comm.Alltoall(backend.sent, owed)  # owed[s]: the messages rank s sent to this rank
     status = mpi.Status()
     found: dict[tuple[int, int, int], int] = {}
-    deadline = time.monotonic() + settle
-    while True:
-        if comm.Iprobe(mpi.ANY_SOURCE, mpi.ANY_TAG, status):
-            source, tag = status.Get_source(), status.Get_tag()
+    give_up = time.monotonic() + OWED_WAIT
+    for source in np.flatnonzero(owed > backend.received).tolist():
+        left = int(owed[source] - backend.received[source])
+        while left and time.monotonic() < give_up:
+            if not comm.Iprobe(source, mpi.ANY_TAG, status):
+                time.sleep(1e-3)
+                continue
+            tag = status.Get_tag()
             comm.Recv(bytearray(status.Get_count(mpi.BYTE)), source, tag)
-            key = (source, tag // 2, tag % 2)  # the data's and the header's tags share a tag
+            key = (source, tag // 2, tag % 2)
             found[key] = found.get(key, 0) + 1
-        elif time.monotonic() >= deadline:
-            return {(source, tag): max(found.get((source, tag, 0), 0),
-                                       found.get((source, tag, 1), 0))
-                    for source, tag, _ in found}
-        else:
-            time.sleep(1e-3)
+            left -= 1
+    # an array's message is a header (an object, on the odd tag) and its data (the even
+    # tag): counted once
+    return {(source, tag): max(found.get((source, tag, 0), 0), found.get((source, tag, 1), 0))
+            for source, tag, _ in found}
 
 
 def report_unreceived(backend: MPIBackend) -> None:
@@ -151,6 +165,10 @@ def report_unreceived(backend: MPIBackend) -> None:
     end with status 1 (a send without its receive is a bug the mock world reports too)."""
     if backend.comm is None or backend.mpi.Is_finalized():
         return
+    if backend.watchdog is not None:
+        # before the exchange waits for every rank's exit: a peer still inside a call with
+        # this rank must hear that it left (its watchdog ends the job, naming it)
+        backend.watchdog.announce_left()
     found = unreceived(backend)
     if not found:
         return
@@ -161,6 +179,7 @@ def report_unreceived(backend: MPIBackend) -> None:
     print_and_flush(f"[axondist rank {rank}/{size}] ",
                     f"messages were sent but never received: {detail}; every send needs a "
                     "matching recv (with the same tag) on its destination")
+    wait_until_output_is_read()  # the launcher ends the job on this exit: read it first
     os._exit(1)
 
 

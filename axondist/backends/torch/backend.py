@@ -6,13 +6,16 @@ Every call is numbered, recorded and checked across ranks first
 (:class:`~axondist.backends.torch.guard.TorchGuard`), so a mismatch raises the same
 error as on the other backends instead of gloo's abort. The collectives are plans
 (:mod:`.plans`, chosen by the table in :mod:`.choose`: where gloo computes or accepts less
-than the other backends, a plan arranges it). A point-to-point message carries a small
-header first, so a receive of the wrong size raises instead of ending the process.
+than the other backends, a plan arranges it). A point-to-point message of host memory
+travels on the world's own connections (:mod:`.mail`), one of device memory through
+torch.distributed after a small header; either way a receive of the wrong size raises
+instead of ending the process.
 Non-blocking calls and sends are queued on threads (:mod:`.queues`).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import pickle
 import time
 from collections.abc import Callable, Sequence
@@ -38,8 +41,9 @@ from ..work import CompletedWork, PolledWork, Work
 from .choose import Layout, choose
 from .guard import TorchGuard
 from .interop import load_torch
+from .mail import Mailbox
 from .plans import PLANS
-from .queues import CallOrder, Outbox, Reaper, tags
+from .queues import TAG_KINDS, CallOrder, Outbox, Reaper, tags
 from .wires import Wiring
 
 _HALF = frozenset(d for d in _array.SUPPORTED_DTYPES if d.itemsize == 2 and d.kind != "i")
@@ -97,7 +101,7 @@ class TorchBackend(Backend):
         owns_group: destroy ``pg`` in :meth:`close`.
         live: the open backends of this rank's world by group name, shared by the world and
             its groups (a new dict for the world's).
-        wiring: how the check's sockets are made (None: the check is a gloo all-reduce);
+        wiring: how the group's sockets are made (None: the check is a gloo all-reduce);
             every member makes them as it constructs the backend.
     """
 
@@ -133,11 +137,14 @@ class TorchBackend(Backend):
         self.watchdog: Any = None
         #: The threads that send to each rank, shared by the world's groups.
         self.outbox = Outbox(self.guard.members[self.rank])
+        #: The world's connections for messages of host memory, shared by its groups (None:
+        #: messages go through torch.distributed).
+        self.mail: Mailbox | None = None
         #: The order in which the group's calls reach torch (non-blocking ones queued).
         self.order = CallOrder(f"axondist-{group_name}")
         self._closed = False
         #: What the algorithm table knows about the group.
-        self.layout = Layout(self.world_size)
+        self.layout = Layout(self.world_size, wired=self.guard.wires is not None)
 
     # --- what the plans share ---------------------------------------------------------------
     @property
@@ -297,10 +304,14 @@ class TorchBackend(Backend):
         if outbox.error is not None:
             raise outbox.error
         eager = payload.size <= EAGER_BYTES
+        to = self.guard.members[dst]
+        mail = self.mail
+        if mail is not None and isinstance(payload, np.ndarray) and mail.reaches(to):
+            self._mail(mail, payload, to, data_tag, tag, eager)
+            return
         if eager:
             payload = payload.copy()
         header = np.array([payload.size], _INT64)
-        to = self.guard.members[dst]
 
         def send() -> None:
             self.dist.send(self.torch.from_numpy(header), group=self.pg, group_dst=dst,
@@ -313,6 +324,35 @@ class TorchBackend(Backend):
                              lambda: self.translated("send", send))
         if not eager:
             sent.result()
+
+    def _mail(self, mail: Mailbox, payload: np.ndarray, to: int, data_tag: int, tag: int,
+              eager: bool) -> None:
+        """Send ``payload`` to world rank ``to`` through the world's own connections: written
+        at once, done once received. A larger send waits for that; a failed eager one raises
+        at the next send, as through gloo (and counts as unreceived at exit)."""
+        outbox = self.outbox
+        try:
+            receipt = self.translated("send", lambda: mail.send(to, self.guard.group, data_tag,
+                                                                 payload))
+        except Exception as exc:
+            failed: concurrent.futures.Future = concurrent.futures.Future()
+            failed.set_exception(exc)
+            outbox.track(to, tag, failed, data_tag % TAG_KINDS >= 2)
+            if not eager:
+                raise
+            outbox.error = outbox.error or exc
+            return
+        outbox.track(to, tag, receipt, data_tag % TAG_KINDS >= 2)
+        if not eager:
+            self.translated("send", lambda: mail.wait(receipt, to))
+
+    def _received(self, src: int, data_tag: int) -> np.ndarray | None:
+        """The bytes of the next message from group rank ``src`` with ``data_tag`` through
+        the world's own connections; None when messages from ``src`` go through torch."""
+        mail, sender = self.mail, self.guard.members[src]
+        if mail is None or not mail.reaches(sender):
+            return None
+        return self.translated("recv", lambda: mail.receive(sender, self.guard.group, data_tag))
 
     def recv(self, buf: Any, src: int, tag: int = 0) -> None:
         """Receive the next message from ``src`` with ``tag`` into ``buf``.
@@ -327,14 +367,21 @@ class TorchBackend(Backend):
         slot = guard.begin_p2p("recv", (("peer", guard.members[src]), ("tag", tag),
                                        ("bytes", buf.nbytes)))
         try:
-            header = np.zeros(1, _INT64)
-            self.dist.recv(self.torch.from_numpy(header), group=self.pg, group_src=src,
-                           tag=head_tag)
-            size = int(header[0])
-            target = buf.reshape(-1).view(np.uint8) if size == buf.nbytes else np.empty(
-                size, np.uint8)
-            if size:
-                self.dist.recv(self.tensor(target), group=self.pg, group_src=src, tag=data_tag)
+            mailed = self._received(src, data_tag) if isinstance(buf, np.ndarray) else None
+            if mailed is not None:
+                size = mailed.size
+                if size == buf.nbytes:
+                    buf.reshape(-1).view(np.uint8)[...] = mailed
+            else:
+                header = np.zeros(1, _INT64)
+                self.dist.recv(self.torch.from_numpy(header), group=self.pg, group_src=src,
+                               tag=head_tag)
+                size = int(header[0])
+                target = buf.reshape(-1).view(np.uint8) if size == buf.nbytes else np.empty(
+                    size, np.uint8)
+                if size:
+                    self.dist.recv(self.tensor(target), group=self.pg, group_src=src,
+                                   tag=data_tag)
         finally:
             guard.rec.end(slot)
         if size != buf.nbytes:
@@ -362,12 +409,16 @@ class TorchBackend(Backend):
         guard = self.guard
         slot = guard.begin_p2p("recv", (("peer", guard.members[src]), ("tag", tag)))
         try:
-            header = np.zeros(1, _INT64)
-            self.dist.recv(self.torch.from_numpy(header), group=self.pg, group_src=src,
-                           tag=head_tag)
-            data = np.empty(int(header[0]), np.uint8)
-            self.dist.recv(self.torch.from_numpy(data), group=self.pg, group_src=src,
-                           tag=data_tag)
+            mailed = self._received(src, data_tag)
+            if mailed is not None:
+                data = mailed
+            else:
+                header = np.zeros(1, _INT64)
+                self.dist.recv(self.torch.from_numpy(header), group=self.pg, group_src=src,
+                               tag=head_tag)
+                data = np.empty(int(header[0]), np.uint8)
+                self.dist.recv(self.torch.from_numpy(data), group=self.pg, group_src=src,
+                               tag=data_tag)
         finally:
             guard.rec.end(slot)
         return pickle.loads(data.tobytes())
@@ -426,6 +477,7 @@ class TorchBackend(Backend):
                            wiring=self.wiring)
         sub.watchdog = self.watchdog
         sub.outbox = self.outbox
+        sub.mail = self.mail
         return sub
 
     def _make_group(self, members: list[int], name: str) -> Any:
@@ -462,6 +514,8 @@ class TorchBackend(Backend):
         self.guard.forget()
         if self.guard.wires is not None:
             self.guard.wires.close()
+        if not self._owns_group and self.mail is not None:  # the world's: its groups' too
+            self.mail.close()
         if self._owns_group and self.dist.is_initialized():
             try:  # the members' last calls on the group have ended everywhere
                 self.dist.barrier(group=self.pg)
@@ -493,6 +547,8 @@ class TorchBackend(Backend):
                 self.dist.destroy_process_group(backend.pg)
             backend.pg = backend.guard.pg = backend.guard.checks_group = None
         if not any(b.order.busy() for b in self.live.values()) and not busy:
+            if self.mail is not None:
+                self.mail.close()
             self.live.clear()
             if default_group and self.dist.is_initialized():
                 self.dist.destroy_process_group()

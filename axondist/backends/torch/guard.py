@@ -20,7 +20,7 @@ import numpy as np
 
 from ..checks import CallLog, Key, agreed, raise_if_different
 from ..recording.recorder import FlightRecorder
-from .wires import CheckWires
+from .wires import GroupWires
 
 
 class TorchGuard(CallLog):
@@ -50,7 +50,7 @@ class TorchGuard(CallLog):
         self._tensor = torch.from_numpy(self._sent)
         self._max = dist.ReduceOp.MAX
         #: The group's check sockets (None: the check runs on ``checks_group``).
-        self.wires: CheckWires | None = None
+        self.wires: GroupWires | None = None
 
     def agree(self, op: str, key: Key, words: np.ndarray) -> None:
         """Return when every rank of the group calls ``op`` with this ``key`` (``words``:

@@ -119,6 +119,72 @@ class BroadcastPlan(TorchPlan):
                                 async_op=True), None
 
 
+class WiredBroadcastPlan(TorchPlan):
+    """A broadcast of host memory on the group's own sockets, after the check on them."""
+
+    __slots__ = ()
+
+    def _move(self, send: Any, recv: Any) -> Moved:
+        wires, root = self._guard.wires, self.key.root
+        assert wires is not None and root is not None  # a broadcast in a wired group
+        wires.broadcast(send, root)
+        return None, None
+
+
+class WiredPairAllReducePlan(TorchPlan):
+    """A two-member SUM or AVERAGE all-reduce of host memory on the group's own sockets,
+    after the check on them: each member sums (and scales) the half it owns."""
+
+    __slots__ = ()
+
+    def _move(self, send: Any, recv: Any) -> Moved:
+        wires, scale = self._guard.wires, self._scale
+        assert wires is not None  # an all-reduce in a wired group
+
+        def combine(mine: Any, other: Any) -> None:
+            self._xp.add(mine, other, out=mine)
+            if scale is not None:
+                self._xp.divide(mine, scale, out=mine, casting="unsafe")
+
+        wires.pair_reduce(send, combine)
+        return None, None
+
+
+class WiredPairAllGatherPlan(TorchPlan):
+    """A two-member all-gather of equal blocks of host memory on the group's own sockets,
+    after the check on them: each member's block goes straight to the other's output."""
+
+    __slots__ = ()
+
+    def _move(self, send: Any, recv: Any) -> Moved:
+        wires, me = self._guard.wires, self._b.rank
+        assert wires is not None  # an all-gather in a wired group
+        flat_out, flat_in = recv.reshape(-1), send.reshape(-1)
+        blocks = (flat_out[:flat_in.size], flat_out[flat_in.size:])
+        blocks[me][...] = flat_in
+        wires.pair_swap(flat_in, blocks[1 - me])
+        return None, None
+
+
+class WiredPairReduceScatterPlan(TorchPlan):
+    """A two-member SUM or AVERAGE reduce-scatter of equal blocks of host memory on the
+    group's own sockets, after the check on them: each member sends the other's block and
+    sums (and scales) its own."""
+
+    __slots__ = ()
+
+    def _move(self, send: Any, recv: Any) -> Moved:
+        wires, me = self._guard.wires, self._b.rank
+        assert wires is not None  # a reduce-scatter in a wired group
+        flat_out, flat_in = recv.reshape(-1), send.reshape(-1)
+        size = flat_out.size
+        blocks = (flat_in[:size], flat_in[size:2 * size])
+        other = self._xp.empty_like(flat_out)
+        wires.pair_swap(blocks[1 - me], other)
+        self._xp.add(blocks[me], other, out=flat_out)
+        return None, self._mean(flat_out)
+
+
 class ReducePlan(TorchPlan):
     """torch's ``reduce`` into the root's buffer; a non-root reduces a copy (gloo may write
     a non-root's buffer)."""
@@ -455,15 +521,19 @@ PLANS: dict[tuple[str, Algorithm], type[TorchPlan]] = {
     ("all_reduce", Algorithm.TORCH): AllReducePlan,
     ("all_reduce", Algorithm.RANK_ORDER_SUM): RankOrderAllReducePlan,
     ("all_reduce", Algorithm.NAN_RESTORE): NanAllReducePlan,
+    ("all_reduce", Algorithm.PAIR_WIRES): WiredPairAllReducePlan,
     ("broadcast", Algorithm.TORCH): BroadcastPlan,
+    ("broadcast", Algorithm.WIRES): WiredBroadcastPlan,
     ("reduce", Algorithm.TORCH): ReducePlan,
     ("reduce", Algorithm.NAN_RESTORE): NanReducePlan,
     ("all_gather", Algorithm.TORCH): AllGatherPlan,
     ("all_gather", Algorithm.PADDED): PaddedAllGatherPlan,
+    ("all_gather", Algorithm.PAIR_WIRES): WiredPairAllGatherPlan,
     ("reduce_scatter", Algorithm.TORCH): ReduceScatterPlan,
     ("reduce_scatter", Algorithm.RANK_ORDER_SUM): RankOrderReduceScatterPlan,
     ("reduce_scatter", Algorithm.NAN_RESTORE): NanReduceScatterPlan,
     ("reduce_scatter", Algorithm.PADDED): PaddedReduceScatterPlan,
+    ("reduce_scatter", Algorithm.PAIR_WIRES): WiredPairReduceScatterPlan,
     ("gather", Algorithm.TORCH): GatherPlan,
     ("gather", Algorithm.PADDED): PaddedGatherPlan,
     ("scatter", Algorithm.TORCH): ScatterPlan,
@@ -476,4 +546,5 @@ __all__ = ["PLANS", "AllGatherPlan", "AllReducePlan", "AllToAllPlan", "Broadcast
            "GatherPlan", "NanAllReducePlan", "NanReducePlan", "NanReduceScatterPlan",
            "PaddedAllGatherPlan", "PaddedGatherPlan", "PaddedReduceScatterPlan",
            "PaddedScatterPlan", "RankOrderAllReducePlan", "RankOrderReduceScatterPlan",
-           "ReducePlan", "ReduceScatterPlan", "ScatterPlan", "TorchPlan", "unpad"]
+           "ReducePlan", "ReduceScatterPlan", "ScatterPlan", "TorchPlan", "WiredPairAllGatherPlan",
+           "WiredPairAllReducePlan", "WiredPairReduceScatterPlan", "unpad"]

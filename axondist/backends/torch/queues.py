@@ -131,6 +131,15 @@ class Outbox:
                                  name=f"axondist-send-to-{dst}").start()
         return future
 
+    def track(self, dst: int, tag: int, receipt: concurrent.futures.Future,
+              is_object: bool) -> None:
+        """Count a message to world rank ``dst`` with user ``tag`` sent without a thread of
+        this outbox (through the world's own connections) until ``receipt`` says it was
+        received."""
+        with self._lock:
+            self._pending = [p for p in self._pending if not _delivered(p[2])]
+            self._pending.append((dst, tag, receipt, is_object))
+
     def _drain(self, channel: tuple[Any, ...]) -> None:
         while True:
             with self._lock:

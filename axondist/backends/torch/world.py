@@ -22,6 +22,7 @@ from ..watchdog.diagnostics import diagnostics_address, diagnostics_ports
 from ..watchdog.watchdog import Watchdog, exit_soon, print_and_flush, silence_all
 from .backend import FREED_GROUPS, TorchBackend
 from .interop import load_torch
+from .mail import Mailbox
 from .wires import Wiring
 
 _OPTIONS = ("timeout", "checks", "debug", "abort_on_exception")
@@ -104,6 +105,9 @@ def create_world_backend(**options: Any) -> TorchBackend:
                            hosts=[t[1] for t in table], uid=str(box[0])[:12], timeout=limit,
                            checks=checks, debug=debug, live=live, wiring=wiring)
     backend.watchdog = watchdog
+    if wiring is not None:
+        store = dist.distributed_c10d._get_default_store()
+        backend.mail = Mailbox.connect(wiring, store, f"axondist-mail/{backend.uid}", rank, size)
     if size > 1:
         atexit.register(report_unreceived, backend)  # runs before the group's destruction
     return backend

@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ..recording.recorder import describe_call
+
 Status = Mapping[str, Any]
 #: One step of a cycle: the rank, the call it is blocked in, the rank that call waits for.
 Step = tuple[int, dict[str, Any], int]
@@ -75,6 +77,19 @@ def find_cycle(me: int, known: Mapping[int, Status],
     return None
 
 
+def describe_cycle(me: int, cycle: Sequence[Step]) -> str:
+    """``deadlock: ...`` naming each step of ``cycle`` (from :func:`find_cycle`), as rank
+    ``me`` (its first step) says it, and what to do."""
+    mine = describe_call(cycle[0][1])
+    steps = [f"rank {rank} waits in {describe_call(entry)}, which needs "
+             + ("this rank" if nxt == me else f"rank {nxt}") for rank, entry, nxt in cycle[1:]]
+    ring = " -> ".join(f"rank {rank}" for rank, _, _ in cycle) + f" -> rank {me}"
+    return ("deadlock: " + "; ".join(steps) + f"; while this rank waits in {mine}, which "
+            f"needs rank {cycle[0][2]} (wait cycle {ring}). Every rank must issue the same "
+            "collectives on the same groups in the same order, and each receive needs a "
+            "matching send")
+
+
 def unknown_waited_for(known: Mapping[int, Status],
                        groups: Mapping[str, Sequence[int]]) -> set[int]:
     """Ranks some blocked rank of ``known`` waits for whose status is not known yet."""
@@ -113,4 +128,5 @@ def different_calls(me: int, call: Mapping[str, Any], mine: Sequence[Mapping[str
             "async_op: MPI never matches a non-blocking collective with a blocking one")
 
 
-__all__ = ["different_calls", "find_cycle", "unknown_waited_for", "waits_for"]
+__all__ = ["describe_cycle", "different_calls", "find_cycle", "unknown_waited_for",
+           "waits_for"]

@@ -44,7 +44,7 @@ from .diagnostics import (
     send_to_peer,
 )
 from .launcher_report import report_lost
-from .wait_graph import different_calls, find_cycle, unknown_waited_for
+from .wait_graph import describe_cycle, different_calls, find_cycle, unknown_waited_for
 
 log = logging.getLogger("axondist.watchdog")
 
@@ -485,14 +485,7 @@ class Watchdog:
 
         if not all(still_in(rank, entry) for rank, entry, _ in cycle):
             return None
-        mine = describe_call(cycle[0][1])
-        steps = [f"rank {rank} waits in {describe_call(entry)}, which needs "
-                 + ("this rank" if nxt == me else f"rank {nxt}") for rank, entry, nxt in cycle[1:]]
-        ring = " -> ".join(f"rank {rank}" for rank, _, _ in cycle) + f" -> rank {me}"
-        return ("deadlock: " + "; ".join(steps) + f"; while this rank waits in {mine}, which "
-                f"needs rank {cycle[0][2]} (wait cycle {ring}). Every rank must issue the same "
-                "collectives on the same groups in the same order, and each receive needs a "
-                "matching send")
+        return describe_cycle(me, cycle)
 
     def _different_calls(self, call: dict[str, Any], statuses: dict[int, Any]) -> str | None:
         """Text naming the ranks whose call of the same number differs from this rank's,

@@ -18,6 +18,7 @@ round that did not exit with status 0, then ``rounds OK rank R`` when all did.
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
 import sys
@@ -96,8 +97,10 @@ def rounds(count: int, folder: Path) -> None:
                 print("\n".join(failed), flush=True)
                 sys.exit(1)
             print(f"rounds OK rank {rank}", flush=True)
+            gc.unfreeze()  # as in any torchrun rank
             _join_and_run(case)
             return
+        gc.freeze()  # the round's exit collects only what it made (see torch_cases.main)
         pid = os.fork()
         if pid == 0:
             _join_and_run(case)

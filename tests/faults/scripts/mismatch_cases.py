@@ -13,6 +13,7 @@ prints ``CASE OK`` on every rank.
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -108,6 +109,15 @@ def three_unreceived_sends(world: ad.World) -> None:
     ad.barrier()
 
 
+def send_after_the_peer_left(world: ad.World) -> None:
+    """Rank 0 sends once rank 1 has gone to its exit, where nothing will receive it: rank 1's
+    exit still names the message (it learns what it is owed, it does not look for a while)."""
+    ad.barrier()
+    if world.rank == 0:
+        time.sleep(0.3)  # the others are at their exit by now (on a loaded host, maybe not)
+        ad.send(np.ones(2), dst=1)
+
+
 def waits_in_all_reduce(world: ad.World) -> None:
     """Rank 0 waits to receive from rank 1, which waits in an all-reduce for rank 0: the
     error describes rank 1's call, each field once."""
@@ -120,7 +130,7 @@ def waits_in_all_reduce(world: ad.World) -> None:
 CASES = {f.__name__: f for f in (
     reduce_vs_broadcast, reduce_vs_gather, reduce_vs_reduce_scatter, shape_mismatch,
     sizes_on_one_rank, op_none, torch_ops, one_unreceived_send, three_unreceived_sends,
-    waits_in_all_reduce)}
+    send_after_the_peer_left, waits_in_all_reduce)}
 
 if __name__ == "__main__":
     main(CASES)
