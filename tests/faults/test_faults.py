@@ -274,6 +274,60 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _session_processes(session: int) -> list[str]:
+    """``pid state command`` of each process of ``session`` (``/proc``)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(") ", 1)[1].split()
+            if int(fields[3]) == session:
+                found.append(f"{stat.parent.name} {fields[0]} "
+                             f"{(stat.parent / 'cmdline').read_bytes()[:80]!r}")
+        except (OSError, IndexError, ValueError):
+            continue
+    return found
+
+
+def test_a_failing_rank_whose_stderr_is_gone_still_aborts_the_job() -> None:
+    """A rank's uncaught exception where stderr is a pipe nobody reads (its launcher died):
+    the traceback cannot be written, and the rank still calls MPI_Abort and ends, instead
+    of reaching the interpreter's exit, whose hooks wait for ranks that wait for it."""
+    if why_no_mpi() is not None:
+        pytest.skip(why_no_mpi() or "")
+    command = [str(MPIEXEC), "-n", "2", sys.executable, str(WATCHDOG_SCRIPT),
+               "fail_with_stderr_gone", "mpi"]
+    started = time.monotonic()
+    done = subprocess.run(command, cwd=REPO, env={**os.environ, **ENV}, capture_output=True,
+                          text=True, timeout=HARD_LIMIT, stdin=subprocess.DEVNULL)
+    output = done.stdout + done.stderr
+    assert done.returncode == 1, output
+    # rank 1's stdout, flushed before the abort (its stderr, and MPICH's abort line, are lost)
+    assert output.startswith("rank 1 raises\n"), output
+    # ended by the abort: not a rank that merely left, nor the timeout
+    for not_said in ("left after", "stall", "timed out"):
+        assert not_said not in output, output
+    assert time.monotonic() - started < LIMIT, output
+
+
+def test_an_exit_waits_for_the_other_ranks_exits_only_until_the_timeout() -> None:
+    """The exit's exchange of message counts (to name unreceived sends) waits for the other
+    ranks to reach their exit at most AXONDIST_TIMEOUT seconds, then says what it skipped;
+    the job still ends well."""
+    if why_no_mpi() is not None:
+        pytest.skip(why_no_mpi() or "")
+    command = [str(MPIEXEC), "-n", "2", sys.executable, str(WATCHDOG_SCRIPT), "exit_late", "mpi"]
+    done = subprocess.run(command, cwd=REPO, env={**os.environ, **ENV, "AXONDIST_TIMEOUT": "2"},
+                          capture_output=True, text=True, timeout=HARD_LIMIT,
+                          stdin=subprocess.DEVNULL)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    assert "rank 0 ends" in output and "rank 1 ends" in output, output
+    assert re.search(r"\[axondist rank 0/2\] some ranks did not reach the end of their script "
+                     r"within 2 s of this rank's \(AXONDIST_TIMEOUT\): this rank exits without "
+                     r"checking that every message sent to it was received", output), output
+    assert "rank 1/2] some ranks" not in output, output  # rank 1 found rank 0's exit waiting
+
+
 @pytest.mark.parametrize("n", [2, 3])
 def test_ranks_whose_launcher_is_killed_exit(n: int) -> None:
     """SIGKILL of hydra's proxy (the ranks' parent, which MPI_Abort needs): every rank
@@ -301,11 +355,19 @@ def test_ranks_whose_launcher_is_killed_exit(n: int) -> None:
         while any(map(_alive, pids)) and time.monotonic() - killed < 10:
             time.sleep(0.1)
         alive = [pid for pid in pids if _alive(pid)]
-        proc.communicate(timeout=HARD_LIMIT)
+        try:
+            proc.communicate(timeout=HARD_LIMIT)
+        except subprocess.TimeoutExpired as exc:
+            pytest.fail(f"mpiexec still ran {HARD_LIMIT:g} s after its proxy was killed; ranks "
+                        f"alive 10 s after the kill: {alive}; the job's processes now: "
+                        f"{_session_processes(proc.pid)}; it printed:\n{exc.output!r}")
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
         for pid in filter(_alive, pids):
             os.kill(pid, signal.SIGKILL)
+        proc.wait(timeout=10)  # reaped and its pipe closed: nothing left for a later test
+        if proc.stdout is not None:
+            proc.stdout.close()
     assert not alive, f"ranks {alive} still run 10 s after their launcher was killed"
     assert proc.returncode != 0

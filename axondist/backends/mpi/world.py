@@ -4,6 +4,7 @@ watchdog, and the hook that ends the whole job when one rank fails."""
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import secrets
 import sys
@@ -51,13 +52,21 @@ def install_abort_hook() -> None:
         if size == 1:
             previous(exc_type, exc, tb)
             return
-        prefix = f"[axondist rank {rank}/{size}] "
-        text = "".join(traceback.format_exception(exc_type, exc, tb))
-        text += f"rank {rank} failed: aborting the MPI job so the other ranks do not wait forever\n"
-        sys.stderr.write("".join(prefix + line for line in text.splitlines(True)))
-        sys.stderr.flush()
-        wait_until_output_is_read()
-        world.Abort(1)
+        try:
+            with contextlib.suppress(OSError, ValueError):
+                sys.stdout.flush()  # what the script printed comes first
+            text = "".join(traceback.format_exception(exc_type, exc, tb))
+            text += (f"rank {rank} failed: aborting the MPI job so the other ranks do not "
+                     "wait forever")
+            print_and_flush(f"[axondist rank {rank}/{size}] ", text)
+            exit_soon(1, 5.0)  # should MPI_Abort hang (its launcher gone)
+            wait_until_output_is_read()
+            world.Abort(1)
+        finally:
+            # where the launcher is gone (and its pipes with it), writing fails and Abort
+            # fails or never returns: this rank still ends here, never in the interpreter's
+            # normal exit, whose exit hooks wait for the other ranks
+            os._exit(1)
 
     sys.excepthook = abort_job
     _HOOK_INSTALLED = True
@@ -118,7 +127,7 @@ def create_world_backend(*, comm: Any = None, abort_on_exception: bool = True,
     backend = MPIBackend(dup, policy, recorder=recorder)
     backend.watchdog = watchdog
     if size > 1:
-        atexit.register(report_unreceived, backend)
+        atexit.register(report_unreceived, backend, wait)
     return backend
 
 
@@ -126,23 +135,29 @@ def create_world_backend(*, comm: Any = None, abort_on_exception: bool = True,
 OWED_WAIT = 5.0
 
 
-def unreceived(backend: MPIBackend) -> dict[tuple[int, int], int]:
+def unreceived(backend: MPIBackend, timeout: float) -> dict[tuple[int, int], int] | None:
     """Messages of :func:`axondist.send` sent to this rank and never received, as
     ``{(source rank, user tag): messages}``; drained, so MPI can finalize.
 
     Collective over the world, at the exit: the ranks exchange how many messages each sent
-    to each (one ``Alltoall``), so a rank knows exactly what is still owed to it and waits
+    to each (one ``Ialltoall``), so a rank knows exactly what is still owed to it and waits
     for those messages alone (MPI delivers every message sent; at most :data:`OWED_WAIT`
-    seconds), not for a while in case one is still landing."""
+    seconds), not for a while in case one is still landing. None when some rank did not
+    reach its exit within ``timeout`` seconds (the job's ``AXONDIST_TIMEOUT``)."""
     comm = backend.comm
     if comm is None:
         return {}
     mpi = backend.mpi
     owed = np.empty_like(backend.sent)
-    comm.Alltoall(backend.sent, owed)  # owed[s]: the messages rank s sent to this rank
+    exchange = comm.Ialltoall(backend.sent, owed)  # owed[s]: the messages rank s sent here
+    give_up = time.monotonic() + timeout
+    while not exchange.Test():
+        if time.monotonic() >= give_up:
+            return None
+        time.sleep(1e-3)
+    give_up = time.monotonic() + OWED_WAIT
     status = mpi.Status()
     found: dict[tuple[int, int, int], int] = {}
-    give_up = time.monotonic() + OWED_WAIT
     for source in np.flatnonzero(owed > backend.received).tolist():
         left = int(owed[source] - backend.received[source])
         while left and time.monotonic() < give_up:
@@ -160,16 +175,23 @@ def unreceived(backend: MPIBackend) -> dict[tuple[int, int], int]:
             for source, tag, _ in found}
 
 
-def report_unreceived(backend: MPIBackend) -> None:
+def report_unreceived(backend: MPIBackend, timeout: float) -> None:
     """At a clean exit: name the messages sent to this rank that it never received, and
-    end with status 1 (a send without its receive is a bug the mock world reports too)."""
+    end with status 1 (a send without its receive is a bug the mock world reports too).
+    Waits at most ``timeout`` seconds for the other ranks to reach their exit."""
     if backend.comm is None or backend.mpi.Is_finalized():
         return
     if backend.watchdog is not None:
         # before the exchange waits for every rank's exit: a peer still inside a call with
         # this rank must hear that it left (its watchdog ends the job, naming it)
         backend.watchdog.announce_left()
-    found = unreceived(backend)
+    found = unreceived(backend, timeout)
+    if found is None:
+        print_and_flush(f"[axondist rank {backend.rank}/{backend.world_size}] ",
+                        f"some ranks did not reach the end of their script within {timeout:g} s "
+                        "of this rank's (AXONDIST_TIMEOUT): this rank exits without checking "
+                        "that every message sent to it was received")
+        return
     if not found:
         return
     silence_all()  # this rank ends the job: its peers must not read it as a departure

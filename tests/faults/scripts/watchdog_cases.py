@@ -79,8 +79,33 @@ def all_reduce_forever(world: ad.World) -> None:
         time.sleep(0.01)
 
 
+def fail_with_stderr_gone(world: ad.World) -> None:
+    """Rank 1 raises after its stderr became a pipe nobody reads (as when the launcher that
+    forwarded it died): writing the traceback fails, and the rank must still abort the job,
+    not go on to the interpreter's normal exit."""
+    ad.barrier()
+    if world.rank == 1:
+        unread, write_end = os.pipe()
+        os.close(unread)
+        os.dup2(write_end, 2)
+        sys.stderr = open(2, "w", closefd=False)  # noqa: SIM115 - the process's stderr
+        print("rank 1 raises")  # left in stdout's buffer: the abort flushes it
+        raise RuntimeError("rank 1 fails")
+    ad.all_reduce(np.ones(4, np.float32))
+
+
+def exit_late(world: ad.World) -> None:
+    """Rank 1 reaches the end of its script 4 s after rank 0 (run with AXONDIST_TIMEOUT=2):
+    rank 0's exit waits for it that long only, and says what it did not check."""
+    ad.barrier()
+    if world.rank == 1:
+        time.sleep(4.0)
+    print(f"rank {world.rank} ends", flush=True)
+
+
 CASES = {fn.__name__: fn for fn in (skip_collective, different_groups, receive_cycle, hard_exit,
-                                    unreceived_send, stuck_without_server, all_reduce_forever)}
+                                    unreceived_send, stuck_without_server, all_reduce_forever,
+                                    fail_with_stderr_gone, exit_late)}
 
 if __name__ == "__main__":
     main(CASES)
