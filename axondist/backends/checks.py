@@ -10,12 +10,16 @@ the same :class:`~axondist.errors.CollectiveMismatchError` (:func:`raise_if_diff
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
+
+try:  # hashlib's blake2b, without the OpenSSL library hashlib loads (start-up time)
+    from _blake2 import blake2b
+except ImportError:  # pragma: no cover - another Python implementation
+    from hashlib import blake2b
 
 from ..errors import CollectiveMismatchError, CollectiveTimeoutError
 from .recording.recorder import FlightRecorder, describe_status
@@ -29,7 +33,7 @@ _WORDS_KEPT = 1024
 def check_words(op: str, key: Key) -> np.ndarray:
     """``[h, -h]`` for a 62-bit hash of the call's name and key (the same on every rank):
     the send buffer of its check."""
-    digest = hashlib.blake2b(repr((op, key)).encode(), digest_size=8).digest()
+    digest = blake2b(repr((op, key)).encode(), digest_size=8).digest()
     h = int.from_bytes(digest, "little") >> 2
     return np.array([h, -h], dtype=np.int64)
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
-import secrets
 import sys
 import time
 import traceback
@@ -110,7 +109,7 @@ def create_world_backend(*, comm: Any = None, abort_on_exception: bool = True,
     watchdog = None
     if size > 1:
         watchdog = Watchdog(recorder, timeout=wait, stall=stall_warning_after(wait),
-                            abort=_abort_job, token=dup.bcast(secrets.token_hex(16), root=0))
+                            abort=_abort_job, token=dup.bcast(os.urandom(16).hex(), root=0))
     settings = (policy.checks, policy.debug, policy.chunk_bytes, policy.piece_bytes, wait)
     table = dup.allgather((settings, watchdog.address if watchdog else None))
     if any(t[0] != settings for t in table):
