@@ -345,11 +345,30 @@ def module_named(lib: str) -> ModuleType:
     return np
 
 
+#: ``str(dtype)`` by dtype, and back: NumPy builds the text, and parses it, on every call
+#: (a few microseconds, more than a small message's transfer).
+_NAMES: dict[np.dtype, str] = {}
+_DTYPES: dict[str, np.dtype] = {}
+
+
+def dtype_name(dtype: np.dtype) -> str:
+    """``str(dtype)`` (``"float32"``, ``"bfloat16"``), the name :func:`dtype_named` reads."""
+    name = _NAMES.get(dtype)
+    if name is None:
+        name = _NAMES[dtype] = str(dtype)
+    return name
+
+
 def dtype_named(name: str) -> np.dtype:
     """``np.dtype`` for a dtype's ``str()``, bfloat16 included."""
-    if name == "bfloat16" and bfloat16 is not None:
-        return bfloat16
-    return np.dtype(name)
+    dtype = _DTYPES.get(name)
+    if dtype is None:
+        if name == "bfloat16" and bfloat16 is not None:
+            dtype = bfloat16
+        else:
+            dtype = np.dtype(name)
+        _DTYPES[name] = dtype
+    return dtype
 
 
 def describe(x: Any) -> str:

@@ -328,8 +328,8 @@ def send(x: Any, dst: int, group: ProcessGroup | None = None, tag: int = 0) -> N
         raise RankError(f"send: dst={dst} is this rank; a rank cannot send to itself")
     x = _array.contiguous(one_array(x, "send"))
     _array.check_dtype(x.dtype, "send")
-    lib = _array.library_name(x)
-    b.send_object((tuple(x.shape), str(x.dtype), lib), dst, tag)
+    b.send_object((tuple(x.shape), _array.dtype_name(x.dtype), _array.library_name(x)),
+                  dst, tag)
     b.send(x, dst, tag)
 
 
@@ -352,12 +352,12 @@ def recv(src: int, group: ProcessGroup | None = None, tag: int = 0, *, out: Any 
     if src == g.rank:
         raise RankError(f"recv: src={src} is this rank; a rank cannot receive from itself")
     shape, dtype, lib = b.recv_object(src, tag)
-    message = _array.module_named(lib).empty(shape, dtype=_array.dtype_named(dtype))
     if out is None:
-        out = message
-    elif (tuple(out.shape) != tuple(shape) or str(out.dtype) != dtype
+        out = _array.module_named(lib).empty(shape, dtype=_array.dtype_named(dtype))
+    elif (tuple(out.shape) != tuple(shape) or _array.dtype_name(out.dtype) != dtype
           or not _array.is_writable(out)):
-        b.recv(message, src, tag)  # consume it: the next recv gets the next message
+        # consume it: the next recv gets the next message
+        b.recv(_array.module_named(lib).empty(shape, dtype=_array.dtype_named(dtype)), src, tag)
         _array.check_writable(out, "recv")
         raise CollectiveMismatchError(
             f"recv: rank {src} sent {dtype}{list(shape)} (tag {tag}) but out is "

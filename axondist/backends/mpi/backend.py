@@ -328,7 +328,6 @@ class MPIBackend(Backend):
         data_tag, _ = split_tag(tag, self._tag_ub)
         target = _array.host_staging_buffer(buf) if self._host(buf) else buf
         status = self.mpi.Status()
-        what = f"recv from rank {src} (tag {tag}) into {_array.describe(buf)}"
         guard = self.guard
         slot = guard.begin_p2p("recv", (("peer", guard.members[src]), ("tag", tag),
                                        ("bytes", target.nbytes)))
@@ -336,15 +335,15 @@ class MPIBackend(Backend):
             self._comm.Recv(target.reshape(-1).view(BYTES), src, data_tag, status)
         except self.mpi.Exception as exc:
             self.received[src] += 1  # a message too long for the buffer is taken all the same
-            raise_mpi_error(self.mpi, exc, what)
+            raise_mpi_error(self.mpi, exc, _recv_text(src, tag, buf))
         finally:
             guard.rec.end(slot)
         self.received[src] += 1
         got = status.Get_count(self.mpi.BYTE)
         if got != target.nbytes:
             raise CollectiveMismatchError(
-                f"{what}: the message has {got} bytes but the buffer holds {target.nbytes}; "
-                "send and recv must use the same shape and dtype")
+                f"{_recv_text(src, tag, buf)}: the message has {got} bytes but the buffer "
+                f"holds {target.nbytes}; send and recv must use the same shape and dtype")
         if target is not buf:
             _array.copy_from_host(buf, target)
 
@@ -435,6 +434,11 @@ class MPIBackend(Backend):
 def _divide(buf: Any, n: int) -> None:
     """A sum's piece turned into its mean, in place (after MPI's SUM: its bits)."""
     np.divide(buf, n, out=buf)
+
+
+def _recv_text(src: int, tag: int, buf: Any) -> str:
+    """How an error of a receive names it (made only when one is raised)."""
+    return f"recv from rank {src} (tag {tag}) into {_array.describe(buf)}"
 
 
 __all__ = ["PLANS", "MPIBackend", "MPIWork", "node_info"]
