@@ -288,13 +288,14 @@ def _session_processes(session: int) -> list[str]:
     return found
 
 
-def test_a_failing_rank_whose_stderr_is_gone_still_aborts_the_job() -> None:
+@pytest.mark.parametrize("n", [2, 3])
+def test_a_failing_rank_whose_stderr_is_gone_still_aborts_the_job(n: int) -> None:
     """A rank's uncaught exception where stderr is a pipe nobody reads (its launcher died):
     the traceback cannot be written, and the rank still calls MPI_Abort and ends, instead
     of reaching the interpreter's exit, whose hooks wait for ranks that wait for it."""
     if why_no_mpi() is not None:
         pytest.skip(why_no_mpi() or "")
-    command = [str(MPIEXEC), "-n", "2", sys.executable, str(WATCHDOG_SCRIPT),
+    command = [str(MPIEXEC), "-n", str(n), sys.executable, str(WATCHDOG_SCRIPT),
                "fail_with_stderr_gone", "mpi"]
     started = time.monotonic()
     done = subprocess.run(command, cwd=REPO, env={**os.environ, **ENV}, capture_output=True,
@@ -309,23 +310,25 @@ def test_a_failing_rank_whose_stderr_is_gone_still_aborts_the_job() -> None:
     assert time.monotonic() - started < LIMIT, output
 
 
-def test_an_exit_waits_for_the_other_ranks_exits_only_until_the_timeout() -> None:
+@pytest.mark.parametrize("n", [2, 3])
+def test_an_exit_waits_for_the_other_ranks_exits_only_until_the_timeout(n: int) -> None:
     """The exit's exchange of message counts (to name unreceived sends) waits for the other
     ranks to reach their exit at most AXONDIST_TIMEOUT seconds, then says what it skipped;
     the job still ends well."""
     if why_no_mpi() is not None:
         pytest.skip(why_no_mpi() or "")
-    command = [str(MPIEXEC), "-n", "2", sys.executable, str(WATCHDOG_SCRIPT), "exit_late", "mpi"]
+    command = [str(MPIEXEC), "-n", str(n), sys.executable, str(WATCHDOG_SCRIPT), "exit_late",
+               "mpi"]
     done = subprocess.run(command, cwd=REPO, env={**os.environ, **ENV, "AXONDIST_TIMEOUT": "2"},
                           capture_output=True, text=True, timeout=HARD_LIMIT,
                           stdin=subprocess.DEVNULL)
     output = done.stdout + done.stderr
     assert done.returncode == 0, output
     assert "rank 0 ends" in output and "rank 1 ends" in output, output
-    assert re.search(r"\[axondist rank 0/2\] some ranks did not reach the end of their script "
+    assert re.search(rf"\[axondist rank 0/{n}\] some ranks did not reach the end of their script "
                      r"within 2 s of this rank's \(AXONDIST_TIMEOUT\): this rank exits without "
                      r"checking that every message sent to it was received", output), output
-    assert "rank 1/2] some ranks" not in output, output  # rank 1 found rank 0's exit waiting
+    assert f"rank 1/{n}] some ranks" not in output, output  # rank 1 found the others waiting
 
 
 @pytest.mark.parametrize("n", [2, 3])

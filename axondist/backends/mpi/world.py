@@ -55,12 +55,8 @@ def install_abort_hook() -> None:
             with contextlib.suppress(OSError, ValueError):
                 sys.stdout.flush()  # what the script printed comes first
             text = "".join(traceback.format_exception(exc_type, exc, tb))
-            text += (f"rank {rank} failed: aborting the MPI job so the other ranks do not "
-                     "wait forever")
-            print_and_flush(f"[axondist rank {rank}/{size}] ", text)
-            exit_soon(1, 5.0)  # should MPI_Abort hang (its launcher gone)
-            wait_until_output_is_read()
-            world.Abort(1)
+            _abort_job(text + f"rank {rank} failed: aborting the MPI job so the other ranks "
+                       "do not wait forever")
         finally:
             # where the launcher is gone (and its pipes with it), writing fails and Abort
             # fails or never returns: this rank still ends here, never in the interpreter's
@@ -205,7 +201,8 @@ def report_unreceived(backend: MPIBackend, timeout: float) -> None:
 
 
 def _abort_job(message: str) -> None:
-    """Print ``message`` on this rank and end the job on every rank (the watchdog's end)."""
+    """Print ``message`` on this rank and end the job on every rank (the watchdog's end, and
+    the abort hook's)."""
     silence_all()
     world = load_mpi().COMM_WORLD
     rank, size = world.Get_rank(), world.Get_size()

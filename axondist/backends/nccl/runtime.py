@@ -27,7 +27,7 @@ from ...errors import (
 )
 from ..base import Work, stall_warning_after
 from ..checks import compare_signatures
-from ..recording.recorder import CALL_FIELDS, FlightRecorder, format_entries
+from ..recording.recorder import CALL_FIELDS, FlightRecorder
 from ..watchdog.watchdog import Watchdog, print_and_flush
 from .basics import (
     GroupedCallError,
@@ -444,8 +444,7 @@ class RankState:
         return CollectiveTimeoutError(
             f"{op}: not completed within {limit:g} s on {where}; every rank of the group must "
             "make the same calls in the same order (NCCL_DEBUG=INFO shows where each rank is)"
-            f"\nlast calls of rank {self.recorder.rank} (flight recorder, oldest first):\n"
-            + format_entries(self.recorder.entries(8)))
+            "\n" + self.recorder.last_calls())
 
 
 # --- a failed cross-rank check -----------------------------------------------------------------

@@ -166,6 +166,12 @@ class FlightRecorder:
             self.completed[group] = seq
 
     # --- reading --------------------------------------------------------------------------
+    def last_calls(self, last: int = 8) -> str:
+        """``last calls of rank R (flight recorder, oldest first):`` and the last ``last``
+        entries, a line each: what an error that ends a job shows of this rank."""
+        return (f"last calls of rank {self.rank} (flight recorder, oldest first):\n"
+                + format_entries(self.entries(last)))
+
     def entries(self, last: int | None = None) -> list[dict[str, Any]]:
         """The recorded calls, oldest first, as dicts (``last``: only the newest ones).
 

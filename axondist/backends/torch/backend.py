@@ -35,7 +35,7 @@ from ...errors import (
 from ..base import Backend
 from ..checks import Key, agreed
 from ..plan import CallKey, Plan, UnsizedAllGatherPlan, WidenedMeanPlan
-from ..recording.recorder import FlightRecorder, describe_call, format_entries
+from ..recording.recorder import FlightRecorder, describe_call
 from ..watchdog.diagnostics import process_gone
 from ..work import CompletedWork, PolledWork, Work
 from .choose import Layout, choose
@@ -181,11 +181,9 @@ class TorchBackend(Backend):
             if departures is not None:  # what the watchdog would have said, had it been first
                 running = [e for e in self.recorder.running() if e["group"] == self.guard.group]
                 call = describe_call(running[-1]) if running else what
-                me = self.recorder.rank
                 return WorldAbortedError(
                     f"{call} on rank {self.rank} of {self.world_size} cannot complete: "
-                    f"{departures}\nlast calls of rank {me} (flight recorder, oldest first):\n"
-                    + format_entries(self.recorder.entries(8)))
+                    f"{departures}\n{self.recorder.last_calls()}")
             who = (f"rank{'s' if len(gone) > 1 else ''} {', '.join(map(str, gone))} ended"
                    if gone else "a rank it needs ended (or its host is cut off)")
             return WorldAbortedError(

@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NoReturn
 
-from ..recording.recorder import FlightRecorder, describe_call, describe_status, format_entries
+from ..recording.recorder import FlightRecorder, describe_call, describe_status
 from .diagnostics import (
     GONE,
     MAX_LINE,
@@ -278,9 +278,7 @@ class Watchdog:
         print_and_flush(f"[axondist rank {rank}/{size}] ",
                         f"rank {rank} of {size} on host {self.recorder.host}: its launcher "
                         f"(pid {parent}, mpiexec's process manager on this host) has died, so "
-                        "the job cannot finish; this rank exits\n"
-                        f"last calls of rank {rank} (flight recorder, oldest first):\n"
-                        + format_entries(self.recorder.entries(8)))
+                        "the job cannot finish; this rank exits\n" + self.recorder.last_calls())
         message = {"kind": "orphaned", "token": self._token, "rank": rank,
                    "host": self.recorder.host, "pid": self.recorder.pid, "launcher": parent}
         for address in self.peers.values():
@@ -551,8 +549,7 @@ class Watchdog:
         else:
             head = f"{describe_call(call)} on rank {rank} of {size} cannot complete: {reason}"
         lines = [head] + (self._peer_lines(call, statuses, now) if call is not None else [])
-        lines.append(f"last calls of rank {rank} (flight recorder, oldest first):")
-        lines.append(format_entries(self.recorder.entries(8)))
+        lines.append(self.recorder.last_calls())
         lines.append("ending the job on every rank")
         self._stopped = True
         for lost, how in self._lost:
