@@ -161,6 +161,13 @@ BEHAVIOURS: tuple[Behaviour, ...] = (
               "tests/world/test_mpi_launch.py::"
               "test_a_failing_world_test_prints_its_traceback_before_the_job_aborts", (MPI_2,),
               why_not="the same per-rank runner under every launcher; the mock world has no job"),
+    Behaviour("MPICH's single-copy reads on where the host allows; big calls keep MPI's bits",
+              "tests/world/test_mpi_launch.py::"
+              "test_big_messages_between_ranks_of_one_host_are_single_copy_and_right[2-None]",
+              (MPI_2,), others=((MPI_3, "tests/world/test_mpi_launch.py::"
+                                 "test_big_messages_between_ranks_of_one_host_are_single_copy_"
+                                 "and_right[3-None]"),),
+              why_not="a setting of MPICH's shared-memory transport: no other backend has it"),
     Behaviour("a receive cycle is a deadlock, with collectives around it",
               _world("test_mock_concurrency.py",
                      "test_receive_cycle_is_still_a_deadlock_with_collectives_around_it"),

@@ -252,6 +252,26 @@ def test_mpi_backend_checks(mpi_ready: None, tmp_path: Path, n: int) -> None:
         assert "backend OK" in text, f"rank {r}\n{run.tail()}"
 
 
+@pytest.mark.parametrize("n, user_value", [(2, None), (3, None), (2, "0")])
+def test_big_messages_between_ranks_of_one_host_are_single_copy_and_right(
+        mpi_ready: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, n: int,
+        user_value: str | None) -> None:
+    """``ad.init()`` starts MPI with MPICH's single-copy reads on where the host allows them
+    (kept off, or as the user set it, elsewhere), and big collectives and messages, the ones
+    that take that path, match NumPy and MPI's own Allreduce bit for bit."""
+    from axondist.backends.mpi.single_copy import CMA_VARIABLE, why_not_permitted
+
+    env = {} if user_value is None else {CMA_VARIABLE: user_value}
+    expected = user_value if user_value is not None else (
+        "1" if why_not_permitted() is None else "unset")
+    monkeypatch.delenv(CMA_VARIABLE, raising=False)  # the ranks see only what env says
+    run = launch(tmp_path, n, [__file__, "single_copy", expected], env, timeout=300)
+    assert run.returncode == 0, run.tail()
+    for r, text in enumerate(run.ranks):
+        assert f"{CMA_VARIABLE}={expected}" in text, f"rank {r}\n{run.tail()}"
+        assert "single_copy OK" in text, f"rank {r}\n{run.tail()}"
+
+
 # --- the per-rank checks (run under mpiexec by the tests above) -----------------------------
 
 def _raise_on_rank_1() -> None:
@@ -427,8 +447,39 @@ def _backend() -> None:
     ad.barrier()
 
 
+def _single_copy(expected: str) -> None:
+    """What MPI started with, then big collectives and messages against NumPy and MPI."""
+    import axondist as ad
+    from axondist.backends.mpi.single_copy import CMA_VARIABLE
+
+    world = ad.init()
+    seen = os.environ.get(CMA_VARIABLE, "unset")
+    print(f"{CMA_VARIABLE}={seen}", flush=True)
+    assert seen == expected, (seen, expected)
+    from mpi4py import MPI
+
+    n, rank = world.world_size, world.rank
+    numel = (4 << 20) + 3 * n + 1  # 16 MiB of float32 and an odd tail: uneven shares
+    xs = _inputs(7, n, (numel,), "float32")
+    total = np.zeros(numel, np.float32)
+    MPI.COMM_WORLD.Allreduce(xs[rank], total, MPI.SUM)  # MPI's own bits
+    np.testing.assert_array_equal(ad.all_reduce(xs[rank].copy(), "sum"), total)
+    np.testing.assert_allclose(ad.all_reduce(xs[rank].copy(), "avg"), total / n, rtol=1e-6)
+    want = np.array_split(sum(xs), n)[rank]  # uneven blocks: numel is not a multiple of n
+    np.testing.assert_allclose(ad.reduce_scatter(xs[rank], "sum"), want, rtol=1e-5, atol=1e-5)
+    gathered = ad.all_gather(xs[rank], sizes=[numel] * n)
+    np.testing.assert_array_equal(gathered, np.concatenate(xs))
+    root = xs[n - 1].copy() if rank == n - 1 else np.zeros(numel, np.float32)
+    np.testing.assert_array_equal(ad.broadcast(root, src=n - 1), xs[n - 1])
+    if rank == 0:
+        ad.send(xs[0], 1)
+    elif rank == 1:
+        np.testing.assert_array_equal(ad.recv(0), xs[0])
+    ad.barrier()
+
+
 CHECKS = {"raise_on_rank_1": _raise_on_rank_1, "shape_mismatch": _shape_mismatch,
-          "backend": _backend}
+          "backend": _backend, "single_copy": _single_copy}
 
 if __name__ == "__main__":
     sys.path.insert(0, str(REPO))  # the checkout's axondist

@@ -8,6 +8,7 @@ arrays on an MPI that is not CUDA-aware.
 from __future__ import annotations
 
 import importlib
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields, replace
@@ -26,6 +27,7 @@ from ...errors import (
 from ...ops import ReduceOp
 from .. import settings
 from ..base import Work, checks_enabled, debug_enabled
+from . import single_copy
 
 # dtype name -> mpi4py datatype attribute; float16/bfloat16 travel as 2-byte units.
 _NATIVE_TYPES = {
@@ -39,7 +41,10 @@ _STAGING_MODES = ("auto", "always", "never")
 
 
 def load_mpi() -> Any:
-    """mpi4py's MPI module (importing it initializes MPI); a clear error when missing."""
+    """mpi4py's MPI module (importing it initializes MPI, with MPICH's single-copy path on
+    where the host allows it: :mod:`.single_copy`); a clear error when missing."""
+    if "mpi4py.MPI" not in sys.modules:
+        single_copy.default_on()
     try:
         return importlib.import_module("mpi4py.MPI")
     except ImportError as exc:
