@@ -316,6 +316,28 @@ def test_a_script_imports_modules_beside_it(tmp_path):
 
 
 @launches
+@pytest.mark.parametrize("user_value", [None, "0"])
+def test_mpichs_single_copy_reaches_every_rank_before_mpi_starts(tmp_path, monkeypatch,
+                                                                  user_value):
+    """Under hydra (MPICH's mpiexec) the launcher sets ``MPIR_CVAR_CH4_CMA_ENABLE`` for the
+    ranks where the host allows single-copy reads (a script that starts MPI itself, as
+    ``python -m mpi4py`` does, gets it too); a value the user exported is kept."""
+    from axondist.backends.mpi.single_copy import CMA_VARIABLE, why_not_permitted
+
+    if launcher.mpiexec_flavour(launcher.find_mpiexec()) != "hydra":
+        pytest.skip("the mpiexec here is not MPICH's hydra")
+    monkeypatch.delenv(CMA_VARIABLE, raising=False)
+    if user_value is not None:
+        monkeypatch.setenv(CMA_VARIABLE, user_value)
+    expected = user_value or ("1" if why_not_permitted() is None else "unset")
+    path = script(tmp_path, f"import os\nprint('cma', os.environ.get({CMA_VARIABLE!r}, 'unset'))\n")
+    proc = axondist_run("-n", "2", path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for rank in range(2):
+        assert f"[rank {rank}] cma {expected}" in proc.stdout, proc.stdout + proc.stderr
+
+
+@launches
 def test_sigterm_to_the_launcher_stops_every_rank(tmp_path):
     path = script(tmp_path, f"""
         import os, pathlib, time

@@ -13,8 +13,9 @@ The kernel allows the read only when a rank may trace its peer: no Yama restrict
 are siblings) and no seccomp filter, which may forbid the call (as container runtimes' default
 profiles can). Where either is in force the setting is left off, since a refused read would
 fail the job's first big message. A value the user set, ``0`` or ``1``, is kept. MPICH reads
-the variable when MPI starts, so it only applies when axondist starts MPI (``ad.init()``
-before anything imports ``mpi4py.MPI``); under ``python -m mpi4py`` export it yourself.
+the variable when MPI starts: axondist sets it when it starts MPI (``ad.init()`` before
+anything imports ``mpi4py.MPI``) and for the ranks ``axondist run`` launches with MPICH's
+``mpiexec``; under a plain ``mpiexec ... python -m mpi4py`` export it yourself.
 """
 
 from __future__ import annotations
