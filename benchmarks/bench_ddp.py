@@ -253,9 +253,9 @@ def step_variants(shapes: list[tuple[int, ...]], dist: Any) -> dict[str, Callabl
 
 def run(repeats: int, use_torch: bool) -> dict[str, Any]:
     """Time every variant; returns rank 0's results (the same dict on every rank)."""
+    ad.init()  # first: MPI starts as axondist starts it (MPICH's single copy where allowed)
     from mpi4py import MPI
 
-    ad.init()
     comm = MPI.COMM_WORLD
     shapes = model_shapes()
     numel = sum(int(np.prod(s)) for s in shapes)

@@ -157,9 +157,9 @@ def _gloo(op: str, dist: Any, buf: np.ndarray, n: int) -> Callable[[], Any]:
 def run(sizes: list[int], repeats: int, use_torch: bool,
         ops: tuple[str, ...] = OPS) -> dict[str, Any]:
     """Time every op and size; returns the results (the same on every rank's call)."""
+    ad.init("mpi")  # first: MPI starts as axondist starts it (MPICH's single copy where allowed)
     from mpi4py import MPI
 
-    ad.init("mpi")
     comm = MPI.COMM_WORLD
     dist = start_gloo(comm) if use_torch else None
     backend: Any = current_world().backend
