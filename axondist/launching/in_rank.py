@@ -90,6 +90,12 @@ def rank_main(argv: Sequence[str] | None = None) -> None:
             stream.reconfigure(line_buffering=True)
     _report(rank, "start", os.getpid(), socket.gethostname())
     _enable_faulthandler(rank)
+    if "PMI_RANK" in os.environ and "mpi4py.MPI" not in sys.modules:
+        # MPICH's hydra started this rank: its single-copy setting, decided on this rank's
+        # own host, before a script that starts MPI itself (``python -m mpi4py``) can
+        from ..backends.mpi.single_copy import default_on
+
+        default_on()
     try:
         if args[:1] == ["-m"]:
             sys.argv = args[1:]

@@ -539,10 +539,6 @@ def _attempts(cfg: RunConfig, program: str, flavour: str, out: TextIO, err: Text
             return 130
         env = dict(os.environ)
         env[RESTART_COUNT_VAR] = str(attempt)
-        if flavour == "hydra":  # MPICH's: its ranks read the variable when MPI starts
-            from ..backends.mpi.single_copy import default_on
-
-            default_on(env)
         with tempfile.TemporaryDirectory(prefix=f"{_RUN_DIR_PREFIX}{os.getpid()}-") as outdir:
             cmd = build_command(cfg, program, flavour, outdir)
             env[RUN_DIR_VAR] = outdir

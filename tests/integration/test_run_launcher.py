@@ -319,9 +319,10 @@ def test_a_script_imports_modules_beside_it(tmp_path):
 @pytest.mark.parametrize("user_value", [None, "0"])
 def test_mpichs_single_copy_reaches_every_rank_before_mpi_starts(tmp_path, monkeypatch,
                                                                   user_value):
-    """Under hydra (MPICH's mpiexec) the launcher sets ``MPIR_CVAR_CH4_CMA_ENABLE`` for the
-    ranks where the host allows single-copy reads (a script that starts MPI itself, as
-    ``python -m mpi4py`` does, gets it too); a value the user exported is kept."""
+    """Under hydra (MPICH's mpiexec) each rank ``axondist run`` starts sets
+    ``MPIR_CVAR_CH4_CMA_ENABLE`` where its own host allows single-copy reads, before the script
+    runs (a script that starts MPI itself, as ``python -m mpi4py`` does, gets it too); a value
+    the user exported is kept."""
     from axondist.backends.mpi.single_copy import CMA_VARIABLE, why_not_permitted
 
     if launcher.mpiexec_flavour(launcher.find_mpiexec()) != "hydra":
