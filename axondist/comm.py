@@ -353,11 +353,10 @@ def recv(src: int, group: ProcessGroup | None = None, tag: int = 0, *, out: Any 
         raise RankError(f"recv: src={src} is this rank; a rank cannot receive from itself")
     shape, dtype, lib = b.recv_object(src, tag)
     if out is None:
-        out = _array.module_named(lib).empty(shape, dtype=_array.dtype_named(dtype))
+        out = _message_buffer(shape, dtype, lib)
     elif (tuple(out.shape) != tuple(shape) or _array.dtype_name(out.dtype) != dtype
           or not _array.is_writable(out)):
-        # consume it: the next recv gets the next message
-        b.recv(_array.module_named(lib).empty(shape, dtype=_array.dtype_named(dtype)), src, tag)
+        b.recv(_message_buffer(shape, dtype, lib), src, tag)  # the next recv gets the next one
         _array.check_writable(out, "recv")
         raise CollectiveMismatchError(
             f"recv: rank {src} sent {dtype}{list(shape)} (tag {tag}) but out is "
@@ -365,6 +364,11 @@ def recv(src: int, group: ProcessGroup | None = None, tag: int = 0, *, out: Any 
             "next one")
     b.recv(out, src, tag)
     return out
+
+
+def _message_buffer(shape: Any, dtype: str, lib: str) -> Any:
+    """A fresh array for a message whose header said ``shape``, ``dtype`` and library."""
+    return _array.module_named(lib).empty(shape, dtype=_array.dtype_named(dtype))
 
 
 def flight_recorder(group: ProcessGroup | None = None, last: int | None = None

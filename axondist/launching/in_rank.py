@@ -90,12 +90,12 @@ def rank_main(argv: Sequence[str] | None = None) -> None:
             stream.reconfigure(line_buffering=True)
     _report(rank, "start", os.getpid(), socket.gethostname())
     _enable_faulthandler(rank)
-    if "PMI_RANK" in os.environ and "mpi4py.MPI" not in sys.modules:
+    if "PMI_RANK" in os.environ:
         # MPICH's hydra started this rank: its single-copy setting, decided on this rank's
         # own host, before a script that starts MPI itself (``python -m mpi4py``) can
-        from ..backends.mpi.single_copy import default_on
+        from ..backends.mpi.single_copy import before_mpi_starts
 
-        default_on()
+        before_mpi_starts()
     try:
         if args[:1] == ["-m"]:
             sys.argv = args[1:]

@@ -258,14 +258,17 @@ def test_big_messages_between_ranks_of_one_host_are_single_copy_and_right(
         user_value: str | None) -> None:
     """``ad.init()`` starts MPI with MPICH's single-copy reads on where the host allows them
     (kept off, or as the user set it, elsewhere), and big collectives and messages, the ones
-    that take that path, match NumPy and MPI's own Allreduce bit for bit."""
+    that take that path, match NumPy and MPI's own Allreduce bit for bit; at two ranks a torch
+    tensor and a JAX array come back summed, in their own framework."""
     from axondist.backends.mpi.single_copy import CMA_VARIABLE, why_not_permitted
 
     env = {} if user_value is None else {CMA_VARIABLE: user_value}
     expected = user_value if user_value is not None else (
         "1" if why_not_permitted() is None else "unset")
     monkeypatch.delenv(CMA_VARIABLE, raising=False)  # the ranks see only what env says
-    run = launch(tmp_path, n, [__file__, "single_copy", expected], env, timeout=300)
+    installed = all(importlib.util.find_spec(m) is not None for m in ("torch", "jax"))
+    frameworks = "frameworks" if (n, user_value) == (2, None) and installed else "numpy"
+    run = launch(tmp_path, n, [__file__, "single_copy", expected, frameworks], env, timeout=300)
     assert run.returncode == 0, run.tail()
     for r, text in enumerate(run.ranks):
         assert f"{CMA_VARIABLE}={expected}" in text, f"rank {r}\n{run.tail()}"
@@ -447,8 +450,9 @@ def _backend() -> None:
     ad.barrier()
 
 
-def _single_copy(expected: str) -> None:
-    """What MPI started with, then big collectives and messages against NumPy and MPI."""
+def _single_copy(expected: str, frameworks: str) -> None:
+    """What MPI started with, then big collectives and messages against NumPy and MPI (and,
+    with ``frameworks`` "frameworks", a torch tensor's and a JAX array's all-reduce)."""
     import axondist as ad
     from axondist.backends.mpi.single_copy import CMA_VARIABLE
 
@@ -475,6 +479,16 @@ def _single_copy(expected: str) -> None:
         ad.send(xs[0], 1)
     elif rank == 1:
         np.testing.assert_array_equal(ad.recv(0), xs[0])
+    if frameworks == "frameworks":
+        import jax.numpy as jnp
+        import torch
+
+        tensor = ad.all_reduce(torch.from_numpy(xs[rank].copy()), "sum")
+        assert isinstance(tensor, torch.Tensor), type(tensor)
+        np.testing.assert_array_equal(tensor.numpy(), total)
+        array = ad.all_reduce(jnp.asarray(xs[rank]), "sum")
+        assert type(array).__module__.startswith("jax"), type(array)
+        np.testing.assert_array_equal(np.asarray(array), total)
     ad.barrier()
 
 

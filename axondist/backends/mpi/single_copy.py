@@ -21,6 +21,7 @@ anything imports ``mpi4py.MPI``) and for the ranks ``axondist run`` launches wit
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import MutableMapping
 
 #: MPICH's variable: 1 turns single-copy reads between ranks of one host on.
@@ -65,4 +66,11 @@ def default_on(environ: MutableMapping[str, str] | None = None,
     return True
 
 
-__all__ = ["CMA_VARIABLE", "default_on", "why_not_permitted"]
+def before_mpi_starts() -> None:
+    """:func:`default_on` for this process, unless MPI has started here already (MPICH has
+    read its variables then: setting one would only mislead)."""
+    if "mpi4py.MPI" not in sys.modules:
+        default_on()
+
+
+__all__ = ["CMA_VARIABLE", "before_mpi_starts", "default_on", "why_not_permitted"]

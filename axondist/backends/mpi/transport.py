@@ -8,7 +8,6 @@ arrays on an MPI that is not CUDA-aware.
 from __future__ import annotations
 
 import importlib
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields, replace
@@ -43,8 +42,7 @@ _STAGING_MODES = ("auto", "always", "never")
 def load_mpi() -> Any:
     """mpi4py's MPI module (importing it initializes MPI, with MPICH's single-copy path on
     where the host allows it: :mod:`.single_copy`); a clear error when missing."""
-    if "mpi4py.MPI" not in sys.modules:
-        single_copy.default_on()
+    single_copy.before_mpi_starts()
     try:
         return importlib.import_module("mpi4py.MPI")
     except ImportError as exc:
