@@ -101,21 +101,21 @@ def _uneven(key: CallKey, layout: Layout) -> bool:
     return len(set(element_counts(key, layout.world_size))) > 1
 
 
+def _host_memory_on_sockets(key: CallKey, layout: Layout) -> bool:
+    """A writable C-contiguous NumPy array in a group with its own sockets."""
+    return layout.wired and key.library == "numpy" and key.layout == "ok"
+
+
 def _on_wires(key: CallKey, layout: Layout) -> bool:
-    """A broadcast of a writable C-contiguous NumPy array in a group with its own sockets."""
-    return key.collective == "broadcast" and layout.wired and key.library == "numpy" \
-        and key.layout == "ok"
+    """A broadcast, or an all-gather of blocks of any size, of host memory on sockets."""
+    return key.collective in ("broadcast", "all_gather") and _host_memory_on_sockets(key, layout)
 
 
 def _pair_on_wires(key: CallKey, layout: Layout) -> bool:
-    """In a group of exactly two with its own sockets, on a writable C-contiguous NumPy
-    array: a SUM or AVERAGE all-reduce or reduce-scatter of float32/64 or int32/64, or an
-    all-gather of any dtype."""
-    if not (layout.world_size == 2 and layout.wired and key.library == "numpy"
-            and key.layout == "ok"):
+    """In a group of exactly two, of host memory on sockets: a SUM or AVERAGE all-reduce or
+    reduce-scatter of float32/64 or int32/64."""
+    if not (layout.world_size == 2 and _host_memory_on_sockets(key, layout)):
         return False
-    if key.collective == "all_gather":
-        return True
     return key.collective in ("all_reduce", "reduce_scatter") \
         and key.reduce_op in ("SUM", "AVERAGE") \
         and key.dtype.name in ("float32", "float64", "int32", "int64")
@@ -123,13 +123,14 @@ def _pair_on_wires(key: CallKey, layout: Layout) -> bool:
 
 def _expected(key: CallKey, layout: Layout) -> Algorithm:
     if _rank_order(key, layout):
-        return Algorithm.RANK_ORDER_SUM
+        return Algorithm.RANK_ORDER_WIRES if _host_memory_on_sockets(key, layout) \
+            else Algorithm.RANK_ORDER_SUM
     if _nans(key, layout):
         return Algorithm.NAN_RESTORE
-    if _uneven(key, layout):
-        return Algorithm.PADDED
     if _on_wires(key, layout):
         return Algorithm.WIRES
+    if _uneven(key, layout):
+        return Algorithm.PADDED
     if _pair_on_wires(key, layout):
         return Algorithm.PAIR_WIRES
     return Algorithm.TORCH
@@ -162,8 +163,8 @@ def test_every_choice_for_a_planned_collective_has_a_plan_class(data, n):
 def test_every_algorithm_has_a_plan_and_every_plan_a_row():
     assert {algorithm for _, algorithm in PLANS} == set(Algorithm)
     assert [rule.algorithm for rule in TABLE] == [
-        Algorithm.RANK_ORDER_SUM, Algorithm.NAN_RESTORE, Algorithm.PADDED, Algorithm.WIRES,
-        Algorithm.PAIR_WIRES, Algorithm.TORCH]
+        Algorithm.RANK_ORDER_WIRES, Algorithm.RANK_ORDER_SUM, Algorithm.NAN_RESTORE,
+        Algorithm.WIRES, Algorithm.PADDED, Algorithm.PAIR_WIRES, Algorithm.TORCH]
     for rule in TABLE:
         assert rule.why.strip(), rule
 
@@ -190,6 +191,31 @@ def test_float_sums_add_in_rank_order_from_three_ranks(collective, op):
     for dtype in ("float16", "float64", "complex64", "complex128"):
         assert choose(key._replace(dtype=np.dtype(dtype)), Layout(3)) \
             is Algorithm.RANK_ORDER_SUM, dtype
+
+
+@pytest.mark.parametrize("collective", ["all_reduce", "reduce_scatter"])
+def test_rank_order_sums_of_host_memory_take_the_groups_sockets(collective):
+    for rows in (0, 1, 5, 1 << 20):
+        for op in sorted(SUMS):
+            key = _key(collective, rows=rows, reduce_op=op)
+            for n in (3, 4, 7):
+                assert choose(key, Layout(n, wired=True)) is Algorithm.RANK_ORDER_WIRES
+                assert choose(key._replace(async_op=True), Layout(n, wired=True)) \
+                    is Algorithm.RANK_ORDER_WIRES
+                assert choose(key, Layout(n)) is Algorithm.RANK_ORDER_SUM  # no sockets
+                for layout in ("read-only", "strided"):
+                    assert choose(key._replace(layout=layout), Layout(n, wired=True)) \
+                        is Algorithm.RANK_ORDER_SUM
+                assert choose(key._replace(library="cupy"), Layout(n, wired=True)) \
+                    is Algorithm.RANK_ORDER_SUM  # device memory: the process group's
+    for dtype in ("float16", "bfloat16", "complex128"):
+        key = _key(collective, dtype, reduce_op="SUM")
+        assert choose(key, Layout(3, wired=True)) is Algorithm.RANK_ORDER_WIRES, dtype
+    for dtype in ("int32", "int8", "bool"):  # no rank order to keep: gloo's
+        key = _key(collective, dtype, rows=12, reduce_op="SUM")
+        assert choose(key, Layout(3, wired=True)) is Algorithm.TORCH, dtype
+    key = _key(collective, rows=12, reduce_op="MAX")
+    assert choose(key, Layout(3, wired=True)) is Algorithm.NAN_RESTORE
 
 
 def test_integer_sums_products_and_reduces_are_torchs():
@@ -262,7 +288,7 @@ def test_a_sum_of_two_members_of_host_memory_takes_the_groups_sockets_at_every_s
             assert choose(key._replace(async_op=True), Layout(2, wired=True)) \
                 is Algorithm.PAIR_WIRES
             assert choose(key, Layout(2)) is Algorithm.TORCH  # no sockets: gloo's
-            assert choose(key, Layout(3, wired=True)) is Algorithm.RANK_ORDER_SUM
+            assert choose(key, Layout(3, wired=True)) is Algorithm.RANK_ORDER_WIRES
             assert choose(key._replace(library="cupy"), Layout(2, wired=True)) \
                 is Algorithm.TORCH  # device memory: the process group's (NCCL)
             assert choose(key._replace(layout="strided"), Layout(2, wired=True)) \
@@ -274,18 +300,32 @@ def test_a_sum_of_two_members_of_host_memory_takes_the_groups_sockets_at_every_s
     assert choose(key, Layout(2, wired=True)) is Algorithm.TORCH
 
 
-@pytest.mark.parametrize("collective", ["all_gather", "reduce_scatter"])
-def test_even_blocks_of_two_members_take_the_groups_sockets_uneven_ones_are_padded(collective):
+def test_even_blocks_of_two_members_take_the_groups_sockets_uneven_ones_are_padded():
     for rows in (0, 2, 1 << 20):
-        key = _key(collective, "float64", rows=rows)
+        key = _key("reduce_scatter", "float64", rows=rows)
         assert choose(key, Layout(2, wired=True)) is Algorithm.PAIR_WIRES
         assert choose(key, Layout(2)) is Algorithm.TORCH
         assert choose(key._replace(library="cupy"), Layout(2, wired=True)) is Algorithm.TORCH
-    uneven = _key(collective, rows=5)
+    uneven = _key("reduce_scatter", rows=5)
     assert choose(uneven, Layout(2, wired=True)) is Algorithm.PADDED
-    int8 = _key(collective, "int8", rows=4)
-    assert choose(int8, Layout(2, wired=True)) is (
-        Algorithm.PAIR_WIRES if collective == "all_gather" else Algorithm.TORCH)
+    int8 = _key("reduce_scatter", "int8", rows=4)
+    assert choose(int8, Layout(2, wired=True)) is Algorithm.TORCH
+
+
+def test_an_all_gather_of_host_memory_takes_the_groups_sockets_even_or_not():
+    for n in (2, 3, 5):
+        for counts in ((2,) * n, (0,) * (n - 1) + (3,), tuple(range(n))):
+            for dtype in ("float64", "int8", "bool", "bfloat16"):
+                key = _key("all_gather", dtype, rows=counts[0], counts=counts)
+                assert choose(key, Layout(n, wired=True)) is Algorithm.WIRES
+                assert choose(key._replace(async_op=True), Layout(n, wired=True)) \
+                    is Algorithm.WIRES
+                assert choose(key._replace(library="cupy"), Layout(n, wired=True)) \
+                    is not Algorithm.WIRES
+                assert choose(key._replace(layout="strided"), Layout(n, wired=True)) \
+                    is not Algorithm.WIRES
+                assert choose(key, Layout(n)) is (  # no sockets: gloo's, padded if uneven
+                    Algorithm.TORCH if len(set(counts)) == 1 else Algorithm.PADDED)
 
 
 def test_reading_the_table_imports_no_torch():

@@ -146,3 +146,58 @@ def test_a_connection_without_the_token_is_dropped_and_the_member_still_joins():
     finally:
         for w in wires:
             w.close()
+
+
+@settings(max_examples=10, deadline=None)
+@given(st.integers(2, 4).flatmap(lambda n: st.lists(
+    st.lists(st.sampled_from([0, 1, 13, 3 << 18]), min_size=n, max_size=n),
+    min_size=n, max_size=n)))
+def test_an_exchange_delivers_what_each_member_sends_each_other(counts):
+    """counts[i][j] float64 values go from member i to member j, every member at once, some
+    (6 MiB) past what a socket buffers, in whatever order the threads start; checks on the
+    same connections before and after: each member reads exactly the bytes meant for it."""
+    n = len(counts)
+    wires = _group(n)
+    sent = [{j: np.arange(counts[i][j], dtype=np.float64) + 1000 * i + j
+             for j in range(n) if j != i} for i in range(n)]
+    got = [{j: np.full(counts[j][i], np.nan) for j in range(n) if j != i} for i in range(n)]
+    try:
+        with concurrent.futures.ThreadPoolExecutor(n) as pool:
+            _check(wires, [[k, -k] for k in range(n)])
+            list(pool.map(lambda k: wires[k].exchange(sent[k], got[k]), range(n), timeout=60))
+            assert all(agreed(s) for s in _check(wires, [[5, -5]] * n))
+        for i in range(n):
+            for j in range(n):
+                if i != j:
+                    np.testing.assert_array_equal(got[i][j], sent[j][i])
+    finally:
+        for w in wires:
+            w.close()
+
+
+def test_an_exchange_with_a_member_that_left_names_it_as_gloo_does():
+    wires = _group(3)
+    wires[1].close()
+    try:
+        with pytest.raises(RuntimeError, match=r"Connection closed by peer \(group rank 1"):
+            wires[0].exchange({1: np.zeros(1 << 20), 2: np.zeros(4)},
+                              {1: np.zeros(1 << 20), 2: np.zeros(4)})
+    finally:
+        for w in wires:
+            w.close()
+
+
+def test_an_exchange_names_the_first_member_still_silent_after_the_limit():
+    """Member 2 answers, member 1 sends nothing: the wait ends at the limit, naming 1."""
+    wires = _group(3, limit=0.3)
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            answered = pool.submit(wires[2].exchange, {0: np.ones(8)}, {0: np.zeros(8)})
+            with pytest.raises(RuntimeError, match=r"connection to group rank 1 timed out "
+                                                   r"after 0.3 s"):
+                wires[0].exchange({1: np.ones(8), 2: np.ones(8)},
+                                  {1: np.zeros(8), 2: np.zeros(8)})
+            answered.result(timeout=30)
+    finally:
+        for w in wires:
+            w.close()

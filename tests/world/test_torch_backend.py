@@ -95,11 +95,11 @@ def test_a_broadcast_on_the_groups_sockets_equals_gloos():
 
 
 def test_a_pair_all_reduce_on_the_groups_sockets_equals_gloos():
-    """A SUM or AVERAGE all-reduce or reduce-scatter, or an all-gather, of host memory in a
-    group of two runs on the group's own sockets (the table's PAIR_WIRES row), each member
-    summing the block it owns, and gives gloo's bits: every dtype of the row, sizes from
-    empty and odd to multi-MiB, blocking and not. At three ranks a two-member subgroup
-    takes the row; the world, gloo's."""
+    """A SUM or AVERAGE all-reduce or reduce-scatter of host memory in a group of two runs
+    on the group's own sockets (the table's PAIR_WIRES row), each member summing the block
+    it owns, and gives gloo's bits: every dtype of the row, sizes from empty and odd to
+    multi-MiB, blocking and not; an all-gather of two (the WIRES row) too. At three ranks a
+    two-member subgroup takes the row; the world, the rank-order sum."""
     from axondist.backends.plan import CallKey
     from axondist.backends.torch.choose import Algorithm, choose
     from axondist.backends.torch.plans import PLANS
@@ -127,7 +127,7 @@ def test_a_pair_all_reduce_on_the_groups_sockets_equals_gloos():
             for rows in (0, 1, 5, (1 << 20) // 3):
                 block = (rng.standard_normal((2, rows, 3)) * 100).astype(dtype)[me]
                 key = CallKey.of("all_gather", block, counts=(rows, rows))
-                assert choose(key, backend.layout) is Algorithm.PAIR_WIRES
+                assert choose(key, backend.layout) is Algorithm.WIRES
                 gathered = ad.all_gather(block, group, sizes=[rows, rows])
                 np.testing.assert_array_equal(ad.all_gather(block, group), gathered)
                 by_gloo = np.empty((2 * rows, 3), dtype)
@@ -150,6 +150,73 @@ def test_a_pair_all_reduce_on_the_groups_sockets_equals_gloos():
     if n > 2:
         key = CallKey.of("all_reduce", np.ones(4, np.float32), reduce_op="sum")
         assert choose(key, world.backend.layout) is not Algorithm.PAIR_WIRES
+    ad.barrier()
+
+
+def test_sums_in_rank_order_and_all_gathers_on_the_groups_sockets_equal_gloos():
+    """From three ranks, a float SUM or AVERAGE all-reduce or reduce-scatter of host memory
+    adds in rank order with its copies on the group's own sockets (the RANK_ORDER_WIRES row)
+    and gives the bits of the same sum through gloo's all-to-all (RANK_ORDER_SUM); an
+    all-gather on the sockets (WIRES), of even or uneven blocks, gloo's (padded) result.
+    Every dtype of the rows, blocks empty on some ranks, odd sizes and multi-MiB ones,
+    blocking and not, on the world and on a subgroup of its ranks in reverse order."""
+    import ml_dtypes
+
+    from axondist.backends.plan import CallKey
+    from axondist.backends.torch.choose import Algorithm, choose
+    from axondist.backends.torch.plans import PLANS
+
+    world = launched_world()
+    n = world.world_size
+    rng = np.random.default_rng(11)
+    groups = [world, world.new_group(list(range(n))[::-1])]
+    for group in groups:
+        backend, me, size = group.backend, group.rank, group.world_size
+        assert backend.layout.wired
+        sums = Algorithm.RANK_ORDER_WIRES if size > 2 else Algorithm.PAIR_WIRES
+        for dtype in (np.float32, np.float64, np.float16, ml_dtypes.bfloat16, np.complex64):
+            for count in (0, 1, size - 1, 4099, (3 << 20) // 8 + 5):
+                values = rng.standard_normal((size, count)) * 1000
+                mine = values[me].astype(dtype)
+                for op in ("sum", "avg"):
+                    key = CallKey.of("all_reduce", mine, reduce_op=op)
+                    if choose(key, backend.layout) is Algorithm.TORCH:  # a pair of float16
+                        continue
+                    assert choose(key, backend.layout) is sums
+                    on_wires = mine.copy()
+                    PLANS["all_reduce", sums](backend, key).run(on_wires)
+                    if size > 2:
+                        in_order = mine.copy()
+                        PLANS["all_reduce", Algorithm.RANK_ORDER_SUM](backend, key).run(in_order)
+                        np.testing.assert_array_equal(on_wires, in_order)
+                    if op == "avg" and np.dtype(dtype).itemsize == 2:
+                        continue  # the front door's half-precision mean is widened first
+                    called = mine.copy()
+                    assert ad.all_reduce(called, op, group) is called
+                    np.testing.assert_array_equal(called, on_wires)
+                    rows = [count // size + (r < count % size) for r in range(size)]
+                    scattered = ad.reduce_scatter(mine, op, group)
+                    assert scattered.shape == (rows[me],)
+                    np.testing.assert_array_equal(
+                        scattered, on_wires[sum(rows[:me]):sum(rows[:me + 1])])
+        for dtype in (np.float32, np.int8, np.bool_, ml_dtypes.bfloat16):
+            for counts in ([2] * size, [0] * (size - 1) + [5], [r + 1 for r in range(size)],
+                           [(1 << 20) // 3 + r for r in range(size)]):
+                block = (rng.standard_normal((counts[me], 3)) * 100).astype(dtype)
+                key = CallKey.of("all_gather", block, counts=tuple(counts))
+                assert choose(key, backend.layout) is Algorithm.WIRES
+                gathered = ad.all_gather(block, group, sizes=counts)
+                padded = Algorithm.TORCH if len(set(counts)) == 1 else Algorithm.PADDED
+                by_gloo = np.empty((sum(counts), 3), dtype)
+                PLANS["all_gather", padded](backend, key).run(block, by_gloo)
+                np.testing.assert_array_equal(gathered, by_gloo)
+                lo = sum(counts[:me])
+                np.testing.assert_array_equal(gathered[lo:lo + counts[me]], block)
+        work = ad.all_reduce(np.full(5, me + 1.0), "avg", group, async_op=True)
+        gathered_later = ad.all_gather(np.full(2, me), group, async_op=True)
+        np.testing.assert_array_equal(work.wait(), np.full(5, (size + 1) / 2))
+        np.testing.assert_array_equal(gathered_later.wait(), np.repeat(np.arange(size), 2))
+    groups[1].destroy()
     ad.barrier()
 
 

@@ -43,8 +43,12 @@ class Algorithm(enum.Enum):
     #: (``all_gather_single``, ``reduce_scatter_single``, ``gather``, ``scatter``), the
     #: padding dropped.
     PADDED = "padded"
-    #: The root writes the bytes on the group's own sockets (:mod:`.wires`), right after
-    #: the check that travelled on them.
+    #: :data:`RANK_ORDER_SUM`, with the copies and the sums on the group's own sockets
+    #: (:mod:`.wires`), right after the check that travelled on them.
+    RANK_ORDER_WIRES = "rank_order_wires"
+    #: The bytes move as they are on the group's own sockets, right after the check that
+    #: travelled on them: a broadcast's root writes them on each member's connection, an
+    #: all-gather's members each write their block on every other's.
     WIRES = "wires"
     #: Two members: each sends the block the other owns on the group's own sockets and
     #: sums (and scales) its own; an all-reduce sends the result back
@@ -76,14 +80,19 @@ def _adds_in_rank_order(key: CallKey, layout: Layout) -> bool:
             and (_array.is_floating(key.dtype) or key.dtype.kind == "c"))
 
 
+def _rank_order_on_wires(key: CallKey, layout: Layout) -> bool:
+    return (_adds_in_rank_order(key, layout) and layout.wired and key.library == "numpy"
+            and key.layout == "ok")
+
+
 def _restores_nans(key: CallKey, layout: Layout) -> bool:
     return (key.collective in ("all_reduce", "reduce", "reduce_scatter")
             and key.reduce_op in COMPARISONS and _array.is_floating(key.dtype))
 
 
-def _broadcast_on_wires(key: CallKey, layout: Layout) -> bool:
-    return (key.collective == "broadcast" and layout.wired and key.library == "numpy"
-            and key.layout == "ok")
+def _bytes_on_wires(key: CallKey, layout: Layout) -> bool:
+    return (key.collective in ("broadcast", "all_gather") and layout.wired
+            and key.library == "numpy" and key.layout == "ok")
 
 
 #: dtypes a two-member sum on the group's sockets adds with NumPy (a + b is b + a bit for
@@ -95,8 +104,6 @@ def _pair_on_wires(key: CallKey, layout: Layout) -> bool:
     if not (layout.world_size == 2 and layout.wired and key.library == "numpy"
             and key.layout == "ok"):
         return False
-    if key.collective == "all_gather":
-        return True
     return (key.collective in ("all_reduce", "reduce_scatter") and key.reduce_op in SUMS
             and key.dtype in PAIR_WIRES_DTYPES)
 
@@ -116,6 +123,14 @@ class Rule:
 
 
 TABLE: tuple[Rule, ...] = (
+    Rule(_rank_order_on_wires, Algorithm.RANK_ORDER_WIRES,
+         "the next row's sums, of host memory in a group whose members are connected by "
+         "their own sockets: gloo's all-to-all and all-gather hand every message to its "
+         "socket loop thread, which on three ranks sharing two cores costs milliseconds a "
+         "call; each member writes the others' blocks on their connections and the sum of "
+         "its own on every connection, the same adds in the same order. @RANK_ORDER_WIRES@ "
+         "(benchmarks/bench_torch_backend.py; tests/world/test_torch_backend.py: "
+         "test_sums_in_rank_order_and_all_gathers_on_the_groups_sockets_equal_gloos)"),
     Rule(_adds_in_rank_order, Algorithm.RANK_ORDER_SUM,
          "float or complex SUM/AVERAGE all-reduce or reduce-scatter, 3 ranks or more: gloo's "
          "ring adds each element's values in an order that depends on the message's length "
@@ -128,29 +143,31 @@ TABLE: tuple[Rule, ...] = (
          "where NumPy, MPI and the mock world keep them (a NaN gradient norm must reach "
          "every rank); a SUM of NaN masks puts them back "
          "(tests/world/test_collectives.py: test_min_max_propagate_nan_whichever_rank_holds_it)"),
+    Rule(_bytes_on_wires, Algorithm.WIRES,
+         "broadcast or all-gather (blocks of any size, none padded) of host memory in a group "
+         "whose members are connected by their own sockets: gloo hands every message to its "
+         "socket loop thread (a broadcast 0.24-0.29 ms at 4 KiB, 0.64-0.81 ms at 1 MiB on two "
+         "idle ranks of one host). The root writing the bytes on each member's socket, the "
+         "check included, takes 0.26-0.31x raw torch's broadcast at 4 KiB, 0.24x at 64 KiB, "
+         "0.47-0.58x at 1 MiB and the same from 16 MiB, where loopback TCP is the limit for "
+         "both; an all-gather, each member writing its block on every connection: 0.18x, "
+         "0.42x and 0.31x at two ranks. @WIRES@ "
+         "(benchmarks/bench_torch_backend.py; tests/world/test_torch_backend.py: "
+         "test_a_broadcast_on_the_groups_sockets_equals_gloos, "
+         "test_sums_in_rank_order_and_all_gathers_on_the_groups_sockets_equal_gloos)"),
     Rule(_uneven, Algorithm.PADDED,
          "all-gather, reduce-scatter, gather or scatter whose ranks' blocks differ in size: "
          "torch's all_gather_single, reduce_scatter_single, gather and scatter take equal "
          "blocks (an all-to-all's split sizes may differ: torch's own)"),
-    Rule(_broadcast_on_wires, Algorithm.WIRES,
-         "broadcast of host memory in a group whose members are connected by their own "
-         "sockets: gloo's broadcast hands every message to its socket loop thread (0.24-0.29 "
-         "ms at 4 KiB, 0.64-0.81 ms at 1 MiB on two idle ranks of one host); the root "
-         "writing the bytes on each member's socket, the check included, takes 0.26-0.31x "
-         "raw torch's time at 4 KiB, 0.24x at 64 KiB, 0.47-0.58x at 1 MiB and the same "
-         "from 16 MiB, where loopback TCP is the limit for both "
-         "(benchmarks/bench_torch_backend.py; tests/world/test_torch_backend.py: "
-         "test_a_broadcast_on_the_groups_sockets_equals_gloos)"),
     Rule(_pair_on_wires, Algorithm.PAIR_WIRES,
-         "float32/64 or int32/64 SUM/AVERAGE all-reduce or reduce-scatter, or any all-gather "
-         "(of equal blocks: uneven ones are padded first), of host memory in a group of two "
-         "connected by its own sockets: gloo hands its messages to its socket loop thread. "
+         "float32/64 or int32/64 SUM/AVERAGE all-reduce or reduce-scatter (of equal blocks: "
+         "uneven ones are padded first) of host memory in a group of two connected by its "
+         "own sockets: gloo hands its messages to its socket loop thread. "
          "Each member sends the block the other owns on the group's sockets and sums (and "
          "scales) its own; an all-reduce then sends its result back. The caller's thread "
          "writes and reads in turn as the socket allows. With the check, against raw "
          "torch's time on two ranks of one host: all-reduce 0.13x at 4 KiB, 0.28x at 1 MiB, "
-         "0.77x at 16 MiB; reduce-scatter 0.13x, 0.19x, 0.31x; all-gather 0.18x, 0.42x, "
-         "0.31x "
+         "0.77x at 16 MiB; reduce-scatter 0.13x, 0.19x, 0.31x "
          "(benchmarks/bench_torch_backend.py; tests/world/test_torch_backend.py: "
          "test_a_pair_all_reduce_on_the_groups_sockets_equals_gloos)"),
     Rule(lambda key, layout: True, Algorithm.TORCH,

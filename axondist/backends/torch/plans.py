@@ -12,6 +12,7 @@ once that Work completed, or None)``.
 from __future__ import annotations
 
 from collections.abc import Callable
+from itertools import accumulate
 from math import prod
 from typing import TYPE_CHECKING, Any
 
@@ -150,22 +151,6 @@ class WiredPairAllReducePlan(TorchPlan):
         return None, None
 
 
-class WiredPairAllGatherPlan(TorchPlan):
-    """A two-member all-gather of equal blocks of host memory on the group's own sockets,
-    after the check on them: each member's block goes straight to the other's output."""
-
-    __slots__ = ()
-
-    def _move(self, send: Any, recv: Any) -> Moved:
-        wires, me = self._guard.wires, self._b.rank
-        assert wires is not None  # an all-gather in a wired group
-        flat_out, flat_in = recv.reshape(-1), send.reshape(-1)
-        blocks = (flat_out[:flat_in.size], flat_out[flat_in.size:])
-        blocks[me][...] = flat_in
-        wires.pair_swap(flat_in, blocks[1 - me])
-        return None, None
-
-
 class WiredPairReduceScatterPlan(TorchPlan):
     """A two-member SUM or AVERAGE reduce-scatter of equal blocks of host memory on the
     group's own sockets, after the check on them: each member sends the other's block and
@@ -248,6 +233,29 @@ def unpad(padded: Any, most: int, counts: list[int], out: Any) -> None:
         at += c
 
 
+def blocks_of(flat: Any, counts: list[int]) -> list[Any]:
+    """The flat ``flat`` cut into consecutive blocks of ``counts`` elements (views)."""
+    ends = list(accumulate(counts))
+    return [flat[end - c:end] for c, end in zip(counts, ends, strict=True)]
+
+
+class WiredAllGatherPlan(_BlocksPlan):
+    """An all-gather of host memory on the group's own sockets, after the check on them:
+    each member writes its block (of any size: nothing is padded) on every other member's
+    connection and reads theirs straight into its output."""
+
+    __slots__ = ()
+
+    def _move(self, send: Any, recv: Any) -> Moved:
+        wires, me = self._guard.wires, self._b.rank
+        assert wires is not None  # an all-gather in a wired group
+        blocks = blocks_of(recv.reshape(-1), self._counts)
+        blocks[me][...] = send.reshape(-1)
+        peers = [p for p in range(len(blocks)) if p != me]
+        wires.exchange(dict.fromkeys(peers, blocks[me]), {p: blocks[p] for p in peers})
+        return None, None
+
+
 class PaddedAllGatherPlan(_BlocksPlan):
     """An all-gather of uneven blocks: each rank's block zero-padded to the largest, torch's
     ``all_gather_single``, the padding dropped."""
@@ -302,18 +310,24 @@ class _RankOrderPlan(_BlocksPlan):
     def _block_sum(self, flat: Any) -> Any:
         """This rank's block of the rank-order sum (or mean) of the flat ``flat`` cut into
         blocks of ``_counts`` elements."""
-        b, xp, n, counts = self._b, self._xp, self._b.world_size, self._counts
-        size = counts[b.rank]
-        copies = xp.empty(n * size, dtype=flat.dtype)
-        b.dist.all_to_all_single(b.tensor(copies), b.tensor(flat), [size] * n, counts,
-                                 group=b.pg)
-        copies = copies.reshape(n, size)
+        xp, n = self._xp, self._b.world_size
+        copies = self._copies(flat)
         block = copies[0]
         for k in range(1, n):
             xp.add(block, copies[k], out=block)
         if self._scale is not None:
             xp.divide(block, self._scale, out=block, casting="unsafe")
         return block
+
+    def _copies(self, flat: Any) -> Any:
+        """Every rank's copy of this rank's block of ``flat``, one row per rank: torch's
+        ``all_to_all_single``."""
+        b, n, counts = self._b, self._b.world_size, self._counts
+        size = counts[b.rank]
+        copies = self._xp.empty(n * size, dtype=flat.dtype)
+        b.dist.all_to_all_single(b.tensor(copies), b.tensor(flat), [size] * n, counts,
+                                 group=b.pg)
+        return copies.reshape(n, size)
 
 
 class RankOrderReduceScatterPlan(_RankOrderPlan):
@@ -343,6 +357,50 @@ class RankOrderAllReducePlan(_RankOrderPlan):
         every = xp.empty(most * b.world_size, dtype=flat.dtype)
         b.dist.all_gather_single(b.tensor(every), b.tensor(mine), group=b.pg)
         unpad(every, most, counts, flat)
+        return None, None
+
+
+class _RankOrderOnWires(_RankOrderPlan):
+    """A rank-order sum of host memory whose copies travel on the group's own sockets,
+    after the check on them: each member writes every other member's block on that
+    member's connection and reads the others' copies of its own (the same adds in the same
+    order: the same bits as on gloo)."""
+
+    __slots__ = ()
+
+    def _copies(self, flat: Any) -> Any:
+        wires, me, counts = self._guard.wires, self._b.rank, self._counts
+        assert wires is not None  # a sum in a wired group
+        blocks = blocks_of(flat, counts)
+        copies = self._xp.empty((len(counts), counts[me]), dtype=flat.dtype)
+        copies[me] = blocks[me]
+        peers = [p for p in range(len(counts)) if p != me]
+        wires.exchange({p: blocks[p] for p in peers}, {p: copies[p] for p in peers})
+        return copies
+
+
+class WiredRankOrderReduceScatterPlan(_RankOrderOnWires, RankOrderReduceScatterPlan):
+    """A reduce-scatter that adds in rank order, on the group's own sockets."""
+
+    __slots__ = ()
+
+
+class WiredRankOrderAllReducePlan(_RankOrderOnWires, RankOrderAllReducePlan):
+    """An all-reduce that adds in rank order on the group's own sockets: the reduce-scatter
+    of near-equal blocks, then each member writes its block of the sum on every other
+    member's connection and reads theirs into place."""
+
+    __slots__ = ()
+
+    def _move(self, send: Any, recv: Any) -> Moved:
+        wires, me = self._guard.wires, self._b.rank
+        assert wires is not None  # an all-reduce in a wired group
+        flat = send.reshape(-1)
+        block = self._block_sum(flat)
+        blocks = blocks_of(flat, self._counts)
+        blocks[me][...] = block
+        peers = [p for p in range(len(blocks)) if p != me]
+        wires.exchange(dict.fromkeys(peers, blocks[me]), {p: blocks[p] for p in peers})
         return None, None
 
 
@@ -520,6 +578,7 @@ class AllToAllPlan(TorchPlan):
 PLANS: dict[tuple[str, Algorithm], type[TorchPlan]] = {
     ("all_reduce", Algorithm.TORCH): AllReducePlan,
     ("all_reduce", Algorithm.RANK_ORDER_SUM): RankOrderAllReducePlan,
+    ("all_reduce", Algorithm.RANK_ORDER_WIRES): WiredRankOrderAllReducePlan,
     ("all_reduce", Algorithm.NAN_RESTORE): NanAllReducePlan,
     ("all_reduce", Algorithm.PAIR_WIRES): WiredPairAllReducePlan,
     ("broadcast", Algorithm.TORCH): BroadcastPlan,
@@ -528,9 +587,10 @@ PLANS: dict[tuple[str, Algorithm], type[TorchPlan]] = {
     ("reduce", Algorithm.NAN_RESTORE): NanReducePlan,
     ("all_gather", Algorithm.TORCH): AllGatherPlan,
     ("all_gather", Algorithm.PADDED): PaddedAllGatherPlan,
-    ("all_gather", Algorithm.PAIR_WIRES): WiredPairAllGatherPlan,
+    ("all_gather", Algorithm.WIRES): WiredAllGatherPlan,
     ("reduce_scatter", Algorithm.TORCH): ReduceScatterPlan,
     ("reduce_scatter", Algorithm.RANK_ORDER_SUM): RankOrderReduceScatterPlan,
+    ("reduce_scatter", Algorithm.RANK_ORDER_WIRES): WiredRankOrderReduceScatterPlan,
     ("reduce_scatter", Algorithm.NAN_RESTORE): NanReduceScatterPlan,
     ("reduce_scatter", Algorithm.PADDED): PaddedReduceScatterPlan,
     ("reduce_scatter", Algorithm.PAIR_WIRES): WiredPairReduceScatterPlan,
@@ -546,5 +606,7 @@ __all__ = ["PLANS", "AllGatherPlan", "AllReducePlan", "AllToAllPlan", "Broadcast
            "GatherPlan", "NanAllReducePlan", "NanReducePlan", "NanReduceScatterPlan",
            "PaddedAllGatherPlan", "PaddedGatherPlan", "PaddedReduceScatterPlan",
            "PaddedScatterPlan", "RankOrderAllReducePlan", "RankOrderReduceScatterPlan",
-           "ReducePlan", "ReduceScatterPlan", "ScatterPlan", "TorchPlan", "WiredPairAllGatherPlan",
-           "WiredPairAllReducePlan", "WiredPairReduceScatterPlan", "unpad"]
+           "ReducePlan", "ReduceScatterPlan", "ScatterPlan", "TorchPlan", "WiredAllGatherPlan",
+           "WiredPairAllReducePlan", "WiredPairReduceScatterPlan",
+           "WiredRankOrderAllReducePlan", "WiredRankOrderReduceScatterPlan", "blocks_of",
+           "unpad"]

@@ -1,5 +1,6 @@
 """A torch group's own sockets: one TCP connection between every two members, which carry
-each call's check words and the data of a broadcast.
+each call's check words and the data of the calls the algorithm table puts on them
+(:mod:`.choose`: broadcasts, all-gathers, sums of host memory).
 
 gloo's all-reduce of the check's 16 bytes costs 0.5-0.7 ms on two ranks of one host (its
 socket loop thread hands every message over), a round trip of 16 bytes on a plain
@@ -12,9 +13,10 @@ backend words both as it words gloo's.
 
 A broadcast of host memory follows its check on the same connections, the root writing
 the bytes on each member's (:meth:`GroupWires.broadcast`): gloo's broadcast costs 0.24-0.29
-ms at 4 KiB and 0.64-0.81 ms at 1 MiB on two ranks here, for the same reason. Calls
-reach the wires in the group's call order on every member, so the bytes a member reads
-next are always the ones it expects.
+ms at 4 KiB and 0.64-0.81 ms at 1 MiB on two ranks here, for the same reason. Other calls
+send every member its own bytes at once (:meth:`GroupWires.exchange`). Calls reach the
+wires in the group's call order on every member, so the bytes a member reads next are
+always the ones it expects.
 
 The members meet through torch.distributed's store: each one listens on the address its
 watchdog serves on (``AXONDIST_DIAGNOSTICS``, ports from ``AXONDIST_DIAGNOSTICS_PORTS``)
@@ -140,26 +142,66 @@ class GroupWires:
 
     def pair_swap(self, sent: np.ndarray, into: np.ndarray) -> None:
         """In a group of two, send the bytes of ``sent`` to the other member while its
-        bytes are received into ``into`` (C-contiguous host arrays; each member's ``into``
-        as long as the other's ``sent``). Both members write at once and a socket's buffer
-        holds less than a large array, so this thread writes what the socket takes and
-        reads what has come, in turn, until both are done.
+        bytes are received into ``into``: :meth:`exchange` with the one peer.
 
         Raises:
             RuntimeError: as :meth:`largest`.
         """
         peer = 1 - self.rank
-        self._talk(peer, _swap, self._peers[peer], _bytes(sent), _bytes(into), self._limit)
+        self.exchange({peer: sent}, {peer: into})
+
+    def exchange(self, sends: dict[int, np.ndarray], receives: dict[int, np.ndarray]) -> None:
+        """Send ``sends[p]`` to each member ``p`` while ``receives[p]`` fills with what
+        ``p`` sends (C-contiguous host arrays by group rank; what this member receives from
+        ``p`` as long as what ``p`` sends it; a member left out moves nothing). Every
+        member writes at once and a socket's buffer holds less than a large array, so this
+        thread writes what each socket takes and reads what has come, in turn, until all
+        are done: no order of the members' calls can deadlock. The limit counts from the
+        last bytes moved on any connection.
+
+        Raises:
+            RuntimeError: as :meth:`largest`, naming the first member still waited for.
+        """
+        pending: dict[int, _Transfer] = {}
+        for peer, conn in self._peers.items():
+            out = _bytes(sends[peer]) if peer in sends else _NOTHING
+            into = _bytes(receives[peer]) if peer in receives else _NOTHING
+            if len(out) or len(into):
+                pending[conn.fileno()] = _Transfer(peer, conn, out, into)
+        poller = select.poll()
+        for fd, transfer in pending.items():
+            poller.register(fd, transfer.events())
+        while pending:
+            ready = poller.poll(self._limit * 1000)
+            if not ready:
+                waited = min(t.peer for t in pending.values())
+                raise self._failure(waited, TimeoutError("timed out"))
+            for fd, happened in ready:
+                transfer = pending[fd]
+                try:
+                    transfer.step(happened)
+                except OSError as exc:
+                    raise self._failure(transfer.peer, exc) from exc
+                if transfer.done():
+                    poller.unregister(fd)
+                    del pending[fd]
+                else:
+                    poller.modify(fd, transfer.events())
 
     def _talk(self, peer: int, act: Callable[..., Any], *args: Any) -> Any:
         """``act(*args)`` on ``peer``'s connection, its failures worded as gloo's."""
         try:
             return act(*args)
-        except TimeoutError as exc:
-            raise RuntimeError(f"the connection to group rank {peer} timed out after "
-                               f"{self._limit:g} s") from exc
-        except OSError as exc:  # reset, broken pipe: the peer's process ended
-            raise RuntimeError(f"Connection closed by peer (group rank {peer}: {exc})") from exc
+        except OSError as exc:
+            raise self._failure(peer, exc) from exc
+
+    def _failure(self, peer: int, exc: OSError) -> RuntimeError:
+        """The error of ``peer``'s connection failing with ``exc``, worded as gloo's."""
+        if isinstance(exc, TimeoutError):
+            return RuntimeError(f"the connection to group rank {peer} timed out after "
+                                f"{self._limit:g} s")
+        # reset, broken pipe: the peer's process ended
+        return RuntimeError(f"Connection closed by peer (group rank {peer}: {exc})")
 
     def close(self) -> None:
         """Close every connection (idempotent)."""
@@ -217,30 +259,46 @@ def _bytes(array: np.ndarray) -> memoryview:
     return memoryview(array.view(np.uint8))  # type: ignore[arg-type]
 
 
-def _swap(conn: socket.socket, out: memoryview, into: memoryview, limit: float) -> None:
-    """Write ``out`` on ``conn`` while filling ``into`` from it, each as far as the socket
-    allows at the moment; a connection that moves nothing for ``limit`` seconds raises
-    ``TimeoutError``, a closed one ``ConnectionResetError``."""
-    sent = got = 0
-    poller = select.poll()
-    fd = conn.fileno()
-    while sent < len(out) or got < len(into):
-        events = (select.POLLOUT if sent < len(out) else 0) | (
-            select.POLLIN if got < len(into) else 0)
-        poller.register(fd, events)
-        ready = poller.poll(limit * 1000)
-        if not ready:
-            raise TimeoutError("timed out")
-        happened = ready[0][1]
-        if happened & (select.POLLIN | select.POLLHUP | select.POLLERR) and got < len(into):
-            n = conn.recv_into(into[got:], 0, socket.MSG_DONTWAIT)
-            if not n:
+#: What a member neither sends to nor receives from moves.
+_NOTHING = memoryview(b"")
+
+
+class _Transfer:
+    """One connection's part of :meth:`GroupWires.exchange`: the bytes still to write on
+    it and to read from it."""
+
+    __slots__ = ("peer", "conn", "out", "into", "sent", "got")
+
+    def __init__(self, peer: int, conn: socket.socket, out: memoryview, into: memoryview
+                 ) -> None:
+        self.peer, self.conn, self.out, self.into = peer, conn, out, into
+        self.sent = self.got = 0
+
+    def events(self) -> int:
+        """What to wait for on the connection next."""
+        return (select.POLLOUT if self.sent < len(self.out) else 0) | (
+            select.POLLIN if self.got < len(self.into) else 0)
+
+    def done(self) -> bool:
+        return self.sent == len(self.out) and self.got == len(self.into)
+
+    def step(self, happened: int) -> None:
+        """Read what has come and write what the socket takes, as ``happened`` (poll's
+        events) allows; a closed connection raises ``ConnectionResetError``."""
+        conn = self.conn
+        try:
+            if happened & (select.POLLIN | select.POLLHUP | select.POLLERR) \
+                    and self.got < len(self.into):
+                n = conn.recv_into(self.into[self.got:], 0, socket.MSG_DONTWAIT)
+                if not n:
+                    raise ConnectionResetError("the peer closed the connection")
+                self.got += n
+            elif happened & (select.POLLHUP | select.POLLERR):
                 raise ConnectionResetError("the peer closed the connection")
-            got += n
-        elif happened & (select.POLLHUP | select.POLLERR):
-            raise ConnectionResetError("the peer closed the connection")
-        if happened & select.POLLOUT and sent < len(out):
-            sent += conn.send(out[sent:], socket.MSG_DONTWAIT)
+            if happened & select.POLLOUT and self.sent < len(self.out):
+                self.sent += conn.send(self.out[self.sent:], socket.MSG_DONTWAIT)
+        except BlockingIOError:  # nothing after all: poll again
+            pass
 
 
 def _receive_into(conn: socket.socket, view: memoryview) -> None:
