@@ -122,9 +122,11 @@ def _pair_on_wires(key: CallKey, layout: Layout) -> bool:
 
 
 def _expected(key: CallKey, layout: Layout) -> Algorithm:
+    if key.collective in ("all_reduce", "reduce_scatter") and layout.world_size >= 3 \
+            and _host_memory_on_sockets(key, layout):
+        return Algorithm.RANK_ORDER_WIRES
     if _rank_order(key, layout):
-        return Algorithm.RANK_ORDER_WIRES if _host_memory_on_sockets(key, layout) \
-            else Algorithm.RANK_ORDER_SUM
+        return Algorithm.RANK_ORDER_SUM
     if _nans(key, layout):
         return Algorithm.NAN_RESTORE
     if _on_wires(key, layout):
@@ -208,14 +210,18 @@ def test_rank_order_sums_of_host_memory_take_the_groups_sockets(collective):
                         is Algorithm.RANK_ORDER_SUM
                 assert choose(key._replace(library="cupy"), Layout(n, wired=True)) \
                     is Algorithm.RANK_ORDER_SUM  # device memory: the process group's
-    for dtype in ("float16", "bfloat16", "complex128"):
-        key = _key(collective, dtype, reduce_op="SUM")
-        assert choose(key, Layout(3, wired=True)) is Algorithm.RANK_ORDER_WIRES, dtype
-    for dtype in ("int32", "int8", "bool"):  # no rank order to keep: gloo's
-        key = _key(collective, dtype, rows=12, reduce_op="SUM")
-        assert choose(key, Layout(3, wired=True)) is Algorithm.TORCH, dtype
-    key = _key(collective, rows=12, reduce_op="MAX")
-    assert choose(key, Layout(3, wired=True)) is Algorithm.NAN_RESTORE
+    for dtype in ("float16", "bfloat16", "complex128", "int32", "int8", "uint8", "bool"):
+        for op in ("SUM", "PRODUCT", "MIN", "MAX"):  # every reduction, as the mock world's
+            key = _key(collective, dtype, rows=12, reduce_op=op)
+            assert choose(key, Layout(3, wired=True)) is Algorithm.RANK_ORDER_WIRES, dtype
+    for op in ("MIN", "MAX"):  # without sockets: gloo's, the NaNs put back
+        assert choose(_key(collective, rows=12, reduce_op=op), Layout(3)) \
+            is Algorithm.NAN_RESTORE
+        assert choose(_key(collective, rows=12, reduce_op=op), Layout(2, wired=True)) \
+            is Algorithm.NAN_RESTORE  # two ranks: the pair's rows only
+    assert choose(_key(collective, "int32", rows=12, reduce_op="SUM"), Layout(3)) \
+        is Algorithm.TORCH
+    assert choose(_key("reduce", rows=12), Layout(3, wired=True)) is Algorithm.TORCH
 
 
 def test_integer_sums_products_and_reduces_are_torchs():

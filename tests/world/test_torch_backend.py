@@ -220,6 +220,53 @@ def test_sums_in_rank_order_and_all_gathers_on_the_groups_sockets_equal_gloos():
     ad.barrier()
 
 
+def test_every_reduction_on_the_groups_sockets_combines_as_the_mock_world():
+    """From three ranks every all-reduce and reduce-scatter of host memory runs on the
+    group's own sockets (RANK_ORDER_WIRES), combined in rank order as the mock world
+    combines: MIN and MAX keep NaNs wherever a rank holds one (gloo's path needs a second
+    reduction for it, NAN_RESTORE: the same values), integers wrap as NumPy's and equal
+    gloo's, booleans are logical, a float PRODUCT multiplies in rank order."""
+    from axondist.backends.plan import CallKey
+    from axondist.backends.torch.choose import Algorithm, choose
+    from axondist.backends.torch.plans import PLANS
+    from axondist.ops import combine_into
+
+    world = launched_world()
+    n, me, backend = world.world_size, world.rank, world.backend
+    if n < 3:
+        pytest.skip("two ranks take the pair's rows (test_a_pair_all_reduce_...)")
+    rng = np.random.default_rng(5)
+    for count in (1, n + 1, 5000):
+        floats = rng.standard_normal((n, count))
+        floats[rng.integers(0, n, 3), rng.integers(0, count, 3)] = np.nan
+        ints = rng.integers(-2**31, 2**31, (n, count))
+        cases = [(floats, np.float32, "min", "NAN_RESTORE"), (floats, np.float64, "max",
+                                                               "NAN_RESTORE"),
+                 (ints, np.int32, "sum", "TORCH"), (ints, np.int32, "product", "TORCH"),
+                 (ints, np.int8, "max", "TORCH"), (ints, np.int64, "min", "TORCH"),
+                 (floats, np.float32, "product", None), (ints % 2, np.bool_, "sum", None),
+                 (ints % 3, np.bool_, "min", None)]
+        for values, dtype, op, gloos in cases:
+            mine = values[me].astype(dtype)
+            key = CallKey.of("all_reduce", mine, reduce_op=op)
+            assert choose(key, backend.layout) is Algorithm.RANK_ORDER_WIRES
+            called = mine.copy()
+            assert ad.all_reduce(called, op) is called
+            want = values[0].astype(dtype)
+            with np.errstate(all="ignore"):
+                combine_into(want, [v.astype(dtype) for v in values],
+                             ad.ReduceOp.parse(op, "test"))
+            np.testing.assert_array_equal(called, want)
+            if gloos is not None:
+                by_gloo = mine.copy()
+                PLANS["all_reduce", Algorithm[gloos]](backend, key).run(by_gloo)
+                np.testing.assert_array_equal(called, by_gloo)
+            rows = [count // n + (r < count % n) for r in range(n)]
+            lo, hi = sum(rows[:me]), sum(rows[:me + 1])
+            np.testing.assert_array_equal(ad.reduce_scatter(mine, op), want[lo:hi])
+    ad.barrier()
+
+
 def test_messages_of_host_memory_travel_on_the_worlds_own_connections():
     """Point-to-point messages of host memory go through the world's mailbox (one
     connection per pair of ranks, shared by the groups), matched by group and tag as gloo

@@ -43,8 +43,9 @@ class Algorithm(enum.Enum):
     #: (``all_gather_single``, ``reduce_scatter_single``, ``gather``, ``scatter``), the
     #: padding dropped.
     PADDED = "padded"
-    #: :data:`RANK_ORDER_SUM`, with the copies and the sums on the group's own sockets
-    #: (:mod:`.wires`), right after the check that travelled on them.
+    #: As :data:`RANK_ORDER_SUM`, for every reduction (combined as the mock world combines
+    #: it), with the copies and the results on the group's own sockets (:mod:`.wires`),
+    #: right after the check that travelled on them.
     RANK_ORDER_WIRES = "rank_order_wires"
     #: The bytes move as they are on the group's own sockets, right after the check that
     #: travelled on them: a broadcast's root writes them on each member's connection, an
@@ -81,8 +82,8 @@ def _adds_in_rank_order(key: CallKey, layout: Layout) -> bool:
 
 
 def _rank_order_on_wires(key: CallKey, layout: Layout) -> bool:
-    return (_adds_in_rank_order(key, layout) and layout.wired and key.library == "numpy"
-            and key.layout == "ok")
+    return (key.collective in ("all_reduce", "reduce_scatter") and layout.world_size > 2
+            and layout.wired and key.library == "numpy" and key.layout == "ok")
 
 
 def _restores_nans(key: CallKey, layout: Layout) -> bool:
@@ -124,13 +125,20 @@ class Rule:
 
 TABLE: tuple[Rule, ...] = (
     Rule(_rank_order_on_wires, Algorithm.RANK_ORDER_WIRES,
-         "the next row's sums, of host memory in a group whose members are connected by "
-         "their own sockets: gloo's all-to-all and all-gather hand every message to its "
+         "all-reduce or reduce-scatter of host memory, 3 ranks or more, in a group whose "
+         "members are connected by their own sockets: gloo hands every message to its "
          "socket loop thread, which on three ranks sharing two cores costs milliseconds a "
-         "call; each member writes the others' blocks on their connections and the sum of "
-         "its own on every connection, the same adds in the same order. Against raw torch's time on three ranks of one host, the check included (before: the same sums through gloo): all-reduce 0.10-0.14x at 4 KiB (0.91x), 0.28-0.30x at 1 MiB (1.36x), 0.97-1.05x at 16 MiB; reduce-scatter 0.07-0.10x, 0.19-0.23x, 0.50-0.54x (0.32x, 0.62x, -) "
+         "call. Each member writes the others' blocks on their connections, combines the "
+         "copies of its own in rank order (the next row's adds for a float sum, the same "
+         "bits; the mock world's combine for every op: MIN and MAX keep NaNs with no second "
+         "reduction, integers and booleans as NumPy) and writes the result on every "
+         "connection. Against raw torch's time on three ranks of one host, the check "
+         "included (before: the same sums through gloo): all-reduce 0.10-0.14x at 4 KiB "
+         "(0.91x), 0.28-0.30x at 1 MiB (1.36x), 0.97-1.05x at 16 MiB; reduce-scatter "
+         "0.07-0.10x, 0.19-0.23x, 0.50-0.54x (0.32x, 0.62x, -) "
          "(benchmarks/bench_torch_backend.py; tests/world/test_torch_backend.py: "
-         "test_sums_in_rank_order_and_all_gathers_on_the_groups_sockets_equal_gloos)"),
+         "test_sums_in_rank_order_and_all_gathers_on_the_groups_sockets_equal_gloos, "
+         "test_every_reduction_on_the_groups_sockets_combines_as_the_mock_world)"),
     Rule(_adds_in_rank_order, Algorithm.RANK_ORDER_SUM,
          "float or complex SUM/AVERAGE all-reduce or reduce-scatter, 3 ranks or more: gloo's "
          "ring adds each element's values in an order that depends on the message's length "
@@ -151,7 +159,8 @@ TABLE: tuple[Rule, ...] = (
          "check included, takes 0.26-0.31x raw torch's broadcast at 4 KiB, 0.24x at 64 KiB, "
          "0.47-0.58x at 1 MiB and the same from 16 MiB, where loopback TCP is the limit for "
          "both; an all-gather, each member writing its block on every connection: 0.18x, "
-         "0.42x and 0.31x at two ranks, 0.15x, 0.74-0.76x and 0.33-0.35x at three (1.16x and 1.25x at 4 KiB and 1 MiB before) "
+         "0.42x and 0.31x at two ranks, 0.15x, 0.74-0.76x and 0.33-0.35x at three (1.16x "
+         "and 1.25x at 4 KiB and 1 MiB before) "
          "(benchmarks/bench_torch_backend.py; tests/world/test_torch_backend.py: "
          "test_a_broadcast_on_the_groups_sockets_equals_gloos, "
          "test_sums_in_rank_order_and_all_gathers_on_the_groups_sockets_equal_gloos)"),

@@ -17,6 +17,7 @@ from math import prod
 from typing import TYPE_CHECKING, Any
 
 from ... import _array
+from ...ops import combine_into
 from ..checks import check_words
 from ..plan import IN_PLACE, CallKey, Plan, checked_out, element_counts, output_shape, split_sizes
 from .choose import Algorithm
@@ -308,16 +309,12 @@ class _RankOrderPlan(_BlocksPlan):
     __slots__ = ()
 
     def _block_sum(self, flat: Any) -> Any:
-        """This rank's block of the rank-order sum (or mean) of the flat ``flat`` cut into
-        blocks of ``_counts`` elements."""
-        xp, n = self._xp, self._b.world_size
+        """This rank's block of the reduction of the flat ``flat`` cut into blocks of
+        ``_counts`` elements, its copies combined in rank order (:func:`~axondist.ops.
+        combine_into`, as the mock world combines them)."""
+        assert self.key.op is not None  # a reduction
         copies = self._copies(flat)
-        block = copies[0]
-        for k in range(1, n):
-            xp.add(block, copies[k], out=block)
-        if self._scale is not None:
-            xp.divide(block, self._scale, out=block, casting="unsafe")
-        return block
+        return combine_into(copies[0], list(copies), self.key.op)
 
     def _copies(self, flat: Any) -> Any:
         """Every rank's copy of this rank's block of ``flat``, one row per rank: torch's
@@ -361,10 +358,10 @@ class RankOrderAllReducePlan(_RankOrderPlan):
 
 
 class _RankOrderOnWires(_RankOrderPlan):
-    """A rank-order sum of host memory whose copies travel on the group's own sockets,
-    after the check on them: each member writes every other member's block on that
-    member's connection and reads the others' copies of its own (the same adds in the same
-    order: the same bits as on gloo)."""
+    """A reduction of host memory combined in rank order (any op), whose copies travel on
+    the group's own sockets after the check on them: each member writes every other
+    member's block on that member's connection and reads the others' copies of its own (a
+    sum: the same adds in the same order as through gloo's all-to-all, the same bits)."""
 
     __slots__ = ()
 
@@ -380,14 +377,14 @@ class _RankOrderOnWires(_RankOrderPlan):
 
 
 class WiredRankOrderReduceScatterPlan(_RankOrderOnWires, RankOrderReduceScatterPlan):
-    """A reduce-scatter that adds in rank order, on the group's own sockets."""
+    """A reduce-scatter combined in rank order, on the group's own sockets."""
 
     __slots__ = ()
 
 
 class WiredRankOrderAllReducePlan(_RankOrderOnWires, RankOrderAllReducePlan):
-    """An all-reduce that adds in rank order on the group's own sockets: the reduce-scatter
-    of near-equal blocks, then each member writes its block of the sum on every other
+    """An all-reduce combined in rank order on the group's own sockets: the reduce-scatter
+    of near-equal blocks, then each member writes its block of the result on every other
     member's connection and reads theirs into place."""
 
     __slots__ = ()
