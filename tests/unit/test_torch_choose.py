@@ -102,13 +102,16 @@ def _uneven(key: CallKey, layout: Layout) -> bool:
 
 
 def _host_memory_on_sockets(key: CallKey, layout: Layout) -> bool:
-    """A writable C-contiguous NumPy array in a group with its own sockets."""
-    return layout.wired and key.library == "numpy" and key.layout == "ok"
+    """A NumPy array in a group with its own sockets, whatever its layout (read-only or
+    strided inputs may differ between ranks, which must all choose alike)."""
+    return layout.wired and key.library == "numpy"
 
 
 def _on_wires(key: CallKey, layout: Layout) -> bool:
-    """A broadcast, or an all-gather of blocks of any size, of host memory on sockets."""
-    return key.collective in ("broadcast", "all_gather") and _host_memory_on_sockets(key, layout)
+    """A broadcast, all-gather, gather, scatter or all-to-all (blocks of any size) of host
+    memory on sockets."""
+    return key.collective in ("broadcast", "all_gather", "gather", "scatter", "all_to_all") \
+        and _host_memory_on_sockets(key, layout)
 
 
 def _pair_on_wires(key: CallKey, layout: Layout) -> bool:
@@ -122,7 +125,7 @@ def _pair_on_wires(key: CallKey, layout: Layout) -> bool:
 
 
 def _expected(key: CallKey, layout: Layout) -> Algorithm:
-    if key.collective in ("all_reduce", "reduce_scatter") and layout.world_size >= 3 \
+    if key.collective in REDUCTIONS and layout.world_size >= 3 \
             and _host_memory_on_sockets(key, layout):
         return Algorithm.RANK_ORDER_WIRES
     if _rank_order(key, layout):
@@ -146,6 +149,16 @@ def test_each_call_takes_the_first_rule_whose_boundaries_it_meets(data, n):
     layout = Layout(n, wired=data.draw(st.booleans()))
     key = data.draw(keys(n))
     assert choose(key, layout) is _expected(key, layout), key
+
+
+@given(data=st.data(), n=sizes)
+def test_a_ranks_input_layout_never_changes_the_choice(data, n):
+    """A rank may pass a read-only or strided input where the others pass ordinary arrays
+    (calls that do not write their input accept them): every rank still chooses alike."""
+    layout = Layout(n, wired=data.draw(st.booleans()))
+    key = data.draw(keys(n))
+    chosen = {choose(key._replace(layout=kind), layout) for kind in ("ok", "read-only", "strided")}
+    assert len(chosen) == 1, (key, chosen)
 
 
 @given(data=st.data(), n=sizes)
@@ -205,9 +218,9 @@ def test_rank_order_sums_of_host_memory_take_the_groups_sockets(collective):
                 assert choose(key._replace(async_op=True), Layout(n, wired=True)) \
                     is Algorithm.RANK_ORDER_WIRES
                 assert choose(key, Layout(n)) is Algorithm.RANK_ORDER_SUM  # no sockets
-                for layout in ("read-only", "strided"):
+                for layout in ("read-only", "strided"):  # a rank's input: not asked
                     assert choose(key._replace(layout=layout), Layout(n, wired=True)) \
-                        is Algorithm.RANK_ORDER_SUM
+                        is Algorithm.RANK_ORDER_WIRES
                 assert choose(key._replace(library="cupy"), Layout(n, wired=True)) \
                     is Algorithm.RANK_ORDER_SUM  # device memory: the process group's
     for dtype in ("float16", "bfloat16", "complex128", "int32", "int8", "uint8", "bool"):
@@ -221,7 +234,8 @@ def test_rank_order_sums_of_host_memory_take_the_groups_sockets(collective):
             is Algorithm.NAN_RESTORE  # two ranks: the pair's rows only
     assert choose(_key(collective, "int32", rows=12, reduce_op="SUM"), Layout(3)) \
         is Algorithm.TORCH
-    assert choose(_key("reduce", rows=12), Layout(3, wired=True)) is Algorithm.TORCH
+    assert choose(_key("reduce", rows=12), Layout(3, wired=True)) is Algorithm.RANK_ORDER_WIRES
+    assert choose(_key("reduce", rows=12), Layout(2, wired=True)) is Algorithm.TORCH
 
 
 def test_integer_sums_products_and_reduces_are_torchs():
@@ -298,7 +312,7 @@ def test_a_sum_of_two_members_of_host_memory_takes_the_groups_sockets_at_every_s
             assert choose(key._replace(library="cupy"), Layout(2, wired=True)) \
                 is Algorithm.TORCH  # device memory: the process group's (NCCL)
             assert choose(key._replace(layout="strided"), Layout(2, wired=True)) \
-                is Algorithm.TORCH
+                is Algorithm.PAIR_WIRES  # a rank's input: not asked
     for dtype in ("float16", "bfloat16", "complex64", "int8", "uint8", "bool"):
         key = _key("all_reduce", dtype, reduce_op="SUM")
         assert choose(key, Layout(2, wired=True)) is Algorithm.TORCH, dtype
@@ -329,7 +343,7 @@ def test_an_all_gather_of_host_memory_takes_the_groups_sockets_even_or_not():
                 assert choose(key._replace(library="cupy"), Layout(n, wired=True)) \
                     is not Algorithm.WIRES
                 assert choose(key._replace(layout="strided"), Layout(n, wired=True)) \
-                    is not Algorithm.WIRES
+                    is Algorithm.WIRES  # a rank's input: not asked
                 assert choose(key, Layout(n)) is (  # no sockets: gloo's, padded if uneven
                     Algorithm.TORCH if len(set(counts)) == 1 else Algorithm.PADDED)
 

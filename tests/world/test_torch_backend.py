@@ -267,6 +267,92 @@ def test_every_reduction_on_the_groups_sockets_combines_as_the_mock_world():
     ad.barrier()
 
 
+def test_gathers_scatters_all_to_alls_and_reduces_on_the_groups_sockets_equal_gloos():
+    """Gathers, scatters and all-to-alls of host memory move on the group's own sockets
+    (WIRES) at every size, blocks even, uneven or empty, and give what gloo's (padded)
+    calls give, to every root; from three ranks a reduce runs there too (RANK_ORDER_WIRES:
+    the root gets the rank-order result, the others keep their input)."""
+    from axondist.backends.plan import CallKey
+    from axondist.backends.torch.choose import Algorithm, choose
+    from axondist.backends.torch.plans import PLANS
+    from axondist.ops import combine_into
+
+    world = launched_world()
+    n, me, backend = world.world_size, world.rank, world.backend
+    rng = np.random.default_rng(3)
+    for counts in ([2] * n, [0] * (n - 1) + [5], [r + 1 for r in range(n)],
+                   [(1 << 19) + r for r in range(n)]):
+        padded = Algorithm.TORCH if len(set(counts)) == 1 else Algorithm.PADDED
+        every = (rng.standard_normal(sum(counts)) * 100).astype(np.float32)
+        lo = sum(counts[:me])
+        block = every[lo:lo + counts[me]].copy()
+        for root in range(n):
+            key = CallKey.of("gather", block, root=root, counts=tuple(counts))
+            assert choose(key, backend.layout) is Algorithm.WIRES
+            got = backend.gather(block, np.empty(sum(counts), np.float32) if me == root
+                                 else None, counts, root).wait()
+            by_gloo = np.empty(sum(counts), np.float32) if me == root else None
+            PLANS["gather", padded](backend, key).run(block, by_gloo)
+            if me == root:
+                np.testing.assert_array_equal(got, every)
+                np.testing.assert_array_equal(by_gloo, every)
+            else:
+                assert got is None
+            mine = np.empty(counts[me], np.float32)
+            backend.scatter(every if me == root else None, mine, counts, root).wait()
+            np.testing.assert_array_equal(mine, block)
+        # all-to-all: rank r sends (r + k) % 3 rows to rank k
+        sent = [(me + k) % 3 + (counts[0] if k == 0 else 0) for k in range(n)]
+        came = [(r + me) % 3 + (counts[0] if me == 0 else 0) for r in range(n)]
+        rows = np.random.default_rng(100 + me).standard_normal((sum(sent), 2))  # this rank's
+        key = CallKey.of("all_to_all", rows.reshape(-1), counts=tuple(
+            [2 * c for c in sent] + [2 * c for c in came]))
+        assert choose(key, backend.layout) is Algorithm.WIRES
+        got = ad.all_to_all(rows, send_sizes=sent)
+        by_gloo = np.empty(2 * sum(came))
+        PLANS["all_to_all", Algorithm.TORCH](backend, key).run(rows.reshape(-1), by_gloo)
+        np.testing.assert_array_equal(got.reshape(-1), by_gloo)
+    if n > 2:
+        for dtype, op in ((np.float32, "sum"), (np.float64, "max"), (np.int64, "product")):
+            values = (rng.standard_normal((n, 4099)) * 3).astype(dtype)
+            values[1, 7] = np.nan if dtype != np.int64 else values[1, 7]
+            want = values[0].copy()
+            combine_into(want, list(values), ad.ReduceOp.parse(op, "test"))
+            for root in (0, n - 1):
+                x = values[me].copy()
+                key = CallKey.of("reduce", x, reduce_op=op, root=root)
+                assert choose(key, backend.layout) is Algorithm.RANK_ORDER_WIRES
+                assert ad.reduce(x, root, op) is x
+                np.testing.assert_array_equal(x, want if me == root else values[me])
+    ad.barrier()
+
+
+def test_a_rank_passing_a_read_only_input_still_meets_the_others():
+    """A call that does not write its input accepts a read-only array; the other ranks pass
+    writable ones. Every rank must still choose the same algorithm (a rank on the sockets
+    and another in gloo would wait for each other until the timeout): the results arrive
+    on every rank, at once."""
+    world = launched_world()
+    n, me = world.world_size, world.rank
+
+    def given(x: np.ndarray) -> np.ndarray:
+        if me == 0:
+            x.flags.writeable = False
+        return x
+
+    rows = np.arange(3 * n * 2, dtype=np.float32).reshape(3 * n, 2) + me
+    want = sum(np.arange(3 * n * 2, dtype=np.float32).reshape(3 * n, 2) + r for r in range(n))
+    np.testing.assert_array_equal(ad.reduce_scatter(given(rows.copy())), want[3 * me:3 * me + 3])
+    gathered = ad.all_gather(given(np.full((2, 3), me, np.int64)), sizes=[2] * n)
+    np.testing.assert_array_equal(gathered, np.repeat(np.arange(n), 2)[:, None] * np.ones(3))
+    at_root = ad.gather_tensor(given(np.full(2, me + 1.0)), dst=n - 1)
+    if me == n - 1:
+        np.testing.assert_array_equal(at_root, np.repeat(np.arange(1.0, n + 1), 2))
+    swapped = ad.all_to_all(given(np.full((n, 2), me, np.int32)))
+    np.testing.assert_array_equal(swapped, np.repeat(np.arange(n), 2).reshape(n, 2))
+    ad.barrier()
+
+
 def test_messages_of_host_memory_travel_on_the_worlds_own_connections():
     """Point-to-point messages of host memory go through the world's mailbox (one
     connection per pair of ranks, shared by the groups), matched by group and tag as gloo

@@ -48,8 +48,9 @@ class Algorithm(enum.Enum):
     #: right after the check that travelled on them.
     RANK_ORDER_WIRES = "rank_order_wires"
     #: The bytes move as they are on the group's own sockets, right after the check that
-    #: travelled on them: a broadcast's root writes them on each member's connection, an
-    #: all-gather's members each write their block on every other's.
+    #: travelled on them: a broadcast's or scatter's root writes them on each member's
+    #: connection, a gather's members on the root's, an all-gather's or all-to-all's
+    #: members each on every other's.
     WIRES = "wires"
     #: Two members: each sends the block the other owns on the group's own sockets and
     #: sums (and scales) its own; an all-reduce sends the result back
@@ -63,6 +64,10 @@ SUMS = frozenset({"SUM", "AVERAGE"})
 COMPARISONS = frozenset({"MIN", "MAX"})
 #: Collectives whose torch call takes one equal block per rank.
 BLOCKED = frozenset({"all_gather", "reduce_scatter", "gather", "scatter"})
+#: Reductions.
+REDUCTIONS = frozenset({"all_reduce", "reduce_scatter", "reduce"})
+#: Collectives that move bytes as they are.
+MOVES_BYTES = frozenset({"broadcast", "all_gather", "gather", "scatter", "all_to_all"})
 
 
 @dataclass(frozen=True)
@@ -81,9 +86,14 @@ def _adds_in_rank_order(key: CallKey, layout: Layout) -> bool:
             and (_array.is_floating(key.dtype) or key.dtype.kind == "c"))
 
 
+def _on_sockets(key: CallKey, layout: Layout) -> bool:
+    """Host memory in a group whose members have their own sockets (the layout of a call's
+    input is not asked: it may differ between ranks, and every rank must choose alike)."""
+    return layout.wired and key.library == "numpy"
+
+
 def _rank_order_on_wires(key: CallKey, layout: Layout) -> bool:
-    return (key.collective in ("all_reduce", "reduce_scatter") and layout.world_size > 2
-            and layout.wired and key.library == "numpy" and key.layout == "ok")
+    return key.collective in REDUCTIONS and layout.world_size > 2 and _on_sockets(key, layout)
 
 
 def _restores_nans(key: CallKey, layout: Layout) -> bool:
@@ -92,8 +102,7 @@ def _restores_nans(key: CallKey, layout: Layout) -> bool:
 
 
 def _bytes_on_wires(key: CallKey, layout: Layout) -> bool:
-    return (key.collective in ("broadcast", "all_gather") and layout.wired
-            and key.library == "numpy" and key.layout == "ok")
+    return key.collective in MOVES_BYTES and _on_sockets(key, layout)
 
 
 #: dtypes a two-member sum on the group's sockets adds with NumPy (a + b is b + a bit for
@@ -102,8 +111,7 @@ PAIR_WIRES_DTYPES = frozenset(np.dtype(t) for t in (np.float32, np.float64, np.i
 
 
 def _pair_on_wires(key: CallKey, layout: Layout) -> bool:
-    if not (layout.world_size == 2 and layout.wired and key.library == "numpy"
-            and key.layout == "ok"):
+    if not (layout.world_size == 2 and _on_sockets(key, layout)):
         return False
     return (key.collective in ("all_reduce", "reduce_scatter") and key.reduce_op in SUMS
             and key.dtype in PAIR_WIRES_DTYPES)
@@ -125,15 +133,16 @@ class Rule:
 
 TABLE: tuple[Rule, ...] = (
     Rule(_rank_order_on_wires, Algorithm.RANK_ORDER_WIRES,
-         "all-reduce or reduce-scatter of host memory, 3 ranks or more, in a group whose "
-         "members are connected by their own sockets: gloo hands every message to its "
+         "all-reduce, reduce-scatter or reduce of host memory, 3 ranks or more, in a group "
+         "whose members are connected by their own sockets: gloo hands every message to its "
          "socket loop thread, which on three ranks sharing two cores costs milliseconds a "
          "call. Each member writes the others' blocks on their connections, combines the "
          "copies of its own in rank order (the next row's adds for a float sum, the same "
          "bits; the mock world's combine for every op: MIN and MAX keep NaNs with no second "
          "reduction, integers and booleans as NumPy) and writes the result on every "
-         "connection. Against raw torch's time on three ranks of one host, the check "
-         "included (before: the same sums through gloo): all-reduce 0.10-0.14x at 4 KiB "
+         "connection (a reduce: on the root's). Against raw torch's time on three ranks of "
+         "one host, the check included (before: the same sums through gloo): all-reduce "
+         "0.10-0.14x at 4 KiB "
          "(0.91x), 0.28-0.30x at 1 MiB (1.36x), 0.97-1.05x at 16 MiB; reduce-scatter "
          "0.07-0.10x, 0.19-0.23x, 0.50-0.54x (0.32x, 0.62x, -) "
          "(benchmarks/bench_torch_backend.py; tests/world/test_torch_backend.py: "
@@ -152,8 +161,9 @@ TABLE: tuple[Rule, ...] = (
          "every rank); a SUM of NaN masks puts them back "
          "(tests/world/test_collectives.py: test_min_max_propagate_nan_whichever_rank_holds_it)"),
     Rule(_bytes_on_wires, Algorithm.WIRES,
-         "broadcast or all-gather (blocks of any size, none padded) of host memory in a group "
-         "whose members are connected by their own sockets: gloo hands every message to its "
+         "broadcast, all-gather, gather, scatter or all-to-all (blocks of any size, none "
+         "padded) of host memory in a group whose members are connected by their own "
+         "sockets: gloo hands every message to its "
          "socket loop thread (a broadcast 0.24-0.29 ms at 4 KiB, 0.64-0.81 ms at 1 MiB on two "
          "idle ranks of one host). The root writing the bytes on each member's socket, the "
          "check included, takes 0.26-0.31x raw torch's broadcast at 4 KiB, 0.24x at 64 KiB, "
@@ -192,4 +202,5 @@ def choose(key: CallKey, layout: Layout) -> Algorithm:
     raise AssertionError("the table's last row applies to every call")
 
 
-__all__ = ["BLOCKED", "COMPARISONS", "SUMS", "TABLE", "Algorithm", "Layout", "Rule", "choose"]
+__all__ = ["BLOCKED", "COMPARISONS", "MOVES_BYTES", "REDUCTIONS", "SUMS", "TABLE", "Algorithm",
+           "Layout", "Rule", "choose"]

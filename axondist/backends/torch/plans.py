@@ -252,7 +252,7 @@ class WiredAllGatherPlan(_BlocksPlan):
         assert wires is not None  # an all-gather in a wired group
         blocks = blocks_of(recv.reshape(-1), self._counts)
         blocks[me][...] = send.reshape(-1)
-        peers = [p for p in range(len(blocks)) if p != me]
+        peers = _others(len(blocks), me)
         wires.exchange(dict.fromkeys(peers, blocks[me]), {p: blocks[p] for p in peers})
         return None, None
 
@@ -371,7 +371,7 @@ class _RankOrderOnWires(_RankOrderPlan):
         blocks = blocks_of(flat, counts)
         copies = self._xp.empty((len(counts), counts[me]), dtype=flat.dtype)
         copies[me] = blocks[me]
-        peers = [p for p in range(len(counts)) if p != me]
+        peers = _others(len(counts), me)
         wires.exchange({p: blocks[p] for p in peers}, {p: copies[p] for p in peers})
         return copies
 
@@ -396,8 +396,33 @@ class WiredRankOrderAllReducePlan(_RankOrderOnWires, RankOrderAllReducePlan):
         block = self._block_sum(flat)
         blocks = blocks_of(flat, self._counts)
         blocks[me][...] = block
-        peers = [p for p in range(len(blocks)) if p != me]
+        peers = _others(len(blocks), me)
         wires.exchange(dict.fromkeys(peers, blocks[me]), {p: blocks[p] for p in peers})
+        return None, None
+
+
+class WiredRankOrderReducePlan(_RankOrderOnWires):
+    """A reduce combined in rank order on the group's own sockets: the reduce-scatter of
+    near-equal blocks, then each member writes its block of the result on the root's
+    connection, which reads them into place (the other members' buffers are left as they
+    were)."""
+
+    __slots__ = ()
+
+    def __init__(self, backend: TorchBackend, key: CallKey) -> None:
+        super().__init__(backend, key, split_sizes(prod(key.shape), backend.world_size))
+
+    def _move(self, send: Any, recv: Any) -> Moved:
+        wires, me, root = self._guard.wires, self._b.rank, self.key.root
+        assert wires is not None and root is not None  # a reduce in a wired group
+        flat = send.reshape(-1)
+        block = self._block_sum(flat)
+        if me != root:
+            wires.exchange({root: block}, {})
+            return None, None
+        blocks = blocks_of(flat, self._counts)
+        blocks[me][...] = block
+        wires.exchange({}, {p: blocks[p] for p in _others(len(blocks), me)})
         return None, None
 
 
@@ -571,6 +596,68 @@ class AllToAllPlan(TorchPlan):
                                         async_op=True), None
 
 
+# --- rooted calls and the all-to-all on the group's own sockets ----------------------------------
+
+def _others(n: int, me: int) -> list[int]:
+    """Every group rank of ``n`` but ``me``."""
+    return [p for p in range(n) if p != me]
+
+
+class WiredGatherPlan(GatherPlan):
+    """A gather of host memory on the group's own sockets, after the check on them: each
+    member writes its block (of any size) on the root's connection, and the root reads them
+    straight into its result."""
+
+    __slots__ = ()
+
+    def _move(self, send: Any, recv: Any) -> Moved:
+        wires, me, root = self._guard.wires, self._b.rank, self.key.root
+        assert wires is not None and root is not None  # a gather in a wired group
+        if me != root:
+            wires.exchange({root: send.reshape(-1)}, {})
+            return None, None
+        blocks = blocks_of(recv.reshape(-1), self._counts)
+        blocks[me][...] = send.reshape(-1)
+        wires.exchange({}, {p: blocks[p] for p in _others(len(blocks), me)})
+        return None, None
+
+
+class WiredScatterPlan(ScatterPlan):
+    """A scatter of host memory on the group's own sockets, after the check on them: the
+    root writes each member's block (of any size) on its connection."""
+
+    __slots__ = ()
+
+    def _move(self, send: Any, recv: Any) -> Moved:
+        wires, me, root = self._guard.wires, self._b.rank, self.key.root
+        assert wires is not None and root is not None  # a scatter in a wired group
+        if me != root:
+            wires.exchange({}, {root: recv.reshape(-1)})
+            return None, None
+        blocks = blocks_of(send.reshape(-1), self._counts)
+        recv.reshape(-1)[...] = blocks[me]
+        wires.exchange({p: blocks[p] for p in _others(len(blocks), me)}, {})
+        return None, None
+
+
+class WiredAllToAllPlan(AllToAllPlan):
+    """An all-to-all of host memory on the group's own sockets, after the check on them:
+    each member writes block ``p`` of its input on member ``p``'s connection and reads
+    what each member sent it straight into its output."""
+
+    __slots__ = ()
+
+    def _move(self, send: Any, recv: Any) -> Moved:
+        wires, me = self._guard.wires, self._b.rank
+        assert wires is not None  # an all-to-all in a wired group
+        sent = blocks_of(send.reshape(-1), self._sent)
+        came = blocks_of(recv.reshape(-1), self._came)
+        came[me][...] = sent[me]
+        others = _others(len(sent), me)
+        wires.exchange({p: sent[p] for p in others}, {p: came[p] for p in others})
+        return None, None
+
+
 #: The plan class of each collective and algorithm the table can choose.
 PLANS: dict[tuple[str, Algorithm], type[TorchPlan]] = {
     ("all_reduce", Algorithm.TORCH): AllReducePlan,
@@ -582,6 +669,7 @@ PLANS: dict[tuple[str, Algorithm], type[TorchPlan]] = {
     ("broadcast", Algorithm.WIRES): WiredBroadcastPlan,
     ("reduce", Algorithm.TORCH): ReducePlan,
     ("reduce", Algorithm.NAN_RESTORE): NanReducePlan,
+    ("reduce", Algorithm.RANK_ORDER_WIRES): WiredRankOrderReducePlan,
     ("all_gather", Algorithm.TORCH): AllGatherPlan,
     ("all_gather", Algorithm.PADDED): PaddedAllGatherPlan,
     ("all_gather", Algorithm.WIRES): WiredAllGatherPlan,
@@ -593,9 +681,12 @@ PLANS: dict[tuple[str, Algorithm], type[TorchPlan]] = {
     ("reduce_scatter", Algorithm.PAIR_WIRES): WiredPairReduceScatterPlan,
     ("gather", Algorithm.TORCH): GatherPlan,
     ("gather", Algorithm.PADDED): PaddedGatherPlan,
+    ("gather", Algorithm.WIRES): WiredGatherPlan,
     ("scatter", Algorithm.TORCH): ScatterPlan,
     ("scatter", Algorithm.PADDED): PaddedScatterPlan,
+    ("scatter", Algorithm.WIRES): WiredScatterPlan,
     ("all_to_all", Algorithm.TORCH): AllToAllPlan,
+    ("all_to_all", Algorithm.WIRES): WiredAllToAllPlan,
 }
 
 
@@ -604,6 +695,7 @@ __all__ = ["PLANS", "AllGatherPlan", "AllReducePlan", "AllToAllPlan", "Broadcast
            "PaddedAllGatherPlan", "PaddedGatherPlan", "PaddedReduceScatterPlan",
            "PaddedScatterPlan", "RankOrderAllReducePlan", "RankOrderReduceScatterPlan",
            "ReducePlan", "ReduceScatterPlan", "ScatterPlan", "TorchPlan", "WiredAllGatherPlan",
-           "WiredPairAllReducePlan", "WiredPairReduceScatterPlan",
-           "WiredRankOrderAllReducePlan", "WiredRankOrderReduceScatterPlan", "blocks_of",
-           "unpad"]
+           "WiredAllToAllPlan", "WiredGatherPlan", "WiredPairAllReducePlan",
+           "WiredPairReduceScatterPlan", "WiredRankOrderAllReducePlan",
+           "WiredRankOrderReducePlan", "WiredRankOrderReduceScatterPlan", "WiredScatterPlan",
+           "blocks_of", "unpad"]
