@@ -142,6 +142,30 @@ BEHAVIOURS: tuple[Behaviour, ...] = (
               (TORCH_2, TORCH_3),
               why_not="the torch backend's own algorithm (MPI's two-rank all-reduces: "
                       "test_pair_halves.py, test_riding_checks.py)"),
+    Behaviour("torch: sums in rank order and all-gathers on the group's sockets",
+              _world("test_torch_backend.py",
+                     "test_sums_in_rank_order_and_all_gathers_on_the_groups_sockets_equal_gloos"),
+              (TORCH_2, TORCH_3),
+              why_not="the torch backend's own algorithm (the mock world's and MPI's sums: "
+                      "test_collectives.py, test_mpi_bits.py)"),
+    Behaviour("torch: every reduction on the group's sockets combines as the mock world",
+              _world("test_torch_backend.py",
+                     "test_every_reduction_on_the_groups_sockets_combines_as_the_mock_world"),
+              (TORCH_2, TORCH_3),
+              why_not="the torch backend's own algorithm (every backend's reductions: "
+                      "test_collectives.py)"),
+    Behaviour("torch: gathers, scatters, all-to-alls and reduces on the group's sockets",
+              _world("test_torch_backend.py",
+                     "test_gathers_scatters_all_to_alls_and_reduces_on_the_groups_sockets_equal_"
+                     "gloos"),
+              (TORCH_2, TORCH_3),
+              why_not="the torch backend's own algorithm (every backend's: test_collectives.py)"),
+    Behaviour("torch: a rank's read-only input takes the others' path",
+              _world("test_torch_backend.py",
+                     "test_a_rank_passing_a_read_only_input_still_meets_the_others"),
+              (TORCH_2, TORCH_3),
+              why_not="the torch backend's own table (MPI's plans never read the layout: "
+                      "backends/mpi/choose.py)"),
     Behaviour("torch: messages of host memory on the world's own connections",
               _world("test_torch_backend.py",
                      "test_messages_of_host_memory_travel_on_the_worlds_own_connections"),

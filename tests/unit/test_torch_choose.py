@@ -125,7 +125,9 @@ def _pair_on_wires(key: CallKey, layout: Layout) -> bool:
 
 
 def _expected(key: CallKey, layout: Layout) -> Algorithm:
-    if key.collective in REDUCTIONS and layout.world_size >= 3 \
+    if _pair_on_wires(key, layout) and not _uneven(key, layout):
+        return Algorithm.PAIR_WIRES
+    if key.collective in REDUCTIONS and layout.world_size >= 2 \
             and _host_memory_on_sockets(key, layout):
         return Algorithm.RANK_ORDER_WIRES
     if _rank_order(key, layout):
@@ -136,8 +138,6 @@ def _expected(key: CallKey, layout: Layout) -> Algorithm:
         return Algorithm.WIRES
     if _uneven(key, layout):
         return Algorithm.PADDED
-    if _pair_on_wires(key, layout):
-        return Algorithm.PAIR_WIRES
     return Algorithm.TORCH
 
 
@@ -178,8 +178,8 @@ def test_every_choice_for_a_planned_collective_has_a_plan_class(data, n):
 def test_every_algorithm_has_a_plan_and_every_plan_a_row():
     assert {algorithm for _, algorithm in PLANS} == set(Algorithm)
     assert [rule.algorithm for rule in TABLE] == [
-        Algorithm.RANK_ORDER_WIRES, Algorithm.RANK_ORDER_SUM, Algorithm.NAN_RESTORE,
-        Algorithm.WIRES, Algorithm.PADDED, Algorithm.PAIR_WIRES, Algorithm.TORCH]
+        Algorithm.PAIR_WIRES, Algorithm.RANK_ORDER_WIRES, Algorithm.RANK_ORDER_SUM,
+        Algorithm.NAN_RESTORE, Algorithm.WIRES, Algorithm.PADDED, Algorithm.TORCH]
     for rule in TABLE:
         assert rule.why.strip(), rule
 
@@ -227,15 +227,22 @@ def test_rank_order_sums_of_host_memory_take_the_groups_sockets(collective):
         for op in ("SUM", "PRODUCT", "MIN", "MAX"):  # every reduction, as the mock world's
             key = _key(collective, dtype, rows=12, reduce_op=op)
             assert choose(key, Layout(3, wired=True)) is Algorithm.RANK_ORDER_WIRES, dtype
-    for op in ("MIN", "MAX"):  # without sockets: gloo's, the NaNs put back
+    for op in ("MIN", "MAX"):
         assert choose(_key(collective, rows=12, reduce_op=op), Layout(3)) \
-            is Algorithm.NAN_RESTORE
+            is Algorithm.NAN_RESTORE  # without sockets: gloo's, the NaNs put back
         assert choose(_key(collective, rows=12, reduce_op=op), Layout(2, wired=True)) \
-            is Algorithm.NAN_RESTORE  # two ranks: the pair's rows only
+            is Algorithm.RANK_ORDER_WIRES  # two ranks: what the pair's row does not take
+    for dtype in ("float16", "bfloat16", "int8", "bool"):
+        assert choose(_key(collective, dtype, rows=12, reduce_op="SUM"), Layout(2, wired=True)) \
+            is Algorithm.RANK_ORDER_WIRES
+    assert choose(_key(collective, rows=5, reduce_op="SUM"), Layout(2, wired=True)) \
+        is (Algorithm.PAIR_WIRES if collective == "all_reduce" else Algorithm.RANK_ORDER_WIRES)
     assert choose(_key(collective, "int32", rows=12, reduce_op="SUM"), Layout(3)) \
         is Algorithm.TORCH
-    assert choose(_key("reduce", rows=12), Layout(3, wired=True)) is Algorithm.RANK_ORDER_WIRES
-    assert choose(_key("reduce", rows=12), Layout(2, wired=True)) is Algorithm.TORCH
+    for n in (2, 3):
+        assert choose(_key("reduce", rows=12), Layout(n, wired=True)) \
+            is Algorithm.RANK_ORDER_WIRES
+        assert choose(_key("reduce", rows=12), Layout(n)) is Algorithm.TORCH
 
 
 def test_integer_sums_products_and_reduces_are_torchs():
@@ -314,22 +321,25 @@ def test_a_sum_of_two_members_of_host_memory_takes_the_groups_sockets_at_every_s
             assert choose(key._replace(layout="strided"), Layout(2, wired=True)) \
                 is Algorithm.PAIR_WIRES  # a rank's input: not asked
     for dtype in ("float16", "bfloat16", "complex64", "int8", "uint8", "bool"):
-        key = _key("all_reduce", dtype, reduce_op="SUM")
-        assert choose(key, Layout(2, wired=True)) is Algorithm.TORCH, dtype
+        key = _key("all_reduce", dtype, reduce_op="SUM")  # the next row's, combined in order
+        assert choose(key, Layout(2, wired=True)) is Algorithm.RANK_ORDER_WIRES, dtype
+        assert choose(key, Layout(2)) is Algorithm.TORCH, dtype
     key = _key("all_reduce", "int32", reduce_op="PRODUCT")
-    assert choose(key, Layout(2, wired=True)) is Algorithm.TORCH
+    assert choose(key, Layout(2, wired=True)) is Algorithm.RANK_ORDER_WIRES
 
 
-def test_even_blocks_of_two_members_take_the_groups_sockets_uneven_ones_are_padded():
+def test_even_blocks_of_two_members_take_the_pairs_row_uneven_ones_the_rank_order():
     for rows in (0, 2, 1 << 20):
         key = _key("reduce_scatter", "float64", rows=rows)
         assert choose(key, Layout(2, wired=True)) is Algorithm.PAIR_WIRES
         assert choose(key, Layout(2)) is Algorithm.TORCH
         assert choose(key._replace(library="cupy"), Layout(2, wired=True)) is Algorithm.TORCH
     uneven = _key("reduce_scatter", rows=5)
-    assert choose(uneven, Layout(2, wired=True)) is Algorithm.PADDED
+    assert choose(uneven, Layout(2, wired=True)) is Algorithm.RANK_ORDER_WIRES
+    assert choose(uneven, Layout(2)) is Algorithm.PADDED  # no sockets: gloo's, padded
     int8 = _key("reduce_scatter", "int8", rows=4)
-    assert choose(int8, Layout(2, wired=True)) is Algorithm.TORCH
+    assert choose(int8, Layout(2, wired=True)) is Algorithm.RANK_ORDER_WIRES
+    assert choose(int8, Layout(2)) is Algorithm.TORCH
 
 
 def test_an_all_gather_of_host_memory_takes_the_groups_sockets_even_or_not():

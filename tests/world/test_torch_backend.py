@@ -154,9 +154,10 @@ def test_a_pair_all_reduce_on_the_groups_sockets_equals_gloos():
 
 
 def test_sums_in_rank_order_and_all_gathers_on_the_groups_sockets_equal_gloos():
-    """From three ranks, a float SUM or AVERAGE all-reduce or reduce-scatter of host memory
-    adds in rank order with its copies on the group's own sockets (the RANK_ORDER_WIRES row)
-    and gives the bits of the same sum through gloo's all-to-all (RANK_ORDER_SUM); an
+    """A float SUM or AVERAGE all-reduce or reduce-scatter of host memory adds in rank order
+    with its copies on the group's own sockets (the RANK_ORDER_WIRES row; on two ranks the
+    pair's row, for float32/64) and gives the bits of NumPy's sum in rank order and, from
+    three ranks, of the same sum through gloo's all-to-all (RANK_ORDER_SUM); an
     all-gather on the sockets (WIRES), of even or uneven blocks, gloo's (padded) result.
     Every dtype of the rows, blocks empty on some ranks, odd sizes and multi-MiB ones,
     blocking and not, on the world and on a subgroup of its ranks in reverse order."""
@@ -165,6 +166,7 @@ def test_sums_in_rank_order_and_all_gathers_on_the_groups_sockets_equal_gloos():
     from axondist.backends.plan import CallKey
     from axondist.backends.torch.choose import Algorithm, choose
     from axondist.backends.torch.plans import PLANS
+    from axondist.ops import combine_into
 
     world = launched_world()
     n = world.world_size
@@ -173,18 +175,21 @@ def test_sums_in_rank_order_and_all_gathers_on_the_groups_sockets_equal_gloos():
     for group in groups:
         backend, me, size = group.backend, group.rank, group.world_size
         assert backend.layout.wired
-        sums = Algorithm.RANK_ORDER_WIRES if size > 2 else Algorithm.PAIR_WIRES
         for dtype in (np.float32, np.float64, np.float16, ml_dtypes.bfloat16, np.complex64):
             for count in (0, 1, size - 1, 4099, (3 << 20) // 8 + 5):
                 values = rng.standard_normal((size, count)) * 1000
                 mine = values[me].astype(dtype)
                 for op in ("sum", "avg"):
                     key = CallKey.of("all_reduce", mine, reduce_op=op)
-                    if choose(key, backend.layout) is Algorithm.TORCH:  # a pair of float16
-                        continue
-                    assert choose(key, backend.layout) is sums
+                    sums = choose(key, backend.layout)
+                    assert sums is Algorithm.RANK_ORDER_WIRES or (
+                        size == 2 and sums is Algorithm.PAIR_WIRES)
                     on_wires = mine.copy()
                     PLANS["all_reduce", sums](backend, key).run(on_wires)
+                    want = values[0].astype(dtype)
+                    combine_into(want, [v.astype(dtype) for v in values],
+                                 ad.ReduceOp.parse(op, "test"))
+                    np.testing.assert_array_equal(on_wires, want)
                     if size > 2:
                         in_order = mine.copy()
                         PLANS["all_reduce", Algorithm.RANK_ORDER_SUM](backend, key).run(in_order)
@@ -202,7 +207,8 @@ def test_sums_in_rank_order_and_all_gathers_on_the_groups_sockets_equal_gloos():
         for dtype in (np.float32, np.int8, np.bool_, ml_dtypes.bfloat16):
             for counts in ([2] * size, [0] * (size - 1) + [5], [r + 1 for r in range(size)],
                            [(1 << 20) // 3 + r for r in range(size)]):
-                block = (rng.standard_normal((counts[me], 3)) * 100).astype(dtype)
+                every = (rng.standard_normal((sum(counts), 3)) * 100).astype(dtype)
+                block = every[sum(counts[:me]):sum(counts[:me + 1])]  # the same draws on all
                 key = CallKey.of("all_gather", block, counts=tuple(counts))
                 assert choose(key, backend.layout) is Algorithm.WIRES
                 gathered = ad.all_gather(block, group, sizes=counts)
@@ -210,8 +216,7 @@ def test_sums_in_rank_order_and_all_gathers_on_the_groups_sockets_equal_gloos():
                 by_gloo = np.empty((sum(counts), 3), dtype)
                 PLANS["all_gather", padded](backend, key).run(block, by_gloo)
                 np.testing.assert_array_equal(gathered, by_gloo)
-                lo = sum(counts[:me])
-                np.testing.assert_array_equal(gathered[lo:lo + counts[me]], block)
+                np.testing.assert_array_equal(gathered, every)
         work = ad.all_reduce(np.full(5, me + 1.0), "avg", group, async_op=True)
         gathered_later = ad.all_gather(np.full(2, me), group, async_op=True)
         np.testing.assert_array_equal(work.wait(), np.full(5, (size + 1) / 2))
@@ -221,11 +226,12 @@ def test_sums_in_rank_order_and_all_gathers_on_the_groups_sockets_equal_gloos():
 
 
 def test_every_reduction_on_the_groups_sockets_combines_as_the_mock_world():
-    """From three ranks every all-reduce and reduce-scatter of host memory runs on the
-    group's own sockets (RANK_ORDER_WIRES), combined in rank order as the mock world
-    combines: MIN and MAX keep NaNs wherever a rank holds one (gloo's path needs a second
-    reduction for it, NAN_RESTORE: the same values), integers wrap as NumPy's and equal
-    gloo's, booleans are logical, a float PRODUCT multiplies in rank order."""
+    """Every all-reduce and reduce-scatter of host memory runs on the group's own sockets
+    (RANK_ORDER_WIRES; on two ranks the pair's row takes its float and int sums, which
+    combine the same), combined in rank order as the mock world combines: MIN and MAX keep
+    NaNs wherever a rank holds one (gloo's path needs a second reduction for it,
+    NAN_RESTORE: the same values), integers wrap as NumPy's and equal gloo's, booleans are
+    logical, a float PRODUCT multiplies in rank order."""
     from axondist.backends.plan import CallKey
     from axondist.backends.torch.choose import Algorithm, choose
     from axondist.backends.torch.plans import PLANS
@@ -233,8 +239,6 @@ def test_every_reduction_on_the_groups_sockets_combines_as_the_mock_world():
 
     world = launched_world()
     n, me, backend = world.world_size, world.rank, world.backend
-    if n < 3:
-        pytest.skip("two ranks take the pair's rows (test_a_pair_all_reduce_...)")
     rng = np.random.default_rng(5)
     for count in (1, n + 1, 5000):
         floats = rng.standard_normal((n, count))
@@ -249,7 +253,8 @@ def test_every_reduction_on_the_groups_sockets_combines_as_the_mock_world():
         for values, dtype, op, gloos in cases:
             mine = values[me].astype(dtype)
             key = CallKey.of("all_reduce", mine, reduce_op=op)
-            assert choose(key, backend.layout) is Algorithm.RANK_ORDER_WIRES
+            assert choose(key, backend.layout) in (Algorithm.RANK_ORDER_WIRES,
+                                                   Algorithm.PAIR_WIRES)
             called = mine.copy()
             assert ad.all_reduce(called, op) is called
             want = values[0].astype(dtype)
@@ -270,8 +275,8 @@ def test_every_reduction_on_the_groups_sockets_combines_as_the_mock_world():
 def test_gathers_scatters_all_to_alls_and_reduces_on_the_groups_sockets_equal_gloos():
     """Gathers, scatters and all-to-alls of host memory move on the group's own sockets
     (WIRES) at every size, blocks even, uneven or empty, and give what gloo's (padded)
-    calls give, to every root; from three ranks a reduce runs there too (RANK_ORDER_WIRES:
-    the root gets the rank-order result, the others keep their input)."""
+    calls give, to every root; a reduce runs there too (RANK_ORDER_WIRES: the root gets the
+    rank-order result, the others keep their input)."""
     from axondist.backends.plan import CallKey
     from axondist.backends.torch.choose import Algorithm, choose
     from axondist.backends.torch.plans import PLANS
@@ -312,18 +317,17 @@ def test_gathers_scatters_all_to_alls_and_reduces_on_the_groups_sockets_equal_gl
         by_gloo = np.empty(2 * sum(came))
         PLANS["all_to_all", Algorithm.TORCH](backend, key).run(rows.reshape(-1), by_gloo)
         np.testing.assert_array_equal(got.reshape(-1), by_gloo)
-    if n > 2:
-        for dtype, op in ((np.float32, "sum"), (np.float64, "max"), (np.int64, "product")):
-            values = (rng.standard_normal((n, 4099)) * 3).astype(dtype)
-            values[1, 7] = np.nan if dtype != np.int64 else values[1, 7]
-            want = values[0].copy()
-            combine_into(want, list(values), ad.ReduceOp.parse(op, "test"))
-            for root in (0, n - 1):
-                x = values[me].copy()
-                key = CallKey.of("reduce", x, reduce_op=op, root=root)
-                assert choose(key, backend.layout) is Algorithm.RANK_ORDER_WIRES
-                assert ad.reduce(x, root, op) is x
-                np.testing.assert_array_equal(x, want if me == root else values[me])
+    for dtype, op in ((np.float32, "sum"), (np.float64, "max"), (np.int64, "product")):
+        values = (rng.standard_normal((n, 4099)) * 3).astype(dtype)
+        values[1, 7] = np.nan if dtype != np.int64 else values[1, 7]
+        want = values[0].copy()
+        combine_into(want, list(values), ad.ReduceOp.parse(op, "test"))
+        for root in (0, n - 1):
+            x = values[me].copy()
+            key = CallKey.of("reduce", x, reduce_op=op, root=root)
+            assert choose(key, backend.layout) is Algorithm.RANK_ORDER_WIRES
+            assert ad.reduce(x, root, op) is x
+            np.testing.assert_array_equal(x, want if me == root else values[me])
     ad.barrier()
 
 

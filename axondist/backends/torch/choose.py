@@ -93,7 +93,7 @@ def _on_sockets(key: CallKey, layout: Layout) -> bool:
 
 
 def _rank_order_on_wires(key: CallKey, layout: Layout) -> bool:
-    return key.collective in REDUCTIONS and layout.world_size > 2 and _on_sockets(key, layout)
+    return key.collective in REDUCTIONS and layout.world_size > 1 and _on_sockets(key, layout)
 
 
 def _restores_nans(key: CallKey, layout: Layout) -> bool:
@@ -114,7 +114,7 @@ def _pair_on_wires(key: CallKey, layout: Layout) -> bool:
     if not (layout.world_size == 2 and _on_sockets(key, layout)):
         return False
     return (key.collective in ("all_reduce", "reduce_scatter") and key.reduce_op in SUMS
-            and key.dtype in PAIR_WIRES_DTYPES)
+            and key.dtype in PAIR_WIRES_DTYPES and not _uneven(key, layout))
 
 
 def _uneven(key: CallKey, layout: Layout) -> bool:
@@ -132,17 +132,29 @@ class Rule:
 
 
 TABLE: tuple[Rule, ...] = (
+    Rule(_pair_on_wires, Algorithm.PAIR_WIRES,
+         "float32/64 or int32/64 SUM/AVERAGE all-reduce or reduce-scatter (of equal blocks) "
+         "of host memory in a group of two connected by its own sockets: gloo hands its "
+         "messages to its socket loop thread. "
+         "Each member sends the block the other owns on the group's sockets and sums (and "
+         "scales) its own; an all-reduce then sends its result back. The caller's thread "
+         "writes and reads in turn as the socket allows (the next row's work without its "
+         "copies: a + b is b + a bit for bit). With the check, against raw "
+         "torch's time on two ranks of one host: all-reduce 0.13x at 4 KiB, 0.28x at 1 MiB, "
+         "0.77x at 16 MiB; reduce-scatter 0.13x, 0.19x, 0.31x "
+         "(benchmarks/bench_torch_backend.py; tests/world/test_torch_backend.py: "
+         "test_a_pair_all_reduce_on_the_groups_sockets_equals_gloos)"),
     Rule(_rank_order_on_wires, Algorithm.RANK_ORDER_WIRES,
-         "all-reduce, reduce-scatter or reduce of host memory, 3 ranks or more, in a group "
-         "whose members are connected by their own sockets: gloo hands every message to its "
+         "every other all-reduce, reduce-scatter or reduce of host memory in a group whose "
+         "members are connected by their own sockets: gloo hands every message to its "
          "socket loop thread, which on three ranks sharing two cores costs milliseconds a "
-         "call. Each member writes the others' blocks on their connections, combines the "
-         "copies of its own in rank order (the next row's adds for a float sum, the same "
-         "bits; the mock world's combine for every op: MIN and MAX keep NaNs with no second "
-         "reduction, integers and booleans as NumPy) and writes the result on every "
-         "connection (a reduce: on the root's). Against raw torch's time on three ranks of "
-         "one host, the check included (before: the same sums through gloo): all-reduce "
-         "0.10-0.14x at 4 KiB "
+         "call (a MIN or MAX took two of them, the NaNs put back). Each member writes the "
+         "others' blocks on their connections, combines the copies of its own in rank "
+         "order (the next row's adds for a float sum, the same bits; the mock world's "
+         "combine for every op: MIN and MAX keep NaNs with no second reduction, integers "
+         "and booleans as NumPy) and writes the result on every connection (a reduce: on "
+         "the root's). Against raw torch's time on three ranks of one host, the check "
+         "included (before: the same sums through gloo): all-reduce 0.10-0.14x at 4 KiB "
          "(0.91x), 0.28-0.30x at 1 MiB (1.36x), 0.97-1.05x at 16 MiB; reduce-scatter "
          "0.07-0.10x, 0.19-0.23x, 0.50-0.54x (0.32x, 0.62x, -) "
          "(benchmarks/bench_torch_backend.py; tests/world/test_torch_backend.py: "
@@ -178,17 +190,6 @@ TABLE: tuple[Rule, ...] = (
          "all-gather, reduce-scatter, gather or scatter whose ranks' blocks differ in size: "
          "torch's all_gather_single, reduce_scatter_single, gather and scatter take equal "
          "blocks (an all-to-all's split sizes may differ: torch's own)"),
-    Rule(_pair_on_wires, Algorithm.PAIR_WIRES,
-         "float32/64 or int32/64 SUM/AVERAGE all-reduce or reduce-scatter (of equal blocks: "
-         "uneven ones are padded first) of host memory in a group of two connected by its "
-         "own sockets: gloo hands its messages to its socket loop thread. "
-         "Each member sends the block the other owns on the group's sockets and sums (and "
-         "scales) its own; an all-reduce then sends its result back. The caller's thread "
-         "writes and reads in turn as the socket allows. With the check, against raw "
-         "torch's time on two ranks of one host: all-reduce 0.13x at 4 KiB, 0.28x at 1 MiB, "
-         "0.77x at 16 MiB; reduce-scatter 0.13x, 0.19x, 0.31x "
-         "(benchmarks/bench_torch_backend.py; tests/world/test_torch_backend.py: "
-         "test_a_pair_all_reduce_on_the_groups_sockets_equals_gloos)"),
     Rule(lambda key, layout: True, Algorithm.TORCH,
          "everything else: torch.distributed's own collective"),
 )
