@@ -19,9 +19,11 @@ on the same float32 NumPy buffers in alternating timed batches (the order rotate
 
 Collectives: ``all_reduce`` (SUM, in place), ``all_gather`` (with ``sizes``, into a
 preallocated ``out``), ``reduce_scatter`` (SUM, into a preallocated block) and
-``broadcast`` (from rank 0), and ``send_recv``: a round trip of the buffer between ranks 0
-and 1 (``ad.send`` and ``ad.recv(out=)``: its shape and dtype, then its bytes; the other
-ranks wait). Sizes are each rank's input buffer. The tables give the
+``broadcast`` (from rank 0), ``all_reduce_max`` (MAX, in place), ``all_to_all`` (equal
+blocks, the sizes known: the backends' own call, as ``ad.all_to_all`` makes it after its
+exchange of sizes; mpi4py's ``Alltoall``), and ``send_recv``: a round trip of the buffer
+between ranks 0 and 1 (``ad.send`` and ``ad.recv(out=)``: its shape and dtype, then its
+bytes; the other ranks wait). Sizes are each rank's input buffer. The tables give the
 median microseconds per call and paired ratios (batch k of one variant over batch k of
 the other) as median [q1-q3] over the batches; the JSON has every spread.
 ``ax-torch/torch`` is the torch backend's overhead (target: at most 1.3 at 1 MiB and 1.15
@@ -68,7 +70,8 @@ RUNNER = {"ranks": 2, "quick_args": ["--quick"], "timeout": 600, "needs": ["torc
 
 DEFAULT_SIZES = [4 << 10, 64 << 10, 1 << 20, 16 << 20]
 QUICK_SIZES = [4 << 10, 1 << 20]
-OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send_recv")
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send_recv", "all_reduce_max",
+       "all_to_all")
 VARIANTS = ("torch", "ax-torch", "ax-mpi", "mpi4py")
 #: The ratios every table shows: the torch backend's overhead, gloo vs MPI through
 #: axondist, and the two floors' own ratio.
@@ -147,6 +150,18 @@ def _variants(op: str, nbytes: int, comm: Any, mpi: Any, worlds: tuple[ad.World,
                 "ax-torch": lambda: ad.reduce_scatter(buf, group=tw, out=mine),
                 "ax-mpi": lambda: ad.reduce_scatter(buf, group=mw, out=mine),
                 "mpi4py": lambda: comm.Reduce_scatter_block(buf, mine, mpi.SUM)}
+    if op == "all_reduce_max":
+        return {"torch": lambda: dist.all_reduce(t, dist.ReduceOp.MAX),
+                "ax-torch": lambda: ad.all_reduce(buf, "max", group=tw),
+                "ax-mpi": lambda: ad.all_reduce(buf, "max", group=mw),
+                "mpi4py": lambda: comm.Allreduce(mpi.IN_PLACE, buf, mpi.MAX)}
+    if op == "all_to_all":
+        out = np.zeros_like(buf)
+        tout, counts = torch.from_numpy(out), [buf.size // n] * n
+        return {"torch": lambda: dist.all_to_all_single(tout, t),
+                "ax-torch": lambda: tw.backend.all_to_all(buf, out, counts, counts).wait(),
+                "ax-mpi": lambda: mw.backend.all_to_all(buf, out, counts, counts).wait(),
+                "mpi4py": lambda: comm.Alltoall(buf, out)}
     if op == "send_recv":
         return _round_trips(comm, mpi, buf, t, worlds)
     return {"torch": lambda: dist.broadcast(t, 0),
