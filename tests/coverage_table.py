@@ -160,6 +160,12 @@ BEHAVIOURS: tuple[Behaviour, ...] = (
                      "gloos"),
               (TORCH_2, TORCH_3),
               why_not="the torch backend's own algorithm (every backend's: test_collectives.py)"),
+    Behaviour("sized all-gather blocks on both sides of a size limit meet",
+              _world("test_gather_rows.py",
+                     "test_sized_blocks_on_both_sides_of_the_pair_exchange_limit_meet"), PAIRS,
+              why_not="the limit is the MPI backend's two-rank exchange's (every table's choice "
+                      "is the same on every rank: tests/unit/test_choose.py, "
+                      "test_torch_choose.py)"),
     Behaviour("torch: a rank's read-only input takes the others' path",
               _world("test_torch_backend.py",
                      "test_a_rank_passing_a_read_only_input_still_meets_the_others"),

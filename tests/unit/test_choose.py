@@ -119,8 +119,9 @@ def _exchanges(key: CallKey, layout: Layout) -> bool:
     size = nbytes(key)
     if key.collective == "reduce_scatter":
         fits = key.dtype in RIDE_DTYPES and key.reduce_op in RIDE_OPS
-    elif key.collective == "all_gather":
-        fits = key.counts is not None and size <= PAIR_GATHER_MAX_BYTES
+    elif key.collective == "all_gather":  # the largest rank's block: every rank alike
+        row_bytes = key.dtype.itemsize * int(np.prod(key.shape[1:]))
+        fits = key.counts is not None and max(key.counts) * row_bytes <= PAIR_GATHER_MAX_BYTES
     else:
         fits = key.collective == "broadcast" and size <= PAIR_BROADCAST_MAX_BYTES
     return (fits and layout.world_size == 2 and layout.nodes == 1 and layout.checks
@@ -337,6 +338,34 @@ def test_two_rank_gathers_scatters_and_broadcasts_go_point_to_point_where_measur
     assert choose(key(4 << 10, library="cupy"), pair) is Algorithm.MPI
     if collective == "all_gather":  # without sizes the counts come first: MPI's
         assert choose(key(4 << 10, counts=None), pair) is Algorithm.MPI
+
+
+@given(data=st.data(), dtype=st.sampled_from([np.float32, np.float64, np.int8]),
+       layout=st.sampled_from([Layout(2), Layout(3), Layout(2, nodes=2)]))
+def test_no_ranks_own_block_changes_an_all_gathers_choice(data, dtype, layout):
+    """Property: the keys of one all-gather differ between ranks only in the leading size
+    (each rank's own rows, drawn about the pair exchange's limit); every rank's key
+    chooses the same algorithm."""
+    limit = PAIR_GATHER_MAX_BYTES // (2 * np.dtype(dtype).itemsize)  # rows of two values
+    rows = st.sampled_from([0, 1, limit - 1, limit, limit + 1, 3 * limit])
+    counts = tuple(data.draw(st.lists(rows, min_size=layout.world_size,
+                                      max_size=layout.world_size)))
+    keys_ = [CallKey("all_gather", np.dtype(dtype), (r, 2), "numpy", counts=counts)
+             for r in counts]
+    assert len({choose(key, layout) for key in keys_}) == 1, (counts, layout)
+
+
+def test_an_all_gathers_choice_is_the_same_on_every_rank_whatever_its_own_block():
+    """Each rank's key holds its own block's shape: ranks whose blocks fall on both sides of
+    PAIR_GATHER_MAX_BYTES must still choose alike (the largest block decides), or one
+    would exchange point to point while the other waits in Allgatherv."""
+    small, big = PAIR_GATHER_MAX_BYTES // 8, 3 * PAIR_GATHER_MAX_BYTES // 8  # float64 rows
+    for counts in ((small, big), (big, small), (small, small), (big, big), (0, big)):
+        chosen = {choose(CallKey("all_gather", np.dtype(np.float64), (rows,), "numpy",
+                                 counts=counts), Layout(2)) for rows in counts}
+        assert len(chosen) == 1, (counts, chosen)
+        want = Algorithm.PAIR_EXCHANGE if max(counts) == small else Algorithm.MPI
+        assert chosen == {want}, counts
 
 
 def test_the_rows_state_the_thresholds_they_use():

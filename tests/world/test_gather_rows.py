@@ -163,3 +163,21 @@ def _body_strided_out(world: ad.World, give_sizes: bool) -> None:
 @pytest.mark.parametrize("give_sizes", [True, False])
 def test_a_strided_out_is_refused_before_any_exchange(give_sizes):
     run_world(_body_strided_out, 2, give_sizes)
+
+
+def _body_blocks_on_both_sides_of_the_pair_limit(world: ad.World) -> None:
+    from axondist.backends.mpi.choose import PAIR_GATHER_MAX_BYTES
+
+    n, me = world.world_size, world.rank
+    small, big = PAIR_GATHER_MAX_BYTES // 8, PAIR_GATHER_MAX_BYTES // 8 * 3  # float64 rows
+    for sizes in ([small] + [big] * (n - 1), [big] * (n - 1) + [small], [0] + [big] * (n - 1)):
+        x = np.full(sizes[me], me + 0.5)
+        got = ad.all_gather(x, sizes=sizes)
+        np.testing.assert_array_equal(got, np.repeat(np.arange(n) + 0.5, sizes))
+
+
+def test_sized_blocks_on_both_sides_of_the_pair_exchange_limit_meet():
+    """A rank's own block of 1 MiB where another's is 3 MiB: the MPI backend's two-rank
+    exchange ends at 2 MiB, and every rank must make the same choice (the largest block
+    decides) or they wait in different calls."""
+    run_world(_body_blocks_on_both_sides_of_the_pair_limit, 2)
