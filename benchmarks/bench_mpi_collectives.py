@@ -26,7 +26,10 @@ Rows (raw mpi4py on ``COMM_WORLD``, with the buffers axondist gets):
 * ``all_gather``: ``all_gather(buf, sizes=..., out=out)`` vs ``Allgather``;
   column ``no sizes`` is ``all_gather(buf, out=out)``, which exchanges the row
   counts first.
-* ``broadcast``: ``broadcast(buf, src=0)`` vs ``Bcast(buf, 0)``.
+* ``broadcast``: ``broadcast(buf, src=0)`` vs ``Bcast(buf, 0)``;
+* ``all_to_all``: the backend's ``all_to_all`` of equal blocks, the counts known (what
+  ``ad.all_to_all`` runs after its exchange of sizes) vs ``Alltoall``, and raw
+  ``Alltoallv`` of the same blocks beside them.
 
 gloo (``all_reduce``, ``broadcast``, ``all_gather``) is skipped, and named as
 not measured, when torch is not importable.
@@ -70,7 +73,7 @@ RUNNER = {"ranks": 2, "quick_args": ["--repeats", "3"], "timeout": 900}
 
 DEFAULT_SIZES = [4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
 OPS = ("all_reduce", "all_reduce_mean", "scaled_sum", "reduce_scatter", "all_gather",
-       "broadcast")
+       "broadcast", "all_to_all")
 #: op -> the (numerator, denominator) ratios its table shows.
 RATIOS: dict[str, list[tuple[str, str]]] = {
     "all_reduce": [("axondist", "mpi4py"), ("prepared", "mpi4py"), ("gloo", "axondist")],
@@ -80,6 +83,7 @@ RATIOS: dict[str, list[tuple[str, str]]] = {
     "reduce_scatter": [("axondist", "mpi4py"), ("prepared", "mpi4py")],
     "all_gather": [("axondist", "mpi4py"), ("no sizes", "mpi4py"), ("gloo", "axondist")],
     "broadcast": [("axondist", "mpi4py"), ("gloo", "axondist")],
+    "all_to_all": [("axondist", "mpi4py"), ("axondist", "Alltoallv"), ("Alltoallv", "mpi4py")],
 }
 
 
@@ -123,6 +127,15 @@ def _variants(op: str, nbytes: int, comm: Any, mpi: Any,
         fns["axondist"] = lambda: ad.all_gather(buf, sizes=sizes, out=out)
         fns["mpi4py"] = lambda: comm.Allgather(buf, out)
         fns["no sizes"] = lambda: ad.all_gather(buf, out=out)
+    elif op == "all_to_all":
+        buf = np.zeros(max(n, nbytes // 4 // n * n), np.float32)  # equal blocks
+        out = np.zeros_like(buf)
+        counts = [buf.size // n] * n
+        at = [k * counts[0] for k in range(n)]
+        fns["axondist"] = lambda: backend.all_to_all(buf, out, counts, counts).wait()
+        fns["mpi4py"] = lambda: comm.Alltoall(buf, out)
+        fns["Alltoallv"] = lambda: comm.Alltoallv([buf, counts, at, mpi.FLOAT],
+                                                  [out, counts, at, mpi.FLOAT])
     else:
         fns["axondist"] = lambda: ad.broadcast(buf, src=0)
         fns["mpi4py"] = lambda: comm.Bcast(buf, 0)

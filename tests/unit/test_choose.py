@@ -128,7 +128,15 @@ def _exchanges(key: CallKey, layout: Layout) -> bool:
             and not key.async_op and key.library == "numpy")
 
 
+def _point_to_point(key: CallKey, layout: Layout) -> bool:
+    """The all-to-all rule: blocking, host memory, the check on (whatever the counts)."""
+    return (key.collective == "all_to_all" and layout.world_size > 1 and layout.checks
+            and not key.async_op and key.library == "numpy")
+
+
 def _expected(key: CallKey, layout: Layout) -> Algorithm:
+    if _point_to_point(key, layout):
+        return Algorithm.POINT_TO_POINT
     if _rides(key, layout):
         return Algorithm.PAIR_RIDE
     if _halves(key, layout):
@@ -370,7 +378,7 @@ def test_an_all_gathers_choice_is_the_same_on_every_rank_whatever_its_own_block(
 
 def test_the_rows_state_the_thresholds_they_use():
     """A reader of one row's reason sees the sizes the code uses."""
-    ride, halves, pieces, exchange, last = TABLE
+    ride, halves, pieces, exchange, point_to_point, last = TABLE
     assert ride.algorithm is Algorithm.PAIR_RIDE and f"<= {RIDE_MAX_BYTES >> 10} KiB" in ride.why
     assert halves.algorithm is Algorithm.PAIR_HALVES
     assert f"{HALVES_FROM_BYTES >> 10} KiB to {PIECES_FROM_BYTES >> 20} MiB" in halves.why
@@ -381,7 +389,25 @@ def test_the_rows_state_the_thresholds_they_use():
     assert exchange.algorithm is Algorithm.PAIR_EXCHANGE
     assert f"<= {PAIR_GATHER_MAX_BYTES >> 20} MiB" in exchange.why
     assert f"<= {PAIR_BROADCAST_MAX_BYTES >> 10} KiB" in exchange.why
+    assert point_to_point.algorithm is Algorithm.POINT_TO_POINT
+    assert "all-to-all" in point_to_point.why
     assert last.algorithm is Algorithm.MPI
+
+
+def test_a_blocking_all_to_all_of_host_memory_goes_point_to_point_at_every_size():
+    """Every rank's all-to-all key holds its own counts, so the row asks nothing of them:
+    every size, even or not, any group, as long as the checks' communicator exists."""
+    for n in (2, 3, 64):
+        for counts in ((1,) * 2 * n, tuple(range(2 * n)), (0,) * 2 * n, (1 << 22,) * 2 * n):
+            key = CallKey("all_to_all", np.dtype(np.float32), (sum(counts[:n]),), "numpy",
+                          counts=counts)
+            for layout in (Layout(n), Layout(n, nodes=min(n, 2))):
+                assert choose(key, layout) is Algorithm.POINT_TO_POINT
+            assert choose(key, Layout(n, checks=False)) is Algorithm.MPI  # no communicator
+            assert choose(key._replace(async_op=True), Layout(n)) is Algorithm.MPI
+            assert choose(key._replace(library="cupy"), Layout(n)) is Algorithm.MPI
+    one = CallKey("all_to_all", np.dtype(np.float32), (3,), "numpy", counts=(3, 3))
+    assert choose(one, Layout(1)) is Algorithm.MPI  # a group of one has no checks' communicator
 
 
 def test_reading_the_table_imports_no_mpi4py():

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from harness import run_world, world_sizes
+from harness import UNDER_MPI, launched_world, run_world, world_sizes
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -456,7 +456,8 @@ def test_reduce_matches_numpy_on_the_destination_only(n, seed, dtype, op, dst):
     run_world(body, n)
 
 
-@given(n=world_sizes(1, 6), seed=seeds, dtype=st.sampled_from(["float32", "int32", "bool"]),
+@given(n=world_sizes(1, 6), seed=seeds,
+       dtype=st.sampled_from(["float32", "int32", "bool", "bfloat16", "complex128"]),
        trailing=st.lists(st.integers(1, 3), max_size=2).map(tuple), even=st.booleans())
 def test_all_to_all_matches_numpy_with_uneven_splits(n, seed, dtype, trailing, even):
     def body(world):
@@ -477,6 +478,32 @@ def test_all_to_all_matches_numpy_with_uneven_splits(n, seed, dtype, trailing, e
         np.testing.assert_array_equal(got, np.concatenate(blocks))
 
     run_world(body, n)
+
+
+@pytest.mark.skipif(not UNDER_MPI, reason="the MPI backend's point-to-point all-to-all "
+                                          "(run under mpiexec)")
+def test_an_all_to_all_whose_counts_disagree_names_the_sender_and_the_next_call_works():
+    """The backend's call takes each rank's counts as given (``ad.all_to_all`` exchanges
+    them first). Rank 0 expects three elements from rank 1, which sends two: rank 0 raises,
+    naming rank 1 and both counts; no message is left behind, so the next call is right."""
+    world = launched_world()
+    n, me, backend = world.world_size, world.rank, world.backend
+    sent, came = [2] * n, [2] * n
+    if me == 0:
+        came[1] = 3
+    x = np.arange(2 * n, dtype=np.float32) + 100 * me
+    out = np.zeros(sum(came), np.float32)
+    if me == 0:
+        with pytest.raises(ad.CollectiveMismatchError, match=r"all_to_all: rank 1 sent this "
+                                                             r"rank 2 elements where this "
+                                                             r"rank's counts expect 3"):
+            backend.all_to_all(x, out, sent, came).wait()
+    else:
+        backend.all_to_all(x, out, sent, came).wait()
+        np.testing.assert_array_equal(out, np.concatenate(
+            [np.arange(2 * me, 2 * me + 2, dtype=np.float32) + 100 * r for r in range(n)]))
+    got = ad.all_to_all(np.full((n, 3), me, np.int64))
+    np.testing.assert_array_equal(got, np.repeat(np.arange(n), 3).reshape(n, 3))
 
 
 @given(n=world_sizes(1, 5), src=st.integers(0, 7))

@@ -54,7 +54,7 @@ from .transport import (
     synchronize_device,
     unsupported,
 )
-from .vector_plans import AllToAllPlan, GatherPlan, ScatterPlan
+from .vector_plans import AllToAllPlan, GatherPlan, PointToPointAllToAllPlan, ScatterPlan
 
 #: The plan class of each (collective, algorithm) the table can choose.
 PLANS: dict[tuple[str, Algorithm], Callable[[Any, CallKey], Plan]] = {
@@ -72,6 +72,7 @@ PLANS: dict[tuple[str, Algorithm], Callable[[Any, CallKey], Plan]] = {
     ("gather", Algorithm.MPI): GatherPlan,
     ("scatter", Algorithm.MPI): ScatterPlan,
     ("all_to_all", Algorithm.MPI): AllToAllPlan,
+    ("all_to_all", Algorithm.POINT_TO_POINT): PointToPointAllToAllPlan,
 }
 #: The collectives whose blocks differ by rank (MPI's v-calls).
 _VECTOR = frozenset({"gather", "scatter", "all_to_all"})

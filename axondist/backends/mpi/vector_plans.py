@@ -1,5 +1,6 @@
 """The MPI backend's plans of the calls whose blocks differ by rank: ``Gatherv``,
-``Scatterv`` and ``Alltoallv``, checked like every MPI plan (:class:`~.plans.MPIPlan`).
+``Scatterv`` and ``Alltoallv`` (or one message to each rank), checked like every MPI plan
+(:class:`~.plans.MPIPlan`).
 
 Their keys hold the row counts (a gather's and a scatter's of every rank, an all-to-all's
 this rank's rows to and from each), so a plan resolves its counts and displacements once.
@@ -10,6 +11,7 @@ from __future__ import annotations
 from math import prod
 from typing import TYPE_CHECKING, Any
 
+from ...errors import CollectiveMismatchError
 from ..plan import CallKey, split_sizes
 from .plans import _Transfer
 from .transport import displacements
@@ -106,4 +108,47 @@ class AllToAllPlan(_Transfer):
         return [self._comm.Ialltoallv(s, r)], None, out
 
 
-__all__ = ["AllToAllPlan", "GatherPlan", "ScatterPlan"]
+#: The tag of a point-to-point all-to-all's messages on the checks' communicator (the
+#: two-rank algorithms' tags are 1, 2 and 5).
+ALL_TO_ALL_TAG = 6
+
+
+class PointToPointAllToAllPlan(AllToAllPlan):
+    """A blocking all-to-all as one exchange with each other rank, on the checks' own
+    communicator after the check: in step ``d`` rank ``r`` sends to ``r + d`` while it
+    receives from ``r - d`` (``Sendrecv``, as MPICH's own ``Alltoall`` moves big blocks),
+    this rank's own block copied first. Each message lands in its place in the result; a
+    message shorter than the block it fills (a rank whose counts disagree with this one's)
+    raises on the rank that receives it, after every step, so no message is left behind."""
+
+    __slots__ = ()
+
+    def _move(self, send: Any, recv: Any) -> Any:
+        out = self._output(recv)
+        comm, mpi, me = self._guard.comm, self._mpi, self._b.rank
+        assert comm is not None  # the table's rule: the check is on
+        n = self._b.world_size
+        (sent, sent_at), (came, came_at) = self._sent, self._came
+        flat_in, flat_out = send.reshape(-1), out.reshape(-1)
+        flat_out[came_at[me]:came_at[me] + came[me]] = flat_in[sent_at[me]:sent_at[me] + sent[me]]
+        status, short = mpi.Status(), None
+        for d in range(1, n):
+            to, source = (me + d) % n, (me - d) % n
+            comm.Sendrecv(self._spec(flat_in[sent_at[to]:sent_at[to] + sent[to]]), to,
+                          ALL_TO_ALL_TAG,
+                          self._spec(flat_out[came_at[source]:came_at[source] + came[source]]),
+                          source, ALL_TO_ALL_TAG, status)
+            got = status.Get_count(self._mtype)
+            if got != came[source] and short is None:
+                short = (source, got)
+        if short is not None:
+            source, got = short
+            raise CollectiveMismatchError(
+                f"all_to_all: rank {source} sent this rank {got} elements where this rank's "
+                f"counts expect {came[source]}; every rank's send counts must be the receive "
+                "counts of the rank it sends to (axondist.all_to_all exchanges them)")
+        return out
+
+
+__all__ = ["ALL_TO_ALL_TAG", "AllToAllPlan", "GatherPlan", "PointToPointAllToAllPlan",
+           "ScatterPlan"]
