@@ -1,6 +1,7 @@
 """The torch backend's prepared calls: one class per collective and algorithm (see
 :mod:`.choose`), each a checked call of torch.distributed on tensors over the caller's
-buffers.
+buffers, or (the ``Wired`` classes) the same call's bytes on the group's own sockets
+(:mod:`.wires`).
 
 :meth:`TorchPlan.run` holds what every call shares: its number, its flight-recorder
 entry, its cross-rank check and its place in the group's call order (a non-blocking call is
@@ -240,6 +241,11 @@ def blocks_of(flat: Any, counts: list[int]) -> list[Any]:
     return [flat[end - c:end] for c, end in zip(counts, ends, strict=True)]
 
 
+def _others(n: int, me: int) -> list[int]:
+    """Every group rank of ``n`` but ``me``."""
+    return [p for p in range(n) if p != me]
+
+
 class WiredAllGatherPlan(_BlocksPlan):
     """An all-gather of host memory on the group's own sockets, after the check on them:
     each member writes its block (of any size: nothing is padded) on every other member's
@@ -367,7 +373,7 @@ class _RankOrderOnWires(_RankOrderPlan):
 
     def _copies(self, flat: Any) -> Any:
         wires, me, counts = self._guard.wires, self._b.rank, self._counts
-        assert wires is not None  # a sum in a wired group
+        assert wires is not None  # a reduction in a wired group
         blocks = blocks_of(flat, counts)
         copies = self._xp.empty((len(counts), counts[me]), dtype=flat.dtype)
         copies[me] = blocks[me]
@@ -597,11 +603,6 @@ class AllToAllPlan(TorchPlan):
 
 
 # --- rooted calls and the all-to-all on the group's own sockets ----------------------------------
-
-def _others(n: int, me: int) -> list[int]:
-    """Every group rank of ``n`` but ``me``."""
-    return [p for p in range(n) if p != me]
-
 
 class WiredGatherPlan(GatherPlan):
     """A gather of host memory on the group's own sockets, after the check on them: each

@@ -1,6 +1,6 @@
 """A torch group's own sockets: one TCP connection between every two members, which carry
 each call's check words and the data of the calls the algorithm table puts on them
-(:mod:`.choose`: broadcasts, all-gathers, sums of host memory).
+(:mod:`.choose`: the collectives of host memory).
 
 gloo's all-reduce of the check's 16 bytes costs 0.5-0.7 ms on two ranks of one host (its
 socket loop thread hands every message over), a round trip of 16 bytes on a plain
