@@ -141,10 +141,10 @@ VARIABLES: tuple[Variable, ...] = (
              "CUDA-aware), `always` or `never`", _choice("auto", "always", "never")),
     Variable("AXONDIST_DIAGNOSTICS", "diagnostics", "auto",
              "MPI and torch: the address the watchdog's diagnostics server binds, and on torch "
-             "each group's own sockets too, which carry its check and broadcasts (`auto`: the "
-             "loopback when every rank is on this host, else the host's address; `off`: no "
-             "server, only the timeout ends a wait, and torch's check and broadcasts are "
-             "gloo's)", _text),
+             "each group's own sockets too, which carry its check and its collectives of host "
+             "memory (`auto`: the loopback when every rank is on this host, else the host's "
+             "address; `off`: no server, only the timeout ends a wait, and torch's check and "
+             "collectives are gloo's)", _text),
     Variable("AXONDIST_DIAGNOSTICS_PORTS", "diagnostics_ports", None,
              "MPI and torch: the port range `LO-HI` that server (and torch's group sockets, "
              "while a group is made) may take (a firewall's open range; default: any free "
