@@ -8,7 +8,9 @@ to win; each row says by how much, and where (``benchmarks/bench_mpi_collectives
 2 ranks on one 2-core host unless said otherwise; ``docs/backends.md`` has the tables).
 
 The table is pure: it reads the call's key and the group's layout, never MPI, so tests
-read it without a communicator.
+read it without a communicator. It reads nothing that may differ between the ranks of
+one call (a rank's own block size, an all-to-all's own counts): every rank must choose the
+same row.
 """
 
 from __future__ import annotations

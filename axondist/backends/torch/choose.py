@@ -4,13 +4,17 @@ match wins.
 Every call is checked first (see :mod:`~axondist.backends.torch.guard`); this table says
 what runs once the ranks agreed. The default is torch.distributed's own collective. The
 rows above it exist because gloo's collectives differ from the other backends' in what
-they compute or accept, and one because gloo is slow at what it does: each row says what
-gloo does, what the row does instead, and the test that holds it. A mean is not a row:
-every plan runs AVERAGE as a SUM then a division by the group's size, as MPI does, so the
-backends round a mean alike.
+they compute or accept, and the sockets' rows (``*WIRES``) because gloo is slow at what it
+does: on host memory in a group with its own sockets they take every collective, and the
+gloo rows below them serve groups without the sockets. Each row says what gloo does, what
+the row does instead, and the test that holds it. A mean is not a row: every plan runs
+AVERAGE as a SUM then a division by the group's size, as MPI does, so the backends round
+a mean alike.
 
 The table is pure: it reads the call's key, the group's size and whether its members have
-their own sockets, never torch, so tests read it without a process group.
+their own sockets, never torch, so tests read it without a process group. It reads
+nothing that may differ between the ranks of one call (an input's layout, a rank's own
+block size): every rank must choose the same row.
 """
 
 from __future__ import annotations
