@@ -4,8 +4,10 @@ in threads, meeting through a dictionary that stands in for torch's store."""
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import socket
 import threading
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -44,6 +46,17 @@ def _group(size: int, limit: float = 30.0) -> list[GroupWires]:
         return [m.result(timeout=60) for m in made]
 
 
+@contextlib.contextmanager
+def _connected(size: int, limit: float = 30.0) -> Iterator[list[GroupWires]]:
+    """:func:`_group`'s wires, every connection closed when the block ends."""
+    wires = _group(size, limit)
+    try:
+        yield wires
+    finally:
+        for w in wires:
+            w.close()
+
+
 def _check(wires: list[GroupWires], words: list[list[int]]) -> list[np.ndarray]:
     sent = [np.array(w, np.int64) for w in words]
     with concurrent.futures.ThreadPoolExecutor(len(wires)) as pool:
@@ -56,28 +69,20 @@ def _check(wires: list[GroupWires], words: list[list[int]]) -> list[np.ndarray]:
     st.tuples(st.integers(-2**62, 2**62), st.integers(-2**62, 2**62)), min_size=n,
     max_size=n)))
 def test_every_member_gets_the_elementwise_largest_words(words):
-    wires = _group(len(words))
-    try:
+    with _connected(len(words)) as wires:
         for _ in range(3):  # one message per peer per check, in order
             got = _check(wires, [list(w) for w in words])
             expected = np.max(np.array(words, np.int64), axis=0)
             for g in got:
                 np.testing.assert_array_equal(g, expected)
-    finally:
-        for w in wires:
-            w.close()
 
 
 def test_the_same_call_agrees_and_a_different_one_does_not():
-    wires = _group(3)
-    try:
+    with _connected(3) as wires:
         same = _check(wires, [[7, -7]] * 3)
         assert all(agreed(s) for s in same)
         differ = _check(wires, [[7, -7], [7, -7], [9, -9]])
         assert not any(agreed(s) for s in differ)
-    finally:
-        for w in wires:
-            w.close()
 
 
 @settings(max_examples=10, deadline=None)
@@ -87,8 +92,7 @@ def test_a_broadcast_gives_every_member_the_roots_bytes(n, root, count, dtype):
     """Checks and broadcasts interleaved on the same connections, the large ones (6 MiB of
     complex128) past what a socket buffers: each member reads the bytes meant for it."""
     root %= n
-    wires = _group(n)
-    try:
+    with _connected(n) as wires:
         data = [np.arange(count, dtype=dtype) * (k + 1) for k in range(n)]
         with concurrent.futures.ThreadPoolExecutor(n) as pool:
             for _ in range(2):
@@ -97,20 +101,13 @@ def test_a_broadcast_gives_every_member_the_roots_bytes(n, root, count, dtype):
                 _check(wires, [[k, -k] for k in range(n)])
         for k in range(n):
             np.testing.assert_array_equal(data[k], np.arange(count, dtype=dtype) * (root + 1))
-    finally:
-        for w in wires:
-            w.close()
 
 
 def test_a_broadcast_whose_root_left_is_named_as_gloo_names_it():
-    wires = _group(3)
-    wires[0].close()
-    try:
+    with _connected(3) as wires:
+        wires[0].close()
         with pytest.raises(RuntimeError, match=r"Connection closed by peer \(group rank 0"):
             wires[2].broadcast(np.zeros(1000), 0)
-    finally:
-        for w in wires:
-            w.close()
 
 
 def test_a_peer_whose_connection_closes_is_named_as_gloo_names_it():
@@ -122,14 +119,10 @@ def test_a_peer_whose_connection_closes_is_named_as_gloo_names_it():
 
 
 def test_a_silent_peer_times_out_after_the_limit():
-    wires = _group(2, limit=0.2)
-    try:
+    with _connected(2, limit=0.2) as wires:
         with pytest.raises(RuntimeError, match=r"connection to group rank 1 timed out after "
                                                r"0.2 s"):
             wires[0].largest(np.zeros(2, np.int64))
-    finally:
-        for w in wires:
-            w.close()
 
 
 def test_a_connection_without_the_token_is_dropped_and_the_member_still_joins():
@@ -176,21 +169,16 @@ def test_an_exchange_delivers_what_each_member_sends_each_other(counts):
 
 
 def test_an_exchange_with_a_member_that_left_names_it_as_gloo_does():
-    wires = _group(3)
-    wires[1].close()
-    try:
+    with _connected(3) as wires:
+        wires[1].close()
         with pytest.raises(RuntimeError, match=r"Connection closed by peer \(group rank 1"):
             wires[0].exchange({1: np.zeros(1 << 20), 2: np.zeros(4)},
                               {1: np.zeros(1 << 20), 2: np.zeros(4)})
-    finally:
-        for w in wires:
-            w.close()
 
 
 def test_an_exchange_names_the_first_member_still_silent_after_the_limit():
     """Member 2 answers, member 1 sends nothing: the wait ends at the limit, naming 1."""
-    wires = _group(3, limit=0.3)
-    try:
+    with _connected(3, limit=0.3) as wires:
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             answered = pool.submit(wires[2].exchange, {0: np.ones(8)}, {0: np.zeros(8)})
             with pytest.raises(RuntimeError, match=r"connection to group rank 1 timed out "
@@ -198,6 +186,3 @@ def test_an_exchange_names_the_first_member_still_silent_after_the_limit():
                 wires[0].exchange({1: np.ones(8), 2: np.ones(8)},
                                   {1: np.zeros(8), 2: np.zeros(8)})
             answered.result(timeout=30)
-    finally:
-        for w in wires:
-            w.close()
