@@ -246,6 +246,23 @@ def _others(n: int, me: int) -> list[int]:
     return [p for p in range(n) if p != me]
 
 
+def _share(wires: Any, blocks: list[Any], me: int) -> None:
+    """An all-gather in place: ``blocks[me]`` (filled) goes to every other member, and each
+    other member's block lands in its place in ``blocks`` (views of one flat buffer)."""
+    peers = _others(len(blocks), me)
+    wires.exchange(dict.fromkeys(peers, blocks[me]), {p: blocks[p] for p in peers})
+
+
+def _collect(wires: Any, mine: Any, blocks: list[Any] | None, me: int, root: int) -> None:
+    """A gather at ``root``: a member sends ``mine``; the root (whose own block the caller
+    placed) reads every other member's into its place in ``blocks``."""
+    if me != root:
+        wires.exchange({root: mine}, {})
+    else:
+        assert blocks is not None  # the root's places
+        wires.exchange({}, {p: blocks[p] for p in _others(len(blocks), me)})
+
+
 class WiredAllGatherPlan(_BlocksPlan):
     """An all-gather of host memory on the group's own sockets, after the check on them:
     each member writes its block (of any size: nothing is padded) on every other member's
@@ -258,8 +275,7 @@ class WiredAllGatherPlan(_BlocksPlan):
         assert wires is not None  # an all-gather in a wired group
         blocks = blocks_of(recv.reshape(-1), self._counts)
         blocks[me][...] = send.reshape(-1)
-        peers = _others(len(blocks), me)
-        wires.exchange(dict.fromkeys(peers, blocks[me]), {p: blocks[p] for p in peers})
+        _share(wires, blocks, me)
         return None, None
 
 
@@ -402,8 +418,7 @@ class WiredRankOrderAllReducePlan(_RankOrderOnWires, RankOrderAllReducePlan):
         block = self._block_sum(flat)
         blocks = blocks_of(flat, self._counts)
         blocks[me][...] = block
-        peers = _others(len(blocks), me)
-        wires.exchange(dict.fromkeys(peers, blocks[me]), {p: blocks[p] for p in peers})
+        _share(wires, blocks, me)
         return None, None
 
 
@@ -423,12 +438,11 @@ class WiredRankOrderReducePlan(_RankOrderOnWires):
         assert wires is not None and root is not None  # a reduce in a wired group
         flat = send.reshape(-1)
         block = self._block_sum(flat)
-        if me != root:
-            wires.exchange({root: block}, {})
-            return None, None
-        blocks = blocks_of(flat, self._counts)
-        blocks[me][...] = block
-        wires.exchange({}, {p: blocks[p] for p in _others(len(blocks), me)})
+        blocks = None
+        if me == root:
+            blocks = blocks_of(flat, self._counts)
+            blocks[me][...] = block
+        _collect(wires, block, blocks, me, root)
         return None, None
 
 
@@ -614,12 +628,11 @@ class WiredGatherPlan(GatherPlan):
     def _move(self, send: Any, recv: Any) -> Moved:
         wires, me, root = self._guard.wires, self._b.rank, self.key.root
         assert wires is not None and root is not None  # a gather in a wired group
-        if me != root:
-            wires.exchange({root: send.reshape(-1)}, {})
-            return None, None
-        blocks = blocks_of(recv.reshape(-1), self._counts)
-        blocks[me][...] = send.reshape(-1)
-        wires.exchange({}, {p: blocks[p] for p in _others(len(blocks), me)})
+        mine, blocks = send.reshape(-1), None
+        if me == root:
+            blocks = blocks_of(recv.reshape(-1), self._counts)
+            blocks[me][...] = mine
+        _collect(wires, mine, blocks, me, root)
         return None, None
 
 
