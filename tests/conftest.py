@@ -28,7 +28,6 @@ from hypothesis import HealthCheck, settings  # noqa: E402
 from rank_folders import make_rank_folder, remove_rank_folder  # noqa: E402
 from shm_segments import remove_orphans  # noqa: E402
 from tiers import MPI_ONLY, SLOW_FILES, SLOW_FOLDERS, is_slow, needs_three_ranks, place  # noqa: E402
-from waiting_ranks import preload_for_children  # noqa: E402
 
 settings.register_profile(
     "default",
@@ -160,8 +159,7 @@ class _WorkerOrder:
 def pytest_configure(config: pytest.Config) -> None:
     """Under ``mpiexec`` or ``torchrun`` each rank gets its own temporary folder
     (tests/rank_folders.py), removed when its session ends. A worker of a grouped run
-    orders its tests (:class:`_WorkerOrder`). The session's own process preloads the
-    sleeping wait of MPICH's ranks into every process it starts (tests/waiting_ranks.py)."""
+    orders its tests (:class:`_WorkerOrder`)."""
     if getattr(config.option, "axondist_grouped", False):
         config.pluginmanager.register(_WorkerOrder(), "axondist-worker-order")
     rank = os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK",
@@ -171,9 +169,6 @@ def pytest_configure(config: pytest.Config) -> None:
         _RANK_BASETEMP = make_rank_folder(rank)
         config.option.basetemp = _RANK_BASETEMP
     _share_jax_compilations()
-    global _WAITING_RANKS
-    if _controller():
-        _WAITING_RANKS = preload_for_children()
 
 
 #: The JAX compilation cache this session made (removed when it ends), or None.
@@ -197,15 +192,9 @@ def _share_jax_compilations() -> None:
                        "JAX_COMPILATION_CACHE_MAX_SIZE": str(4 << 30)})
 
 
-#: The folder of the library that makes MPICH's waiting ranks sleep (tests/waiting_ranks.py),
-#: preloaded into every process this session starts; None where none was built.
-_WAITING_RANKS: str | None = None
-
-
 def pytest_unconfigure(config: pytest.Config) -> None:
-    for folder in (_JAX_CACHE, _WAITING_RANKS):
-        if folder is not None:
-            shutil.rmtree(folder, ignore_errors=True)
+    if _JAX_CACHE is not None:
+        shutil.rmtree(_JAX_CACHE, ignore_errors=True)
 
 
 #: The temporary folder made for this rank of a launched run (removed when the run ends).
