@@ -49,6 +49,7 @@ CASES: dict[str, tuple[str, str] | None] = {
                                 r"ranks called different collectives .*rank 0 called all_gather, "
                                 r"rank 1 called broadcast"),
     "big_mismatch_caught_then_good": None,
+    "ride_vs_exchange_caught_then_good": None,
 }
 #: Where the torch backend says it differently: it exchanges the row counts as a checked int64
 #: all-gather of its own (MPI's counts ride with the check, the mock world's round compares the

@@ -22,6 +22,7 @@ from axondist import _array
 from axondist.backends.mpi import guard
 from axondist.backends.mpi.backend import PLANS
 from axondist.backends.mpi.choose import (
+    EXCHANGE_RIDE_MAX_BYTES,
     HALVES_DTYPES,
     HALVES_FROM_BYTES,
     NODE_CHUNK_BYTES,
@@ -96,6 +97,21 @@ def _rides(key: CallKey, layout: Layout) -> bool:
             and key.reduce_op in RIDE_OPS and nbytes(key) <= RIDE_MAX_BYTES)
 
 
+def _exchange_rides(key: CallKey, layout: Layout) -> bool:
+    """The riding rule of the other collectives: two checked ranks (on any nodes), blocking
+    NumPy; a reduce-scatter in a ride dtype and op whose half input is at most
+    EXCHANGE_RIDE_MAX_BYTES, an all-gather with sizes whose largest block is at most that."""
+    row_bytes = key.dtype.itemsize * int(np.prod(key.shape[1:]))
+    if key.collective == "reduce_scatter":
+        fits = (key.dtype in RIDE_DTYPES and key.reduce_op in RIDE_OPS
+                and nbytes(key) // 2 <= EXCHANGE_RIDE_MAX_BYTES)
+    else:
+        fits = (key.collective == "all_gather" and key.counts is not None
+                and max(key.counts) * row_bytes <= EXCHANGE_RIDE_MAX_BYTES)
+    return (fits and layout.world_size == 2 and layout.checks and not key.async_op
+            and key.library == "numpy")
+
+
 def _in_pieces(key: CallKey, layout: Layout) -> bool:
     """The pieces rule: blocking all-reduce of at least PIECES_FROM_BYTES and twice the
     chunk, where the layout cuts pieces at all."""
@@ -137,7 +153,7 @@ def _point_to_point(key: CallKey, layout: Layout) -> bool:
 def _expected(key: CallKey, layout: Layout) -> Algorithm:
     if _point_to_point(key, layout):
         return Algorithm.POINT_TO_POINT
-    if _rides(key, layout):
+    if _rides(key, layout) or _exchange_rides(key, layout):
         return Algorithm.PAIR_RIDE
     if _halves(key, layout):
         return Algorithm.PAIR_HALVES
@@ -188,7 +204,9 @@ def test_every_rules_algorithm_has_a_plan_for_the_collectives_it_applies_to():
                        ("all_reduce", Algorithm.PAIR_HALVES),
                        ("all_gather", Algorithm.PAIR_EXCHANGE),
                        ("broadcast", Algorithm.PAIR_EXCHANGE),
-                       ("reduce_scatter", Algorithm.PAIR_EXCHANGE)} | {
+                       ("reduce_scatter", Algorithm.PAIR_EXCHANGE),
+                       ("all_gather", Algorithm.PAIR_RIDE),
+                       ("reduce_scatter", Algorithm.PAIR_RIDE)} | {
                            (c, Algorithm.MPI) for c in PLANNED}
     assert applied <= set(PLANS)
     assert {algorithm for _, algorithm in PLANS} == set(Algorithm)  # no algorithm unplanned
@@ -226,16 +244,31 @@ def test_riding_needs_two_ranks_and_the_check(change, why):
     ("async_op", True), ("library", "cupy"), ("collective", "reduce"),
     ("collective", "broadcast"), ("collective", "reduce_scatter"), ("collective", "all_gather"),
 ])
-def test_riding_is_only_for_blocking_numpy_all_reduces(field, value):
-    """Other small two-rank calls exchange point to point (their data ahead of the check,
-    not in its message): reduce-scatters and broadcasts; a reduce and an all-gather without
-    sizes are MPI's."""
+def test_riding_is_for_blocking_numpy_calls_that_need_no_root_or_sizes_exchanged(field, value):
+    """Small two-rank reduce-scatters ride with the check as all-reduces do, and
+    broadcasts exchange point to point (their data ahead of the check); a reduce, an
+    all-gather without sizes, a non-blocking or a device call is MPI's."""
     key = _all_reduce("float32", 8)._replace(**{field: value})
     if value == "broadcast":
         key = key._replace(reduce_op=None, root=0)
-    want = (Algorithm.PAIR_EXCHANGE if value in ("broadcast", "reduce_scatter")
-            else Algorithm.MPI)
+    want = {"reduce_scatter": Algorithm.PAIR_RIDE,
+            "broadcast": Algorithm.PAIR_EXCHANGE}.get(value, Algorithm.MPI)
     assert choose(key, Layout(2)) is want
+
+
+@pytest.mark.parametrize("collective", ["reduce_scatter", "all_gather"])
+def test_other_collectives_ride_up_to_their_limit_then_exchange_on_one_node(collective):
+    def key(numel: int) -> CallKey:
+        return CallKey(collective, np.dtype(np.float32), (numel,), "numpy",
+                       reduce_op="SUM" if collective == "reduce_scatter" else None,
+                       counts=(numel, 1) if collective == "all_gather" else None)
+    # the data sent: half a reduce-scatter's input, an all-gather's largest block
+    limit = EXCHANGE_RIDE_MAX_BYTES // 4 * (2 if collective == "reduce_scatter" else 1)
+    assert choose(key(limit), Layout(2)) is Algorithm.PAIR_RIDE
+    assert choose(key(limit), Layout(2, nodes=2)) is Algorithm.PAIR_RIDE
+    assert choose(key(limit + 2), Layout(2)) is Algorithm.PAIR_EXCHANGE
+    assert choose(key(limit), Layout(3)) is Algorithm.MPI
+    assert choose(key(limit), Layout(2, checks=False)) is Algorithm.MPI
 
 
 def test_riding_dtypes_and_ops_are_those_numpy_combines_as_mpi_does():
@@ -334,18 +367,25 @@ def test_two_rank_gathers_scatters_and_broadcasts_go_point_to_point_where_measur
                        counts=(size // 4,) * 2 if collective == "all_gather" else None)
         return made._replace(**fields)
 
-    pair = Layout(2)
-    for size in (0, 4, 4 << 10, PAIR_BROADCAST_MAX_BYTES):
+    pair, above_ride = Layout(2), 2 * EXCHANGE_RIDE_MAX_BYTES + 8
+    small = Algorithm.PAIR_EXCHANGE if collective == "broadcast" else Algorithm.PAIR_RIDE
+    for size in (0, 4, EXCHANGE_RIDE_MAX_BYTES):  # small: in the check's message
+        assert choose(key(size), pair) is small
+    for size in (above_ride, PAIR_BROADCAST_MAX_BYTES):
         assert choose(key(size), pair) is Algorithm.PAIR_EXCHANGE
     big = PAIR_GATHER_MAX_BYTES + 4
     want_big = Algorithm.PAIR_EXCHANGE if collective == "reduce_scatter" else Algorithm.MPI
     assert choose(key(big), pair) is want_big
     for other in (Layout(3), Layout(2, checks=False), Layout(2, nodes=2)):
-        assert choose(key(4 << 10), other) is Algorithm.MPI
-    assert choose(key(4 << 10, async_op=True), pair) is Algorithm.MPI
-    assert choose(key(4 << 10, library="cupy"), pair) is Algorithm.MPI
-    if collective == "all_gather":  # without sizes the counts come first: MPI's
-        assert choose(key(4 << 10, counts=None), pair) is Algorithm.MPI
+        assert choose(key(above_ride), other) is Algorithm.MPI
+    rides_across_nodes = small is Algorithm.PAIR_RIDE  # the exchange stays on one node
+    assert choose(key(4 << 10), Layout(2, nodes=2)) is (
+        Algorithm.PAIR_RIDE if rides_across_nodes else Algorithm.MPI)
+    for size in (4 << 10, above_ride):
+        assert choose(key(size, async_op=True), pair) is Algorithm.MPI
+        assert choose(key(size, library="cupy"), pair) is Algorithm.MPI
+        if collective == "all_gather":  # without sizes the counts come first: MPI's
+            assert choose(key(size, counts=None), pair) is Algorithm.MPI
 
 
 @given(data=st.data(), dtype=st.sampled_from([np.float32, np.float64, np.int8]),
@@ -378,8 +418,11 @@ def test_an_all_gathers_choice_is_the_same_on_every_rank_whatever_its_own_block(
 
 def test_the_rows_state_the_thresholds_they_use():
     """A reader of one row's reason sees the sizes the code uses."""
-    ride, halves, pieces, exchange, point_to_point, last = TABLE
+    ride, exchange_ride, halves, pieces, exchange, point_to_point, last = TABLE
     assert ride.algorithm is Algorithm.PAIR_RIDE and f"<= {RIDE_MAX_BYTES >> 10} KiB" in ride.why
+    assert exchange_ride.algorithm is Algorithm.PAIR_RIDE
+    assert f"<= {EXCHANGE_RIDE_MAX_BYTES >> 10} KiB" in exchange_ride.why
+    assert EXCHANGE_RIDE_MAX_BYTES <= RIDE_MAX_BYTES  # the guard's room for a riding message
     assert halves.algorithm is Algorithm.PAIR_HALVES
     assert f"{HALVES_FROM_BYTES >> 10} KiB to {PIECES_FROM_BYTES >> 20} MiB" in halves.why
     assert HALVES_FROM_BYTES > RIDE_MAX_BYTES  # a mean the ride takes never gets here

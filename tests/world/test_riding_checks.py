@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 import axondist as ad
 from axondist._array import dtype_named
 from axondist.backends.base import PLAN_CACHE_LIMIT as _RIDERS_LIMIT
-from axondist.backends.mpi.choose import RIDE_MAX_BYTES
+from axondist.backends.mpi.choose import EXCHANGE_RIDE_MAX_BYTES, RIDE_MAX_BYTES
 
 OPS = ["sum", "average", "max", "min", "product"]
 DTYPES = ["float32", "float64", "int32", "int64"]
@@ -137,9 +137,10 @@ def test_small_all_gathers_match_numpy(n, seed, rows, trailing, dtype, give_size
 
 
 @given(n=world_sizes(1, 4), seed=st.integers(0, 2**31 - 1), offset=st.sampled_from([-1, 0, 1]),
-       dtype=st.sampled_from(["float32", "float64"]))
-def test_all_gather_on_both_sides_of_the_riding_limit(n, seed, offset, dtype):
-    rows = RIDE_MAX_BYTES // np.dtype(dtype).itemsize + offset
+       dtype=st.sampled_from(["float32", "float64"]),
+       limit=st.sampled_from([EXCHANGE_RIDE_MAX_BYTES, RIDE_MAX_BYTES]))
+def test_all_gather_on_both_sides_of_the_riding_limit(n, seed, offset, dtype, limit):
+    rows = limit // np.dtype(dtype).itemsize + offset
     run_world(_body_gather, n, seed, [rows], (), dtype, True)
 
 
@@ -159,9 +160,11 @@ def _body_scatter(world: ad.World, seed: int, rows: int, dtype: str, op: str) ->
 
 @given(n=world_sizes(1, 4), seed=st.integers(0, 2**31 - 1), dtype=st.sampled_from(DTYPES),
        op=st.sampled_from(OPS), rows=st.one_of(st.integers(0, 9),
-                                              st.sampled_from([2 * 1365, 2 * 1366 + 1])))
+                                              st.sampled_from([341, 342, 682, 683,
+                                                               2 * 1365, 2 * 1366 + 1])))
 def test_small_reduce_scatters_match_numpy(n, seed, dtype, op, rows):
-    # 1365 rows of 3 float64 are just under RIDE_MAX_BYTES, 1366 just over
+    # rows of 3 values about the two-rank ride's limit (EXCHANGE_RIDE_MAX_BYTES sent, half
+    # the input: 341 and 342 rows of float64, 682 and 683 of float32) and RIDE_MAX_BYTES
     if op == "average" and dtype.startswith("int"):
         op = "sum"
     run_world(_body_scatter, n, seed, rows, dtype, op)

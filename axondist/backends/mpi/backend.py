@@ -28,7 +28,11 @@ from ..recording.recorder import FlightRecorder
 from ..work import PolledWork, Work
 from .algorithms.pair_exchange import PairAllGatherPlan, PairBroadcastPlan, PairReduceScatterPlan
 from .algorithms.pair_halves import PairHalvesMeanPlan
-from .algorithms.pair_ride import PairRidePlan
+from .algorithms.pair_ride import (
+    PairRideAllGatherPlan,
+    PairRidePlan,
+    PairRideReduceScatterPlan,
+)
 from .algorithms.pieces import AllReducePiecesPlan
 from .choose import Algorithm, Layout, choose
 from .guard import CallGuard, wait_until
@@ -66,8 +70,10 @@ PLANS: dict[tuple[str, Algorithm], Callable[[Any, CallKey], Plan]] = {
     ("broadcast", Algorithm.PAIR_EXCHANGE): PairBroadcastPlan,
     ("all_gather", Algorithm.MPI): AllGatherPlan,
     ("all_gather", Algorithm.PAIR_EXCHANGE): PairAllGatherPlan,
+    ("all_gather", Algorithm.PAIR_RIDE): PairRideAllGatherPlan,
     ("reduce_scatter", Algorithm.MPI): ReduceScatterPlan,
     ("reduce_scatter", Algorithm.PAIR_EXCHANGE): PairReduceScatterPlan,
+    ("reduce_scatter", Algorithm.PAIR_RIDE): PairRideReduceScatterPlan,
     ("reduce", Algorithm.MPI): ReducePlan,
     ("gather", Algorithm.MPI): GatherPlan,
     ("scatter", Algorithm.MPI): ScatterPlan,

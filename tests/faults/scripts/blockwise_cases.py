@@ -103,10 +103,29 @@ def big_mismatch_caught_then_good(world: ad.World) -> None:
     print(f"big_mismatch_caught_then_good OK rank {rank}", flush=True)
 
 
+def ride_vs_exchange_caught_then_good(world: ad.World) -> None:
+    # rank 0's reduce-scatter is small enough to ride with the check (two ranks on MPI); the
+    # last rank's sends its block ahead of it: both name the shapes, and nothing is left
+    n, rank, last = world.world_size, world.rank, world.rank == world.world_size - 1
+    try:
+        ad.reduce_scatter(np.ones(BIG if last else 8 * n))
+    except ad.CollectiveMismatchError as exc:
+        assert "reduce_scatter: ranks disagree on shape" in str(exc), exc
+    else:
+        raise AssertionError("a shape mismatch passed")
+    got = ad.reduce_scatter(np.arange(8 * n, dtype=np.float64) + rank)
+    whole = sum(np.arange(8 * n, dtype=np.float64) + r for r in range(n))
+    np.testing.assert_array_equal(got, np.array_split(whole, n)[rank])
+    got = ad.all_gather(np.full(3, float(rank)), sizes=[3] * n)
+    np.testing.assert_array_equal(got, np.repeat(np.arange(n, dtype=float), 3))
+    print(f"ride_vs_exchange_caught_then_good OK rank {rank}", flush=True)
+
+
 CASES = {f.__name__: f for f in (rows_dtype, rows_trailing, rows_big_dtype, rows_vs_sizes,
                                   rows_vs_broadcast, rows_mismatch_caught_then_good,
                                   big_sizes_mismatch, big_src_mismatch, big_gather_vs_broadcast,
-                                  big_mismatch_caught_then_good)}
+                                  big_mismatch_caught_then_good,
+                                  ride_vs_exchange_caught_then_good)}
 
 
 if __name__ == "__main__":

@@ -1,12 +1,16 @@
-"""A small blocking all-reduce in a group of two whose data rides with its check.
+"""Small blocking collectives in a group of two whose data rides with their check.
 
-Each rank sends one message, its check header followed by its values, through persistent
-requests on the checks' communicator, and receives the other rank's the same way; once
-the headers agree it combines the two halves with NumPy (for two ranks ``a + b`` equals
-``b + a`` bit for bit, so the result has the bits of MPI's own ``Allreduce``). A rank whose
-call differs meets this message in its own check and both raise the mismatch; the caller's
-buffer is written only after the headers agreed. Messages are built in the guard's one
-outgoing buffer and land in its one receive buffer, so a plan keeps no memory of its own.
+Each rank sends one message, its check header followed by the values the other rank needs
+(all of them for an all-reduce; the other rank's block for a reduce-scatter; its own block
+for an all-gather), through
+persistent requests on the checks' communicator, and receives the other rank's the same
+way: the check and the data cost one message each way, where MPI's own call makes at least
+one round trip after the check's. Once the headers agree a reduction combines the two sides
+with NumPy (for two ranks ``a + b`` equals ``b + a`` bit for bit, so the result has the
+bits of MPI's own ``Allreduce`` or ``Reduce_scatter``). A rank whose call differs meets this
+message in its own check and both raise the mismatch; the caller's buffer is written only
+after the headers agreed. Messages are built in the guard's one outgoing buffer and land in
+its one receive buffer, so a plan keeps no memory of its own.
 """
 
 from __future__ import annotations
@@ -17,7 +21,9 @@ import numpy as np
 
 from ...plan import CallKey, Plan
 from ..guard import HEADER, PAIR_TAG, check_words
+from ..plans import AllGatherPlan, MPIPlan, ReduceScatterPlan
 from ..transport import mean_scaling
+from .pair_exchange import _AheadRun
 
 if TYPE_CHECKING:
     from ..backend import MPIBackend
@@ -79,4 +85,98 @@ class PairRidePlan(Plan):
         self._requests[0].Free()
 
 
-__all__ = ["PairRidePlan"]
+class RidingCheck:
+    """A two-rank call's check whose message carries its data: this rank's header (the
+    call's hash, no disagreement, the bytes that follow) and ``sends`` bytes of values
+    (:attr:`outgoing`, filled by the plan before :meth:`agree`), in a persistent send; the
+    other rank's header must say ``receives`` bytes follow (:attr:`incoming`)."""
+
+    __slots__ = ("_guard", "_plan", "_head", "_header", "_requests", "_expected", "outgoing",
+                 "incoming")
+
+    def __init__(self, plan: MPIPlan, backend: MPIBackend, sends: int, receives: int) -> None:
+        guard = self._guard = backend.guard
+        assert guard.comm is not None and guard.peer is not None  # the table's rule
+        self._plan = plan
+        message = guard.outgoing[:HEADER + sends]
+        self._head = np.array([int(plan._words[0]), 0, sends], np.int64)
+        self._header = message[:HEADER].view(np.int64)
+        self.outgoing = message[HEADER:].view(plan.key.dtype)
+        self.incoming = guard.received[HEADER:HEADER + receives].view(plan.key.dtype)
+        self._requests = [guard.comm.Send_init(message, guard.peer, PAIR_TAG), guard.receive]
+        self._expected = receives
+
+    def agree(self) -> None:
+        """Swap the messages; return when the other rank makes the same call, else raise
+        the mismatch on both."""
+        self._header[:] = self._head  # other plans build their messages there too
+        if self._guard.swap(self._requests, int(self._head[0]), self._expected):
+            self._guard.disagree(self._plan.key.collective, self._plan._check_key)
+
+    def free(self) -> None:
+        self._requests[0].Free()
+
+
+def _flat(array: Any) -> Any:
+    """``array`` as one dimension, a view (the plans' buffers are contiguous)."""
+    return array.reshape(-1)
+
+
+class PairRideReduceScatterPlan(_AheadRun, ReduceScatterPlan):
+    """The other rank's block rides with the check; its values of this rank's block are
+    combined with this rank's into the result."""
+
+    __slots__ = ("_mine", "_theirs", "_ufunc", "_check")
+
+    def __init__(self, backend: MPIBackend, key: CallKey) -> None:
+        super().__init__(backend, key)
+        rank, first = backend.rank, self._counts[0]
+        self._mine = slice(0, first) if rank == 0 else slice(first, None)
+        self._theirs = slice(first, None) if rank == 0 else slice(0, first)
+        self._ufunc = _UFUNCS[key.reduce_op]  # type: ignore[index]
+        size = key.dtype.itemsize
+        self._check = RidingCheck(self, backend, self._counts[1 - rank] * size,
+                                  self._counts[rank] * size)
+
+    def _exchange(self, send: Any, recv: Any) -> Any:
+        out = self._output(recv)
+        flat = _flat(send)
+        self._check.outgoing[...] = flat[self._theirs]
+        self._check.agree()
+        with np.errstate(invalid="ignore"):  # MIN and MAX propagate NaN on purpose
+            self._ufunc(flat[self._mine], self._check.incoming, out=_flat(out))
+        self._finish(out)
+        return out
+
+    def _move(self, send: Any, recv: Any) -> Any:
+        raise AssertionError("a blocking riding reduce-scatter runs _exchange")
+
+
+class PairRideAllGatherPlan(_AheadRun, AllGatherPlan):
+    """This rank's block rides with the check; the other's lands in place from it."""
+
+    __slots__ = ("_mine", "_theirs", "_check")
+
+    def __init__(self, backend: MPIBackend, key: CallKey) -> None:
+        super().__init__(backend, key)
+        rank, peer, size = backend.rank, 1 - backend.rank, key.dtype.itemsize
+        self._mine = slice(self._displs[rank], self._displs[rank] + self._counts[rank])
+        self._theirs = slice(self._displs[peer], self._displs[peer] + self._counts[peer])
+        self._check = RidingCheck(self, backend, self._counts[rank] * size,
+                                  self._counts[peer] * size)
+
+    def _exchange(self, send: Any, recv: Any) -> Any:
+        out = self._output(recv)
+        self._check.outgoing[...] = _flat(send)
+        self._check.agree()
+        flat = _flat(out)
+        flat[self._theirs] = self._check.incoming
+        flat[self._mine] = _flat(send)
+        return out
+
+    def _move(self, send: Any, recv: Any) -> Any:
+        raise AssertionError("a blocking riding all-gather runs _exchange")
+
+
+__all__ = ["PairRideAllGatherPlan", "PairRidePlan", "PairRideReduceScatterPlan",
+           "RidingCheck"]
