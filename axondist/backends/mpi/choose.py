@@ -182,8 +182,8 @@ TABLE: tuple[Rule, ...] = (
          f"ranks, <= {EXCHANGE_RIDE_MAX_BYTES >> 10} KiB of data sent (the other rank's "
          "block; this rank's): the data rides with the check, one message each way instead "
          "of the exchange's two; against the exchange, reduce-scatter 0.80x of a 4 KiB and "
-         "0.79x of an 8 KiB input, all-gather 0.86x of 4 KiB blocks (8 KiB sent: 1.09x and "
-         "1.16x, not kept there)"),
+         "0.79x of an 8 KiB input (0.65x with a sum outside errstate), all-gather 0.86x of "
+         "4 KiB blocks (8 KiB sent: 1.09x and 1.16x, not kept there)"),
     Rule(_halves, Algorithm.PAIR_HALVES,
          "blocking float32/64 AVERAGE all-reduce, 2 ranks on one node, 1024 KiB to 32 MiB: "
          "the other rank's half sent ahead of the check, each half summed and scaled in one "

@@ -126,7 +126,7 @@ class PairRideReduceScatterPlan(_AheadRun, ReduceScatterPlan):
     """The other rank's block rides with the check; its values of this rank's block are
     combined with this rank's into the result."""
 
-    __slots__ = ("_mine", "_theirs", "_ufunc", "_check")
+    __slots__ = ("_mine", "_theirs", "_ufunc", "_nan_quiet", "_check")
 
     def __init__(self, backend: MPIBackend, key: CallKey) -> None:
         super().__init__(backend, key)
@@ -134,6 +134,8 @@ class PairRideReduceScatterPlan(_AheadRun, ReduceScatterPlan):
         self._mine = slice(0, first) if rank == 0 else slice(first, None)
         self._theirs = slice(first, None) if rank == 0 else slice(0, first)
         self._ufunc = _UFUNCS[key.reduce_op]  # type: ignore[index]
+        #: MIN and MAX meet NaN on purpose (they propagate it): no warning for that.
+        self._nan_quiet = key.reduce_op in ("MIN", "MAX")
         size = key.dtype.itemsize
         self._check = RidingCheck(self, backend, self._counts[1 - rank] * size,
                                   self._counts[rank] * size)
@@ -143,7 +145,10 @@ class PairRideReduceScatterPlan(_AheadRun, ReduceScatterPlan):
         flat = _flat(send)
         self._check.outgoing[...] = flat[self._theirs]
         self._check.agree()
-        with np.errstate(invalid="ignore"):  # MIN and MAX propagate NaN on purpose
+        if self._nan_quiet:
+            with np.errstate(invalid="ignore"):
+                self._ufunc(flat[self._mine], self._check.incoming, out=_flat(out))
+        else:
             self._ufunc(flat[self._mine], self._check.incoming, out=_flat(out))
         self._finish(out)
         return out
