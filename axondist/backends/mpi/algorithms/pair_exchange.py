@@ -73,9 +73,10 @@ class AheadCheck:
         self._requests[0].Free()
 
 
-class _AheadRun:
-    """``run`` of a two-rank exchange plan: numbered and recorded, then :meth:`_exchange`
-    (which checks, through its :class:`AheadCheck`); MPI errors as axondist's."""
+class PairRun:
+    """``run`` of a blocking two-rank plan: numbered and recorded, then :meth:`_exchange`
+    (which checks, through its :class:`AheadCheck` or riding check); MPI errors as
+    axondist's. A non-blocking call runs as its MPI plan's."""
 
     __slots__ = ()
 
@@ -96,7 +97,7 @@ class _AheadRun:
         self._check.free()
 
 
-class PairAllGatherPlan(_AheadRun, AllGatherPlan):
+class PairAllGatherPlan(PairRun, AllGatherPlan):
     """This rank's block copied into place, the other's received there."""
 
     __slots__ = ("_peer", "_private", "_mine", "_theirs", "_check")
@@ -127,7 +128,7 @@ class PairAllGatherPlan(_AheadRun, AllGatherPlan):
         raise AssertionError("a blocking pair all-gather runs _exchange")
 
 
-class PairReduceScatterPlan(_AheadRun, ReduceScatterPlan):
+class PairReduceScatterPlan(PairRun, ReduceScatterPlan):
     """The other rank's block sent, this rank's block of theirs received into the result
     (into a temporary when the result overlaps the input), then combined there."""
 
@@ -163,7 +164,7 @@ class PairReduceScatterPlan(_AheadRun, ReduceScatterPlan):
         raise AssertionError("a blocking pair reduce-scatter runs _exchange")
 
 
-class PairBroadcastPlan(_AheadRun, BroadcastPlan):
+class PairBroadcastPlan(PairRun, BroadcastPlan):
     """The root's values sent ahead of the check; the other rank receives them into its
     buffer once the check agreed."""
 
@@ -195,4 +196,4 @@ class PairBroadcastPlan(_AheadRun, BroadcastPlan):
 
 
 __all__ = ["AheadCheck", "PairAllGatherPlan", "PairBroadcastPlan",
-           "PairReduceScatterPlan", "pair_of"]
+           "PairReduceScatterPlan", "PairRun", "pair_of"]

@@ -23,7 +23,7 @@ from ...plan import CallKey, Plan
 from ..guard import HEADER, PAIR_TAG, check_words
 from ..plans import AllGatherPlan, MPIPlan, ReduceScatterPlan
 from ..transport import mean_scaling
-from .pair_exchange import _AheadRun
+from .pair_exchange import PairRun
 
 if TYPE_CHECKING:
     from ..backend import MPIBackend
@@ -122,7 +122,7 @@ def _flat(array: Any) -> Any:
     return array.reshape(-1)
 
 
-class PairRideReduceScatterPlan(_AheadRun, ReduceScatterPlan):
+class PairRideReduceScatterPlan(PairRun, ReduceScatterPlan):
     """The other rank's block rides with the check; its values of this rank's block are
     combined with this rank's into the result."""
 
@@ -157,7 +157,7 @@ class PairRideReduceScatterPlan(_AheadRun, ReduceScatterPlan):
         raise AssertionError("a blocking riding reduce-scatter runs _exchange")
 
 
-class PairRideAllGatherPlan(_AheadRun, AllGatherPlan):
+class PairRideAllGatherPlan(PairRun, AllGatherPlan):
     """This rank's block rides with the check; the other's lands in place from it."""
 
     __slots__ = ("_mine", "_theirs", "_check")
