@@ -228,6 +228,6 @@ def choose(key: CallKey, layout: Layout) -> Algorithm:
 
 
 __all__ = ["EXCHANGE_RIDE_MAX_BYTES", "HALVES_DTYPES", "HALVES_FROM_BYTES", "NODE_CHUNK_BYTES",
-           "PAIR_BROADCAST_MAX_BYTES",
-           "PAIR_GATHER_MAX_BYTES", "PIECES_FROM_BYTES", "RIDE_DTYPES", "RIDE_MAX_BYTES",
-           "TABLE", "Algorithm", "Layout", "Rule", "choose", "largest_block_bytes", "nbytes"]
+           "PAIR_BROADCAST_MAX_BYTES", "PAIR_GATHER_MAX_BYTES", "PIECES_FROM_BYTES",
+           "RIDE_DTYPES", "RIDE_MAX_BYTES", "TABLE", "Algorithm", "Layout", "Rule", "choose",
+           "largest_block_bytes", "nbytes"]
