@@ -29,8 +29,8 @@ if TYPE_CHECKING:
     from ..backend import MPIBackend
 
 #: NumPy's equal of each reduction (MIN and MAX propagate NaN, as the backend's float ops).
-_UFUNCS = {"SUM": np.add, "AVERAGE": np.add, "MAX": np.maximum, "MIN": np.minimum,
-           "PRODUCT": np.multiply}
+UFUNCS = {"SUM": np.add, "AVERAGE": np.add, "MAX": np.maximum, "MIN": np.minimum,
+          "PRODUCT": np.multiply}
 
 
 def pair_of(backend: MPIBackend) -> tuple[int, Any]:
@@ -38,6 +38,13 @@ def pair_of(backend: MPIBackend) -> tuple[int, Any]:
     guard = backend.guard
     assert guard.peer is not None and guard.comm is not None
     return guard.peer, guard.comm
+
+
+def pair_blocks(counts: list[int], rank: int) -> tuple[slice, slice]:
+    """This rank's block and the other rank's in a flat buffer of the two ranks' blocks in
+    rank order (``counts``: their elements)."""
+    first, second = slice(0, counts[0]), slice(counts[0], counts[0] + counts[1])
+    return (first, second) if rank == 0 else (second, first)
 
 
 class AheadCheck:
@@ -106,12 +113,9 @@ class PairAllGatherPlan(PairRun, AllGatherPlan):
         super().__init__(backend, key)
         self._peer, self._private = pair_of(backend)
         size = key.dtype.itemsize
-        lo = self._displs[backend.rank]
-        self._mine = slice(lo, lo + self._counts[backend.rank])
-        peer = 1 - backend.rank
-        self._theirs = slice(self._displs[peer], self._displs[peer] + self._counts[peer])
+        self._mine, self._theirs = pair_blocks(self._counts, backend.rank)
         self._check = AheadCheck(self, backend, self._counts[backend.rank] * size,
-                                 self._counts[peer] * size)
+                                 self._counts[1 - backend.rank] * size)
 
     def _exchange(self, send: Any, recv: Any) -> Any:
         out = self._output(recv)
@@ -138,10 +142,8 @@ class PairReduceScatterPlan(PairRun, ReduceScatterPlan):
         super().__init__(backend, key)
         self._peer, self._private = pair_of(backend)
         rank, peer = backend.rank, 1 - backend.rank
-        first = self._counts[0]
-        self._mine = slice(0, first) if rank == 0 else slice(first, None)
-        self._theirs = slice(0, first) if peer == 0 else slice(first, None)
-        self._ufunc = _UFUNCS[key.reduce_op]  # type: ignore[index]
+        self._mine, self._theirs = pair_blocks(self._counts, rank)
+        self._ufunc = UFUNCS[key.reduce_op]  # type: ignore[index]
         size = key.dtype.itemsize
         self._check = AheadCheck(self, backend, self._counts[peer] * size,
                                  self._counts[rank] * size)
@@ -195,5 +197,5 @@ class PairBroadcastPlan(PairRun, BroadcastPlan):
         raise AssertionError("a blocking pair broadcast runs _exchange")
 
 
-__all__ = ["AheadCheck", "PairAllGatherPlan", "PairBroadcastPlan",
-           "PairReduceScatterPlan", "PairRun", "pair_of"]
+__all__ = ["UFUNCS", "AheadCheck", "PairAllGatherPlan", "PairBroadcastPlan",
+           "PairReduceScatterPlan", "PairRun", "pair_blocks", "pair_of"]

@@ -19,44 +19,75 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ...checks import Key
 from ...plan import CallKey, Plan
-from ..guard import HEADER, PAIR_TAG, check_words
+from ..guard import HEADER, PAIR_TAG, CallGuard, check_words
 from ..plans import AllGatherPlan, MPIPlan, ReduceScatterPlan
 from ..transport import mean_scaling
-from .pair_exchange import PairRun
+from .pair_exchange import UFUNCS, PairRun, pair_blocks
 
 if TYPE_CHECKING:
     from ..backend import MPIBackend
 
-#: NumPy's equal of each reduction (MIN and MAX propagate NaN, as the backend's float ops).
-_UFUNCS = {"SUM": np.add, "AVERAGE": np.add, "MAX": np.maximum, "MIN": np.minimum,
-           "PRODUCT": np.multiply}
+class RidingCheck:
+    """A two-rank call's check whose message carries its data: this rank's header (the
+    call's hash ``h``, no disagreement, the bytes that follow) and ``sends`` bytes of values
+    (:attr:`outgoing`, filled by the plan before :meth:`agree`), in a persistent send; the
+    other rank's header must say ``receives`` bytes follow (:attr:`incoming`). The message is
+    built in the guard's one outgoing buffer and lands in its one receive buffer."""
+
+    __slots__ = ("_guard", "_collective", "_check_key", "_expected", "head", "header",
+                 "requests", "outgoing", "incoming")
+
+    def __init__(self, guard: CallGuard, h: int, collective: str, check_key: Key,
+                 dtype: np.dtype, sends: int, receives: int) -> None:
+        assert guard.comm is not None and guard.peer is not None  # the table's rule
+        self._guard, self._collective, self._check_key = guard, collective, check_key
+        message = guard.outgoing[:HEADER + sends]
+        #: This call's header, written into the shared message at every call (other plans
+        #: build theirs there too), and where it goes.
+        self.head = np.array([h, 0, sends], np.int64)
+        self.header = message[:HEADER].view(np.int64)
+        self.outgoing = message[HEADER:].view(dtype)
+        self.incoming = guard.received[HEADER:HEADER + receives].view(dtype)
+        self.requests = [guard.comm.Send_init(message, guard.peer, PAIR_TAG), guard.receive]
+        self._expected = receives
+
+    @classmethod
+    def of(cls, plan: MPIPlan, sends: int, receives: int) -> RidingCheck:
+        """The riding check of a checked MPI plan."""
+        return cls(plan._guard, int(plan._words[0]), plan.key.collective, plan._check_key,
+                   plan.key.dtype, sends, receives)
+
+    def agree(self) -> None:
+        """Swap the messages; return when the other rank makes the same call, else raise
+        the mismatch on both."""
+        self.header[:] = self.head
+        if self._guard.swap(self.requests, int(self.head[0]), self._expected):
+            self._guard.disagree(self._collective, self._check_key)
+
+    def free(self) -> None:
+        self.requests[0].Free()
 
 
 class PairRidePlan(Plan):
-    """The riding all-reduce of one key (see the module docstring)."""
+    """The riding all-reduce of one key (see the module docstring): all of this rank's
+    values ride, and the other rank's are combined with them."""
 
-    __slots__ = ("_guard", "_check_key", "_h", "_nbytes", "_head", "_header", "_mine",
-                 "_theirs", "_requests", "_ufunc", "_scale", "_nan_quiet")
+    __slots__ = ("_guard", "_check_key", "_h", "_nbytes", "_check", "_mine", "_theirs",
+                 "_ufunc", "_scale", "_nan_quiet")
 
     def __init__(self, backend: MPIBackend, key: CallKey) -> None:
         super().__init__(key)
         guard = self._guard = backend.guard
-        assert guard.comm is not None and guard.peer is not None  # the table's rule
         self._check_key = key.signature() + (("async_op", False),)
         self._h = int(check_words("all_reduce", self._check_key)[0])
-        count = int(np.prod(key.shape, dtype=np.int64))
-        self._nbytes = count * key.dtype.itemsize
-        message = guard.outgoing[:HEADER + self._nbytes]
-        #: This call's header (the hash, no disagreement, the data's bytes), written into
-        #: the shared message at every call: other plans write theirs there too.
-        self._head = np.array([self._h, 0, self._nbytes], np.int64)
-        self._header = message[:HEADER].view(np.int64)
-        self._mine = message[HEADER:].view(key.dtype).reshape(key.shape)
-        self._theirs = guard.received[HEADER:HEADER + self._nbytes].view(key.dtype).reshape(
-            key.shape)
-        self._requests = [guard.comm.Send_init(message, guard.peer, PAIR_TAG), guard.receive]
-        self._ufunc = _UFUNCS[key.reduce_op]  # type: ignore[index]
+        self._nbytes = int(np.prod(key.shape, dtype=np.int64)) * key.dtype.itemsize
+        self._check = RidingCheck(guard, self._h, "all_reduce", self._check_key, key.dtype,
+                                  self._nbytes, self._nbytes)
+        self._mine = self._check.outgoing.reshape(key.shape)
+        self._theirs = self._check.incoming.reshape(key.shape)
+        self._ufunc = UFUNCS[key.reduce_op]  # type: ignore[index]
         self._scale = mean_scaling(2)[1] if key.reduce_op == "AVERAGE" else None
         #: MIN and MAX meet NaN on purpose (they propagate it): no warning for that.
         self._nan_quiet = key.reduce_op in ("MIN", "MAX")
@@ -65,10 +96,11 @@ class PairRidePlan(Plan):
         guard = self._guard
         seq, slot = guard.begin("all_reduce", self._check_key[:-1])
         try:
-            mine = self._mine
-            self._header[:] = self._head
+            mine, check = self._mine, self._check
             mine[...] = send
-            if guard.swap(self._requests, self._h, self._nbytes):
+            # the check's agree(), inlined: the call-cost budget counts this path's frames
+            check.header[:] = check.head
+            if guard.swap(check.requests, self._h, self._nbytes):
                 guard.disagree("all_reduce", self._check_key)
             if self._nan_quiet:
                 with np.errstate(invalid="ignore"):
@@ -82,39 +114,7 @@ class PairRidePlan(Plan):
         return send
 
     def free(self) -> None:
-        self._requests[0].Free()
-
-
-class RidingCheck:
-    """A two-rank call's check whose message carries its data: this rank's header (the
-    call's hash, no disagreement, the bytes that follow) and ``sends`` bytes of values
-    (:attr:`outgoing`, filled by the plan before :meth:`agree`), in a persistent send; the
-    other rank's header must say ``receives`` bytes follow (:attr:`incoming`)."""
-
-    __slots__ = ("_guard", "_plan", "_head", "_header", "_requests", "_expected", "outgoing",
-                 "incoming")
-
-    def __init__(self, plan: MPIPlan, backend: MPIBackend, sends: int, receives: int) -> None:
-        guard = self._guard = backend.guard
-        assert guard.comm is not None and guard.peer is not None  # the table's rule
-        self._plan = plan
-        message = guard.outgoing[:HEADER + sends]
-        self._head = np.array([int(plan._words[0]), 0, sends], np.int64)
-        self._header = message[:HEADER].view(np.int64)
-        self.outgoing = message[HEADER:].view(plan.key.dtype)
-        self.incoming = guard.received[HEADER:HEADER + receives].view(plan.key.dtype)
-        self._requests = [guard.comm.Send_init(message, guard.peer, PAIR_TAG), guard.receive]
-        self._expected = receives
-
-    def agree(self) -> None:
-        """Swap the messages; return when the other rank makes the same call, else raise
-        the mismatch on both."""
-        self._header[:] = self._head  # other plans build their messages there too
-        if self._guard.swap(self._requests, int(self._head[0]), self._expected):
-            self._guard.disagree(self._plan.key.collective, self._plan._check_key)
-
-    def free(self) -> None:
-        self._requests[0].Free()
+        self._check.free()
 
 
 def _flat(array: Any) -> Any:
@@ -130,15 +130,14 @@ class PairRideReduceScatterPlan(PairRun, ReduceScatterPlan):
 
     def __init__(self, backend: MPIBackend, key: CallKey) -> None:
         super().__init__(backend, key)
-        rank, first = backend.rank, self._counts[0]
-        self._mine = slice(0, first) if rank == 0 else slice(first, None)
-        self._theirs = slice(first, None) if rank == 0 else slice(0, first)
-        self._ufunc = _UFUNCS[key.reduce_op]  # type: ignore[index]
+        rank = backend.rank
+        self._mine, self._theirs = pair_blocks(self._counts, rank)
+        self._ufunc = UFUNCS[key.reduce_op]  # type: ignore[index]
         #: MIN and MAX meet NaN on purpose (they propagate it): no warning for that.
         self._nan_quiet = key.reduce_op in ("MIN", "MAX")
         size = key.dtype.itemsize
-        self._check = RidingCheck(self, backend, self._counts[1 - rank] * size,
-                                  self._counts[rank] * size)
+        self._check = RidingCheck.of(self, self._counts[1 - rank] * size,
+                                     self._counts[rank] * size)
 
     def _exchange(self, send: Any, recv: Any) -> Any:
         out = self._output(recv)
@@ -164,11 +163,10 @@ class PairRideAllGatherPlan(PairRun, AllGatherPlan):
 
     def __init__(self, backend: MPIBackend, key: CallKey) -> None:
         super().__init__(backend, key)
-        rank, peer, size = backend.rank, 1 - backend.rank, key.dtype.itemsize
-        self._mine = slice(self._displs[rank], self._displs[rank] + self._counts[rank])
-        self._theirs = slice(self._displs[peer], self._displs[peer] + self._counts[peer])
-        self._check = RidingCheck(self, backend, self._counts[rank] * size,
-                                  self._counts[peer] * size)
+        rank, size = backend.rank, key.dtype.itemsize
+        self._mine, self._theirs = pair_blocks(self._counts, rank)
+        self._check = RidingCheck.of(self, self._counts[rank] * size,
+                                     self._counts[1 - rank] * size)
 
     def _exchange(self, send: Any, recv: Any) -> Any:
         out = self._output(recv)
