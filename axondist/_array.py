@@ -12,6 +12,7 @@ allows it (:mod:`axondist._frameworks` knows torch's and JAX's particulars).
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import sys
 from collections.abc import Iterable, Sequence
@@ -25,23 +26,48 @@ import numpy as np
 from ._frameworks import framework_of
 from .errors import InvalidBufferError, UnsupportedDTypeError
 
-try:  # bfloat16 is a NumPy extension dtype shipped by ml_dtypes.
-    from ml_dtypes import bfloat16 as _bfloat16
-
-    bfloat16: np.dtype | None = np.dtype(_bfloat16)
-except ImportError:  # pragma: no cover - ml_dtypes is a declared dependency
-    bfloat16 = None
-
-#: dtypes every backend accepts, in the order they are documented.
-SUPPORTED_DTYPES: tuple[np.dtype, ...] = tuple(
+#: The dtypes every backend accepts that NumPy itself defines, in the order they are documented.
+_NUMPY_DTYPES: tuple[np.dtype, ...] = tuple(
     np.dtype(d)
     for d in ("float16", "float32", "float64", "int8", "uint8", "int32", "int64", "bool",
               "complex64", "complex128")
-) + ((bfloat16,) if bfloat16 is not None else ())
+)
+#: The names of every dtype a backend accepts: NumPy's, then bfloat16 (ml_dtypes' NumPy
+#: extension, imported on first use: a bfloat16 array exists only once ml_dtypes is loaded,
+#: so a job without one never pays for the import).
+SUPPORTED_DTYPE_NAMES: tuple[str, ...] = tuple(d.name for d in _NUMPY_DTYPES) + ("bfloat16",)
+#: The 2-byte floating-point dtypes, by name: their means are computed in float32.
+HALF_PRECISION = frozenset(("float16", "bfloat16"))
 
 # np.dtype instances have one class per dtype (numpy.dtypes.Float32DType, ...), so
-# checking the class is a cheap exact test on the per-call hot path.
-_SUPPORTED_DTYPE_CLASSES = frozenset(type(d) for d in SUPPORTED_DTYPES)
+# checking the class is a cheap exact test on the per-call hot path (bfloat16's class
+# joins when ml_dtypes is first loaded).
+_SUPPORTED_DTYPE_CLASSES = {type(d) for d in _NUMPY_DTYPES}
+
+
+@functools.cache
+def bfloat16_dtype() -> np.dtype:
+    """ml_dtypes' bfloat16 as ``np.dtype``, imported on the first call."""
+    from ml_dtypes import bfloat16
+
+    dtype = np.dtype(bfloat16)
+    _SUPPORTED_DTYPE_CLASSES.add(type(dtype))
+    return dtype
+
+
+def __getattr__(name: str) -> Any:
+    """``bfloat16`` and ``SUPPORTED_DTYPES`` (all of them, bfloat16 last), which load ml_dtypes."""
+    if name == "bfloat16":
+        return bfloat16_dtype()
+    if name == "SUPPORTED_DTYPES":
+        return _NUMPY_DTYPES + (bfloat16_dtype(),)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def is_supported_dtype(dtype: np.dtype) -> bool:
+    """True when every backend can communicate ``dtype`` (never imports ml_dtypes)."""
+    return dtype in _NUMPY_DTYPES or dtype.name == "bfloat16"
+
 
 _DLPACK_CPU = 1
 _DLPACK_CUDA = 2
@@ -179,7 +205,7 @@ def to_device(x: Any, device: int | None = None) -> Any:
 def is_floating(dtype: Any) -> bool:
     """True for float16/32/64 and bfloat16."""
     dtype = np.dtype(dtype)
-    return dtype.kind == "f" or (bfloat16 is not None and dtype == bfloat16)
+    return dtype.kind == "f" or dtype.name == "bfloat16"
 
 
 def check_dtype(dtype: Any, where: str) -> np.dtype:
@@ -187,8 +213,10 @@ def check_dtype(dtype: Any, where: str) -> np.dtype:
     if type(dtype) in _SUPPORTED_DTYPE_CLASSES and dtype.isnative:  # a supported np.dtype
         return dtype
     dtype = np.dtype(dtype)
-    if dtype not in SUPPORTED_DTYPES:
-        names = ", ".join(str(d) for d in SUPPORTED_DTYPES)
+    if dtype.name == "bfloat16":
+        return bfloat16_dtype()  # its class joins the fast path's
+    if dtype not in _NUMPY_DTYPES:
+        names = ", ".join(SUPPORTED_DTYPE_NAMES)
         raise UnsupportedDTypeError(f"{where}: dtype {dtype} is not supported; use one of {names}")
     return dtype
 
@@ -363,10 +391,7 @@ def dtype_named(name: str) -> np.dtype:
     """``np.dtype`` for a dtype's ``str()``, bfloat16 included."""
     dtype = _DTYPES.get(name)
     if dtype is None:
-        if name == "bfloat16" and bfloat16 is not None:
-            dtype = bfloat16
-        else:
-            dtype = np.dtype(name)
+        dtype = bfloat16_dtype() if name == "bfloat16" else np.dtype(name)
         _DTYPES[name] = dtype
     return dtype
 

@@ -16,13 +16,6 @@ import numpy as np
 
 from .errors import InvalidBufferError, UnsupportedDTypeError
 
-try:  # bfloat16 is a NumPy extension dtype shipped by ml_dtypes.
-    from ml_dtypes import bfloat16 as _bfloat16
-
-    _BFLOAT16: np.dtype | None = np.dtype(_bfloat16)
-except ImportError:  # pragma: no cover - ml_dtypes is a declared dependency
-    _BFLOAT16 = None
-
 
 def _cupy() -> Any:
     """CuPy, imported for a framework array that lives on a CUDA device."""
@@ -109,7 +102,9 @@ class TorchFramework(Framework):
         bits = device == "cpu" and t.dtype is torch.bfloat16
         try:
             if bits:  # NumPy's DLPack has no bfloat16: the same bytes, as int16
-                return np.from_dlpack(t.view(torch.int16)).view(_BFLOAT16)
+                from ml_dtypes import bfloat16  # loaded on a job's first bfloat16
+
+                return np.from_dlpack(t.view(torch.int16)).view(bfloat16)
             return np.from_dlpack(t) if device == "cpu" else _cupy().from_dlpack(t)
         except (BufferError, RuntimeError, TypeError, ValueError) as exc:
             raise UnsupportedDTypeError(
@@ -126,7 +121,7 @@ class TorchFramework(Framework):
 
     def wrap(self, array: Any, like: Any) -> Any:
         torch = sys.modules["torch"]
-        if _BFLOAT16 is not None and array.dtype == _BFLOAT16:
+        if array.dtype.name == "bfloat16":
             return torch.from_dlpack(array.view(np.int16)).view(torch.bfloat16)
         return torch.from_dlpack(array)
 

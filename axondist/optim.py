@@ -41,7 +41,7 @@ def _compute_dtype(dtype: Any) -> np.dtype:
     dtype = np.dtype(dtype)
     if dtype in (np.float32, np.float64):
         return dtype
-    if dtype == np.float16 or (_array.bfloat16 is not None and dtype == _array.bfloat16):
+    if dtype.name in _array.HALF_PRECISION:
         return np.dtype(np.float32)
     raise TypeError(
         f"optimizer: parameter dtype {dtype} cannot be trained; parameters must be "

@@ -48,7 +48,6 @@ if TYPE_CHECKING:
 #: send on this tag keeps the plans' messages apart (a communicator of their own).
 COLLECTIVE_TAG = 16383
 
-_HALF = frozenset(("float16", "bfloat16"))
 
 
 class P2PPlan(Plan):
@@ -285,7 +284,7 @@ def p2p_plan(backend: Backend, key: CallKey) -> Plan:
     """A correct plan of ``key`` over ``backend.send``/``recv`` alone (see the module
     docstring): what a backend's ``make_plan`` returns for the calls it does not
     specialise."""
-    if key.reduce_op == "AVERAGE" and str(key.dtype) in _HALF:
+    if key.reduce_op == "AVERAGE" and key.dtype.name in _array.HALF_PRECISION:
         return WidenedMeanPlan(backend, key)
     if key.collective == "all_gather" and key.counts is None:
         return UnsizedAllGatherPlan(backend, key)

@@ -33,7 +33,6 @@ Signature = tuple[tuple[str, Any], ...]
 IN_PLACE = frozenset({"all_reduce", "broadcast", "reduce"})
 #: Collectives whose key names a reduction.
 REDUCTIONS = frozenset({"all_reduce", "reduce_scatter", "reduce"})
-_HALF = frozenset(d for d in _array.SUPPORTED_DTYPES if d.itemsize == 2 and d.kind != "i")
 _FLOAT32 = np.dtype(np.float32)
 _INT64 = np.dtype(np.int64)
 _AVERAGE = ReduceOp.AVERAGE.name

@@ -98,8 +98,8 @@ def dtype_name(dtype: Any) -> str:
 
 
 def is_bf16(dtype: Any) -> bool:
-    """True for the bfloat16 dtype (when ml_dtypes provides one)."""
-    return _array.bfloat16 is not None and np.dtype(dtype) == _array.bfloat16
+    """True for the bfloat16 dtype."""
+    return np.dtype(dtype).name == "bfloat16"
 
 
 def storable(a: Any) -> np.ndarray:

@@ -52,7 +52,6 @@ from .world import (
 _SHARED_MIN_BYTES = 1 << 20
 
 #: Dtypes whose AVERAGE is summed widened to float32.
-_HALF = frozenset(d for d in _array.SUPPORTED_DTYPES if d.itemsize == 2 and d.kind != "i")
 
 #: The calls of the rounds that are not collectives on arrays, as the ranks compare them.
 _BARRIER = (("op", "barrier"), ("async_op", False))
@@ -250,7 +249,7 @@ class MockBackend(Backend):
     def make_plan(self, key: CallKey) -> Plan:
         """The round of ``key`` (:mod:`.plans`): a widened mean for half-precision AVERAGEs,
         else the plan of its collective."""
-        if key.reduce_op == "AVERAGE" and key.dtype in _HALF:
+        if key.reduce_op == "AVERAGE" and key.dtype.name in _array.HALF_PRECISION:
             return WidenedMeanPlan(self, key)
         if key.collective == "all_gather" and key.counts is None:
             return UnsizedAllGatherPlan(self, key)

@@ -190,6 +190,7 @@ class MPIBackend(Backend):
     def make_plan(self, key: CallKey) -> Plan:
         """The plan of ``key``: a widened mean for half-precision AVERAGEs, host copies
         for device arrays MPI cannot read, else the class the table chooses."""
+        self.types.admit(key.dtype)
         if key.reduce_op == "AVERAGE" and key.dtype.itemsize == 2 and key.dtype.kind != "i":
             return WidenedMeanPlan(self, key)
         if self._staged(key):
@@ -261,6 +262,7 @@ class MPIBackend(Backend):
         if type(buf) is not np.ndarray or self.options.debug \
                 or self.options.host_staging == "always":
             return super().persistent_all_reduce(buf, op, piece_bytes=piece_bytes)
+        self.types.admit(buf.dtype)
         found = self.types.reduce[op.name].get(buf.dtype)
         if found is None:
             raise unsupported("all_reduce", buf.dtype, op.name)

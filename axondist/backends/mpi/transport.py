@@ -190,22 +190,34 @@ class TypeTable:
     None) as ``datatype``. ``reduce[op_name][dtype] = (view, datatype, mpi_op, average)``;
     a missing key means the pair is unsupported. Float MIN/MAX are user ops with NumPy's
     NaN propagation (MPI's own keep or drop a NaN depending on which rank holds it).
+    bfloat16's entries are made by :meth:`admit`, the first time a call meets one (so a job
+    without bfloat16 neither imports ml_dtypes nor holds its four user ops).
     """
 
     def __init__(self, mpi: Any) -> None:
+        self._mpi = mpi
         self.half = mpi.BYTE.Create_contiguous(2).Commit()
         self.transfer: dict[np.dtype, tuple[np.dtype | None, Any]] = {}
         self.reduce: dict[str, dict[np.dtype, tuple[np.dtype | None, Any, Any, bool]]] = {
             op.name: {} for op in ReduceOp}
         self._user_ops: list[Any] = []
-        for dtype in _array.SUPPORTED_DTYPES:
-            native = _NATIVE_TYPES.get(dtype.name)
-            if native is not None:
-                self.transfer[dtype] = (None, getattr(mpi, native))
-                self._add_native(mpi, dtype, getattr(mpi, native))
-            else:
-                self.transfer[dtype] = (HALF_VIEW, self.half)
-                self._add_half(mpi, dtype)
+        for dtype in _array.SUPPORTED_DTYPE_NAMES[:-1]:  # all but bfloat16
+            self._add(np.dtype(dtype))
+
+    def admit(self, dtype: np.dtype) -> None:
+        """Make bfloat16's entries if ``dtype`` is bfloat16 and they are not made yet."""
+        if dtype not in self.transfer and dtype.name == "bfloat16":
+            self._add(dtype)
+
+    def _add(self, dtype: np.dtype) -> None:
+        mpi = self._mpi
+        native = _NATIVE_TYPES.get(dtype.name)
+        if native is not None:
+            self.transfer[dtype] = (None, getattr(mpi, native))
+            self._add_native(mpi, dtype, getattr(mpi, native))
+        else:
+            self.transfer[dtype] = (HALF_VIEW, self.half)
+            self._add_half(mpi, dtype)
 
     def _user_op(self, mpi: Any, dtype: np.dtype, ufunc: Any) -> Any:
         try:
@@ -264,9 +276,9 @@ def raise_mpi_error(mpi: Any, exc: Exception, what: str) -> NoReturn:
 
 def unsupported(what: str, dtype: np.dtype, op: str | None = None) -> UnsupportedDTypeError:
     """The error for a dtype (or dtype and op) that has no entry in the type table."""
-    if op is not None and dtype in _array.SUPPORTED_DTYPES:
+    if op is not None and _array.is_supported_dtype(dtype):
         return UnsupportedDTypeError(f"{what}: {op} is not defined for dtype {dtype}")
-    names = ", ".join(str(d) for d in _array.SUPPORTED_DTYPES)
+    names = ", ".join(_array.SUPPORTED_DTYPE_NAMES)
     return UnsupportedDTypeError(f"{what}: dtype {dtype} is not supported; use one of {names}")
 
 

@@ -46,7 +46,6 @@ from .plans import PLANS
 from .queues import TAG_KINDS, CallOrder, Outbox, Reaper, tags
 from .wires import Wiring
 
-_HALF = frozenset(d for d in _array.SUPPORTED_DTYPES if d.itemsize == 2 and d.kind != "i")
 _INT64 = np.dtype(np.int64)
 #: What gloo's errors say when a peer's process ended.
 _PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
@@ -229,7 +228,7 @@ class TorchBackend(Backend):
     def make_plan(self, key: CallKey) -> Plan:
         """A widened mean for half-precision AVERAGEs, a count exchange for an unsized
         all-gather, else the plan of the algorithm the table chooses (:mod:`.choose`)."""
-        if key.reduce_op == "AVERAGE" and key.dtype in _HALF:
+        if key.reduce_op == "AVERAGE" and key.dtype.name in _array.HALF_PRECISION:
             return WidenedMeanPlan(self, key)
         if key.collective == "all_gather" and key.counts is None:
             return UnsizedAllGatherPlan(self, key)
