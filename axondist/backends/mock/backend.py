@@ -51,8 +51,6 @@ from .world import (
 #: waking the other ranks to help costs more than the work they would take.
 _SHARED_MIN_BYTES = 1 << 20
 
-#: Dtypes whose AVERAGE is summed widened to float32.
-
 #: The calls of the rounds that are not collectives on arrays, as the ranks compare them.
 _BARRIER = (("op", "barrier"), ("async_op", False))
 _ALLGATHER_OBJECT = (("op", "allgather_object"), ("async_op", False))
