@@ -261,7 +261,8 @@ class GradientSynchronizer(PersistentPieces):
     def _sharing_backend(self) -> Backend | None:
         """The backend of the group this synchronizer names (or the world already started)
         when it may put buckets in memory both ranks map (see ``Backend.shared_buffer``):
-        SYNCHRONOUS, the default hook, no compression. The same on every rank."""
+        SYNCHRONOUS (OVERLAPPED keeps its persistent all-reduces), the default hook (no
+        compression). The same on every rank."""
         if self.strategy is not GradSyncStrategy.SYNCHRONOUS or self.hook is not sum_hook:
             return None
         group = self.group if self.group is not None else peek_world()
@@ -456,9 +457,9 @@ class GradientSynchronizer(PersistentPieces):
                     view = self.slots[i].view
                     xp.multiply(view, factor, out=view, casting="unsafe")
         state.launched = True
+        shared = state.bucket.given  # summed where it lies
         fused = self._fused_backend(data, async_op)
-        if fused is not None and whole != 1.0 and self._halved_mean(data) \
-                and not state.bucket.given:  # a shared bucket is summed where it lies
+        if fused is not None and whole != 1.0 and self._halved_mean(data) and not shared:
             all_reduce(data, ReduceOp.AVERAGE, self._group)  # the sum halved in its own pass
             state.work = None
         elif fused is not None:
