@@ -261,9 +261,11 @@ class GradientSynchronizer(PersistentPieces):
     def _sharing_backend(self) -> Backend | None:
         """The backend of the group this synchronizer names (or the world already started)
         when it may put buckets in memory both ranks map (see ``Backend.shared_buffer``):
-        SYNCHRONOUS (OVERLAPPED keeps its persistent all-reduces), the default hook (no
-        compression). The same on every rank."""
-        if self.strategy is not GradSyncStrategy.SYNCHRONOUS or self.hook is not sum_hook:
+        a strategy that synchronizes, the default hook (no compression). The same on every
+        rank. Under OVERLAPPED a shared bucket is summed as soon as its last gradient is in,
+        before backward goes on: the ranks' own cores do the sum, so there is no transfer
+        to hide behind the rest of backward."""
+        if self.strategy is GradSyncStrategy.NO_SYNC or self.hook is not sum_hook:
             return None
         group = self.group if self.group is not None else peek_world()
         if group is None or not group.is_member:
@@ -457,8 +459,8 @@ class GradientSynchronizer(PersistentPieces):
                     view = self.slots[i].view
                     xp.multiply(view, factor, out=view, casting="unsafe")
         state.launched = True
-        shared = state.bucket.given  # summed where it lies
-        fused = self._fused_backend(data, async_op)
+        shared = state.bucket.given  # summed where it lies, at once (also when OVERLAPPED)
+        fused = self._fused_backend(data, async_op and not shared)
         if fused is not None and whole != 1.0 and self._halved_mean(data) and not shared:
             all_reduce(data, ReduceOp.AVERAGE, self._group)  # the sum halved in its own pass
             state.work = None
@@ -490,8 +492,10 @@ class GradientSynchronizer(PersistentPieces):
 
     # --- persistent all-reduces (OVERLAPPED with the default hook) --------------------------
     def _persistent_path(self) -> bool:
-        """Whether buckets go through persistent all-reduces (the same on every rank)."""
-        return self.strategy is GradSyncStrategy.OVERLAPPED and self.hook is sum_hook
+        """Whether buckets go through persistent all-reduces (the same on every rank):
+        OVERLAPPED with the default hook, unless its buckets lie in shared memory."""
+        return (self.strategy is GradSyncStrategy.OVERLAPPED and self.hook is sum_hook
+                and not any(state.bucket.given for state in self.buckets))
 
     def _progress(self, added: int = 0) -> None:
         """Move the all-reduces in flight on, after a gradient of ``added`` elements:

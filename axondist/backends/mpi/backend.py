@@ -144,9 +144,11 @@ class MPIBackend(Backend):
         #: The shared weighted sums made so far, by (dtype, shape).
         self._shared_sums: dict[tuple[np.dtype, tuple[int, ...]], PairSharedSumPlan] = {}
         #: Whether this group's buffers may lie in shared regions (decided the same on every
-        #: rank: two ranks of one host, checks on, the host allows the peer's mapping).
+        #: rank: two ranks of one host, checks on, the option on, the host allows the peer's
+        #: mapping).
         self.shares_memory = (self.world_size == 2 and self.layout.nodes == 1
-                              and self.layout.checks and single_copy.why_not_permitted() is None)
+                              and self.layout.checks and self.options.shared_buffers
+                              and single_copy.why_not_permitted() is None)
         #: The rank's watchdog (the world backend of a job of several ranks only).
         self.watchdog: Any = None
         #: Messages (arrays and objects) this rank sent to each group rank, and received
