@@ -137,6 +137,10 @@ BEHAVIOURS: tuple[Behaviour, ...] = (
               _world("test_shared_buckets.py", "test_a_shared_buffer_meeting_an_ordinary_one_"
                      "is_named_and_the_next_call_works"),
               (MPI_2,), why_not=f"{MPI_MACHINERY}; only two MPI ranks of one host share memory"),
+    Behaviour("a rank that cannot map the other's shared buffer is named on both",
+              _world("test_shared_buckets.py", "test_a_rank_that_cannot_map_the_other_is_"
+                     "named_and_nothing_hangs"),
+              (MPI_2,), why_not=f"{MPI_MACHINERY}; only two MPI ranks of one host share memory"),
     Behaviour("more shapes than the plan cache holds",
               _world("test_riding_checks.py", "test_more_shapes_than_the_plan_cache_holds"),
               (MPI_2,), why_not=f"{MPI_MACHINERY}; the cache's bound is the same at any size"),

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 import axondist as ad
 from axondist.ddp import DistributedDataParallel
-from axondist.errors import CollectiveMismatchError
+from axondist.errors import CollectiveMismatchError, WorldAbortedError
 
 
 def _shares(world: ad.World) -> bool:
@@ -117,3 +117,29 @@ def test_a_shared_buffer_meeting_an_ordinary_one_is_named_and_the_next_call_work
     if not _shares(world):
         pytest.skip("this group cannot share memory (three ranks, or the host forbids it)")
     _mismatch(world)
+
+
+@pytest.mark.skipif(not UNDER_MPI, reason="a shared buffer exists only under mpiexec")
+def test_a_rank_that_cannot_map_the_other_is_named_and_nothing_hangs(monkeypatch):
+    world = ad.init()
+    if not _shares(world):
+        pytest.skip("this group cannot share memory (three ranks, or the host forbids it)")
+    from axondist.backends import shared_regions
+
+    buf = world.backend.shared_buffer(50_001, np.float64)  # a shape no other test sums
+    buf[...] = 1
+    if world.rank == 1:
+        def refused(locator):
+            raise PermissionError(f"mapping {locator} refused (the test's)")
+        monkeypatch.setattr(shared_regions, "map_region", refused)
+        with pytest.raises(PermissionError, match="refused \\(the test's\\)"):
+            world.backend.scaled_sum_blocking(buf, 1.0)
+    else:
+        with pytest.raises(WorldAbortedError,
+                           match=r"all_reduce #\d+ \(memory=shared\): rank 1 of the group failed "
+                                 r"to sum its half"):
+            world.backend.scaled_sum_blocking(buf, 1.0)
+    monkeypatch.undo()
+    after = np.ones(8, np.float32)
+    ad.all_reduce(after)
+    assert (after == 2).all()

@@ -7,8 +7,9 @@ and its weight; once the headers agree each rank maps the other's region (once: 
 is kept while this rank's own region lives) and, block by block while the block is in cache,
 writes ``mine * my_weight + theirs * their_weight`` into its half of both buffers (for two
 ranks ``a + b`` is ``b + a`` bit for bit, so the result has the bits of weighting each
-buffer, then MPI's SUM ``Allreduce``). A last empty message each way tells the other
-rank its half is written, so neither returns while the other still writes into its buffer.
+buffer, then MPI's SUM ``Allreduce``). A last one-byte message each way tells the other
+rank its half is written (or that this rank failed, so both raise), so neither returns while
+the other still writes into its buffer.
 A rank whose buffer is not in a region (or whose call differs otherwise) meets this call's
 header in its own check, and both raise the mismatch, naming ``memory``.
 """
@@ -20,6 +21,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from ....errors import WorldAbortedError
 from ... import shared_regions
 from ...shared_regions import Locator
 from ..guard import check_words
@@ -54,7 +56,8 @@ class PairSharedSumPlan:
                                   8 * _WORDS, 8 * _WORDS)
         self._tmp = np.empty(max(1, BLOCK_BYTES // dtype.itemsize), dtype)
         self._scaled = np.empty_like(self._tmp)
-        self._empty = np.empty(0, np.uint8)
+        #: This rank's "my half is written" flag, and the other rank's.
+        self._done = (np.zeros(1, np.uint8), np.zeros(1, np.uint8))
         #: The other rank's regions mapped here, by this rank's region (dropped with it).
         self._peers: dict[Locator, tuple[Locator, np.ndarray]] = {}
 
@@ -69,14 +72,24 @@ class PairSharedSumPlan:
             words[5:6].view(np.float64)[0] = factor
             self._check.agree()
             got = self._check.incoming
-            theirs = self._theirs(mine, Locator(*(int(w) for w in got[:4])), int(got[4]))
-            their_factor = float(got[5:6].view(np.float64)[0])
-            self._combine(buf.reshape(-1), theirs, factor, their_factor)
+            done, peer_done = self._done
+            done[0] = peer_done[0] = 0
             try:
-                self._comm.Sendrecv([self._empty, self._mpi.BYTE], self._peer, DONE_TAG,
-                                    [self._empty, self._mpi.BYTE], self._peer, DONE_TAG)
-            except self._mpi.Exception as exc:
-                raise_mpi_error(self._mpi, exc, "all_reduce")
+                theirs = self._theirs(mine, Locator(*(int(w) for w in got[:4])), int(got[4]))
+                their_factor = float(got[5:6].view(np.float64)[0])
+                self._combine(buf.reshape(-1), theirs, factor, their_factor)
+                done[0] = 1
+            finally:  # also when this rank failed: the other rank is told, not left waiting
+                try:
+                    self._comm.Sendrecv([done, self._mpi.BYTE], self._peer, DONE_TAG,
+                                        [peer_done, self._mpi.BYTE], self._peer, DONE_TAG)
+                except self._mpi.Exception as exc:
+                    raise_mpi_error(self._mpi, exc, "all_reduce")
+            if not peer_done[0]:
+                raise WorldAbortedError(
+                    f"all_reduce #{seq} (memory=shared): rank {self._peer} of the group failed "
+                    "to sum its half of the two buffers (its error says why), so this rank's "
+                    "buffer holds only this rank's half of the result")
         finally:
             guard.rec.end(slot)
 
