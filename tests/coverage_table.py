@@ -37,6 +37,9 @@ ROOT = Path(__file__).resolve().parents[1]
 LAUNCH_FILES = ("tests/world/test_mpi_launch.py", "tests/world/test_torch_launch.py")
 
 NO_THIRD_RANK = "a third rank adds nothing: no split, order or middle rank depends on it"
+#: Why the shared buffers' rows stop at two ranks.
+_NO_SHARING_AT_THREE = ("only a group of two shares memory; at three there are no shared "
+                        "buffers, as on the mock world")
 MPI_MACHINERY = "a property of the MPI backend's own machinery (MPI calls, plans, MPICH's limits)"
 
 
@@ -123,6 +126,21 @@ BEHAVIOURS: tuple[Behaviour, ...] = (
               _world("test_mpi_bits.py", "test_sum_and_average_have_the_bits_of_mpis_allreduce"),
               MPI, why_not=f"{MPI_MACHINERY}; 4 and 5 ranks: "
                            "test_mpi_launch.py::test_mpi_bits_hold_at_four_and_five_ranks"),
+    Behaviour("weighted sums of buffers both ranks map have the ordinary bits",
+              _world("test_shared_buckets.py",
+                     "test_a_shared_weighted_sum_has_the_ordinary_paths_bits"), PAIRS,
+              why_not=_NO_SHARING_AT_THREE),
+    Behaviour("DDP's buckets shared where the group can, freed with it",
+              _world("test_shared_buckets.py", "test_ddp_buckets_are_shared_where_the_group_"
+                     "shares_memory_and_freed_with_it"), PAIRS, why_not=_NO_SHARING_AT_THREE),
+    Behaviour("a shared buffer meeting an ordinary one is named",
+              _world("test_shared_buckets.py", "test_a_shared_buffer_meeting_an_ordinary_one_"
+                     "is_named_and_the_next_call_works"),
+              (MPI_2,), why_not=f"{MPI_MACHINERY}; only two MPI ranks of one host share memory"),
+    Behaviour("a rank that cannot map the other's shared buffer is named on both",
+              _world("test_shared_buckets.py", "test_a_rank_that_cannot_map_the_other_is_"
+                     "named_and_nothing_hangs"),
+              (MPI_2,), why_not=f"{MPI_MACHINERY}; only two MPI ranks of one host share memory"),
     Behaviour("more shapes than the plan cache holds",
               _world("test_riding_checks.py", "test_more_shapes_than_the_plan_cache_holds"),
               (MPI_2,), why_not=f"{MPI_MACHINERY}; the cache's bound is the same at any size"),

@@ -109,6 +109,24 @@ def calls_in_a_warm_all_reduce(world: axondist.World,
     return calls["call"], calls["c_call"] - 1  # setprofile(None) itself is a C call
 
 
+def in_ordinary_memory(body: Callable[..., Any]) -> Callable[..., Any]:
+    """``body(world, ...)`` with the world's DDP buckets in ordinary memory: for tests of the
+    persistent all-reduces, which buckets in memory both ranks map (``mpiexec -n 2``,
+    tests/world/test_shared_buckets.py) do without."""
+    @functools.wraps(body)
+    def pinned(world: axondist.World, *args: Any) -> Any:
+        backend = world.backend
+        if not hasattr(backend, "shares_memory"):  # a backend without shared buffers
+            return body(world, *args)
+        shares = backend.shares_memory
+        backend.shares_memory = False
+        try:
+            return body(world, *args)
+        finally:
+            backend.shares_memory = shares
+    return pinned
+
+
 def world_sizes(min_size: int = 1, max_size: int = 8) -> st.SearchStrategy[int]:
     """Hypothesis strategy for world sizes: the real size in a launched world."""
     if LAUNCHED:

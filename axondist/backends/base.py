@@ -365,6 +365,12 @@ class Backend(abc.ABC):
         arrive. The default is :meth:`barrier` (which the watchdog still ends)."""
         self.barrier()
 
+    def shared_buffer(self, count: int, dtype: Any) -> Any:
+        """A zeroed buffer of ``count`` elements of ``dtype`` that
+        :meth:`scaled_sum_blocking` sums faster than ordinary memory, or None (the default:
+        no such memory). Every rank of the group gets the same answer."""
+        return None
+
     def scaled_sum_blocking(self, buf: Any, factor: float = 1.0) -> None:
         """``buf *= factor`` (unless 1), then a SUM all-reduce of ``buf`` in place (ranks
         may pass different factors: sample weights)."""

@@ -136,6 +136,9 @@ VARIABLES: tuple[Variable, ...] = (
              "MPI: the size of the pieces big all-reduces go in, where the algorithm table "
              "sends them in pieces (default 2 MiB in a group on one node, whole across nodes; "
              "0: never in pieces)", _int(0)),
+    Variable("AXONDIST_MPI_SHARED_BUFFERS", "mpi_shared_buffers", True,
+             "MPI, two ranks on one host: DDP's buckets in memory both ranks map, each rank "
+             "averaging its half in place (`0`: ordinary memory, summed through MPI)", _flag),
     Variable("AXONDIST_MPI_HOST_STAGING", "mpi_host_staging", "auto",
              "MPI with CuPy arrays: `auto` (through host memory when the MPI library is not "
              "CUDA-aware), `always` or `never`", _choice("auto", "always", "never")),
@@ -220,6 +223,8 @@ class Settings(NamedTuple):
     """``AXONDIST_PIECE_MB``: MiB per piece of a persistent MPI all-reduce."""
     mpi_chunk_bytes: int | None = None
     """``AXONDIST_MPI_CHUNK_BYTES``: bytes per piece of a big MPI all-reduce."""
+    mpi_shared_buffers: bool = True
+    """``AXONDIST_MPI_SHARED_BUFFERS``: a pair of ranks on one host shares DDP's buckets."""
     mpi_host_staging: str = "auto"
     """``AXONDIST_MPI_HOST_STAGING``: ``auto``, ``always`` or ``never``."""
     diagnostics: str = "auto"

@@ -76,15 +76,24 @@ class GradientBucket:
         capacity: number of elements the buffer holds.
         dtype: the buffer's dtype; the first added array's when None.
         like: an array whose namespace (NumPy/CuPy) the buffer takes.
+        buffer: the zeroed flat buffer of ``capacity`` elements to use (a backend's
+            :meth:`~axondist.backends.base.Backend.shared_buffer`); allocated when None.
     """
 
-    def __init__(self, capacity: int, dtype: Any = None, *, like: Any = None) -> None:
+    def __init__(self, capacity: int, dtype: Any = None, *, like: Any = None,
+                 buffer: Any = None) -> None:
         if int(capacity) < 0:
             raise ValueError(f"GradientBucket: capacity must be >= 0, got {capacity}")
         self.capacity = int(capacity)
         self.dtype: np.dtype | None = None if dtype is None else np.dtype(dtype)
         self._like = like
-        self.buffer: Any = None
+        self.buffer: Any = buffer
+        #: Whether the buffer was given (a backend's shared memory) rather than allocated.
+        self.given = buffer is not None
+        if buffer is not None and (buffer.shape != (self.capacity,) or self.dtype is None
+                                   or buffer.dtype != self.dtype):
+            raise ValueError(f"GradientBucket: buffer must be 1-D of {self.capacity} elements "
+                             f"of the bucket's dtype {self.dtype}, got {_array.describe(buffer)}")
         self._entries: list[tuple[int, tuple[int, ...]]] = []
         self.size = 0
 

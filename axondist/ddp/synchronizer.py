@@ -26,7 +26,7 @@ from ..comm import all_reduce
 from ..errors import UnsupportedDTypeError
 from ..ops import ReduceOp
 from ..parameter import Parameter
-from ..process_group import ProcessGroup, resolve_group
+from ..process_group import ProcessGroup, peek_world, resolve_group
 from .buckets import GradientBucket, MiB, bucket_plan
 from .compression import ReductionHook, resolve_compression, sum_hook
 from .pieces import PersistentPieces
@@ -241,10 +241,14 @@ class GradientSynchronizer(PersistentPieces):
         planned.sort(key=lambda b: -b[0])
         self.slots = [None] * len(items)  # type: ignore[list-item]
         self.buckets = []
+        backend = self._sharing_backend()
         for b, indices in enumerate(planned):
             dt = items[indices[0]][1]
             source = next((items[i][2] for i in indices if items[i][2] is not None), like)
-            bucket = GradientBucket(sum(prod(items[i][0]) for i in indices), dt, like=source)
+            count = sum(prod(items[i][0]) for i in indices)
+            shared = (backend.shared_buffer(count, dt) if backend is not None
+                      and (source is None or type(source) is np.ndarray) else None)
+            bucket = GradientBucket(count, dt, like=source, buffer=shared)
             layout = []
             for i in indices:
                 offset = bucket.size
@@ -253,6 +257,20 @@ class GradientSynchronizer(PersistentPieces):
             self.buckets.append(_BucketState(bucket, indices, layout))
         self._active = False
         return [list(s.indices) for s in self.buckets]
+
+    def _sharing_backend(self) -> Backend | None:
+        """The backend of the group this synchronizer names (or the world already started)
+        when it may put buckets in memory both ranks map (see ``Backend.shared_buffer``):
+        a strategy that synchronizes, the default hook (no compression). The same on every
+        rank. Under OVERLAPPED a shared bucket is summed as soon as its last gradient is in,
+        before backward goes on: the ranks' own cores do the sum, so there is no transfer
+        to hide behind the rest of backward."""
+        if self.strategy is GradSyncStrategy.NO_SYNC or self.hook is not sum_hook:
+            return None
+        group = self.group if self.group is not None else peek_world()
+        if group is None or not group.is_member:
+            return None
+        return group.backend_for("GradientSynchronizer")
 
     @property
     def plan(self) -> list[list[int]]:
@@ -441,8 +459,9 @@ class GradientSynchronizer(PersistentPieces):
                     view = self.slots[i].view
                     xp.multiply(view, factor, out=view, casting="unsafe")
         state.launched = True
-        fused = self._fused_backend(data, async_op)
-        if fused is not None and whole != 1.0 and self._halved_mean(data):
+        shared = state.bucket.given  # summed where it lies, at once (also when OVERLAPPED)
+        fused = self._fused_backend(data, async_op and not shared)
+        if fused is not None and whole != 1.0 and self._halved_mean(data) and not shared:
             all_reduce(data, ReduceOp.AVERAGE, self._group)  # the sum halved in its own pass
             state.work = None
         elif fused is not None:
@@ -473,8 +492,10 @@ class GradientSynchronizer(PersistentPieces):
 
     # --- persistent all-reduces (OVERLAPPED with the default hook) --------------------------
     def _persistent_path(self) -> bool:
-        """Whether buckets go through persistent all-reduces (the same on every rank)."""
-        return self.strategy is GradSyncStrategy.OVERLAPPED and self.hook is sum_hook
+        """Whether buckets go through persistent all-reduces (the same on every rank):
+        OVERLAPPED with the default hook, unless its buckets lie in shared memory."""
+        return (self.strategy is GradSyncStrategy.OVERLAPPED and self.hook is sum_hook
+                and not any(state.bucket.given for state in self.buckets))
 
     def _progress(self, added: int = 0) -> None:
         """Move the all-reduces in flight on, after a gradient of ``added`` elements:

@@ -2,7 +2,9 @@
 and the dtype, on the mock world, under ``mpiexec -n 2/3`` and under ``torchrun
 --nproc-per-node 2/3`` (the torch backend): when every rank has one
 (each refuses it before communicating) and when only the last rank has one (the others,
-waiting in the step's all-reduce, are ended by that rank's failure, not by a hang).
+waiting in the step's all-reduce, are ended by that rank's failure, not by a hang). A rank
+that leaves before the sync is named by the others, also where the bucket lies in memory
+both ranks map (``mpiexec -n 2``).
 Each run is a subprocess under its own timeout with ``AXONDIST_TIMEOUT=10``.
 """
 
@@ -27,7 +29,12 @@ EXPECT = {
                              r"gradient of parameter 1 \(w1\) has dtype object; a gradient must "
                              r"be an array of real numbers"),
 }
-RUNS = [(case, mode, n) for case in EXPECT for mode in ("mock", "mpi", "torch") for n in (2, 3)]
+#: A rank leaving before DDP's sync: the others' text.
+LEAVING = {"last_rank_leaves_before_the_sync": (r"all_reduce #3 on world .*rank \d .*left after "
+                                                r"broadcast #2 on world \(dtype=float32, "
+                                                r"shape=\[262144\], root=0\)")}
+RUNS = [(case, mode, n) for case in (*EXPECT, *LEAVING) for mode in ("mock", "mpi", "torch")
+        for n in (2, 3)]
 
 pytestmark = pytest.mark.skipif(launched_by_mpi(), reason="starts its own jobs")
 
@@ -38,9 +45,8 @@ def _outcomes() -> dict[tuple[str, str, int], concurrent.futures.Future]:
     return start_all(RUNS, functools.partial(run_case, SCRIPT))
 
 
-@pytest.mark.parametrize("case,mode,n", RUNS)
-def test_an_object_gradient_ends_the_job_with_a_named_error(case: str, mode: str,
-                                                            n: int) -> None:
+def _failed_naming(case: str, mode: str, n: int, pattern: str) -> str:
+    """The run's output, once it failed in time printing ``pattern``."""
     if MISSING[mode]() is not None:
         pytest.skip(MISSING[mode]() or "")
     outcome = _outcomes()[(case, mode, n)].result()
@@ -49,6 +55,21 @@ def test_an_object_gradient_ends_the_job_with_a_named_error(case: str, mode: str
     assert not output.startswith("HUNG"), output[-3000:]
     assert outcome.fault_seconds < LIMIT, (
         f"{case} on {mode} -n {n} took {outcome.fault_seconds:.1f} s")
-    assert re.search(EXPECT[case], output), (
+    assert re.search(pattern, output), (
         f"{case} on {mode} -n {n}: no named error:\n{output[-3000:]}")
+    return output
+
+
+@pytest.mark.parametrize("case,mode,n", [r for r in RUNS if r[0] in EXPECT])
+def test_an_object_gradient_ends_the_job_with_a_named_error(case: str, mode: str,
+                                                            n: int) -> None:
+    output = _failed_naming(case, mode, n, EXPECT[case])
     assert "TypeError: unsupported operand" not in output, output[-3000:]
+
+
+@pytest.mark.parametrize("case,mode,n", [r for r in RUNS if r[0] in LEAVING])
+def test_a_rank_leaving_before_the_sync_is_named_by_the_others(case: str, mode: str,
+                                                               n: int) -> None:
+    output = _failed_naming(case, mode, n, LEAVING[case])
+    if (mode, n) == ("mpi", 2):
+        assert "memory=shared" in output, output[-3000:]  # the bucket was summed in place

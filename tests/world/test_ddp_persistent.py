@@ -12,7 +12,7 @@ world and unchanged under ``mpiexec -n K python -m pytest``.
 from __future__ import annotations
 
 import numpy as np
-from harness import current_size, run_world, world_sizes
+from harness import current_size, in_ordinary_memory, run_world, world_sizes
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -85,6 +85,7 @@ def make_grad_fn(order_seed):
     return grad_fn
 
 
+@in_ordinary_memory
 def train(world, shapes, seed, steps, micro, weighted, cap_elems, piece_elems, view,
           generator):
     params = [Parameter(a.copy(), name=f"p{i}") for i, a in enumerate(start_params(shapes, seed))]
@@ -134,6 +135,7 @@ def test_overlapped_persistent_training_matches_one_process(size, shapes, seed, 
         assert all(freed) and after == []
 
 
+@in_ordinary_memory
 def _after_close(world):
     p = Parameter(np.zeros(6), name="w")
     ddp = DDP([p], strategy=OVER)
@@ -162,6 +164,7 @@ def test_close_frees_and_the_next_step_sets_up_again():
             first[0].start(0)
 
 
+@in_ordinary_memory
 def _with_block(world):
     p = Parameter(np.zeros(4), name="w")
     with DDP([p], strategy=OVER) as ddp:

@@ -12,10 +12,16 @@ import threading
 import time
 
 import numpy as np
-from harness import current_size, run_world, world_sizes
+from harness import current_size, in_ordinary_memory, run_world, world_sizes
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_ddp_persistent import data, grads_of, reference, samples, start_params
+from test_ddp_persistent import (
+    data,
+    grads_of,
+    reference,
+    samples,
+    start_params,
+)
 
 from axondist import Parameter
 from axondist.ddp import DDP, GradSyncStrategy
@@ -25,6 +31,7 @@ LR = 0.1
 THREAD = "axondist-grad-progress"
 
 
+@in_ordinary_memory  # the helper tests the persistent all-reduces
 def train(world, shapes, seed, steps, weighted, cap_elems, piece_elems, pause):
     params = [Parameter(a.copy(), name=f"p{i}") for i, a in enumerate(start_params(shapes, seed))]
 

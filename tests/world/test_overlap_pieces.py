@@ -18,7 +18,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from harness import LAUNCHED, UNDER_MPI, current_size, launched_world, run_world, world_sizes
+from harness import (
+    LAUNCHED,
+    UNDER_MPI,
+    current_size,
+    in_ordinary_memory,
+    launched_world,
+    run_world,
+    world_sizes,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -45,6 +53,7 @@ def started(sync: GradientSynchronizer) -> int:
     return total - len(sync._queue)
 
 
+@in_ordinary_memory  # these count the persistent pieces started
 def _sync_step(world, shapes, seed, cap_elems, piece_elems, order_seed, weighted, missing,
                as_view):
     sync = GradientSynchronizer(OVER, bucket_size=cap_elems, group=world)
@@ -107,6 +116,7 @@ def test_pieces_start_once_filled_and_average_like_numpy(size, shapes, seed, cap
             np.testing.assert_allclose(got, ref, rtol=1e-12, atol=1e-12)
 
 
+@in_ordinary_memory
 def _backward_order(world, shapes, piece_elems):
     sync = GradientSynchronizer(OVER, bucket_size=10**6, group=world)
     sync.piece_bytes = piece_elems * 8

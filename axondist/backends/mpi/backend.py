@@ -21,11 +21,13 @@ from ... import _array
 from ..._validate import as_rank
 from ...errors import CollectiveMismatchError
 from ...ops import ReduceOp
+from .. import shared_regions
 from ..base import Backend, PersistentAllReduce
 from ..p2p_plans import p2p_plan
 from ..plan import CallKey, Plan, WidenedMeanPlan
 from ..recording.recorder import FlightRecorder
 from ..work import PolledWork, Work
+from . import single_copy
 from .algorithms.pair_exchange import PairAllGatherPlan, PairBroadcastPlan, PairReduceScatterPlan
 from .algorithms.pair_halves import PairHalvesMeanPlan
 from .algorithms.pair_ride import (
@@ -33,6 +35,7 @@ from .algorithms.pair_ride import (
     PairRidePlan,
     PairRideReduceScatterPlan,
 )
+from .algorithms.pair_shared import PairSharedSumPlan
 from .algorithms.pieces import AllReducePiecesPlan
 from .choose import Algorithm, Layout, choose
 from .guard import CallGuard, wait_until
@@ -138,6 +141,14 @@ class MPIBackend(Backend):
                              and not self.options.debug, self.options.chunk_bytes)
         self._cuda_aware: bool | None = True if self.options.host_staging == "never" else None
         self._persistent: weakref.WeakSet[PersistentAllReduce] = weakref.WeakSet()
+        #: The shared weighted sums made so far, by (dtype, shape).
+        self._shared_sums: dict[tuple[np.dtype, tuple[int, ...]], PairSharedSumPlan] = {}
+        #: Whether this group's buffers may lie in shared regions (decided the same on every
+        #: rank: two ranks of one host, checks on, the option on, the host allows the peer's
+        #: mapping).
+        self.shares_memory = (self.world_size == 2 and self.layout.nodes == 1
+                              and self.layout.checks and self.options.shared_buffers
+                              and single_copy.why_not_permitted() is None)
         #: The rank's watchdog (the world backend of a job of several ranks only).
         self.watchdog: Any = None
         #: Messages (arrays and objects) this rank sent to each group rank, and received
@@ -206,6 +217,30 @@ class MPIBackend(Backend):
             raise unsupported(key.collective, key.dtype, key.reduce_op)
         made = PLANS.get((key.collective, choose(key, self.layout)))
         return made(self, key) if made is not None else p2p_plan(self, key)
+
+    # --- buffers both ranks of a pair read and write -----------------------------------------
+    def shared_buffer(self, count: int, dtype: Any) -> np.ndarray | None:
+        """A zeroed buffer of ``count`` elements in a shared region, which
+        :meth:`scaled_sum_blocking` sums in place with no MPI transfer, when this group can
+        (:attr:`shares_memory`, float32/64); else None. The same answer on every rank."""
+        dtype = np.dtype(dtype)
+        if not self.shares_memory or dtype not in _SHARED_DTYPES:
+            return None
+        return shared_regions.allocate(int(count) * dtype.itemsize, dtype)
+
+    def scaled_sum_blocking(self, buf: Any, factor: float = 1.0) -> None:
+        """``buf * factor`` summed across the ranks, in place; for a buffer of
+        :meth:`shared_buffer` without MPI moving it (:mod:`.algorithms.pair_shared`)."""
+        where = (shared_regions.locate(buf) if self.shares_memory and type(buf) is np.ndarray
+                 and buf.dtype in _SHARED_DTYPES else None)
+        if where is None:
+            super().scaled_sum_blocking(buf, factor)
+            return
+        key = (buf.dtype, buf.shape)
+        plan = self._shared_sums.get(key)
+        if plan is None:
+            plan = self._shared_sums[key] = PairSharedSumPlan(self, buf.dtype, buf.shape)
+        plan.run(buf, factor, where)
 
     # --- calls outside plans ---------------------------------------------------------------
     def _checked(self, op: str, key: tuple[tuple[str, Any], ...], run: Callable[[], Any]) -> Any:
@@ -434,10 +469,17 @@ class MPIBackend(Backend):
         for handle in list(self._persistent):
             handle.free()  # collective, as close() is: every rank holds the same ones
         self.free_plans()
+        for shared in self._shared_sums.values():
+            shared.free()
+        self._shared_sums.clear()
         self.guard.close()
         if self._owns_types:
             self.types.free()
         comm.Free()
+
+
+#: The dtypes a shared weighted sum combines.
+_SHARED_DTYPES = frozenset((np.dtype(np.float32), np.dtype(np.float64)))
 
 
 def _divide(buf: Any, n: int) -> None:

@@ -74,6 +74,11 @@ class MPIOptions:
     CUDA-aware), ``"always"`` (every buffer, NumPy included, goes through a host copy:
     tests that path without a GPU). Env: ``AXONDIST_MPI_HOST_STAGING``."""
 
+    shared_buffers: bool = True
+    """A group of two ranks of one host hands out buffers both ranks map
+    (``MPIBackend.shared_buffer``: DDP's buckets), summed in place with no MPI transfer,
+    where the host allows it. Env: ``AXONDIST_MPI_SHARED_BUFFERS``."""
+
     debug: bool = False
     """Compare every collective's full arguments across ranks (a pickled all-gather per
     call: slow, names every argument). Env: ``AXONDIST_DEBUG=1``."""
@@ -107,7 +112,8 @@ class MPIOptions:
             raise TypeError(f"mpi backend: unknown option(s) {unknown}; valid options are "
                             f"{valid + ['comm', 'abort_on_exception', 'timeout']}")
         opts = cls(debug=debug_enabled(), checks=checks_enabled(),
-                   host_staging=settings.read("AXONDIST_MPI_HOST_STAGING"))
+                   host_staging=settings.read("AXONDIST_MPI_HOST_STAGING"),
+                   shared_buffers=settings.read("AXONDIST_MPI_SHARED_BUFFERS"))
         chunk_bytes = settings.read("AXONDIST_MPI_CHUNK_BYTES")
         if chunk_bytes is not None:
             opts = replace(opts, chunk_bytes=chunk_bytes)

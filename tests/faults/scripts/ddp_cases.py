@@ -43,7 +43,18 @@ def object_grad_one_rank(world: ad.World) -> None:
     ddp.backward(grad_fn)
 
 
-CASES = {f.__name__: f for f in (object_grad_every_rank, object_grad_one_rank)}
+def last_rank_leaves_before_the_sync(world: ad.World) -> None:
+    """The last rank leaves while the others wait in DDP's synchronous sum of a 1 MiB bucket
+    (in memory both ranks map under ``mpiexec -n 2``: the sum's check and its done message)."""
+    params = [ad.Parameter(np.ones((512, 512), np.float32), name="w0")]
+    ddp = ad.DDP(params, world)
+    if world.rank == world.world_size - 1:
+        sys.exit(1)
+    ddp.backward(lambda arrays: (0.0, [np.ones((512, 512), np.float32)]))
+
+
+CASES = {f.__name__: f for f in (object_grad_every_rank, object_grad_one_rank,
+                                 last_rank_leaves_before_the_sync)}
 
 if __name__ == "__main__":
     main(CASES)
