@@ -48,7 +48,8 @@ class PairSharedSumPlan:
         self._comm, self._peer = guard.comm, guard.peer
         self._mpi = backend.mpi
         self._rank = backend.rank
-        self._dtype, self._shape = dtype, shape
+        self._dtype = dtype
+        self._nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         self._check_key = (("dtype", str(dtype)), ("shape", shape), ("reduce_op", "SUM"),
                            ("memory", "shared"), ("async_op", False))
         h = int(check_words("all_reduce", self._check_key)[0])
@@ -102,8 +103,7 @@ class PairSharedSumPlan:
                 if whole is not None:
                     weakref.finalize(whole, self._peers.pop, mine, None)
             known = self._peers[mine] = (locator, shared_regions.map_region(locator))
-        count = int(np.prod(self._shape, dtype=np.int64))
-        return known[1][offset:offset + count * self._dtype.itemsize].view(self._dtype)
+        return known[1][offset:offset + self._nbytes].view(self._dtype)
 
     def _combine(self, mine: np.ndarray, theirs: np.ndarray, factor: float,
                  their_factor: float) -> None:
