@@ -130,6 +130,13 @@ BEHAVIOURS: tuple[Behaviour, ...] = (
               _world("test_shared_buckets.py",
                      "test_a_shared_weighted_sum_has_the_ordinary_paths_bits"), PAIRS,
               why_not=_NO_SHARING_AT_THREE),
+    Behaviour("weighted reduce-scatters of buffers both ranks map have the ordinary bits",
+              _world("test_shared_buckets.py",
+                     "test_a_shared_weighted_reduce_scatter_has_the_ordinary_paths_bits"), PAIRS,
+              why_not=_NO_SHARING_AT_THREE),
+    Behaviour("FSDP packs gradients in shared memory where it can, counted, freed with it",
+              _world("test_shared_buckets.py", "test_fsdp_packs_gradients_in_shared_memory_"
+                     "where_it_can_counted_and_freed"), PAIRS, why_not=_NO_SHARING_AT_THREE),
     Behaviour("DDP's buckets shared where the group can, freed with it",
               _world("test_shared_buckets.py", "test_ddp_buckets_are_shared_where_the_group_"
                      "shares_memory_and_freed_with_it"), PAIRS, why_not=_NO_SHARING_AT_THREE),

@@ -378,6 +378,14 @@ class Backend(abc.ABC):
             namespace(buf).multiply(buf, factor, out=buf, casting="unsafe")
         self.plan(CallKey.of("all_reduce", buf, reduce_op=ReduceOp.SUM)).run(buf)
 
+    def scaled_reduce_scatter_blocking(self, buf: Any, factor: float = 1.0) -> Any:
+        """``buf * factor`` (unless 1, in place) summed across the ranks: this rank's
+        block of rows as :func:`~axondist.comm.reduce_scatter` returns it (ranks may pass
+        different factors). ``buf`` is scratch: a backend may leave it weighted."""
+        if factor != 1.0:
+            namespace(buf).multiply(buf, factor, out=buf, casting="unsafe")
+        return self.plan(CallKey.of("reduce_scatter", buf, reduce_op=ReduceOp.SUM)).run(buf)
+
     def persistent_all_reduce(self, buf: Any, op: ReduceOp = ReduceOp.SUM, *,
                               piece_bytes: int | None = None) -> PersistentAllReduce:
         """Set up the in-place all-reduce of ``buf`` for many starts (see

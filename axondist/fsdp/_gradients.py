@@ -27,6 +27,8 @@ class GradientSync(UnitState):
     _names: list[str]
     _shapes: list[tuple[int, ...]]
     _no_sync_depth: int
+    #: The shared pack buffers, by reduce dtype (:meth:`_shared_packs`).
+    _packs: dict[np.dtype, Any]
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -92,10 +94,29 @@ class GradientSync(UnitState):
             if g is not None:
                 view += _array.to_host(g) if on_host else self._to_compute(g)
 
+    def _shared_packs(self) -> dict[np.dtype, Any]:
+        """The buffers gradients are packed into for a reduce-scatter the shard group's
+        backend does without moving them (one per reduce dtype, the largest unit's size,
+        from ``Backend.shared_buffer``: two MPI ranks of one host), made once, with the
+        wrapper, and counted in :meth:`memory_stats`; empty where the group cannot, or
+        the strategy does not reduce-scatter. The same on every rank."""
+        if self.shard_group is None or not self.spec.gradients:
+            return {}
+        sizes: dict[np.dtype, int] = {}
+        for st in self._units:
+            rdt = np.dtype(self.mixed_precision.communication_dtype(st.flat.dtype))
+            if self._packed_scale(rdt) is not None:
+                sizes[rdt] = max(sizes.get(rdt, 0), st.flat.padded_numel)
+        backend = self.shard_group.backend_for("FullyShardedDataParallel")
+        made = {rdt: backend.shared_buffer(n, rdt) for rdt, n in sizes.items()}
+        return {rdt: buf for rdt, buf in made.items() if buf is not None}
+
     def _reduce_unit(self, st: _Unit, grads: list[Any] | None) -> None:
         flat = st.flat
         rdt = self.mixed_precision.communication_dtype(flat.dtype)
-        buf = self._xp.empty(flat.padded_numel, dtype=rdt)
+        shared = self._packs.get(np.dtype(rdt))
+        buf = (shared[:flat.padded_numel] if shared is not None
+               else self._xp.empty(flat.padded_numel, dtype=rdt))
         buf[flat.numel:] = 0  # padding
         scale = self._packed_scale(rdt)
         for k, view in enumerate(flat.layout.views(buf[:flat.numel])):
@@ -118,6 +139,9 @@ class GradientSync(UnitState):
             part = buf
         elif keep_full:
             part = comm.all_reduce(buf, op, self.shard_group)
+        elif shared is not None:  # packed scaled: the sum is the average
+            part = self.shard_group.backend_for("sync_gradients").scaled_reduce_scatter_blocking(
+                buf)
         else:
             part = comm.reduce_scatter(buf, op, self.shard_group)
         del buf

@@ -135,6 +135,7 @@ class FullyShardedDataParallel(GradientSync):
         self.shard_group, self.replica_group, self._created_groups = sharding_groups(
             self.group, self.spec, ranks_per_node, self.sharding_strategy.name)
         self._units = self._build_units(self._unit_plan(units, unit_size_mb), sync_module_states)
+        self._packs = self._shared_packs()
         self._cast_buffers(model)
         if logger.isEnabledFor(logging.INFO):
             logger.info("%r; estimated per rank: %s", self, self.memory_estimate())
@@ -418,7 +419,8 @@ class FullyShardedDataParallel(GradientSync):
             sharding_strategy=self.sharding_strategy, param_bytes_per_rank=held.params,
             grad_bytes_per_rank=held.grads, optim_bytes_per_rank=held.optim,
             padding_bytes_per_rank=held.padding, host_bytes_per_rank=held.host,
-            no_shard_bytes_per_rank=reference, measured=measured)
+            no_shard_bytes_per_rank=reference, buffer_bytes_per_rank=held.buffers,
+            measured=measured)
 
     def memory_estimate(self, optimizer: Any = None) -> FSDPMemoryStats:
         """The exact per-rank bytes held right after ``backward`` and ``optimizer.step()``.
@@ -437,6 +439,8 @@ class FullyShardedDataParallel(GradientSync):
         flats = [st.flat for st in self._units]
         held, reference = estimated_footprint(flats, [self._compute_dtype(f) for f in flats],
                                               self.shard_rank, self.spec, model, self.cpu_offload)
+        for buf in self._packs.values():  # made with the wrapper, so known ahead
+            held.add("buffers", buf.nbytes)
         return self._stats(held, reference, measured=False)
 
     def memory_stats(self, optimizer: Any = None) -> FSDPMemoryStats:
@@ -449,7 +453,8 @@ class FullyShardedDataParallel(GradientSync):
         arrays and no_sync buffers. Optimizer: the state arrays of
         ``optimizer`` (or the registered one). Padding: the padding elements
         inside those arrays. Host bytes: what the offload policy keeps on the
-        host.
+        host. Buffers: the gradient packing buffers a pair of ranks sharing
+        memory keeps (made with the wrapper; the estimate counts them too).
 
         ``no_shard_bytes_per_rank`` (the base of ``memory_savings()``) is what
         NO_SHARD would hold in the same state: every unit's master
@@ -466,6 +471,8 @@ class FullyShardedDataParallel(GradientSync):
         held, reference = measured_footprint(
             self._units, self._params, [self._compute_dtype(st.flat) for st in self._units],
             self.shard_rank, self.cpu_offload, None if opt is None else opt.state, unit_of)
+        for buf in self._packs.values():
+            held.add("buffers", buf.nbytes)
         return self._stats(held, reference, measured=True)
 
     # --- state dicts and checkpoints (the work is in state_dict.py) -------------------------
@@ -558,6 +565,7 @@ class FullyShardedDataParallel(GradientSync):
         self._closed = True
         for st in self._units:  # gathered buffers go too: nothing can refresh them now
             self._release(st)
+        self._packs = {}
         for g in created:
             g.destroy()
 

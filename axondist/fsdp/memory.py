@@ -50,6 +50,9 @@ class FSDPMemoryStats:
             under the CPU offload policy.
         no_shard_bytes_per_rank: what one rank would hold under NO_SHARD with
             the same dtypes and optimizer (the base of :meth:`memory_savings`).
+        buffer_bytes_per_rank: buffers the wrapper keeps for communication (the
+            gradient packing buffers of a pair of ranks that share memory,
+            ``Backend.shared_buffer``; 0 in the paper's model).
         measured: True when the numbers were measured, False when modelled.
     """
 
@@ -62,6 +65,7 @@ class FSDPMemoryStats:
     padding_bytes_per_rank: int = 0
     host_bytes_per_rank: int = 0
     no_shard_bytes_per_rank: int = 0
+    buffer_bytes_per_rank: int = 0
     measured: bool = False
 
     @classmethod
@@ -113,8 +117,9 @@ class FSDPMemoryStats:
 
     @property
     def total_bytes_per_rank(self) -> int:
-        """Parameters + gradients + optimizer state, in bytes."""
-        return self.param_bytes_per_rank + self.grad_bytes_per_rank + self.optim_bytes_per_rank
+        """Parameters + gradients + optimizer state + kept buffers, in bytes."""
+        return (self.param_bytes_per_rank + self.grad_bytes_per_rank + self.optim_bytes_per_rank
+                + self.buffer_bytes_per_rank)
 
     @property
     def device_bytes_per_rank(self) -> int:
@@ -144,7 +149,10 @@ class FSDPMemoryStats:
         return (f"{self.sharding_strategy.name} over {self.world_size} ({kind}): "
                 f"params {self.param_bytes_per_rank / MIB:.2f} MiB, grads "
                 f"{self.grad_bytes_per_rank / MIB:.2f} MiB, optimizer "
-                f"{self.optim_bytes_per_rank / MIB:.2f} MiB, total {self.total_memory_mb():.2f} MiB"
+                f"{self.optim_bytes_per_rank / MIB:.2f} MiB, "
+                + (f"buffers {self.buffer_bytes_per_rank / MIB:.2f} MiB, "
+                   if self.buffer_bytes_per_rank else "")
+                + f"total {self.total_memory_mb():.2f} MiB"
                 f" ({self.memory_savings():.1f}% saved vs NO_SHARD)")
 
 
@@ -198,6 +206,7 @@ class Footprint:
     optim: int = 0
     padding: int = 0
     host: int = 0
+    buffers: int = 0
 
     def add(self, component: str, nbytes: int, padding: int = 0, host: bool = False) -> None:
         """Count ``nbytes`` (of which ``padding`` are padding) under ``component``."""

@@ -1,8 +1,10 @@
 """Buffers in memory both ranks of a pair map (``Backend.shared_buffer``): where the group
-can have them (the MPI backend, two ranks of one host) a weighted sum of them has the bits
-of the ordinary path and DDP's buckets live there; elsewhere (the mock world, torchrun,
-three ranks) there are none and DDP's buckets are ordinary. A shared buffer meeting an
-ordinary one is named, and the mappings of the other rank's memory end with the buffers."""
+can have them (the MPI backend, two ranks of one host) a weighted sum and a weighted
+reduce-scatter of them have the bits of the ordinary path, DDP's buckets and FSDP's
+gradient packing live there; elsewhere (the mock world, torchrun, three ranks) there are
+none, the same calls take the ordinary path, and the wrappers' buffers are ordinary. A
+shared buffer meeting an ordinary one is named, and the mappings of the other rank's
+memory end with the buffers."""
 
 from __future__ import annotations
 
@@ -18,15 +20,20 @@ from hypothesis import strategies as st
 import axondist as ad
 from axondist.ddp import DistributedDataParallel
 from axondist.errors import CollectiveMismatchError, WorldAbortedError
+from axondist.fsdp import FSDP
+from axondist.optim import Adam
 
 
 def _shares(world: ad.World) -> bool:
     return bool(getattr(world.backend, "shares_memory", False))
 
 
-def _regions_mapped() -> int:
-    return sum("axondist-region" in line for line in Path("/proc/self/maps").read_text()
-               .splitlines())
+def _regions_mapped() -> set[int]:
+    """The inodes of the shared regions mapped into this process (its own and the other
+    rank's): other tests' wrappers may still be collected meanwhile, so a test compares
+    the regions it made, not a count."""
+    return {int(line.split()[4]) for line in Path("/proc/self/maps").read_text().splitlines()
+            if "axondist-region" in line}
 
 
 def _sums(world, count, dtype, factors, lo, seed):
@@ -62,6 +69,91 @@ def test_a_shared_weighted_sum_has_the_ordinary_paths_bits(n, count, dtype, fact
     run_world(_sums, n, count, dtype, factors, lo, seed)
 
 
+def _scatters(world, rows, tail, dtype, factors, lo, seed):
+    backend = world.backend
+    count = (rows + lo) * int(np.prod(tail, dtype=np.int64))
+    shared = backend.shared_buffer(count, dtype)
+    assert (shared is not None) == _shares(world)
+    every = [np.random.default_rng([seed, r]).standard_normal(count).astype(dtype)
+             for r in range(world.world_size)]
+    values = every[world.rank]
+    factor = factors[world.rank]
+    ordinary = values.reshape((rows + lo,) + tail)[lo:].copy()
+    got = backend.scaled_reduce_scatter_blocking(ordinary.copy(), factor)
+    mine = np.array_split(np.arange(rows), world.world_size)[world.rank]  # rows kept here
+    want = sum(factors[r] * every[r].reshape((rows + lo,) + tail)[lo:].astype(np.float64)
+               for r in range(world.world_size))[mine]
+    assert got.shape == want.shape and got.dtype == dtype, (got.shape, want.shape)
+    tol = 1e-5 if dtype == "float32" else 1e-12
+    np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
+    if shared is None:
+        return None
+    shared[...] = values
+    view = shared.reshape((rows + lo,) + tail)[lo:]
+    from_shared = backend.scaled_reduce_scatter_blocking(view, factor)
+    np.testing.assert_array_equal(from_shared, got)  # the ordinary path's bits
+    assert from_shared.shape == got.shape
+    np.testing.assert_array_equal(shared, values)  # neither buffer is written
+    return from_shared.tobytes()
+
+
+@settings(max_examples=10, deadline=None)
+@given(n=world_sizes(1, 3), rows=st.sampled_from([2, 3, 5, 65_537, 300_001]),
+       tail=st.sampled_from([(), (3,), (2, 5)]), dtype=st.sampled_from(["float32", "float64"]),
+       factors=st.sampled_from([(1.0, 1.0, 1.0), (0.5, 0.5, 0.5), (0.3, 1.7, 0.25)]),
+       lo=st.sampled_from([0, 1]), seed=st.integers(0, 2**31 - 1))
+def test_a_shared_weighted_reduce_scatter_has_the_ordinary_paths_bits(n, rows, tail, dtype,
+                                                                      factors, lo, seed):
+    if rows >= 65_537 and tail:
+        tail = ()  # bound the work: the long buffers are one-dimensional
+    run_world(_scatters, n, rows, tail, dtype, factors, lo, seed)
+
+
+def _fsdp_packs(world):
+    before = _regions_mapped()
+    rng = np.random.default_rng(0)  # the same initial values on every rank
+    params = [ad.Parameter(rng.standard_normal(shape).astype(dtype))
+              for shape, dtype in (((300, 200), np.float32), ((200,), np.float32),
+                                   ((40, 10), np.float64))]
+    f = FSDP(params, units=[[0, 1], [2]])
+    assert sorted(str(d) for d in f._packs) == (["float32", "float64"] if _shares(world)
+                                                 else [])
+    opt = Adam(f.sharded_parameters(), lr=1e-2)
+    for step in range(2):
+        opt.zero_grad()
+        f.gather_parameters()
+        grads = [np.full(p.shape, world.rank + step + 1.0, p.dtype) for p in params]
+        for p, g in zip(params, grads):
+            p.grad = g
+        f.reshard_parameters()
+        f.sync_gradients()
+        mean = sum(r + step + 1.0 for r in range(world.world_size)) / world.world_size
+        for unit in f._units:
+            lo, hi = unit.flat.valid_bounds(f.shard_rank)
+            np.testing.assert_array_equal(unit.shard.grad[:hi - lo], mean)
+        opt.step()
+    stats, estimate = f.memory_stats(opt), f.memory_estimate(opt)
+    assert {**stats.as_dict(), "measured": None} == {**estimate.as_dict(), "measured": None}
+    packed = sum(b.nbytes for b in f._packs.values())  # the largest unit of each dtype
+    assert packed == (f._units[0].flat.padded_numel * 4 + f._units[1].flat.padded_numel * 8
+                      if _shares(world) else 0)
+    assert stats.buffer_bytes_per_rank == packed  # counted, and apart from the gradients
+    if _shares(world):
+        made = _regions_mapped() - before
+        assert len(made) >= 2, made  # this rank's and the other rank's
+    del f, opt, params
+    gc.collect()
+    world.backend.barrier()  # both ranks dropped their FSDP
+    gc.collect()
+    assert not (_regions_mapped() - before), Path("/proc/self/maps").read_text()
+
+
+@given(n=world_sizes(1, 3))
+@settings(max_examples=3, deadline=None)
+def test_fsdp_packs_gradients_in_shared_memory_where_it_can_counted_and_freed(n):
+    run_world(_fsdp_packs, n)
+
+
 def _ddp_buckets(world, steps):
     rng = np.random.default_rng(0)  # the same initial values on every rank
     params = [ad.Parameter(rng.standard_normal(shape).astype(np.float32))
@@ -83,12 +175,13 @@ def _ddp_then_freed(world):
     before = _regions_mapped()
     ddp = _ddp_buckets(world, 2)
     if _shares(world):  # this rank's buckets and its mapping of the other's
-        assert _regions_mapped() > before
+        made = _regions_mapped() - before
+        assert len(made) >= 2, made  # this rank's and the other rank's
     del ddp
     gc.collect()
     world.backend.barrier()  # both ranks dropped their DDP
     gc.collect()
-    assert _regions_mapped() == before, Path("/proc/self/maps").read_text()
+    assert not (_regions_mapped() - before), Path("/proc/self/maps").read_text()
 
 
 @given(n=world_sizes(1, 3))
@@ -97,13 +190,18 @@ def test_ddp_buckets_are_shared_where_the_group_shares_memory_and_freed_with_it(
     run_world(_ddp_then_freed, n)
 
 
-def _mismatch(world):
+#: The two shared calls: a name in their errors, and how each is made.
+CALLS = {"all_reduce": lambda backend, buf, w: backend.scaled_sum_blocking(buf, w),
+         "reduce_scatter": lambda backend, buf, w: backend.scaled_reduce_scatter_blocking(buf, w)}
+
+
+def _mismatch(world, call):
     backend = world.backend
     shared = backend.shared_buffer(100_000, np.float32) if world.rank == 0 else None
     buf = shared if shared is not None else np.ones(100_000, np.float32)
     buf[...] = 1
     with pytest.raises(CollectiveMismatchError, match=r"disagree on memory \(rank 0: shared"):
-        backend.scaled_sum_blocking(buf, 0.5)
+        CALLS[call](backend, buf, 0.5)
     if shared is not None:
         assert (buf == 1).all()  # the shared side wrote nothing (the ordinary one weights first)
     after = np.ones(8, np.float32)
@@ -112,33 +210,35 @@ def _mismatch(world):
 
 
 @pytest.mark.skipif(not UNDER_MPI, reason="a shared buffer exists only under mpiexec")
-def test_a_shared_buffer_meeting_an_ordinary_one_is_named_and_the_next_call_works():
+@pytest.mark.parametrize("call", list(CALLS))
+def test_a_shared_buffer_meeting_an_ordinary_one_is_named_and_the_next_call_works(call):
     world = ad.init()
     if not _shares(world):
         pytest.skip("this group cannot share memory (three ranks, or the host forbids it)")
-    _mismatch(world)
+    _mismatch(world, call)
 
 
 @pytest.mark.skipif(not UNDER_MPI, reason="a shared buffer exists only under mpiexec")
-def test_a_rank_that_cannot_map_the_other_is_named_and_nothing_hangs(monkeypatch):
+@pytest.mark.parametrize("call", list(CALLS))
+def test_a_rank_that_cannot_map_the_other_is_named_and_nothing_hangs(monkeypatch, call):
     world = ad.init()
     if not _shares(world):
         pytest.skip("this group cannot share memory (three ranks, or the host forbids it)")
     from axondist.backends import shared_regions
 
-    buf = world.backend.shared_buffer(50_001, np.float64)  # a shape no other test sums
+    buf = world.backend.shared_buffer(50_001, np.float64)  # a shape no other test uses
     buf[...] = 1
     if world.rank == 1:
         def refused(locator):
             raise PermissionError(f"mapping {locator} refused (the test's)")
         monkeypatch.setattr(shared_regions, "map_region", refused)
         with pytest.raises(PermissionError, match="refused \\(the test's\\)"):
-            world.backend.scaled_sum_blocking(buf, 1.0)
+            CALLS[call](world.backend, buf, 1.0)
     else:
         with pytest.raises(WorldAbortedError,
-                           match=r"all_reduce #\d+ \(memory=shared\): rank 1 of the group failed "
-                                 r"to sum its half"):
-            world.backend.scaled_sum_blocking(buf, 1.0)
+                           match=rf"{call} #\d+ \(memory=shared\): rank 1 of the group failed "
+                                 r"to combine its half"):
+            CALLS[call](world.backend, buf, 1.0)
     monkeypatch.undo()
     after = np.ones(8, np.float32)
     ad.all_reduce(after)

@@ -35,7 +35,7 @@ from .algorithms.pair_ride import (
     PairRidePlan,
     PairRideReduceScatterPlan,
 )
-from .algorithms.pair_shared import PairSharedSumPlan
+from .algorithms.pair_shared import PairSharedReduceScatterPlan, PairSharedSumPlan
 from .algorithms.pieces import AllReducePiecesPlan
 from .choose import Algorithm, Layout, choose
 from .guard import CallGuard, wait_until
@@ -141,8 +141,8 @@ class MPIBackend(Backend):
                              and not self.options.debug, self.options.chunk_bytes)
         self._cuda_aware: bool | None = True if self.options.host_staging == "never" else None
         self._persistent: weakref.WeakSet[PersistentAllReduce] = weakref.WeakSet()
-        #: The shared weighted sums made so far, by (dtype, shape).
-        self._shared_sums: dict[tuple[np.dtype, tuple[int, ...]], PairSharedSumPlan] = {}
+        #: The shared weighted sums and reduce-scatters made so far, by (kind, dtype, shape).
+        self._shared_plans: dict[tuple[type, np.dtype, tuple[int, ...]], Any] = {}
         #: Whether this group's buffers may lie in shared regions (decided the same on every
         #: rank: two ranks of one host, checks on, the option on, the host allows the peer's
         #: mapping).
@@ -231,16 +231,34 @@ class MPIBackend(Backend):
     def scaled_sum_blocking(self, buf: Any, factor: float = 1.0) -> None:
         """``buf * factor`` summed across the ranks, in place; for a buffer of
         :meth:`shared_buffer` without MPI moving it (:mod:`.algorithms.pair_shared`)."""
-        where = (shared_regions.locate(buf) if self.shares_memory and type(buf) is np.ndarray
-                 and buf.dtype in _SHARED_DTYPES else None)
+        where = self._shared_place(buf)
         if where is None:
             super().scaled_sum_blocking(buf, factor)
             return
-        key = (buf.dtype, buf.shape)
-        plan = self._shared_sums.get(key)
+        self._shared_plan(PairSharedSumPlan, buf).run(buf, factor, where)
+
+    def scaled_reduce_scatter_blocking(self, buf: Any, factor: float = 1.0) -> Any:
+        """``buf * factor`` summed across the ranks, this rank's block of rows; for a buffer
+        of :meth:`shared_buffer` without MPI moving it, and ``buf`` left as it was
+        (:mod:`.algorithms.pair_shared`)."""
+        where = self._shared_place(buf)
+        if where is None:
+            return super().scaled_reduce_scatter_blocking(buf, factor)
+        return self._shared_plan(PairSharedReduceScatterPlan, buf).run(buf, factor, where)
+
+    def _shared_place(self, buf: Any) -> tuple[shared_regions.Locator, int] | None:
+        """Where ``buf`` lies in a shared region this group's pair plans read, or None."""
+        if (not self.shares_memory or type(buf) is not np.ndarray or buf.ndim == 0
+                or buf.dtype not in _SHARED_DTYPES):
+            return None
+        return shared_regions.locate(buf)
+
+    def _shared_plan(self, kind: type, buf: np.ndarray) -> Any:
+        key = (kind, buf.dtype, buf.shape)
+        plan = self._shared_plans.get(key)
         if plan is None:
-            plan = self._shared_sums[key] = PairSharedSumPlan(self, buf.dtype, buf.shape)
-        plan.run(buf, factor, where)
+            plan = self._shared_plans[key] = kind(self, buf.dtype, buf.shape)
+        return plan
 
     # --- calls outside plans ---------------------------------------------------------------
     def _checked(self, op: str, key: tuple[tuple[str, Any], ...], run: Callable[[], Any]) -> Any:
@@ -469,9 +487,9 @@ class MPIBackend(Backend):
         for handle in list(self._persistent):
             handle.free()  # collective, as close() is: every rank holds the same ones
         self.free_plans()
-        for shared in self._shared_sums.values():
+        for shared in self._shared_plans.values():
             shared.free()
-        self._shared_sums.clear()
+        self._shared_plans.clear()
         self.guard.close()
         if self._owns_types:
             self.types.free()
