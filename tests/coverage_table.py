@@ -190,12 +190,17 @@ BEHAVIOURS: tuple[Behaviour, ...] = (
                      "gloos"),
               (TORCH_2, TORCH_3),
               why_not="the torch backend's own algorithm (every backend's: test_collectives.py)"),
-    Behaviour("sized all-gather blocks on both sides of a size limit meet",
+    Behaviour("all-gather blocks on both sides of a size limit meet, with and without sizes",
               _world("test_gather_rows.py",
-                     "test_sized_blocks_on_both_sides_of_the_pair_exchange_limit_meet"), PAIRS,
+                     "test_blocks_on_both_sides_of_the_pair_exchange_limit_meet"), PAIRS,
               why_not="the limit is the MPI backend's two-rank exchange's (every table's choice "
                       "is the same on every rank: tests/unit/test_choose.py, "
                       "test_torch_choose.py)"),
+    Behaviour("a wrong out on one rank of an unsized pair all-gather: named, nothing left",
+              _world("test_gather_rows.py", "test_a_wrong_out_on_one_rank_of_a_pair_is_named_"
+                     "there_and_the_other_gets_its_result"),
+              (MPI_2,), why_not=f"{MPI_MACHINERY}; elsewhere a rank that refuses its out "
+                                "leaves the others in the call, for the watchdog to name"),
     Behaviour("torch: a rank's read-only input takes the others' path",
               _world("test_torch_backend.py",
                      "test_a_rank_passing_a_read_only_input_still_meets_the_others"),

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from axondist import _array
 from axondist.backends.mpi import guard
-from axondist.backends.mpi.backend import PLANS
+from axondist.backends.mpi.backend import PLANS, UNSIZED_GATHER_PLANS
 from axondist.backends.mpi.choose import (
     EXCHANGE_RIDE_MAX_BYTES,
     HALVES_DTYPES,
@@ -131,13 +131,14 @@ def _halves(key: CallKey, layout: Layout) -> bool:
 def _exchanges(key: CallKey, layout: Layout) -> bool:
     """The pair-exchange rule: two checked ranks on one node, blocking NumPy; a
     reduce-scatter in a ride dtype and op at any size, an all-gather with sizes up to
-    PAIR_GATHER_MAX_BYTES, a broadcast up to PAIR_BROADCAST_MAX_BYTES."""
+    PAIR_GATHER_MAX_BYTES, one without sizes at any size (the plan tells the blocks in the
+    check), a broadcast up to PAIR_BROADCAST_MAX_BYTES."""
     size = nbytes(key)
     if key.collective == "reduce_scatter":
         fits = key.dtype in RIDE_DTYPES and key.reduce_op in RIDE_OPS
     elif key.collective == "all_gather":  # the largest rank's block: every rank alike
         row_bytes = key.dtype.itemsize * int(np.prod(key.shape[1:]))
-        fits = key.counts is not None and max(key.counts) * row_bytes <= PAIR_GATHER_MAX_BYTES
+        fits = key.counts is None or max(key.counts) * row_bytes <= PAIR_GATHER_MAX_BYTES
     else:
         fits = key.collective == "broadcast" and size <= PAIR_BROADCAST_MAX_BYTES
     return (fits and layout.world_size == 2 and layout.nodes == 1 and layout.checks
@@ -181,7 +182,10 @@ def test_the_table_is_total_its_last_row_takes_every_call(data, layout):
 @given(data=st.data(), layout=layouts())
 def test_every_choice_for_a_planned_collective_has_a_plan_class(data, layout):
     key = data.draw(keys(layout).filter(lambda k: k.collective in PLANNED))
-    assert (key.collective, choose(key, layout)) in PLANS
+    if key.collective == "all_gather" and key.counts is None:
+        assert choose(key, layout) in UNSIZED_GATHER_PLANS
+    else:
+        assert (key.collective, choose(key, layout)) in PLANS
 
 
 def test_every_rules_algorithm_has_a_plan_for_the_collectives_it_applies_to():
@@ -246,13 +250,14 @@ def test_riding_needs_two_ranks_and_the_check(change, why):
 ])
 def test_riding_is_for_blocking_numpy_calls_that_need_no_root_or_sizes_exchanged(field, value):
     """Small two-rank reduce-scatters ride with the check as all-reduces do, and
-    broadcasts exchange point to point (their data ahead of the check); a reduce, an
-    all-gather without sizes, a non-blocking or a device call is MPI's."""
+    broadcasts and all-gathers without sizes exchange point to point (their data ahead of
+    the check, an all-gather's sizes told in it); a reduce, a non-blocking or a device call
+    is MPI's."""
     key = _all_reduce("float32", 8)._replace(**{field: value})
     if value == "broadcast":
         key = key._replace(reduce_op=None, root=0)
-    want = {"reduce_scatter": Algorithm.PAIR_RIDE,
-            "broadcast": Algorithm.PAIR_EXCHANGE}.get(value, Algorithm.MPI)
+    want = {"reduce_scatter": Algorithm.PAIR_RIDE, "broadcast": Algorithm.PAIR_EXCHANGE,
+            "all_gather": Algorithm.PAIR_EXCHANGE}.get(value, Algorithm.MPI)
     assert choose(key, Layout(2)) is want
 
 
@@ -384,8 +389,13 @@ def test_two_rank_gathers_scatters_and_broadcasts_go_point_to_point_where_measur
     for size in (4 << 10, above_ride):
         assert choose(key(size, async_op=True), pair) is Algorithm.MPI
         assert choose(key(size, library="cupy"), pair) is Algorithm.MPI
-        if collective == "all_gather":  # without sizes the counts come first: MPI's
-            assert choose(key(size, counts=None), pair) is Algorithm.MPI
+        if collective == "all_gather":  # without sizes: the exchange, whatever the size
+            assert choose(key(size, counts=None), pair) is Algorithm.PAIR_EXCHANGE
+            assert choose(key(size, counts=None, async_op=True), pair) is Algorithm.MPI
+            for other in (Layout(3), Layout(2, checks=False), Layout(2, nodes=2)):
+                assert choose(key(size, counts=None), other) is Algorithm.MPI
+    if collective == "all_gather":
+        assert choose(key(big, counts=None), pair) is Algorithm.PAIR_EXCHANGE
 
 
 @given(data=st.data(), dtype=st.sampled_from([np.float32, np.float64, np.int8]),

@@ -2,14 +2,15 @@
 side of ``RIDE_MAX_BYTES``, where the MPI backend's rows stop riding with the check),
 dtype and trailing shape agree; the result equals NumPy's concatenation on every rank,
 with and without ``out``. Under ``mpiexec -n 2`` the counts travel with the check, so
-each call is one recorded exchange. Runs on the mock world too.
+each call is one recorded exchange, and blocks on either side of the pair exchange's limit
+meet. Runs on the mock world too.
 """
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-from harness import run_world, world_sizes
+from harness import UNDER_MPI, run_world, world_sizes
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -170,14 +171,46 @@ def _body_blocks_on_both_sides_of_the_pair_limit(world: ad.World) -> None:
 
     n, me = world.world_size, world.rank
     small, big = PAIR_GATHER_MAX_BYTES // 8, PAIR_GATHER_MAX_BYTES // 8 * 3  # float64 rows
-    for sizes in ([small] + [big] * (n - 1), [big] * (n - 1) + [small], [0] + [big] * (n - 1)):
+    for sizes in ([small] + [big] * (n - 1), [big] * (n - 1) + [small], [0] + [big] * (n - 1),
+                  [big] * n, [big + 1] + [big] * (n - 1), [0] * n, [small] * n):
         x = np.full(sizes[me], me + 0.5)
-        got = ad.all_gather(x, sizes=sizes)
-        np.testing.assert_array_equal(got, np.repeat(np.arange(n) + 0.5, sizes))
+        want = np.repeat(np.arange(n) + 0.5, sizes)
+        np.testing.assert_array_equal(ad.all_gather(x, sizes=sizes), want)
+        np.testing.assert_array_equal(ad.all_gather(x), want)  # each rank knows its own
 
 
-def test_sized_blocks_on_both_sides_of_the_pair_exchange_limit_meet():
+def test_blocks_on_both_sides_of_the_pair_exchange_limit_meet():
     """A rank's own block of 1 MiB where another's is 3 MiB: the MPI backend's two-rank
     exchange ends at 2 MiB, and every rank must make the same choice (the largest block
-    decides) or they wait in different calls."""
+    decides) or they wait in different calls; without sizes each rank's block leaves
+    ahead of the check or after it by its own size, and both move it the same way once
+    the check told them both sizes."""
     run_world(_body_blocks_on_both_sides_of_the_pair_limit, 2)
+
+
+def _body_wrong_out_on_one_rank(world: ad.World) -> None:
+    from axondist.backends.mpi.choose import PAIR_GATHER_MAX_BYTES
+
+    big = PAIR_GATHER_MAX_BYTES // 8 + 5
+    for rows in ((3, 4), (big, 2), (2, big), (big, big + 1)):
+        x = np.full((rows[world.rank], 2), float(world.rank))
+        want = np.concatenate([np.full((r, 2), float(k)) for k, r in enumerate(rows)])
+        if world.rank == 0:  # a wrong out here, none on rank 1
+            with pytest.raises(ad.InvalidBufferError, match=r"all_gather: out is float64\["):
+                ad.all_gather(x, out=np.empty((sum(rows) + 1, 2)))
+        else:
+            np.testing.assert_array_equal(ad.all_gather(x), want)
+        np.testing.assert_array_equal(ad.all_gather(x), want)  # nothing left behind
+
+
+@pytest.mark.skipif(not UNDER_MPI, reason="the two-rank MPI exchange runs under mpiexec")
+def test_a_wrong_out_on_one_rank_of_a_pair_is_named_there_and_the_other_gets_its_result():
+    """Under MPI two ranks learn each other's rows inside the check, so a rank's ``out`` of
+    the wrong shape is known only after the blocks started to move: they still move (the
+    refused rank's into a temporary), that rank raises, the other has its result, and the
+    next call works. (On three ranks, and on the other backends, a rank that refuses its
+    ``out`` leaves the others in the call: the watchdog names it.)"""
+    world = ad.init()
+    if world.world_size != 2:
+        pytest.skip("the two-rank MPI exchange")
+    _body_wrong_out_on_one_rank(world)

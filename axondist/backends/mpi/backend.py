@@ -28,7 +28,12 @@ from ..plan import CallKey, Plan, WidenedMeanPlan
 from ..recording.recorder import FlightRecorder
 from ..work import PolledWork, Work
 from . import single_copy
-from .algorithms.pair_exchange import PairAllGatherPlan, PairBroadcastPlan, PairReduceScatterPlan
+from .algorithms.pair_exchange import (
+    PairAllGatherPlan,
+    PairBroadcastPlan,
+    PairReduceScatterPlan,
+    PairUnsizedAllGatherPlan,
+)
 from .algorithms.pair_halves import PairHalvesMeanPlan
 from .algorithms.pair_ride import (
     PairRideAllGatherPlan,
@@ -82,6 +87,11 @@ PLANS: dict[tuple[str, Algorithm], Callable[[Any, CallKey], Plan]] = {
     ("scatter", Algorithm.MPI): ScatterPlan,
     ("all_to_all", Algorithm.MPI): AllToAllPlan,
     ("all_to_all", Algorithm.POINT_TO_POINT): PointToPointAllToAllPlan,
+}
+#: The plan class of each algorithm the table chooses for an all-gather without sizes.
+UNSIZED_GATHER_PLANS: dict[Algorithm, Callable[[Any, CallKey], Plan]] = {
+    Algorithm.MPI: UnsizedAllGatherPlan,
+    Algorithm.PAIR_EXCHANGE: PairUnsizedAllGatherPlan,
 }
 #: The collectives whose blocks differ by rank (MPI's v-calls).
 _VECTOR = frozenset({"gather", "scatter", "all_to_all"})
@@ -212,7 +222,7 @@ class MPIBackend(Backend):
     def host_plan(self, key: CallKey) -> Plan:
         """The plan of ``key`` on buffers MPI reads directly."""
         if key.collective == "all_gather" and key.counts is None:
-            return UnsizedAllGatherPlan(self, key)
+            return UNSIZED_GATHER_PLANS[choose(key, self.layout)](self, key)
         if key.reduce_op is not None and key.dtype not in self.types.reduce[key.reduce_op]:
             raise unsupported(key.collective, key.dtype, key.reduce_op)
         made = PLANS.get((key.collective, choose(key, self.layout)))

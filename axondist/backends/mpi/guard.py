@@ -104,18 +104,19 @@ class CallGuard(CallLog):
         if result[0] != -result[1]:
             self.disagree(op, key)
 
-    def swap(self, requests: list[Any], h: int, nbytes: int) -> bool:
+    def swap(self, requests: list[Any], h: int, nbytes: int | None) -> bool:
         """Run a two-rank group's swap (``requests``: a persistent send of this rank's
         message and :attr:`receive`); true when the other rank's call differs from this
         one's (hash ``h``; ``nbytes`` of data after the header, or minus the bytes that
-        left ahead of it on AHEAD_TAG, which a disagreeing rank receives and drops)."""
+        left ahead of it on AHEAD_TAG, which a disagreeing rank receives and drops; None
+        when the ranks' sizes may differ, and the other's is read from :attr:`seen`)."""
         try:
             self._mpi.Prequest.Startall(requests)
             self._mpi.Request.Waitall(requests)
         except self._mpi.Exception as exc:
             raise_mpi_error(self._mpi, exc, "the cross-rank check")
         seen = self.seen
-        if seen[1] or seen[0] != h or seen[2] != nbytes:
+        if seen[1] or seen[0] != h or (nbytes is not None and seen[2] != nbytes):
             self._drop_ahead()
             return True
         return False

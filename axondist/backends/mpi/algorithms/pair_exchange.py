@@ -20,10 +20,18 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ...plan import CallKey
+from ....errors import InvalidBufferError
+from ...plan import CallKey, checked_out
+from ..choose import PAIR_GATHER_MAX_BYTES
 from ..guard import AHEAD_TAG, PAIR_TAG
-from ..plans import AllGatherPlan, BroadcastPlan, MPIPlan, ReduceScatterPlan
-from ..transport import raise_mpi_error
+from ..plans import (
+    AllGatherPlan,
+    BroadcastPlan,
+    MPIPlan,
+    ReduceScatterPlan,
+    UnsizedAllGatherPlan,
+)
+from ..transport import displacements, raise_mpi_error
 
 if TYPE_CHECKING:
     from ..backend import MPIBackend
@@ -197,5 +205,82 @@ class PairBroadcastPlan(PairRun, BroadcastPlan):
         raise AssertionError("a blocking pair broadcast runs _exchange")
 
 
+class PairUnsizedAllGatherPlan(PairRun, UnsizedAllGatherPlan):
+    """An all-gather whose row counts neither rank knows: the check's header carries this
+    rank's block, so the counts need no round trip of their own. A block of at most
+    ``PAIR_GATHER_MAX_BYTES`` leaves ahead of the check (its header says minus its bytes);
+    a larger one waits for it (its header says its rows). Once the headers agree (the
+    call's hash, whatever the sizes) both ranks know both blocks: two large blocks move by
+    MPI's ``Allgatherv`` (``Allgather`` when equal), anything else point to point. An
+    ``out`` of the wrong shape is known only then: the blocks still move (into a
+    temporary), so no message is left behind, and the error is raised after."""
+
+    __slots__ = ("_peer", "_private", "_header", "_requests")
+
+    def __init__(self, backend: MPIBackend, key: CallKey) -> None:
+        super().__init__(backend, key)
+        self._peer, self._private = pair_of(backend)
+        self._header = np.array([int(self._words[0]), 0, 0], np.int64)
+        self._requests = [self._private.Send_init(self._header, self._peer, PAIR_TAG),
+                          backend.guard.receive]
+
+    def _exchange(self, send: Any, recv: Any) -> Any:
+        guard, comm, peer = self._guard, self._private, self._peer
+        row_bytes = self._row_size * self.key.dtype.itemsize
+        mine = send.shape[0] * row_bytes
+        early = 0 < mine <= PAIR_GATHER_MAX_BYTES
+        ahead = comm.Isend(self._spec(send), peer, AHEAD_TAG) if early else None
+        self._header[2] = -mine if early else send.shape[0]  # bytes sent ahead, or rows
+        if guard.swap(self._requests, int(self._header[0]), None):
+            if ahead is not None:
+                ahead.Wait()  # the other rank received and dropped it
+            guard.disagree("all_gather", self._check_key)
+        told = int(guard.seen[2])
+        their_rows = -told // row_bytes if told < 0 else told
+        rows = [send.shape[0], their_rows] if self._b.rank == 0 else [their_rows, send.shape[0]]
+        shape = (sum(rows),) + tuple(self.key.shape[1:])
+        refused = None
+        try:
+            out = (self._xp.empty(shape, dtype=self.key.dtype) if recv is None
+                   else checked_out(recv, self.key, shape, "all_gather"))
+        except InvalidBufferError as exc:  # known only now: finish the exchange, then raise
+            refused, out = exc, self._xp.empty(shape, dtype=self.key.dtype)
+        self._move_blocks(send, out, rows, early, told, ahead)
+        if refused is not None:
+            raise refused
+        return out
+
+    def _move_blocks(self, send: Any, out: Any, rows: list[int], early: bool, told: int,
+                     ahead: Any) -> None:
+        """Both blocks into ``out`` (``rows``: the ranks' rows; ``early``: this rank's block
+        left ahead, ``ahead`` its request; ``told``: the other rank's header)."""
+        comm, peer = self._private, self._peer
+        mine, theirs = (r * self._row_size for r in (rows[self._b.rank],
+                                                     rows[1 - self._b.rank]))
+        if not early and told >= 0 and mine > 0 and theirs > 0:  # two large blocks: MPI's
+            counts = [r * self._row_size for r in rows]
+            s, r = self._spec(send), self._spec(out)
+            if counts[0] == counts[1]:
+                self._comm.Allgather(s, r)
+            else:
+                self._comm.Allgatherv(s, [r[0], counts, displacements(counts), r[1]])
+            return
+        flat = out.reshape(-1)
+        split = rows[0] * self._row_size
+        here, there = ((slice(0, split), slice(split, None)) if self._b.rank == 0
+                       else (slice(split, None), slice(0, split)))
+        if ahead is None and mine > 0:
+            ahead = comm.Isend(self._spec(send), peer, AHEAD_TAG)
+        if theirs > 0:
+            comm.Recv(self._spec(flat[there]), peer, AHEAD_TAG)
+        flat[here] = send.reshape(-1)
+        if ahead is not None:
+            ahead.Wait()
+
+    def free(self) -> None:
+        self._requests[0].Free()
+
+
 __all__ = ["UFUNCS", "AheadCheck", "PairAllGatherPlan", "PairBroadcastPlan",
-           "PairReduceScatterPlan", "PairRun", "pair_blocks", "pair_of"]
+           "PairReduceScatterPlan", "PairRun", "PairUnsizedAllGatherPlan", "pair_blocks",
+           "pair_of"]
