@@ -365,9 +365,10 @@ class Backend(abc.ABC):
         arrive. The default is :meth:`barrier` (which the watchdog still ends)."""
         self.barrier()
 
-    def shared_buffer(self, count: int, dtype: Any) -> Any:
-        """A zeroed buffer of ``count`` elements of ``dtype`` that
-        :meth:`scaled_sum_blocking` sums faster than ordinary memory, or None (the default:
+    def shared_buffer(self, count: int, dtype: Any, collective: str = "all_reduce") -> Any:
+        """A zeroed buffer of ``count`` elements of ``dtype`` that :meth:`scaled_sum_blocking`
+        (``collective="all_reduce"``) or :meth:`scaled_reduce_scatter_blocking`
+        (``"reduce_scatter"``) combines faster than ordinary memory, or None (the default:
         no such memory). Every rank of the group gets the same answer."""
         return None
 

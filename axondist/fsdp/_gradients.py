@@ -97,9 +97,10 @@ class GradientSync(UnitState):
     def _shared_packs(self) -> dict[np.dtype, Any]:
         """The buffers gradients are packed into for a reduce-scatter the shard group's
         backend does without moving them (one per reduce dtype, the largest unit's size,
-        from ``Backend.shared_buffer``: two MPI ranks of one host), made once, with the
-        wrapper, and counted in :meth:`memory_stats`; empty where the group cannot, or
-        the strategy does not reduce-scatter. The same on every rank."""
+        from ``Backend.shared_buffer``: two MPI ranks of one host, a unit large enough),
+        made once, with the wrapper, and counted in :meth:`memory_stats`; empty where the
+        group cannot, or the strategy does not reduce-scatter. Smaller units packed there
+        take the ordinary path. The same on every rank."""
         if self.shard_group is None or not self.spec.gradients:
             return {}
         sizes: dict[np.dtype, int] = {}
@@ -108,7 +109,7 @@ class GradientSync(UnitState):
             if self._packed_scale(rdt) is not None:
                 sizes[rdt] = max(sizes.get(rdt, 0), st.flat.padded_numel)
         backend = self.shard_group.backend_for("FullyShardedDataParallel")
-        made = {rdt: backend.shared_buffer(n, rdt) for rdt, n in sizes.items()}
+        made = {rdt: backend.shared_buffer(n, rdt, "reduce_scatter") for rdt, n in sizes.items()}
         return {rdt: buf for rdt, buf in made.items() if buf is not None}
 
     def _reduce_unit(self, st: _Unit, grads: list[Any] | None) -> None:

@@ -18,6 +18,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import axondist as ad
+from axondist.backends.mpi.algorithms.pair_shared import (
+    REDUCE_SCATTER_FROM_BYTES,
+    SUM_FROM_BYTES,
+)
 from axondist.ddp import DistributedDataParallel
 from axondist.errors import CollectiveMismatchError, WorldAbortedError
 from axondist.fsdp import FSDP
@@ -36,22 +40,40 @@ def _regions_mapped() -> set[int]:
             if "axondist-region" in line}
 
 
+def _last_detail() -> str:
+    """The detail of this rank's last recorded call on the world group."""
+    return [e for e in ad.flight_recorder() if e["group"] == "world"][-1]["detail"]
+
+
+def _region_view(backend, count, dtype, lo, collective):
+    """``count + lo`` elements of ``dtype`` in a shared region (a view of a buffer large
+    enough for ``collective``'s shared plan, so the small counts lie there too), or None
+    where the group shares no memory."""
+    floor = (SUM_FROM_BYTES if collective == "all_reduce" else REDUCE_SCATTER_FROM_BYTES)
+    room = max(count + lo, floor // np.dtype(dtype).itemsize)
+    whole = backend.shared_buffer(room, dtype, collective)
+    return None if whole is None else whole[:count + lo]
+
+
 def _sums(world, count, dtype, factors, lo, seed):
     backend = world.backend
-    shared = backend.shared_buffer(count, dtype)
+    shared = _region_view(backend, count, dtype, lo, "all_reduce")
     if not _shares(world):
-        assert shared is None
+        assert shared is None and backend.shared_buffer(1 << 20, dtype) is None
         return None
-    assert shared is not None and shared.shape == (count,) and shared.dtype == dtype
+    assert shared is not None and shared.dtype == dtype
     rng = np.random.default_rng([seed, world.rank])
-    values = rng.standard_normal(count).astype(dtype)
+    values = rng.standard_normal(count + lo).astype(dtype)
     factor = factors[world.rank]
     ordinary = values.copy()
     shared[...] = values
     backend.scaled_sum_blocking(shared[lo:], factor)
+    # the shared plan from SUM_FROM_BYTES, the ordinary path below (a region or not)
+    large = count * np.dtype(dtype).itemsize >= SUM_FROM_BYTES
+    assert ("memory=shared" in _last_detail()) == large, _last_detail()
     backend.scaled_sum_blocking(ordinary[lo:], factor)
     np.testing.assert_array_equal(shared, ordinary)  # the same bits, the head untouched
-    every = [np.random.default_rng([seed, r]).standard_normal(count).astype(dtype)
+    every = [np.random.default_rng([seed, r]).standard_normal(count + lo).astype(dtype)
              for r in range(world.world_size)]
     want = sum(factors[r] * every[r][lo:].astype(np.float64) for r in range(world.world_size))
     tol = 1e-5 if dtype == "float32" else 1e-12
@@ -59,22 +81,21 @@ def _sums(world, count, dtype, factors, lo, seed):
     return shared.tobytes()
 
 
-@settings(max_examples=10, deadline=None)
-@given(n=world_sizes(1, 3), count=st.sampled_from([1, 2, 3, 65_537, 300_001]),
+@settings(max_examples=12, deadline=None)
+@given(n=world_sizes(1, 3),
+       count=st.sampled_from([1, 3, SUM_FROM_BYTES // 8 - 1, SUM_FROM_BYTES // 8,
+                              SUM_FROM_BYTES // 4 - 1, SUM_FROM_BYTES // 4, 300_001]),
        dtype=st.sampled_from(["float32", "float64"]),
        factors=st.sampled_from([(1.0, 1.0, 1.0), (0.5, 0.5, 0.5), (0.3, 1.7, 0.25)]),
        lo=st.sampled_from([0, 1]), seed=st.integers(0, 2**31 - 1))
 def test_a_shared_weighted_sum_has_the_ordinary_paths_bits(n, count, dtype, factors, lo, seed):
-    lo = min(lo, count - 1)
     run_world(_sums, n, count, dtype, factors, lo, seed)
 
 
 def _scatters(world, rows, tail, dtype, factors, lo, seed):
     backend = world.backend
-    count = (rows + lo) * int(np.prod(tail, dtype=np.int64))
-    shared = backend.shared_buffer(count, dtype)
-    assert (shared is not None) == _shares(world)
-    every = [np.random.default_rng([seed, r]).standard_normal(count).astype(dtype)
+    row = int(np.prod(tail, dtype=np.int64))
+    every = [np.random.default_rng([seed, r]).standard_normal((rows + lo) * row).astype(dtype)
              for r in range(world.world_size)]
     values = every[world.rank]
     factor = factors[world.rank]
@@ -86,25 +107,34 @@ def _scatters(world, rows, tail, dtype, factors, lo, seed):
     assert got.shape == want.shape and got.dtype == dtype, (got.shape, want.shape)
     tol = 1e-5 if dtype == "float32" else 1e-12
     np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
+    shared = _region_view(backend, (rows + lo) * row - lo * row, dtype, lo * row,
+                          "reduce_scatter")
     if shared is None:
+        assert not _shares(world)
         return None
     shared[...] = values
     view = shared.reshape((rows + lo,) + tail)[lo:]
     from_shared = backend.scaled_reduce_scatter_blocking(view, factor)
+    large = view.nbytes >= REDUCE_SCATTER_FROM_BYTES
+    assert ("memory=shared" in _last_detail()) == large, _last_detail()
     np.testing.assert_array_equal(from_shared, got)  # the ordinary path's bits
     assert from_shared.shape == got.shape
-    np.testing.assert_array_equal(shared, values)  # neither buffer is written
+    if large:
+        np.testing.assert_array_equal(shared, values)  # neither buffer is written
     return from_shared.tobytes()
 
 
-@settings(max_examples=10, deadline=None)
-@given(n=world_sizes(1, 3), rows=st.sampled_from([2, 3, 5, 65_537, 300_001]),
+@settings(max_examples=12, deadline=None)
+@given(n=world_sizes(1, 3),
+       rows=st.sampled_from([2, 3, 5, REDUCE_SCATTER_FROM_BYTES // 8,
+                             REDUCE_SCATTER_FROM_BYTES // 4 - 1,
+                             REDUCE_SCATTER_FROM_BYTES // 4, 300_001]),
        tail=st.sampled_from([(), (3,), (2, 5)]), dtype=st.sampled_from(["float32", "float64"]),
        factors=st.sampled_from([(1.0, 1.0, 1.0), (0.5, 0.5, 0.5), (0.3, 1.7, 0.25)]),
        lo=st.sampled_from([0, 1]), seed=st.integers(0, 2**31 - 1))
 def test_a_shared_weighted_reduce_scatter_has_the_ordinary_paths_bits(n, rows, tail, dtype,
                                                                       factors, lo, seed):
-    if rows >= 65_537 and tail:
+    if rows >= 65_536 and tail:
         tail = ()  # bound the work: the long buffers are one-dimensional
     run_world(_scatters, n, rows, tail, dtype, factors, lo, seed)
 
@@ -113,11 +143,14 @@ def _fsdp_packs(world):
     before = _regions_mapped()
     rng = np.random.default_rng(0)  # the same initial values on every rank
     params = [ad.Parameter(rng.standard_normal(shape).astype(dtype))
-              for shape, dtype in (((300, 200), np.float32), ((200,), np.float32),
+              for shape, dtype in (((400, 200), np.float32), ((200,), np.float32),
                                    ((40, 10), np.float64))]
     f = FSDP(params, units=[[0, 1], [2]])
-    assert sorted(str(d) for d in f._packs) == (["float32", "float64"] if _shares(world)
-                                                 else [])
+    # the float32 unit is large enough for the shared reduce-scatter; the float64 one is
+    # not, so no buffer is made for it (its sync takes the ordinary path)
+    assert f._units[0].flat.padded_numel * 4 >= REDUCE_SCATTER_FROM_BYTES
+    assert f._units[1].flat.padded_numel * 8 < REDUCE_SCATTER_FROM_BYTES
+    assert sorted(str(d) for d in f._packs) == (["float32"] if _shares(world) else [])
     opt = Adam(f.sharded_parameters(), lr=1e-2)
     for step in range(2):
         opt.zero_grad()
@@ -135,8 +168,7 @@ def _fsdp_packs(world):
     stats, estimate = f.memory_stats(opt), f.memory_estimate(opt)
     assert {**stats.as_dict(), "measured": None} == {**estimate.as_dict(), "measured": None}
     packed = sum(b.nbytes for b in f._packs.values())  # the largest unit of each dtype
-    assert packed == (f._units[0].flat.padded_numel * 4 + f._units[1].flat.padded_numel * 8
-                      if _shares(world) else 0)
+    assert packed == (f._units[0].flat.padded_numel * 4 if _shares(world) else 0)
     assert stats.buffer_bytes_per_rank == packed  # counted, and apart from the gradients
     if _shares(world):
         made = _regions_mapped() - before
@@ -160,7 +192,8 @@ def _ddp_buckets(world, steps):
               for shape in ((300, 200), (200,), (200, 10))]
     ddp = DistributedDataParallel(params)
     given_ = [state.bucket.given for state in ddp.synchronizer.buckets]
-    assert given_ == [_shares(world)] * len(given_), given_
+    large = [state.bucket.capacity * 4 >= SUM_FROM_BYTES for state in ddp.synchronizer.buckets]
+    assert given_ == [_shares(world) and big for big in large], (given_, large)
     for step in range(steps):
         grads = [np.full(p.data.shape, world.rank + step, np.float32) for p in params]
         ddp.zero_grad(set_to_none=False)

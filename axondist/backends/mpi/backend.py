@@ -229,19 +229,23 @@ class MPIBackend(Backend):
         return made(self, key) if made is not None else p2p_plan(self, key)
 
     # --- buffers both ranks of a pair read and write -----------------------------------------
-    def shared_buffer(self, count: int, dtype: Any) -> np.ndarray | None:
+    def shared_buffer(self, count: int, dtype: Any,
+                      collective: str = "all_reduce") -> np.ndarray | None:
         """A zeroed buffer of ``count`` elements in a shared region, which
-        :meth:`scaled_sum_blocking` sums in place with no MPI transfer, when this group can
-        (:attr:`shares_memory`, float32/64); else None. The same answer on every rank."""
+        :meth:`scaled_sum_blocking` (``collective="all_reduce"``) or
+        :meth:`scaled_reduce_scatter_blocking` (``"reduce_scatter"``) combine with no MPI
+        transfer, when this group can (:attr:`shares_memory`, float32/64) and the buffer
+        is large enough for it to pay; else None. The same answer on every rank."""
         dtype = np.dtype(dtype)
-        if not self.shares_memory or dtype not in _SHARED_DTYPES:
+        if (not self.shares_memory or dtype not in _SHARED_DTYPES
+                or int(count) * dtype.itemsize < _SHARED_PLANS[collective].from_bytes):
             return None
         return shared_regions.allocate(int(count) * dtype.itemsize, dtype)
 
     def scaled_sum_blocking(self, buf: Any, factor: float = 1.0) -> None:
         """``buf * factor`` summed across the ranks, in place; for a buffer of
         :meth:`shared_buffer` without MPI moving it (:mod:`.algorithms.pair_shared`)."""
-        where = self._shared_place(buf)
+        where = self._shared_place(buf, PairSharedSumPlan)
         if where is None:
             super().scaled_sum_blocking(buf, factor)
             return
@@ -251,15 +255,16 @@ class MPIBackend(Backend):
         """``buf * factor`` summed across the ranks, this rank's block of rows; for a buffer
         of :meth:`shared_buffer` without MPI moving it, and ``buf`` left as it was
         (:mod:`.algorithms.pair_shared`)."""
-        where = self._shared_place(buf)
+        where = self._shared_place(buf, PairSharedReduceScatterPlan)
         if where is None:
             return super().scaled_reduce_scatter_blocking(buf, factor)
         return self._shared_plan(PairSharedReduceScatterPlan, buf).run(buf, factor, where)
 
-    def _shared_place(self, buf: Any) -> tuple[shared_regions.Locator, int] | None:
-        """Where ``buf`` lies in a shared region this group's pair plans read, or None."""
+    def _shared_place(self, buf: Any, kind: Any) -> tuple[shared_regions.Locator, int] | None:
+        """Where ``buf`` lies in a shared region, when plan ``kind`` runs for it; else None
+        (the ordinary path: also for a view of a region smaller than ``kind.from_bytes``)."""
         if (not self.shares_memory or type(buf) is not np.ndarray or buf.ndim == 0
-                or buf.dtype not in _SHARED_DTYPES):
+                or buf.dtype not in _SHARED_DTYPES or buf.nbytes < kind.from_bytes):
             return None
         return shared_regions.locate(buf)
 
@@ -508,6 +513,8 @@ class MPIBackend(Backend):
 
 #: The dtypes a shared weighted sum combines.
 _SHARED_DTYPES = frozenset((np.dtype(np.float32), np.dtype(np.float64)))
+#: The shared plan of each collective :meth:`MPIBackend.shared_buffer` serves.
+_SHARED_PLANS = {"all_reduce": PairSharedSumPlan, "reduce_scatter": PairSharedReduceScatterPlan}
 
 
 def _divide(buf: Any, n: int) -> None:
