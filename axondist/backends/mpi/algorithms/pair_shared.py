@@ -10,7 +10,8 @@ new array, and writes nothing into either buffer.
 The check's message carries where this rank's buffer lies (its region's locator and offset)
 and its weight; once the headers agree each rank maps the other's region (once: the mapping
 is kept while this rank's own region lives) and, block by block while the block is in cache,
-computes ``mine * my_weight + theirs * their_weight`` (for two ranks ``a + b`` is ``b + a``
+computes ``mine * my_weight + theirs * their_weight`` (the sum in place in its half of both
+buffers, with no scratch; for two ranks ``a + b`` is ``b + a``
 bit for bit, so the result has the bits of weighting each buffer, then MPI's SUM). A last
 one-byte message each way tells the other rank this rank is done with both buffers (or that
 it failed, so both raise), so neither returns, and reuses its buffer, while the other still
@@ -136,21 +137,6 @@ class _PairSharedPlan:
         step = self._block
         return ((start, min(start + step, hi)) for start in range(lo, hi, step))
 
-    def _scratch(self, lo: int, hi: int) -> np.ndarray:
-        """A block's scratch, made per call (a plan keeps no buffer between calls)."""
-        return np.empty(max(0, min(self._block, hi - lo)), self._dtype)
-
-    def _weighted(self, a: np.ndarray, b: np.ndarray, out: np.ndarray, factor: float,
-                  their_factor: float, scratch: np.ndarray) -> None:
-        """``out = a * factor + b * their_factor`` (one block; ``scratch`` as large)."""
-        if factor != 1.0 or their_factor != 1.0:
-            scaled = scratch[:out.size]
-            np.multiply(a, factor, out=out, casting="unsafe")
-            np.multiply(b, their_factor, out=scaled, casting="unsafe")
-            np.add(out, scaled, out=out)
-        else:
-            np.add(a, b, out=out)
-
     def free(self) -> None:
         self._check.free()
         self._peers.clear()
@@ -170,13 +156,14 @@ class PairSharedSumPlan(_PairSharedPlan):
                  their_factor: float) -> None:
         n = mine.size
         lo, hi = (0, (n + 1) // 2) if self._rank == 0 else ((n + 1) // 2, n)
-        tmp, scratch = self._scratch(lo, hi), self._scratch(lo, hi)
+        weighted = factor != 1.0 or their_factor != 1.0
         for start, end in self._blocks(lo, hi):
-            out = tmp[:end - start]
-            self._weighted(mine[start:end], theirs[start:end], out, factor, their_factor,
-                           scratch)
-            mine[start:end] = out
-            theirs[start:end] = out
+            a, b = mine[start:end], theirs[start:end]
+            if weighted:  # this half of both buffers is this rank's to write: no scratch
+                np.multiply(a, factor, out=a, casting="unsafe")
+                np.multiply(b, their_factor, out=b, casting="unsafe")
+            np.add(a, b, out=a)
+            b[...] = a
 
 
 class PairSharedReduceScatterPlan(_PairSharedPlan):
@@ -210,3 +197,18 @@ class PairSharedReduceScatterPlan(_PairSharedPlan):
             self._weighted(mine[start:end], theirs[start:end], flat[start - lo:end - lo],
                            factor, their_factor, scratch)
         return block
+
+    def _scratch(self, lo: int, hi: int) -> np.ndarray:
+        """A block's scratch, made per call (a plan keeps no buffer between calls)."""
+        return np.empty(max(0, min(self._block, hi - lo)), self._dtype)
+
+    def _weighted(self, a: np.ndarray, b: np.ndarray, out: np.ndarray, factor: float,
+                  their_factor: float, scratch: np.ndarray) -> None:
+        """``out = a * factor + b * their_factor`` (one block; ``scratch`` as large)."""
+        if factor != 1.0 or their_factor != 1.0:
+            scaled = scratch[:out.size]
+            np.multiply(a, factor, out=out, casting="unsafe")
+            np.multiply(b, their_factor, out=scaled, casting="unsafe")
+            np.add(out, scaled, out=out)
+        else:
+            np.add(a, b, out=out)
