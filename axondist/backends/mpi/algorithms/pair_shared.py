@@ -11,8 +11,8 @@ The check's message carries where this rank's buffer lies (its region's locator 
 and its weight; once the headers agree each rank maps the other's region (once: the mapping
 is kept while this rank's own region lives) and, block by block while the block is in cache,
 computes ``mine * my_weight + theirs * their_weight`` (the sum in place in its half of both
-buffers, with no scratch; for two ranks ``a + b`` is ``b + a``
-bit for bit, so the result has the bits of weighting each buffer, then MPI's SUM). A last
+buffers, with no scratch; for two ranks ``a + b`` is ``b + a`` bit for bit, so the result
+has the bits of weighting each buffer, then MPI's SUM). A last
 one-byte message each way tells the other rank this rank is done with both buffers (or that
 it failed, so both raise), so neither returns, and reuses its buffer, while the other still
 reads or writes it. A rank whose buffer is not in a region (or whose call differs otherwise)
