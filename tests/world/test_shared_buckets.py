@@ -13,8 +13,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from harness import UNDER_MPI, run_world, world_sizes
-from hypothesis import given, settings
+from harness import UNDER_MPI, current_size, run_world, world_sizes
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import axondist as ad
@@ -38,6 +38,19 @@ def _regions_mapped() -> set[int]:
     the regions it made, not a count."""
     return {int(line.split()[4]) for line in Path("/proc/self/maps").read_text().splitlines()
             if "axondist-region" in line}
+
+
+def _mapped_then_gone(world, before: set[int], holder: list) -> None:
+    """Where the group shares memory, the wrapper in ``holder`` mapped regions since
+    ``before`` (its own and the other rank's); once both ranks dropped it, none is left."""
+    if _shares(world):
+        made = _regions_mapped() - before
+        assert len(made) >= 2, made  # this rank's and the other rank's
+    holder.clear()
+    gc.collect()
+    world.backend.barrier()  # both ranks dropped their wrapper
+    gc.collect()
+    assert not (_regions_mapped() - before), Path("/proc/self/maps").read_text()
 
 
 def _last_detail() -> str:
@@ -88,6 +101,10 @@ def _sums(world, count, dtype, factors, lo, seed):
        dtype=st.sampled_from(["float32", "float64"]),
        factors=st.sampled_from([(1.0, 1.0, 1.0), (0.5, 0.5, 0.5), (0.3, 1.7, 0.25)]),
        lo=st.sampled_from([0, 1]), seed=st.integers(0, 2**31 - 1))
+@example(n=current_size(2), count=SUM_FROM_BYTES // 4 - 1, dtype="float32",
+         factors=(0.5, 0.5, 0.5), lo=0, seed=1)  # just below the shared plan's size: ordinary
+@example(n=current_size(2), count=SUM_FROM_BYTES // 4, dtype="float32",
+         factors=(0.3, 1.7, 0.25), lo=1, seed=2)  # at it: shared
 def test_a_shared_weighted_sum_has_the_ordinary_paths_bits(n, count, dtype, factors, lo, seed):
     run_world(_sums, n, count, dtype, factors, lo, seed)
 
@@ -132,6 +149,10 @@ def _scatters(world, rows, tail, dtype, factors, lo, seed):
        tail=st.sampled_from([(), (3,), (2, 5)]), dtype=st.sampled_from(["float32", "float64"]),
        factors=st.sampled_from([(1.0, 1.0, 1.0), (0.5, 0.5, 0.5), (0.3, 1.7, 0.25)]),
        lo=st.sampled_from([0, 1]), seed=st.integers(0, 2**31 - 1))
+@example(n=current_size(2), rows=REDUCE_SCATTER_FROM_BYTES // 4 - 1, tail=(), dtype="float32",
+         factors=(1.0, 1.0, 1.0), lo=0, seed=1)  # just below the shared plan's size
+@example(n=current_size(2), rows=REDUCE_SCATTER_FROM_BYTES // 4, tail=(), dtype="float32",
+         factors=(0.3, 1.7, 0.25), lo=1, seed=2)  # at it
 def test_a_shared_weighted_reduce_scatter_has_the_ordinary_paths_bits(n, rows, tail, dtype,
                                                                       factors, lo, seed):
     if rows >= 65_536 and tail:
@@ -170,14 +191,9 @@ def _fsdp_packs(world):
     packed = sum(b.nbytes for b in f._packs.values())  # the largest unit of each dtype
     assert packed == (f._units[0].flat.padded_numel * 4 if _shares(world) else 0)
     assert stats.buffer_bytes_per_rank == packed  # counted, and apart from the gradients
-    if _shares(world):
-        made = _regions_mapped() - before
-        assert len(made) >= 2, made  # this rank's and the other rank's
+    holder = [f]
     del f, opt, params
-    gc.collect()
-    world.backend.barrier()  # both ranks dropped their FSDP
-    gc.collect()
-    assert not (_regions_mapped() - before), Path("/proc/self/maps").read_text()
+    _mapped_then_gone(world, before, holder)
 
 
 @given(n=world_sizes(1, 3))
@@ -206,15 +222,7 @@ def _ddp_buckets(world, steps):
 
 def _ddp_then_freed(world):
     before = _regions_mapped()
-    ddp = _ddp_buckets(world, 2)
-    if _shares(world):  # this rank's buckets and its mapping of the other's
-        made = _regions_mapped() - before
-        assert len(made) >= 2, made  # this rank's and the other rank's
-    del ddp
-    gc.collect()
-    world.backend.barrier()  # both ranks dropped their DDP
-    gc.collect()
-    assert not (_regions_mapped() - before), Path("/proc/self/maps").read_text()
+    _mapped_then_gone(world, before, [_ddp_buckets(world, 2)])
 
 
 @given(n=world_sizes(1, 3))
