@@ -137,8 +137,9 @@ VARIABLES: tuple[Variable, ...] = (
              "sends them in pieces (default 2 MiB in a group on one node, whole across nodes; "
              "0: never in pieces)", _int(0)),
     Variable("AXONDIST_MPI_SHARED_BUFFERS", "mpi_shared_buffers", True,
-             "MPI, two ranks on one host: DDP's buckets in memory both ranks map, each rank "
-             "averaging its half in place (`0`: ordinary memory, summed through MPI)", _flag),
+             "MPI, two ranks on one host: DDP's buckets and FSDP's gradient packing in memory "
+             "both ranks map, each rank combining its half in place (`0`: ordinary memory, "
+             "through MPI)", _flag),
     Variable("AXONDIST_MPI_HOST_STAGING", "mpi_host_staging", "auto",
              "MPI with CuPy arrays: `auto` (through host memory when the MPI library is not "
              "CUDA-aware), `always` or `never`", _choice("auto", "always", "never")),
@@ -224,7 +225,8 @@ class Settings(NamedTuple):
     mpi_chunk_bytes: int | None = None
     """``AXONDIST_MPI_CHUNK_BYTES``: bytes per piece of a big MPI all-reduce."""
     mpi_shared_buffers: bool = True
-    """``AXONDIST_MPI_SHARED_BUFFERS``: a pair of ranks on one host shares DDP's buckets."""
+    """``AXONDIST_MPI_SHARED_BUFFERS``: a pair of ranks on one host shares DDP's buckets
+    and FSDP's gradient packing."""
     mpi_host_staging: str = "auto"
     """``AXONDIST_MPI_HOST_STAGING``: ``auto``, ``always`` or ``never``."""
     diagnostics: str = "auto"

@@ -76,8 +76,9 @@ class MPIOptions:
 
     shared_buffers: bool = True
     """A group of two ranks of one host hands out buffers both ranks map
-    (``MPIBackend.shared_buffer``: DDP's buckets), summed in place with no MPI transfer,
-    where the host allows it. Env: ``AXONDIST_MPI_SHARED_BUFFERS``."""
+    (``MPIBackend.shared_buffer``: DDP's buckets, FSDP's gradient packing), summed or
+    reduce-scattered with no MPI transfer, where the host allows it. Env:
+    ``AXONDIST_MPI_SHARED_BUFFERS``."""
 
     debug: bool = False
     """Compare every collective's full arguments across ranks (a pickled all-gather per
