@@ -3,8 +3,8 @@ and the dtype, on the mock world, under ``mpiexec -n 2/3`` and under ``torchrun
 --nproc-per-node 2/3`` (the torch backend): when every rank has one
 (each refuses it before communicating) and when only the last rank has one (the others,
 waiting in the step's all-reduce, are ended by that rank's failure, not by a hang). A rank
-that leaves before the sync is named by the others, also where the bucket lies in memory
-both ranks map (``mpiexec -n 2``).
+that leaves before DDP's or FSDP's gradient sync is named by the others, also where the
+bucket or the packed gradients lie in memory both ranks map (``mpiexec -n 2``).
 Each run is a subprocess under its own timeout with ``AXONDIST_TIMEOUT=10``.
 """
 
@@ -29,10 +29,12 @@ EXPECT = {
                              r"gradient of parameter 1 \(w1\) has dtype object; a gradient must "
                              r"be an array of real numbers"),
 }
-#: A rank leaving before DDP's sync: the others' text.
+#: A rank leaving before DDP's or FSDP's sync: the others' text.
 LEAVING = {"last_rank_leaves_before_the_sync": (r"all_reduce #3 on world .*rank \d .*left after "
                                                 r"broadcast #2 on world \(dtype=float32, "
-                                                r"shape=\[262144\], root=0\)")}
+                                                r"shape=\[262144\], root=0\)"),
+           "last_rank_leaves_before_fsdps_sync": (r"reduce_scatter #4 on world .*rank \d .*left "
+                                                  r"after (wait )?all_gather #3 on world")}
 RUNS = [(case, mode, n) for case in (*EXPECT, *LEAVING) for mode in ("mock", "mpi", "torch")
         for n in (2, 3)]
 
@@ -72,4 +74,4 @@ def test_a_rank_leaving_before_the_sync_is_named_by_the_others(case: str, mode: 
                                                                n: int) -> None:
     output = _failed_naming(case, mode, n, LEAVING[case])
     if (mode, n) == ("mpi", 2):
-        assert "memory=shared" in output, output[-3000:]  # the bucket was summed in place
+        assert "memory=shared" in output, output[-3000:]  # the shared call was the one waiting

@@ -1,4 +1,5 @@
-"""DDP gradients that cannot be averaged, each a small per-rank program: ``python
+"""DDP gradients that cannot be averaged, and a rank leaving before DDP's or FSDP's gradient
+sync, each a small per-rank program: ``python
 ddp_cases.py CASE mock N`` runs it on an N-rank mock world, ``mpiexec -n N python
 ddp_cases.py CASE mpi`` on MPI (see ``fault_cases.main``).
 """
@@ -53,8 +54,25 @@ def last_rank_leaves_before_the_sync(world: ad.World) -> None:
     ddp.backward(lambda arrays: (0.0, [np.ones((512, 512), np.float32)]))
 
 
+def last_rank_leaves_before_fsdps_sync(world: ad.World) -> None:
+    """The last rank leaves while the others wait in FSDP's reduce-scatter of a 1 MiB unit
+    (packed in memory both ranks map under ``mpiexec -n 2``: the reduce-scatter's check and
+    its done message)."""
+    from axondist.fsdp import FSDP
+
+    params = [ad.Parameter(np.ones((512, 512), np.float32), name="w0")]
+    f = FSDP(params, world)
+    f.gather_parameters()
+    params[0].grad = np.ones((512, 512), np.float32)
+    f.reshard_parameters()
+    if world.rank == world.world_size - 1:
+        sys.exit(1)
+    f.sync_gradients()
+
+
 CASES = {f.__name__: f for f in (object_grad_every_rank, object_grad_one_rank,
-                                 last_rank_leaves_before_the_sync)}
+                                 last_rank_leaves_before_the_sync,
+                                 last_rank_leaves_before_fsdps_sync)}
 
 if __name__ == "__main__":
     main(CASES)
