@@ -167,12 +167,15 @@ def test_a_strided_out_is_refused_before_any_exchange(give_sizes):
 
 
 def _body_blocks_on_both_sides_of_the_pair_limit(world: ad.World) -> None:
-    from axondist.backends.mpi.choose import PAIR_GATHER_MAX_BYTES
+    from axondist.backends.mpi.choose import EXCHANGE_RIDE_MAX_BYTES, PAIR_GATHER_MAX_BYTES
 
     n, me = world.world_size, world.rank
     small, big = PAIR_GATHER_MAX_BYTES // 8, PAIR_GATHER_MAX_BYTES // 8 * 3  # float64 rows
+    tiny = EXCHANGE_RIDE_MAX_BYTES // 8  # rides in the check's message with sizes
     for sizes in ([small] + [big] * (n - 1), [big] * (n - 1) + [small], [0] + [big] * (n - 1),
-                  [big] * n, [big + 1] + [big] * (n - 1), [0] * n, [small] * n):
+                  [big] * n, [big + 1] + [big] * (n - 1), [0] * n, [small] * n,
+                  [tiny] + [small] * (n - 1), [big] * (n - 1) + [tiny], [tiny + 1] * n,
+                  [tiny] + [tiny - 1] * (n - 1), [0] + [tiny] * (n - 1)):
         x = np.full(sizes[me], me + 0.5)
         want = np.repeat(np.arange(n) + 0.5, sizes)
         np.testing.assert_array_equal(ad.all_gather(x, sizes=sizes), want)
@@ -192,7 +195,7 @@ def _body_wrong_out_on_one_rank(world: ad.World) -> None:
     from axondist.backends.mpi.choose import PAIR_GATHER_MAX_BYTES
 
     big = PAIR_GATHER_MAX_BYTES // 8 + 5
-    for rows in ((3, 4), (big, 2), (2, big), (big, big + 1)):
+    for rows in ((3, 4), (big, 2), (2, big), (big, big + 1), (3000, 2)):
         x = np.full((rows[world.rank], 2), float(world.rank))
         want = np.concatenate([np.full((r, 2), float(k)) for k, r in enumerate(rows)])
         if world.rank == 0:  # a wrong out here, none on rank 1
