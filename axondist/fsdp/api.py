@@ -419,8 +419,9 @@ class FullyShardedDataParallel(GradientSync):
             sharding_strategy=self.sharding_strategy, param_bytes_per_rank=held.params,
             grad_bytes_per_rank=held.grads, optim_bytes_per_rank=held.optim,
             padding_bytes_per_rank=held.padding, host_bytes_per_rank=held.host,
-            no_shard_bytes_per_rank=reference, buffer_bytes_per_rank=held.buffers,
-            measured=measured)
+            no_shard_bytes_per_rank=reference, measured=measured,
+            # made with the wrapper, so the estimate knows them as the measure does
+            buffer_bytes_per_rank=sum(int(buf.nbytes) for buf in self._packs.values()))
 
     def memory_estimate(self, optimizer: Any = None) -> FSDPMemoryStats:
         """The exact per-rank bytes held right after ``backward`` and ``optimizer.step()``.
@@ -439,8 +440,6 @@ class FullyShardedDataParallel(GradientSync):
         flats = [st.flat for st in self._units]
         held, reference = estimated_footprint(flats, [self._compute_dtype(f) for f in flats],
                                               self.shard_rank, self.spec, model, self.cpu_offload)
-        for buf in self._packs.values():  # made with the wrapper, so known ahead
-            held.add("buffers", buf.nbytes)
         return self._stats(held, reference, measured=False)
 
     def memory_stats(self, optimizer: Any = None) -> FSDPMemoryStats:
@@ -471,8 +470,6 @@ class FullyShardedDataParallel(GradientSync):
         held, reference = measured_footprint(
             self._units, self._params, [self._compute_dtype(st.flat) for st in self._units],
             self.shard_rank, self.cpu_offload, None if opt is None else opt.state, unit_of)
-        for buf in self._packs.values():
-            held.add("buffers", buf.nbytes)
         return self._stats(held, reference, measured=True)
 
     # --- state dicts and checkpoints (the work is in state_dict.py) -------------------------

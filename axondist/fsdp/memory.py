@@ -206,7 +206,6 @@ class Footprint:
     optim: int = 0
     padding: int = 0
     host: int = 0
-    buffers: int = 0
 
     def add(self, component: str, nbytes: int, padding: int = 0, host: bool = False) -> None:
         """Count ``nbytes`` (of which ``padding`` are padding) under ``component``."""

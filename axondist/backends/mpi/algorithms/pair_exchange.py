@@ -254,21 +254,18 @@ class PairUnsizedAllGatherPlan(PairRun, UnsizedAllGatherPlan):
                      ahead: Any) -> None:
         """Both blocks into ``out`` (``rows``: the ranks' rows; ``early``: this rank's block
         left ahead, ``ahead`` its request; ``told``: the other rank's header)."""
-        comm, peer = self._private, self._peer
-        mine, theirs = (r * self._row_size for r in (rows[self._b.rank],
-                                                     rows[1 - self._b.rank]))
+        comm, peer, rank = self._private, self._peer, self._b.rank
+        counts = [r * self._row_size for r in rows]
+        mine, theirs = counts[rank], counts[1 - rank]
         if not early and told >= 0 and mine > 0 and theirs > 0:  # two large blocks: MPI's
-            counts = [r * self._row_size for r in rows]
             s, r = self._spec(send), self._spec(out)
-            if counts[0] == counts[1]:
+            if mine == theirs:
                 self._comm.Allgather(s, r)
             else:
                 self._comm.Allgatherv(s, [r[0], counts, displacements(counts), r[1]])
             return
         flat = out.reshape(-1)
-        split = rows[0] * self._row_size
-        here, there = ((slice(0, split), slice(split, None)) if self._b.rank == 0
-                       else (slice(split, None), slice(0, split)))
+        here, there = pair_blocks(counts, rank)
         if ahead is None and mine > 0:
             ahead = comm.Isend(self._spec(send), peer, AHEAD_TAG)
         if theirs > 0:
