@@ -137,6 +137,10 @@ BEHAVIOURS: tuple[Behaviour, ...] = (
     Behaviour("FSDP packs gradients in shared memory where it can, counted, freed with it",
               _world("test_shared_buckets.py", "test_fsdp_packs_gradients_in_shared_memory_"
                      "where_it_can_counted_and_freed"), PAIRS, why_not=_NO_SHARING_AT_THREE),
+    Behaviour("FSDP's shared packing takes torch and JAX gradients as NumPy ones",
+              _world("test_shared_buckets.py",
+                     "test_fsdp_packs_torch_and_jax_gradients_as_numpy_ones"), PAIRS,
+              why_not=_NO_SHARING_AT_THREE),
     Behaviour("DDP's buckets shared where the group can, freed with it",
               _world("test_shared_buckets.py", "test_ddp_buckets_are_shared_where_the_group_"
                      "shares_memory_and_freed_with_it"), PAIRS, why_not=_NO_SHARING_AT_THREE),

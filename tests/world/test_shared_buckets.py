@@ -202,6 +202,46 @@ def test_fsdp_packs_gradients_in_shared_memory_where_it_can_counted_and_freed(n)
     run_world(_fsdp_packs, n)
 
 
+def _to_framework(values: np.ndarray, framework: str):
+    if framework == "torch":
+        import torch
+        return torch.from_numpy(values.copy())
+    if framework == "jax":
+        import jax.numpy as jnp
+        return jnp.asarray(values)
+    return values
+
+
+def _fsdp_framework_grads(world, framework):
+    """One unit large enough for the shared reduce-scatter, its gradient set as a torch
+    tensor or a JAX array: the shard gradient is the NumPy gradient's, bit for bit."""
+    got = []
+    for kind in ("numpy", framework):
+        params = [ad.Parameter(np.zeros((400, 200), np.float32), "w")]
+        f = FSDP(params, world)
+        assert bool(f._packs) == _shares(world)
+        f.gather_parameters()
+        grad = np.random.default_rng([7, world.rank]).standard_normal((400, 200))
+        params[0].grad = _to_framework(grad.astype(np.float32), kind)
+        f.reshard_parameters()
+        f.sync_gradients()
+        got.append(np.array(f._units[0].shard.grad))
+        f.close()
+    np.testing.assert_array_equal(got[1], got[0])
+    every = [np.random.default_rng([7, r]).standard_normal((400, 200)).astype(np.float32)
+             for r in range(world.world_size)]
+    full = (sum(g.astype(np.float64) for g in every) / world.world_size).reshape(-1)
+    shard = got[0]
+    valid = full[world.rank * shard.size:][:shard.size]  # this rank's shard, padding cut
+    np.testing.assert_allclose(shard[:valid.size], valid, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("framework", ["torch", "jax"])
+def test_fsdp_packs_torch_and_jax_gradients_as_numpy_ones(framework):
+    pytest.importorskip(framework)
+    run_world(_fsdp_framework_grads, current_size(2), framework)
+
+
 def _ddp_buckets(world, steps):
     rng = np.random.default_rng(0)  # the same initial values on every rank
     params = [ad.Parameter(rng.standard_normal(shape).astype(np.float32))
