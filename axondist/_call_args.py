@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from . import _array, _jax_traced
 from ._frameworks import JAX, framework_of
 from .backends.base import Backend
@@ -37,6 +39,8 @@ def one_array(x: Any, where: str, *, in_place: bool = False) -> Any:
     Raises:
         InvalidBufferError: ``x`` is such a container; the message says what to call.
     """
+    if type(x) is np.ndarray:  # the common case, kept cheap
+        return x
     if isinstance(x, (list, tuple, dict)):
         items = list(x.values()) if isinstance(x, dict) else list(x)
         arrays = sum(not isinstance(item, (bool, int, float, complex)) for item in items)

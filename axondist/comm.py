@@ -250,7 +250,7 @@ def all_gather(x: Any, group: ProcessGroup | None = None, *, sizes: Sequence[int
             return in_callers_framework(all_gather, x, group, sizes=sizes, out=out,
                                         async_op=async_op)
     x = _as_rows(_array.contiguous(one_array(x, "all_gather")))
-    counts = None if sizes is None else tuple(int(s) for s in sizes)
+    counts = None if sizes is None else tuple(map(int, sizes))
     key = CallKey.of("all_gather", x, counts=counts, async_op=async_op)
     return group_backend(group, "all_gather").plan(key).run(x, out)
 

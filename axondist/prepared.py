@@ -83,7 +83,7 @@ def prepare(collective: str, x: Any, *, op: ReduceOp | str | None = None,
                          async_op=async_op)
     elif collective == "all_gather" and sizes is not None:
         rows = x.reshape(1) if x.ndim == 0 else x
-        key = CallKey.of("all_gather", rows, counts=tuple(int(s) for s in sizes),
+        key = CallKey.of("all_gather", rows, counts=tuple(map(int, sizes)),
                          async_op=async_op)
     else:
         raise ValueError(f"prepare: collective={collective!r} cannot be prepared; use "

@@ -34,6 +34,13 @@ Rows (raw mpi4py on ``COMM_WORLD``, with the buffers axondist gets):
 gloo (``all_reduce``, ``broadcast``, ``all_gather``) is skipped, and named as
 not measured, when torch is not importable.
 
+Column ``protocol`` (two ranks; reduce-scatter, all-gather with sizes and broadcast, at
+the sizes where the table picks a two-rank ride or exchange): the messages that call's
+plan exchanges, sent by plain mpi4py on a communicator of their own (``_pair_protocols``).
+It is the floor of a checked call on this host, so ``axondist/protocol`` is what the
+library itself adds (finding the plan, numbering and recording the call, checking its
+buffers) and ``protocol/mpi4py`` what the check's messages cost against MPI's own call.
+
 Targets: every ``axondist/mpi4py`` (and ``no sizes/mpi4py``) ratio <= 1.05
 from 1 MiB and within max(1.5x, +3 us) below; ``all_reduce_mean`` <= 1.05x
 the raw SUM from 1 MiB; ``scaled_sum`` <= 1.05x ``sum+divide`` from 1 MiB;
@@ -64,6 +71,7 @@ from _common import (  # noqa: E402
     start_gloo,
     write_json,
 )
+from _pair_protocols import floor_of, key_of  # noqa: E402
 
 import axondist as ad  # noqa: E402
 from axondist.process_group import current_world  # noqa: E402
@@ -80,15 +88,20 @@ RATIOS: dict[str, list[tuple[str, str]]] = {
     "all_reduce_mean": [("axondist", "mpi4py"), ("axondist", "sum+divide"),
                         ("MPI plan", "mpi4py"), ("axondist", "MPI plan")],
     "scaled_sum": [("axondist", "mpi4py"), ("axondist", "sum+divide")],
-    "reduce_scatter": [("axondist", "mpi4py"), ("prepared", "mpi4py")],
-    "all_gather": [("axondist", "mpi4py"), ("no sizes", "mpi4py"), ("gloo", "axondist")],
-    "broadcast": [("axondist", "mpi4py"), ("gloo", "axondist")],
+    "reduce_scatter": [("axondist", "mpi4py"), ("prepared", "mpi4py"),
+                       ("protocol", "mpi4py"), ("axondist", "protocol")],
+    "all_gather": [("axondist", "mpi4py"), ("no sizes", "mpi4py"), ("gloo", "axondist"),
+                   ("protocol", "mpi4py"), ("axondist", "protocol")],
+    "broadcast": [("axondist", "mpi4py"), ("gloo", "axondist"), ("protocol", "mpi4py"),
+                  ("axondist", "protocol")],
     "all_to_all": [("axondist", "mpi4py"), ("axondist", "Alltoallv"), ("Alltoallv", "mpi4py")],
 }
 
 
-def _variants(op: str, nbytes: int, comm: Any, mpi: Any,
-              dist: Any) -> dict[str, Callable[[], Any]]:
+def _variants(op: str, nbytes: int, comm: Any, mpi: Any, dist: Any,
+              pair: Any = None) -> tuple[dict[str, Callable[[], Any]], Callable[[], None]]:
+    """The timed variants of ``op`` at ``nbytes``, and what frees what they hold (``pair``:
+    a two-rank communicator of the benchmark's own, for the ``protocol`` column)."""
     n = comm.size
     buf = np.zeros(nbytes // 4, np.float32)  # zeros: repeated sums stay finite
     backend: Any = current_world().backend
@@ -99,6 +112,7 @@ def _variants(op: str, nbytes: int, comm: Any, mpi: Any,
         np.divide(buf, n, out=buf)
 
     fns: dict[str, Callable[[], Any]] = {}
+    result: np.ndarray | None = None  # a reduce-scatter's block, an all-gather's output
     if op == "all_reduce":
         prepared_sum = ad.prepare("all_reduce", buf)
         fns["axondist"] = lambda: ad.all_reduce(buf)
@@ -116,13 +130,13 @@ def _variants(op: str, nbytes: int, comm: Any, mpi: Any,
         fns["sum+divide"] = sum_divide
     elif op == "reduce_scatter":
         buf = np.zeros(max(n, nbytes // 4 // n * n), np.float32)  # splits evenly
-        mine = np.zeros(buf.size // n, np.float32)
+        mine = result = np.zeros(buf.size // n, np.float32)
         prepared_block = ad.prepare("reduce_scatter", buf)
         fns["axondist"] = lambda: ad.reduce_scatter(buf, out=mine)
         fns["mpi4py"] = lambda: comm.Reduce_scatter_block(buf, mine, mpi.SUM)
         fns["prepared"] = lambda: prepared_block(buf, mine)
     elif op == "all_gather":
-        out = np.zeros(buf.size * n, np.float32)
+        out = result = np.zeros(buf.size * n, np.float32)
         sizes = [buf.size] * n
         fns["axondist"] = lambda: ad.all_gather(buf, sizes=sizes, out=out)
         fns["mpi4py"] = lambda: comm.Allgather(buf, out)
@@ -141,7 +155,13 @@ def _variants(op: str, nbytes: int, comm: Any, mpi: Any,
         fns["mpi4py"] = lambda: comm.Bcast(buf, 0)
     if dist is not None and op in ("all_reduce", "broadcast", "all_gather"):
         fns["gloo"] = _gloo(op, dist, buf, n)
-    return fns
+    free: Callable[[], None] = lambda: None  # noqa: E731
+    if pair is not None and op in ("reduce_scatter", "all_gather", "broadcast"):
+        found = floor_of(op, key_of(op, buf, buf.size), backend.layout, pair, mpi, buf,
+                         result)
+        if found is not None:
+            fns["protocol"], free = found
+    return fns, free
 
 
 def _plain_mean_plan(backend: Any, buf: np.ndarray) -> Any:
@@ -181,12 +201,14 @@ def run(sizes: list[int], repeats: int, use_torch: bool,
         "checks": bool(backend.options.checks), "ops": {},
         "missing_peers": (missing_peers({"torch.distributed (gloo)": "torch"}) if use_torch
                           else {"torch.distributed (gloo)": "skipped (--no-torch)"})}
+    pair = comm.Dup() if comm.size == 2 else None  # the protocol column's own messages
     for op in ops:
         rows = results["ops"][op] = []
         for nbytes in sizes:
-            fns = _variants(op, nbytes, comm, MPI, dist)
+            fns, free = _variants(op, nbytes, comm, MPI, dist, pair)
             times = alternate(fns, batch=batch_for(nbytes, 32 << 20, hi=500), repeats=repeats,
                               comm=comm)  # each batch: the slowest rank's time
+            free()
             row: dict[str, Any] = {"bytes": nbytes}
             row.update({f"{k}_us": spread(v, 1e6) for k, v in times.items()})
             for num, den in RATIOS[op]:
@@ -194,6 +216,8 @@ def run(sizes: list[int], repeats: int, use_torch: bool,
                     row[f"{num}/{den}"] = ratio_spread(times[num], times[den])
             row["meets_target"] = meets_target(op, row)
             rows.append(row)
+    if pair is not None:
+        pair.Free()
     if dist is not None:
         dist.destroy_process_group()
     return results
@@ -226,11 +250,13 @@ def report(results: dict[str, Any]) -> str:
            f"us per call, median (min-max) over {results['repeats']} timed batches (the "
            "slowest rank's); ratios paired by batch"]
     for op, rows in results["ops"].items():
-        names = [k[:-3] for k in rows[0] if k.endswith("_us")]
-        ratios = [f"{a}/{b}" for a, b in RATIOS[op] if f"{a}/{b}" in rows[0]]
+        keys = list(dict.fromkeys(k for r in rows for k in r))  # a column some rows lack
+        names = [k[:-3] for k in keys if k.endswith("_us")]
+        ratios = [f"{a}/{b}" for a, b in RATIOS[op] if f"{a}/{b}" in keys]
         header = ["size", *names, *ratios, "target"]
-        table = [[format_size(r["bytes"]), *(format_spread(r[f"{k}_us"]) for k in names),
-                  *(format_spread(r[k]) for k in ratios),
+        table = [[format_size(r["bytes"]),
+                  *(format_spread(r[k]) if k in r else "-"
+                    for k in [f"{name}_us" for name in names] + ratios),
                   "met" if r["meets_target"] else "MISSED"] for r in rows]
         out += ["", op, format_table(header, table)]
     out += [f"not measured: {peer} ({why})" for peer, why in results["missing_peers"].items()]
