@@ -20,11 +20,12 @@ from typing import Any
 import numpy as np
 
 from axondist.backends.mpi.choose import Algorithm, choose
+from axondist.backends.mpi.guard import AHEAD_TAG, HEADER, PAIR_TAG
 from axondist.backends.plan import CallKey
 from axondist.ops import ReduceOp
 
-HEADER_WORDS = 3  # the plans' header: the call's hash, a disagreement flag, the size word
-PAIR_TAG, AHEAD_TAG = 1, 2
+#: The plans' header in int64 words: the call's hash, a disagreement flag, the size word.
+HEADER_WORDS = HEADER // 8
 
 
 class _Swap:
@@ -94,14 +95,12 @@ def _protocol(op: str, algorithm: Algorithm, comm: Any, mpi: Any, send: np.ndarr
                 swap.run()
                 np.add(send[mine], incoming, out=out)
             return reduce_scatter, swap
-        landing = np.empty_like(out)
-
-        def reduce_scatter_ahead() -> None:
+        def reduce_scatter_ahead() -> None:  # received into the result, as the plan does
             ahead = comm.Isend(send[theirs], peer, AHEAD_TAG)
             swap.run()
-            comm.Recv(landing, peer, AHEAD_TAG)
+            comm.Recv(out, peer, AHEAD_TAG)
             ahead.Wait()
-            np.add(send[mine], landing, out=out)
+            np.add(send[mine], out, out=out)
         return reduce_scatter_ahead, swap
     if op == "all_gather":
         assert out is not None

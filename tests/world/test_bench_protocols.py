@@ -32,13 +32,18 @@ pytestmark = pytest.mark.skipif(not UNDER_MPI or mpi_world().world_size != 2,
 _BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
-def _protocols():
+def _load_protocols():
     spec = importlib.util.spec_from_file_location("bench_pair_protocols",
                                                   _BENCH / "_pair_protocols.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.fixture(scope="module")
+def protocols():
+    return _load_protocols()
 
 
 @pytest.fixture(scope="module")
@@ -59,9 +64,8 @@ LIMITS = [EXCHANGE_RIDE_MAX_BYTES, PAIR_BROADCAST_MAX_BYTES, PAIR_GATHER_MAX_BYT
 @example(op="reduce_scatter", limit=2 * EXCHANGE_RIDE_MAX_BYTES, offset=1, seed=0)
 @example(op="all_gather", limit=EXCHANGE_RIDE_MAX_BYTES, offset=1, seed=0)
 @example(op="broadcast", limit=PAIR_BROADCAST_MAX_BYTES, offset=1, seed=0)
-def test_each_floor_gives_the_calls_values(pair, op, limit, offset, seed):
+def test_each_floor_gives_the_calls_values(pair, protocols, op, limit, offset, seed):
     comm, mpi = pair
-    protocols = _protocols()
     world = mpi_world()
     rank = world.rank
     count = max(2, limit // 4 + 2 * offset)  # float32 values, even: blocks split evenly
